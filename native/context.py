@@ -1,0 +1,211 @@
+"""A llama.cpp context: decode, abort, logits, KV memory and sequence state.
+
+:class:`Context` owns one ``llama_context`` and the batch it decodes with.  It is not
+thread-safe (llama.cpp's decode is not): one engine thread owns it.  The only method
+other threads may call is :meth:`request_abort`, which sets a flag that llama.cpp's
+abort callback reads between graph nodes on the CPU backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from native.errors import ContextError, DecodeError, StateError
+from native.library import bindings
+from native.model import Model
+
+#: llama_decode return values (llama.h)
+DECODE_OK = 0
+DECODE_NO_SLOT = 1
+DECODE_ABORTED = 2
+
+#: ggml_type ids for the KV cache types users may pick
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """Everything that shapes the KV cache, and so decides whether a state fits.
+
+    Flash attention is off by default: with it on, restoring a sliding-window model's
+    state is not bit-exact (FIELD_NOTES), and the determinism contract comes first.
+    """
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_threads: int = 0          # 0: every physical core llama.cpp finds
+    flash_attn: bool = False
+    type_k: int = KV_TYPES["f16"]
+    type_v: int = KV_TYPES["f16"]
+    n_seq_max: int = 1
+    kv_unified: bool = True
+
+
+class Context:
+    """One llama context with its decode batch."""
+
+    def __init__(self, model: Model, settings: ContextSettings) -> None:
+        ll = self._ll = bindings()
+        self.model = model
+        self.settings = settings
+        params = ll.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
+        params.n_seq_max = settings.n_seq_max
+        threads = settings.n_threads or _physical_cores()
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.flash_attn_type = 1 if settings.flash_attn else 0
+        params.type_k = settings.type_k
+        params.type_v = settings.type_v
+        params.kv_unified = settings.kv_unified
+        params.no_perf = True
+        self._abort = threading.Event()
+        # bool (*ggml_abort_callback)(void * data): kept referenced for the context's life
+        self._abort_cb = ll.ggml_abort_callback(lambda _data: self._abort.is_set())
+        params.abort_callback = self._abort_cb
+        # llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params)
+        self._ptr = ll.llama_init_from_model(model.ptr, params)
+        if not self._ptr:
+            raise ContextError(
+                f"llama.cpp could not create a context of {settings.n_ctx} tokens "
+                "(not enough memory, or unsupported settings)")
+        self.n_ctx = ll.llama_n_ctx(self._ptr)
+        self.n_threads = threads
+        self._mem = ll.llama_get_memory(self._ptr)
+        self._batch = ll.llama_batch_init(settings.n_batch, 0, 1)
+        self._batch_owned = True
+        b = self._batch
+        n = settings.n_batch
+        self._b_token = np.ctypeslib.as_array(b.token, shape=(n,))
+        self._b_pos = np.ctypeslib.as_array(b.pos, shape=(n,))
+        self._b_nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(n,))
+        self._b_logits = np.ctypeslib.as_array(b.logits, shape=(n,))
+        self._b_seq0 = [b.seq_id[i] for i in range(n)]
+        for i in range(n):
+            self._b_seq0[i][0] = 0
+        self._b_nseq[:] = 1
+        self.n_vocab = model.shape.n_vocab
+
+    # -- ownership -------------------------------------------------------------------
+    @property
+    def ptr(self):
+        if not self._ptr:
+            raise ContextError("the context was closed")
+        return self._ptr
+
+    def close(self) -> None:
+        if getattr(self, "_batch_owned", False):
+            self._batch_owned = False
+            self._ll.llama_batch_free(self._batch)
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr:
+            self._ll.llama_free(ptr)
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- abort -----------------------------------------------------------------------
+    def request_abort(self) -> None:
+        """Ask a running decode to stop at its next check (any thread may call this)."""
+        self._abort.set()
+
+    def clear_abort(self) -> None:
+        self._abort.clear()
+
+    @property
+    def abort_requested(self) -> bool:
+        return self._abort.is_set()
+
+    # -- decode ----------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, logits_last: bool = True) -> int:
+        """Decode ``tokens`` at positions ``pos0...`` in sequence 0.
+
+        Returns DECODE_OK, or DECODE_ABORTED when an abort was requested (the ubatches
+        already processed stay in memory: read :meth:`pos_max`).  Raises on failure.
+        """
+        n = len(tokens)
+        if n == 0 or n > self.settings.n_batch:
+            raise DecodeError(f"cannot decode {n} tokens at once (batch holds {self.settings.n_batch})")
+        b = self._batch
+        b.n_tokens = n
+        self._b_token[:n] = tokens
+        self._b_pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self._b_logits[:n] = 0
+        if logits_last:
+            self._b_logits[n - 1] = 1
+        # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
+        rc = self._ll.llama_decode(self.ptr, b)
+        if rc == DECODE_OK or rc == DECODE_ABORTED:
+            return rc
+        if rc == DECODE_NO_SLOT:
+            raise DecodeError("no room left in the KV cache for this batch")
+        raise DecodeError(f"llama_decode failed with code {rc}")
+
+    def logits_last(self) -> np.ndarray:
+        """The last decoded position's logits, as a view valid until the next decode."""
+        # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i)
+        ptr = self._ll.llama_get_logits_ith(self.ptr, -1)
+        if not ptr:
+            raise DecodeError("no logits available for the last position")
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    # -- KV memory ---------------------------------------------------------------------
+    def pos_max(self, seq: int = 0) -> int:
+        """Highest position held for ``seq`` (-1 when empty)."""
+        return int(self._ll.llama_memory_seq_pos_max(self._mem, seq))
+
+    def pos_min(self, seq: int = 0) -> int:
+        return int(self._ll.llama_memory_seq_pos_min(self._mem, seq))
+
+    def clear(self) -> None:
+        self._ll.llama_memory_clear(self._mem, True)
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of ``seq``; False when the memory cannot (SWA, recurrent)."""
+        return bool(self._ll.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self._ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    # -- sequence state ------------------------------------------------------------------
+    def state_size(self, seq: int = 0) -> int:
+        # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id)
+        return int(self._ll.llama_state_seq_get_size(self.ptr, seq))
+
+    def state_get_into(self, buffer, size: int, seq: int = 0) -> int:
+        """Copy ``seq``'s state into ``buffer`` (any writable ctypes-compatible buffer)."""
+        dst = (ctypes.c_uint8 * size).from_buffer(buffer)
+        # size_t llama_state_seq_get_data(ctx, uint8_t * dst, size_t size, llama_seq_id seq_id)
+        written = int(self._ll.llama_state_seq_get_data(self.ptr, dst, size, seq))
+        if written == 0:
+            raise StateError("llama.cpp could not write the sequence state")
+        return written
+
+    def state_set_from(self, buffer, size: int, seq: int = 0) -> int:
+        """Load ``seq``'s state from ``buffer``; on failure the sequence may be cleared."""
+        src = (ctypes.c_uint8 * size).from_buffer(buffer)
+        # size_t llama_state_seq_set_data(ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id)
+        read = int(self._ll.llama_state_seq_set_data(self.ptr, src, size, seq))
+        if read == 0:
+            raise StateError("llama.cpp refused the sequence state")
+        return read
+
+
+def _physical_cores() -> int:
+    import os
+    count = os.cpu_count() or 2
+    # llama.cpp's own default is "physical cores"; hyper-threads slow decoding down.
+    return max(1, count // 2) if count >= 8 else count

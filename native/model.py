@@ -1,0 +1,223 @@
+"""A loaded GGUF model: its shape, vocabulary, chat template and tokenizer.
+
+:class:`Model` owns one ``llama_model`` and frees it exactly once (on :meth:`close`,
+on leaving a ``with`` block, or when garbage-collected).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from native.errors import ModelLoadError
+from native.library import bindings
+
+log = logging.getLogger("native")
+
+#: Called with a fraction in [0, 1] while the weights load; return False to cancel.
+ProgressCallback = Callable[[float], bool]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide whether a KV state fits this model."""
+    n_vocab: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_ctx_train: int
+    n_swa: int
+
+
+class Model:
+    """One loaded llama.cpp model."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
+                 progress: ProgressCallback | None = None) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ModelLoadError(f"not a GGUF model file: {self.path}")
+        ll = self._ll = bindings()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self._progress_cb = None  # referenced while llama.cpp may call it
+        if progress is not None:
+            def on_progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+                try:
+                    return bool(progress(fraction))
+                except Exception:
+                    log.exception("model load progress callback failed")
+                    return True
+            self._progress_cb = ll.llama_progress_callback(on_progress)
+            params.progress_callback = self._progress_cb
+        # llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params)
+        self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path) if os.name != "nt"
+                                                  else str(self.path).encode("utf-8"), params)
+        if not self._ptr:
+            raise ModelLoadError(f"llama.cpp could not load the model {self.path} "
+                                 "(unsupported architecture, damaged file, or cancelled)")
+        self._vocab = ll.llama_model_get_vocab(self._ptr)
+        self.shape = self._read_shape()
+        self.n_gpu_layers = n_gpu_layers
+        self._piece_cache: dict[int, bytes] = {}
+
+    # -- ownership -------------------------------------------------------------------
+    @property
+    def ptr(self):
+        if not self._ptr:
+            raise ModelLoadError("the model was closed")
+        return self._ptr
+
+    def close(self) -> None:
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr:
+            # void llama_model_free(struct llama_model * model)
+            self._ll.llama_model_free(ptr)
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- shape and metadata ------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None when absent."""
+        buf = ctypes.create_string_buffer(4096)
+        # int32_t llama_model_meta_val_str(const llama_model * model, const char * key, char * buf, size_t buf_size)
+        n = self._ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self._ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def _read_shape(self) -> ModelShape:
+        ll, m = self._ll, self._ptr
+        n_head = ll.llama_model_n_head(m)
+        n_embd = ll.llama_model_n_embd(m)
+        arch = self.meta("general.architecture") or ""
+        default_head = n_embd // n_head if n_head else 0
+
+        def meta_int(key: str, default: int) -> int:
+            value = self.meta(f"{arch}.{key}")
+            try:
+                return int(value) if value is not None else default
+            except ValueError:
+                return default
+
+        return ModelShape(
+            n_vocab=ll.llama_vocab_n_tokens(self._vocab),
+            n_layer=ll.llama_model_n_layer(m),
+            n_head=n_head,
+            n_head_kv=ll.llama_model_n_head_kv(m),
+            n_embd=n_embd,
+            n_embd_head_k=meta_int("attention.key_length", default_head),
+            n_embd_head_v=meta_int("attention.value_length", default_head),
+            n_ctx_train=ll.llama_model_n_ctx_train(m),
+            n_swa=ll.llama_model_n_swa(m),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.meta("general.name") or self.path.stem
+
+    @property
+    def architecture(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    @property
+    def size_bytes(self) -> int:
+        return self.path.stat().st_size
+
+    @property
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        self._ll.llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    @property
+    def is_recurrent(self) -> bool:
+        return bool(self._ll.llama_model_is_recurrent(self.ptr))
+
+    # -- vocabulary ------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 16
+        for _ in range(2):
+            out = (ctypes.c_int32 * capacity)()
+            # int32_t llama_tokenize(vocab, text, text_len, tokens, n_tokens_max, add_special, parse_special)
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), out, capacity,
+                                        add_special, parse_special)
+            if n >= 0:
+                return list(out[:n])
+            capacity = -n
+        raise ModelLoadError("tokenization failed")
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The bytes of one token as generated text (special tokens rendered empty)."""
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            # int32_t llama_token_to_piece(vocab, token, buf, length, lstrip, special)
+            n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            piece = buf.raw[:n]
+            self._piece_cache[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._ll.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(self._ll.llama_vocab_get_add_bos(self._vocab))
+
+    # -- chat template ----------------------------------------------------------------
+    @property
+    def chat_template(self) -> str | None:
+        # const char * llama_model_chat_template(const struct llama_model * model, const char * name)
+        raw = self._ll.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    def apply_chat_template_native(self, messages: Sequence[tuple[str, str]],
+                                   add_assistant: bool) -> str | None:
+        """llama.cpp's built-in rendering of the GGUF template; None if it cannot."""
+        template = self._ll.llama_model_chat_template(self.ptr, None)
+        if not template:
+            return None
+        keep = [(r.encode("utf-8"), c.encode("utf-8")) for r, c in messages]
+        chat = (self._ll.llama_chat_message * len(keep))()
+        for i, (role, content) in enumerate(keep):
+            chat[i].role = role
+            chat[i].content = content
+        size = 1024 + 2 * sum(len(c) + len(r) for r, c in keep)
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            # int32_t llama_chat_apply_template(tmpl, chat, n_msg, add_ass, buf, length)
+            n = self._ll.llama_chat_apply_template(template, chat, len(keep), add_assistant, buf, size)
+            if n < 0:
+                return None
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = n
+        return None
