@@ -67,8 +67,10 @@ class Context:
         params.kv_unified = settings.kv_unified
         params.no_perf = True
         self._abort = threading.Event()
+        self._abortable = False  # only decodes started with abortable=True may be cut short
         # bool (*ggml_abort_callback)(void * data): kept referenced for the context's life
-        self._abort_cb = ll.ggml_abort_callback(lambda _data: self._abort.is_set())
+        self._abort_cb = ll.ggml_abort_callback(
+            lambda _data: self._abortable and self._abort.is_set())
         params.abort_callback = self._abort_cb
         # llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params)
         self._ptr = ll.llama_init_from_model(model.ptr, params)
@@ -130,11 +132,15 @@ class Context:
         return self._abort.is_set()
 
     # -- decode ----------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, logits_last: bool = True) -> int:
+    def decode(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, logits_last: bool = True,
+               abortable: bool = False) -> int:
         """Decode ``tokens`` at positions ``pos0...`` in sequence 0.
 
-        Returns DECODE_OK, or DECODE_ABORTED when an abort was requested (the ubatches
-        already processed stay in memory: read :meth:`pos_max`).  Raises on failure.
+        Returns DECODE_OK, or DECODE_ABORTED when ``abortable`` and an abort was
+        requested (the ubatches already processed stay in memory: read
+        :meth:`pos_max`).  A single-token decode is never made abortable by the engine:
+        pausing between tokens costs at most one token's time and keeps its logits.
+        Raises on failure.
         """
         n = len(tokens)
         if n == 0 or n > self.settings.n_batch:
@@ -146,8 +152,12 @@ class Context:
         self._b_logits[:n] = 0
         if logits_last:
             self._b_logits[n - 1] = 1
-        # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
-        rc = self._ll.llama_decode(self.ptr, b)
+        self._abortable = abortable
+        try:
+            # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
+            rc = self._ll.llama_decode(self.ptr, b)
+        finally:
+            self._abortable = False
         if rc == DECODE_OK or rc == DECODE_ABORTED:
             return rc
         if rc == DECODE_NO_SLOT:

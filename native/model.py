@@ -40,7 +40,7 @@ class Model:
     """One loaded llama.cpp model."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
-                 progress: ProgressCallback | None = None) -> None:
+                 progress: ProgressCallback | None = None, vocab_only: bool = False) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
@@ -50,6 +50,7 @@ class Model:
         ll = self._ll = bindings()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
         self._progress_cb = None  # referenced while llama.cpp may call it
         if progress is not None:
             def on_progress(fraction: float, _user: ctypes.c_void_p) -> bool:
@@ -167,6 +168,14 @@ class Model:
                 return list(out[:n])
             capacity = -n
         raise ModelLoadError("tokenization failed")
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """Tokens of a rendered chat prompt, with BOS added once if the model wants it."""
+        tokens = self.tokenize(text, add_special=True, parse_special=True)
+        bos = self._ll.llama_vocab_bos(self._vocab)
+        if len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
+            del tokens[0]  # the template already wrote the BOS text
+        return tokens
 
     def token_to_piece(self, token: int) -> bytes:
         """The bytes of one token as generated text (special tokens rendered empty)."""

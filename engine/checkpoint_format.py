@@ -1,0 +1,469 @@
+"""Checkpoint file format, version 1 (``.kvckpt``).
+
+A checkpoint holds one conversation's llama.cpp KV state together with everything
+needed to decide, before a single byte reaches llama.cpp, whether that state can be
+restored into the running model and context, and to continue generating exactly as an
+uninterrupted run would have.
+
+Layout
+------
+All integers are little-endian.  The file is five sections back to back, then an
+8-byte trailer; the sizes must add up to the file length exactly::
+
+    header     256 bytes (fixed; its own CRC32 in the last 4 bytes)
+    metadata   meta_len bytes of UTF-8 JSON (an object)
+    tokens     tokens_len bytes: n_tokens_total int32 token ids
+    logits     logits_len bytes: 0, or n_vocab float32 logits of the last KV position
+    state      state_len bytes: the output of llama_state_seq_get_data for sequence 0
+    trailer    uint32 CRC32 of metadata+tokens+logits+state, then b"KVE1"
+
+Header (offsets in bytes)::
+
+      0  8  magic            b"\\x89KVC\\r\\n\\x1a\\n"  (PNG-style: catches text-mode copies)
+      8  2  format_version   1
+     10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING; other bits must be 0
+     12  4  header_len       256
+     16 16  model_fingerprint  see engine.fingerprint
+     32  8  model_size       bytes of the GGUF file
+     40  4  n_vocab
+     44  4  n_layer
+     48  4  n_head_kv
+     52  4  n_embd_head_k
+     56  4  n_embd_head_v
+     60  4  n_swa            sliding window (0: none)
+     64  4  n_ctx            context size the state was made with
+     68  4  type_k           ggml_type of the K cache (int32)
+     72  4  type_v           ggml_type of the V cache (int32)
+     76  1  flash_attn       1 when flash attention was on (V not transposed)
+     77  1  kv_unified
+     78  1  kind             0 manual, 1 pause, 2 autosave, 3 exit
+     79  1  reserved         0
+     80  2  n_seq_max
+     82  2  reserved         0
+     84  4  n_tokens         tokens held in the KV state (positions 0..n_tokens-1)
+     88  4  n_tokens_total   tokens in the token array (> n_tokens while prefill is pending)
+     92  4  n_generated      tokens generated so far for the current answer
+     96  8  created_unix_ns  int64
+    104 16  conversation_id  UUID bytes
+    120  8  meta_len
+    128  8  tokens_len       == 4 * n_tokens_total
+    136  8  logits_len       == 4 * n_vocab with HAS_LOGITS, else 0
+    144  8  state_len
+    152 32  library          llama.cpp identity, UTF-8, NUL-padded
+    184 64  title            UTF-8, NUL-padded (truncated at a character boundary)
+    248  4  reserved         0
+    252  4  header_crc32     CRC32 of bytes 0..251
+
+Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
+token after a restore is not bit-exact for sliding-window models (the result depends
+on batch boundaries).  Sampling the next token from the stored logits makes a resumed
+generation identical to an uninterrupted one.
+
+Every length is capped (see ``LIMITS``) and checked against the file size before
+anything is allocated; a reader never trusts a length it has not bounded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from engine.errors import (ChecksumMismatch, CorruptHeader, CorruptMetadata, NotACheckpoint,
+                           TruncatedCheckpoint, UnsupportedVersion)
+
+MAGIC = b"\x89KVC\r\n\x1a\n"
+TRAILER_MAGIC = b"KVE1"
+FORMAT_VERSION = 1
+HEADER_LEN = 256
+TRAILER_LEN = 8
+EXTENSION = ".kvckpt"
+
+FLAG_HAS_LOGITS = 1 << 0
+FLAG_PREFILL_PENDING = 1 << 1
+KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING
+
+KIND_MANUAL, KIND_PAUSE, KIND_AUTOSAVE, KIND_EXIT = 0, 1, 2, 3
+KIND_NAMES = {KIND_MANUAL: "manual", KIND_PAUSE: "pause", KIND_AUTOSAVE: "autosave",
+              KIND_EXIT: "exit"}
+
+_HEADER = struct.Struct("<8sHHI16sQIIIIIIIiiBBBBHHIIIq16sQQQQ32s64sII")
+assert _HEADER.size == HEADER_LEN
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds a reader enforces before allocating anything."""
+    max_meta: int = 16 << 20          # 16 MiB of JSON
+    max_json_depth: int = 32
+    max_ctx: int = 1 << 22            # 4M tokens
+    max_vocab: int = 1 << 21          # 2M entries
+    max_layers: int = 1024
+    max_heads: int = 4096
+    max_head_dim: int = 4096
+
+
+LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fixed header, decoded.  Field meanings are in the module docstring."""
+    model_fingerprint: bytes
+    model_size: int
+    n_vocab: int
+    n_layer: int
+    n_head_kv: int
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_swa: int
+    n_ctx: int
+    type_k: int
+    type_v: int
+    flash_attn: bool
+    kv_unified: bool
+    n_seq_max: int
+    n_tokens: int
+    n_tokens_total: int
+    n_generated: int
+    created_unix_ns: int
+    conversation_id: uuid.UUID
+    library: str
+    title: str
+    kind: int = KIND_MANUAL
+    flags: int = 0
+    meta_len: int = 0
+    tokens_len: int = 0
+    logits_len: int = 0
+    state_len: int = 0
+    version: int = FORMAT_VERSION
+
+    @property
+    def has_logits(self) -> bool:
+        return bool(self.flags & FLAG_HAS_LOGITS)
+
+    @property
+    def prefill_pending(self) -> bool:
+        return bool(self.flags & FLAG_PREFILL_PENDING)
+
+    @property
+    def payload_len(self) -> int:
+        return self.meta_len + self.tokens_len + self.logits_len + self.state_len
+
+    @property
+    def file_len(self) -> int:
+        return HEADER_LEN + self.payload_len + TRAILER_LEN
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, "unknown")
+
+    @property
+    def state_offset(self) -> int:
+        return HEADER_LEN + self.meta_len + self.tokens_len + self.logits_len
+
+
+def _fixed_text(text: str, size: int) -> bytes:
+    data = text.encode("utf-8")[:size]
+    # never cut a multi-byte character in half
+    return data.decode("utf-8", "ignore").encode("utf-8").ljust(size, b"\0")
+
+
+def pack_header(h: Header) -> bytes:
+    body = _HEADER.pack(
+        MAGIC, h.version, h.flags, HEADER_LEN, h.model_fingerprint, h.model_size,
+        h.n_vocab, h.n_layer, h.n_head_kv, h.n_embd_head_k, h.n_embd_head_v, h.n_swa, h.n_ctx,
+        h.type_k, h.type_v, int(h.flash_attn), int(h.kv_unified), h.kind, 0, h.n_seq_max, 0,
+        h.n_tokens, h.n_tokens_total, h.n_generated, h.created_unix_ns, h.conversation_id.bytes,
+        h.meta_len, h.tokens_len, h.logits_len, h.state_len,
+        _fixed_text(h.library, 32), _fixed_text(h.title, 64), 0, 0)
+    return body[:-4] + struct.pack("<I", zlib.crc32(body[:-4]))
+
+
+def max_state_len(h: Header) -> int:
+    """The largest state llama.cpp could write for a KV cache of this shape.
+
+    Generous (f32 elements, both K and V for every layer and cell, twice over for a
+    sliding-window model's second cache) so that it only rejects absurd lengths.
+    """
+    per_cell = 16 + h.n_layer * h.n_head_kv * (h.n_embd_head_k + h.n_embd_head_v) * 4
+    per_layer = 64
+    caches = 2 if h.n_swa else 1
+    return caches * (64 + h.n_layer * per_layer + h.n_ctx * per_cell)
+
+
+def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIMITS) -> Header:
+    """Decode and validate a header; ``file_size`` adds the exact-length check."""
+    if len(raw) < 8 or raw[:8] != MAGIC:
+        raise NotACheckpoint("not a Checkpoint Chat checkpoint (wrong magic bytes)")
+    if len(raw) < 12:
+        raise TruncatedCheckpoint("the file ends inside its header")
+    version = struct.unpack_from("<H", raw, 8)[0]
+    if version != FORMAT_VERSION:
+        newer = " (written by a newer Checkpoint Chat)" if version > FORMAT_VERSION else ""
+        raise UnsupportedVersion(f"checkpoint format version {version} is not supported{newer}; "
+                                 f"this app reads version {FORMAT_VERSION}")
+    if len(raw) < HEADER_LEN:
+        raise TruncatedCheckpoint(f"the file ends inside its header ({len(raw)} of {HEADER_LEN} bytes)")
+    raw = raw[:HEADER_LEN]
+    (magic, version, flags, header_len, fingerprint, model_size, n_vocab, n_layer, n_head_kv,
+     head_k, head_v, n_swa, n_ctx, type_k, type_v, flash_attn, kv_unified, kind, reserved0,
+     n_seq_max, reserved1, n_tokens, n_tokens_total, n_generated, created, conv_id, meta_len,
+     tokens_len, logits_len, state_len, library, title, reserved2, crc) = _HEADER.unpack(raw)
+    if header_len != HEADER_LEN:
+        raise CorruptHeader(f"header length {header_len} is not {HEADER_LEN}")
+    if zlib.crc32(raw[:-4]) != crc:
+        raise CorruptHeader("header checksum mismatch: the header is damaged")
+    problems = []
+    if flags & ~KNOWN_FLAGS:
+        problems.append(f"unknown flags 0x{flags:04x}")
+    if reserved0 or reserved1 or reserved2:
+        problems.append("reserved fields are not zero")
+    if kind not in KIND_NAMES:
+        problems.append(f"unknown kind {kind}")
+    if flash_attn > 1 or kv_unified > 1:
+        problems.append("boolean fields hold other values than 0 and 1")
+    if not 0 < n_vocab <= limits.max_vocab:
+        problems.append(f"n_vocab {n_vocab} out of range")
+    if not 0 < n_layer <= limits.max_layers:
+        problems.append(f"n_layer {n_layer} out of range")
+    if not 0 < n_head_kv <= limits.max_heads:
+        problems.append(f"n_head_kv {n_head_kv} out of range")
+    if not (0 < head_k <= limits.max_head_dim and 0 < head_v <= limits.max_head_dim):
+        problems.append("head sizes out of range")
+    if not 0 < n_ctx <= limits.max_ctx:
+        problems.append(f"n_ctx {n_ctx} out of range")
+    if not 0 < n_seq_max <= 256:
+        problems.append(f"n_seq_max {n_seq_max} out of range")
+    if not n_tokens <= n_tokens_total <= n_ctx:
+        problems.append(f"token counts {n_tokens}/{n_tokens_total} do not fit n_ctx {n_ctx}")
+    if n_generated > n_tokens_total:
+        problems.append("more generated tokens than tokens")
+    if meta_len > limits.max_meta:
+        problems.append(f"metadata of {meta_len} bytes exceeds the {limits.max_meta} byte cap")
+    if tokens_len != 4 * n_tokens_total:
+        problems.append("token section length does not match n_tokens_total")
+    has_logits = bool(flags & FLAG_HAS_LOGITS)
+    if logits_len != (4 * n_vocab if has_logits else 0):
+        problems.append("logits section length does not match n_vocab")
+    if has_logits and n_tokens == 0:
+        problems.append("logits without any token")
+    if bool(flags & FLAG_PREFILL_PENDING) != (n_tokens < n_tokens_total):
+        problems.append("prefill flag disagrees with the token counts")
+    try:
+        text_library = library.rstrip(b"\0").decode("utf-8")
+        text_title = title.rstrip(b"\0").decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append("text fields are not UTF-8")
+        text_library = text_title = ""
+    if problems:
+        raise CorruptHeader("impossible header: " + "; ".join(problems))
+    header = Header(
+        model_fingerprint=fingerprint, model_size=model_size, n_vocab=n_vocab, n_layer=n_layer,
+        n_head_kv=n_head_kv, n_embd_head_k=head_k, n_embd_head_v=head_v, n_swa=n_swa,
+        n_ctx=n_ctx, type_k=type_k, type_v=type_v, flash_attn=bool(flash_attn),
+        kv_unified=bool(kv_unified), n_seq_max=n_seq_max, n_tokens=n_tokens,
+        n_tokens_total=n_tokens_total, n_generated=n_generated, created_unix_ns=created,
+        conversation_id=uuid.UUID(bytes=conv_id), library=text_library, title=text_title,
+        kind=kind, flags=flags, meta_len=meta_len, tokens_len=tokens_len,
+        logits_len=logits_len, state_len=state_len, version=version)
+    if state_len > max_state_len(header):
+        raise CorruptHeader(f"state length {state_len} is larger than any KV cache of this shape")
+    if (n_tokens > 0) != (state_len > 0):
+        raise CorruptHeader("state length disagrees with n_tokens")
+    if file_size is not None and file_size != header.file_len:
+        if file_size < header.file_len:
+            raise TruncatedCheckpoint(
+                f"the file is truncated: {file_size} bytes, the header promises {header.file_len}")
+        raise TruncatedCheckpoint(
+            f"the file has {file_size - header.file_len} unexpected bytes after its end")
+    return header
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate only the header (what a listing needs)."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_LEN)
+        size = os.fstat(f.fileno()).st_size
+    return unpack_header(raw, size)
+
+
+# -- metadata ---------------------------------------------------------------------------
+
+def encode_metadata(meta: dict[str, Any]) -> bytes:
+    data = json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if len(data) > LIMITS.max_meta:
+        raise CorruptMetadata(f"metadata of {len(data)} bytes exceeds the {LIMITS.max_meta} byte cap")
+    return data
+
+
+def _depth(value: Any, limit: int) -> int:
+    stack = [(value, 1)]
+    deepest = 0
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[str, Any]:
+    try:
+        meta = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptMetadata(f"the metadata block is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CorruptMetadata("the metadata block is nested too deeply") from None
+    if not isinstance(meta, dict):
+        raise CorruptMetadata("the metadata block is not a JSON object")
+    if _depth(meta, limits.max_json_depth) > limits.max_json_depth:
+        raise CorruptMetadata("the metadata block is nested too deeply")
+    return meta
+
+
+# -- whole files --------------------------------------------------------------------------
+
+@dataclass
+class CheckpointData:
+    """A checkpoint read into memory and verified against its checksums."""
+    header: Header
+    meta: dict[str, Any]
+    tokens: np.ndarray               # int32, n_tokens_total
+    logits: np.ndarray | None        # float32, n_vocab
+    state: bytearray                 # exactly state_len bytes
+    path: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
+                   logits: np.ndarray | None, state: memoryview | bytes | bytearray,
+                   chunk: int = 8 << 20) -> Header:
+    """Write a whole checkpoint to ``out``; returns the header as written.
+
+    The state is written in chunks from the caller's buffer while its CRC is computed,
+    so no second copy of it is made.
+    """
+    tokens_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+    logits_bytes = b"" if logits is None else np.ascontiguousarray(logits, dtype="<f4").tobytes()
+    state_view = memoryview(state).cast("B")
+    flags = (FLAG_HAS_LOGITS if logits is not None else 0) | (
+        FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0)
+    header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
+                     logits_len=len(logits_bytes), state_len=len(state_view))
+    out.write(pack_header(header))
+    crc = 0
+    for part in (meta_bytes, tokens_bytes, logits_bytes):
+        out.write(part)
+        crc = zlib.crc32(part, crc)
+    for start in range(0, len(state_view), chunk):
+        piece = state_view[start:start + chunk]
+        out.write(piece)
+        crc = zlib.crc32(piece, crc)
+    out.write(struct.pack("<I", crc) + TRAILER_MAGIC)
+    return header
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise TruncatedCheckpoint(f"the file ends inside its {what}")
+    return data
+
+
+def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
+                    limits: Limits = LIMITS, progress=None) -> CheckpointData:
+    """Read a checkpoint and verify its header, lengths and payload CRC.
+
+    Compatibility with a model is not checked here (see engine.compat); this only
+    establishes that the file is intact and well-formed.  ``progress(done, total)`` is
+    called while the state streams in.
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header = unpack_header(f.read(HEADER_LEN), size, limits)
+        meta_bytes = _read_exact(f, header.meta_len, "metadata")
+        crc = zlib.crc32(meta_bytes)
+        meta = decode_metadata(meta_bytes, limits)
+        tokens_bytes = _read_exact(f, header.tokens_len, "token array")
+        crc = zlib.crc32(tokens_bytes, crc)
+        logits_bytes = _read_exact(f, header.logits_len, "logits")
+        crc = zlib.crc32(logits_bytes, crc)
+        state = bytearray(header.state_len) if load_state else bytearray()
+        if load_state:
+            crc = _read_state_into(f, state, crc, progress)
+        else:
+            crc = _crc_of_rest(f, header.state_len, crc, progress)
+        trailer = _read_exact(f, TRAILER_LEN, "trailer")
+    stored_crc, end_magic = struct.unpack("<I4s", trailer)
+    if end_magic != TRAILER_MAGIC:
+        raise ChecksumMismatch("the trailer is damaged (end marker missing)")
+    if stored_crc != crc:
+        raise ChecksumMismatch("payload checksum mismatch: the file was damaged after it was written")
+    tokens = np.frombuffer(tokens_bytes, dtype="<i4").astype(np.int32)
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= header.n_vocab):
+        raise CorruptMetadata("the token array holds ids outside the vocabulary")
+    logits = None
+    if header.has_logits:
+        logits = np.frombuffer(logits_bytes, dtype="<f4").astype(np.float32)
+        if not np.isfinite(logits[~np.isneginf(logits)]).all():
+            raise CorruptMetadata("the stored logits hold NaN or infinite values")
+    return CheckpointData(header=header, meta=meta, tokens=tokens, logits=logits, state=state,
+                          path=path)
+
+
+def _read_state_into(f: BinaryIO, state: bytearray, crc: int, progress, chunk: int = 8 << 20) -> int:
+    view = memoryview(state)
+    done = 0
+    total = len(state)
+    while done < total:
+        n = f.readinto(view[done:done + chunk])
+        if not n:
+            raise TruncatedCheckpoint("the file ends inside its KV state")
+        crc = zlib.crc32(view[done:done + n], crc)
+        done += n
+        if progress:
+            progress(done, total)
+    return crc
+
+
+def _crc_of_rest(f: BinaryIO, length: int, crc: int, progress, chunk: int = 8 << 20) -> int:
+    buf = bytearray(min(chunk, max(length, 1)))
+    view = memoryview(buf)
+    done = 0
+    while done < length:
+        n = f.readinto(view[:min(chunk, length - done)])
+        if not n:
+            raise TruncatedCheckpoint("the file ends inside its KV state")
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+        if progress:
+            progress(done, length)
+    return crc
+
+
+def verify_file(path: str | os.PathLike, progress=None) -> Header:
+    """Full integrity check (header, lengths, CRC) without keeping the state in memory."""
+    return read_checkpoint(path, load_state=False, progress=progress).header
+
+
+def read_metadata(path: str | os.PathLike) -> tuple[Header, dict[str, Any]]:
+    """Header and metadata only; the state bytes are not read."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header = unpack_header(f.read(HEADER_LEN), size)
+        meta = decode_metadata(_read_exact(f, header.meta_len, "metadata"))
+    return header, meta

@@ -1,0 +1,421 @@
+"""The ``checkpoint-chat`` command line.
+
+Subcommands: ``run`` (generate, pause, resume), ``validate``, ``inspect``, ``list``,
+``info``; with none, the desktop app starts.  Every user mistake is one line on stderr
+and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import APP_VERSION
+from engine.errors import AppError, CheckpointError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+log = logging.getLogger("engine")
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+# -- argument parsing ------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="checkpoint-chat",
+                                description="Chat with local GGUF models; pause, save and resume "
+                                            "generation exactly.")
+    p.add_argument("--version", action="version", version=f"checkpoint-chat {APP_VERSION}")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    sub = p.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="generate text (and pause/resume with checkpoints)")
+    run.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
+    prompt = run.add_mutually_exclusive_group()
+    prompt.add_argument("-p", "--prompt", help="user message")
+    prompt.add_argument("-f", "--prompt-file", help="read the user message from a file")
+    run.add_argument("--system", help="system prompt")
+    run.add_argument("-n", "--n-predict", type=int, default=None,
+                     help="answer length limit in tokens (-1: no limit; default -1)")
+    run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    run.add_argument("--temp", type=float, default=None, help="temperature (0: greedy; default 0.8)")
+    run.add_argument("--top-k", type=int, default=None)
+    run.add_argument("--top-p", type=float, default=None)
+    run.add_argument("--min-p", type=float, default=None)
+    run.add_argument("--repeat-penalty", type=float, default=None)
+    run.add_argument("--repeat-last-n", type=int, default=None)
+    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop when this text appears (repeatable)")
+    run.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
+    run.add_argument("-b", "--batch-size", type=int, default=None, help="prefill chunk (default 512)")
+    run.add_argument("-t", "--threads", type=int, default=None)
+    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    run.add_argument("-fa", "--flash-attn", choices=("on", "off"), default=None)
+    run.add_argument("-ctk", "--cache-type-k", default=None, help="K cache type (f16, q8_0, ...)")
+    run.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type (f16, q8_0, ...)")
+    run.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+    run.add_argument("--checkpoint-save", metavar="PATH", help="where pause / Ctrl+C / the end saves")
+    run.add_argument("--checkpoint-load", metavar="PATH", help="continue from this checkpoint")
+    run.add_argument("--checkpoint-save-interval", type=int, default=0, metavar="N",
+                     help="autosave every N generated tokens")
+    run.add_argument("--stop-after", type=int, default=None, metavar="N",
+                     help="pause after N generated tokens and save, as the Pause button does")
+    run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+    val = sub.add_parser("validate", help="check a checkpoint file")
+    val.add_argument("path")
+    val.add_argument("--model", help="also check it fits this GGUF model")
+
+    ins = sub.add_parser("inspect", help="show a checkpoint's header and metadata")
+    ins.add_argument("path")
+    ins.add_argument("--json", action="store_true")
+
+    lst = sub.add_parser("list", help="list the checkpoints in the store, newest first")
+    lst.add_argument("--dir", help="store folder (default: the app's data folder)")
+    lst.add_argument("--json", action="store_true")
+
+    info = sub.add_parser("info", help="show the llama library, backends and devices")
+    info.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+    info.add_argument("--json", action="store_true")
+
+    sub.add_parser("gui", help="start the desktop app (the default)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("native.llama").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
+    if args.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    if args.command in (None, "gui"):
+        from gui.app import main as gui_main
+        return gui_main([])
+    from native.errors import NativeError
+    handler = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect,
+               "list": cmd_list, "info": cmd_info}[args.command]
+    try:
+        return handler(args)
+    except (AppError, NativeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except FileNotFoundError as exc:
+        print(f"error: file not found: {exc.filename}", file=sys.stderr)
+        return EXIT_ERROR
+    except (IsADirectoryError, PermissionError) as exc:
+        print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_ERROR
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+def _context_settings(args, header):
+    from native.context import KV_TYPES, ContextSettings
+    from native.errors import ContextError
+
+    def kv_type(name: str | None, fallback: int) -> int:
+        if name is None:
+            return fallback
+        if name not in KV_TYPES:
+            raise ContextError(f"unknown KV cache type {name!r} (choose from {', '.join(KV_TYPES)})")
+        return KV_TYPES[name]
+
+    base = ContextSettings()
+    n_ctx = args.ctx_size or (header.n_ctx if header else base.n_ctx)
+    return ContextSettings(
+        n_ctx=n_ctx, n_batch=args.batch_size or base.n_batch,
+        n_ubatch=args.batch_size or base.n_ubatch, n_threads=args.threads or 0,
+        flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else False),
+        type_k=kv_type(args.cache_type_k, header.type_k if header else base.type_k),
+        type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v))
+
+
+def _sampler_from_args(args, base):
+    from engine.sampling import SamplerSettings, random_seed
+    base = base or SamplerSettings(seed=random_seed())
+    if args.seed is None:
+        seed = base.seed          # a resumed answer keeps its seed
+    elif args.seed < 0:
+        seed = random_seed()      # llama.cpp's convention: -1 means random
+    else:
+        seed = args.seed
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return SamplerSettings(
+        temperature=pick(args.temp, base.temperature), top_k=pick(args.top_k, base.top_k),
+        top_p=pick(args.top_p, base.top_p), min_p=pick(args.min_p, base.min_p),
+        repeat_penalty=pick(args.repeat_penalty, base.repeat_penalty),
+        repeat_last_n=pick(args.repeat_last_n, base.repeat_last_n), seed=seed)
+
+
+def _model_path(args, meta: dict | None) -> Path:
+    from engine.models import default_model_path
+    if args.model:
+        return Path(args.model)
+    stored = ((meta or {}).get("model") or {}).get("path")
+    if stored and Path(stored).is_file():
+        return Path(stored)
+    return default_model_path()
+
+
+def cmd_run(args) -> int:
+    from engine import checkpoint_format as fmt
+    from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+    from engine.conversation import Conversation
+    from engine.generation import Control, begin_answer, commit_answer, generate
+    from engine.runtime import Runtime
+    from engine.store import Store
+    from native.library import bindings, choose_library_dir
+
+    prompt = args.prompt
+    if args.prompt_file:
+        prompt = Path(args.prompt_file).read_text("utf-8")
+    if prompt is None and not args.checkpoint_load:
+        raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
+                       "(--checkpoint-load)")
+    bindings(choose_library_dir(cli_dir=args.llama_lib))
+
+    data = None
+    if args.checkpoint_load:
+        data = fmt.read_checkpoint(args.checkpoint_load)
+    settings = _context_settings(args, data.header if data else None)
+    runtime = Runtime(_model_path(args, data.meta if data else None), settings,
+                      n_gpu_layers=args.n_gpu_layers)
+    store = Store()
+    if data is not None:
+        conv = runtime.restore(data)
+        conv.sampler = _sampler_from_args(args, conv.sampler)
+        if args.stop:
+            conv.stop_strings = args.stop
+    else:
+        conv = Conversation(system_prompt=args.system or "", sampler=_sampler_from_args(args, None),
+                            stop_strings=args.stop or [])
+    if prompt is not None:
+        if conv.paused:
+            # a new message after a paused answer keeps what was generated so far
+            conv.answer.finish_reason = "interrupted"
+        begin_answer(conv, runtime, prompt, n_predict=-1 if args.n_predict is None else args.n_predict)
+    elif not conv.paused:
+        raise AppError("this checkpoint's answer is complete; give --prompt to continue the conversation")
+    elif args.n_predict is not None:
+        conv.answer.n_predict = args.n_predict
+
+    save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
+    autosave_path = save_path or store.autosave_path(conv.id)
+
+    def autosave(c: Conversation) -> None:
+        try:
+            runtime.save(autosave_path, c, KIND_AUTOSAVE)
+        except CheckpointError as exc:
+            print(f"warning: autosave failed: {exc}", file=sys.stderr)
+
+    control = Control()
+    interrupted = False
+
+    def on_sigint(_signum, _frame) -> None:
+        nonlocal interrupted
+        if interrupted:  # a second Ctrl+C while saving: leave now, the autosave remains
+            raise KeyboardInterrupt
+        interrupted = True
+        control.request_pause()
+
+    class Printer:
+        def on_prefill_progress(self, done: int, total: int) -> None:
+            pass
+
+        def on_text(self, delta: str) -> None:
+            if not args.json:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        result = generate(runtime, conv, control=control, listener=Printer(),
+                          stop_after=args.stop_after,
+                          autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
+        checkpoint = None
+        if result.paused or save_path:
+            kind = KIND_EXIT if interrupted else (KIND_PAUSE if result.paused else KIND_MANUAL)
+            commit_answer(conv)
+            target = save_path or store.new_path(conv.title)
+            info = runtime.save(target, conv, kind)
+            checkpoint = info
+            if not args.json and result.text and not result.text.endswith("\n"):
+                print()
+            print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)})",
+                  file=sys.stderr)
+        elif not args.json:
+            print()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if args.json:
+        print(json.dumps({
+            "text": result.text, "finish_reason": result.finish_reason,
+            "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
+            "n_generated": result.n_generated, "ttft_s": result.ttft_s,
+            "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,
+            "checkpoint": str(checkpoint.path) if checkpoint else None,
+            "confidence": result.confidence, "seed": conv.sampler.seed,
+        }, ensure_ascii=False))
+    runtime.close()
+    return EXIT_INTERRUPTED if interrupted else EXIT_OK
+
+
+# -- validate / inspect / list / info ------------------------------------------------------------
+
+def cmd_validate(args) -> int:
+    from engine import checkpoint_format as fmt
+    from engine.kvstate import check_state
+
+    path = Path(args.path)
+    try:
+        header = fmt.read_header(path)
+        print("Header OK")
+        data = fmt.read_checkpoint(path)
+        print("CRC32 OK")
+        if header.n_tokens:
+            check_state(data.state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
+                        n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
+                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
+                        n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v)
+        print("KV state OK")
+        if args.model:
+            _check_against_model(header, data.meta, Path(args.model))
+            print("Dimensions match model")
+    except CheckpointError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _check_against_model(header, meta, model_path: Path) -> None:
+    from engine.errors import IncompatibleModel
+    from engine.fingerprint import model_fingerprint
+    from native.model import Model
+
+    with Model(model_path, vocab_only=True) as model:
+        shape = model.shape
+        name = model.name
+    if model_fingerprint(model_path) != header.model_fingerprint:
+        theirs = ((meta or {}).get("model") or {}).get("name") or "another model"
+        raise IncompatibleModel(f"this checkpoint was made with {theirs}, not {name} "
+                                "(model fingerprints differ)")
+    for field_name, theirs, ours in (("n_vocab", header.n_vocab, shape.n_vocab),
+                                     ("n_layer", header.n_layer, shape.n_layer),
+                                     ("n_head_kv", header.n_head_kv, shape.n_head_kv),
+                                     ("n_embd_head_k", header.n_embd_head_k, shape.n_embd_head_k),
+                                     ("n_embd_head_v", header.n_embd_head_v, shape.n_embd_head_v)):
+        if theirs != ours:
+            raise IncompatibleModel(f"{field_name} is {theirs} in the checkpoint, {ours} in the model")
+
+
+def _header_json(h) -> dict[str, Any]:
+    return {
+        "format_version": h.version, "title": h.title, "kind": h.kind_name,
+        "conversation_id": str(h.conversation_id),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.created_unix_ns / 1e9)),
+        "model_fingerprint": h.model_fingerprint.hex(), "model_size": h.model_size,
+        "n_vocab": h.n_vocab, "n_layer": h.n_layer, "n_head_kv": h.n_head_kv,
+        "n_embd_head_k": h.n_embd_head_k, "n_embd_head_v": h.n_embd_head_v, "n_swa": h.n_swa,
+        "n_ctx": h.n_ctx, "type_k": h.type_k, "type_v": h.type_v, "flash_attn": h.flash_attn,
+        "kv_unified": h.kv_unified, "n_seq_max": h.n_seq_max, "n_tokens": h.n_tokens,
+        "n_tokens_total": h.n_tokens_total, "n_generated": h.n_generated,
+        "has_logits": h.has_logits, "prefill_pending": h.prefill_pending, "library": h.library,
+        "sections": {"metadata": h.meta_len, "tokens": h.tokens_len, "logits": h.logits_len,
+                     "state": h.state_len},
+        "file_size": h.file_len,
+    }
+
+
+def cmd_inspect(args) -> int:
+    from engine import checkpoint_format as fmt
+    header, meta = fmt.read_metadata(args.path)
+    meta = dict(meta)
+    if args.json:
+        print(json.dumps({"header": _header_json(header), "metadata": meta}, ensure_ascii=False, indent=2))
+        return EXIT_OK
+    for key, value in _header_json(header).items():
+        print(f"{key:18} {value}")
+    model = meta.get("model") or {}
+    print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
+    conv = meta.get("conversation") or {}
+    print(f"{'sampler':18} {json.dumps(conv.get('sampler', {}))}")
+    print("transcript:")
+    for message in meta.get("transcript", []):
+        if isinstance(message, dict):
+            content = str(message.get("content", ""))
+            more = "" if message.get("complete", True) else "  [paused]"
+            print(f"  {message.get('role', '?')}: {content[:200]}{'…' if len(content) > 200 else ''}{more}")
+    return EXIT_OK
+
+
+def cmd_list(args) -> int:
+    from engine.store import Store
+    entries = Store(args.dir).entries()
+    if args.json:
+        print(json.dumps([{
+            "path": str(e.path), "size": e.size, "valid": e.valid, "error": e.error,
+            **({"header": _header_json(e.header)} if e.header else {})} for e in entries],
+            ensure_ascii=False, indent=2))
+        return EXIT_OK
+    if not entries:
+        print("no checkpoints")
+        return EXIT_OK
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.created))
+        if e.header:
+            h = e.header
+            print(f"{when}  {h.kind_name:8} {h.n_tokens:6d} tok  {human_size(e.size):>9}  "
+                  f"{h.title}  [{e.path}]")
+        else:
+            print(f"{when}  CORRUPT  {e.error}  [{e.path}]")
+    return EXIT_OK
+
+
+def cmd_info(args) -> int:
+    from engine.models import default_model_path
+    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library_dir
+    from native.sysinfo import system_info
+
+    bindings(choose_library_dir(cli_dir=args.llama_lib))
+    info = system_info()
+    try:
+        model = str(default_model_path())
+    except AppError as exc:
+        model = f"not installed ({exc})"
+    if args.json:
+        print(json.dumps({"version": APP_VERSION, "library": info.library_path,
+                          "library_version": info.library_version, "bundled": info.bundled,
+                          "required_commit": REQUIRED_LLAMA_CPP_COMMIT,
+                          "gpu_offload": info.gpu_offload, "features": info.features,
+                          "devices": [d.__dict__ for d in info.devices], "default_model": model},
+                         indent=2))
+        return EXIT_OK
+    print(f"Checkpoint Chat {APP_VERSION}")
+    print(f"llama library   {info.library_path} ({'bundled' if info.bundled else 'user-chosen'}, "
+          f"{info.library_version}; needs llama.cpp commit {REQUIRED_LLAMA_CPP_COMMIT})")
+    print(f"GPU offload     {'yes' if info.gpu_offload else 'no'}")
+    print(f"CPU features    {info.features}")
+    for d in info.devices:
+        print(f"device          {d.kind} {d.name}: {d.description}, "
+              f"{human_size(d.memory_free)} free of {human_size(d.memory_total)}")
+    print(f"default model   {model}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

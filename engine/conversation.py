@@ -1,0 +1,131 @@
+"""A conversation: messages, the answer in progress, settings and its token list.
+
+Pure data: it serialises to the JSON metadata block of a checkpoint and back, and
+holds no native object.  ``tokens`` is the whole sequence the model has seen or is
+about to see: the rendered prompt followed by the tokens generated for the current
+answer.  The generator keeps it in step with the KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling import SamplerSettings
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Answer:
+    """The assistant answer being generated (or paused, or just finished)."""
+    text: str = ""
+    n_prompt_tokens: int = 0     # length of the prompt this answer continues
+    n_generated: int = 0
+    n_predict: int = -1          # answer length limit in tokens (-1: until the context is full)
+    finish_reason: str | None = None   # None while unfinished; "stop", "length", "stop_string", "context_full"
+    emitted: int = 0             # characters of ``text`` already shown (the rest may be a stop string's start)
+    pending: bytes = b""         # trailing bytes of an incomplete UTF-8 character
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "n_prompt_tokens": self.n_prompt_tokens,
+                "n_generated": self.n_generated, "n_predict": self.n_predict,
+                "finish_reason": self.finish_reason, "emitted": self.emitted,
+                "pending": self.pending.hex()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Answer":
+        return cls(text=str(data.get("text", "")),
+                   n_prompt_tokens=int(data.get("n_prompt_tokens", 0)),
+                   n_generated=int(data.get("n_generated", 0)),
+                   n_predict=int(data.get("n_predict", -1)),
+                   finish_reason=data.get("finish_reason"),
+                   emitted=int(data.get("emitted", 0)),
+                   pending=_hex_bytes(data.get("pending", ""))[:4])
+
+
+def _hex_bytes(value) -> bytes:
+    try:
+        return bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        return b""
+
+
+@dataclass
+class Conversation:
+    id: uuid.UUID = field(default_factory=uuid.uuid4)
+    title: str = "New conversation"
+    system_prompt: str = ""
+    messages: list[tuple[str, str]] = field(default_factory=list)
+    answer: Answer | None = None
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    stop_strings: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+
+    def chat_messages(self) -> list[tuple[str, str]]:
+        """Messages for the chat template: the system prompt first, if any."""
+        head = [("system", self.system_prompt)] if self.system_prompt else []
+        return head + list(self.messages)
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """Messages plus the answer in progress, for display and the metadata block."""
+        out = [{"role": r, "content": c} for r, c in self.chat_messages()]
+        if self.answer is not None and not self._answer_committed():
+            out.append({"role": "assistant", "content": self.answer.text,
+                        "complete": self.answer.finished})
+        return out
+
+    def _answer_committed(self) -> bool:
+        return bool(self.answer and self.answer.finished and self.messages
+                    and self.messages[-1][0] == "assistant")
+
+    @property
+    def paused(self) -> bool:
+        """True when an answer was started and not finished."""
+        return self.answer is not None and not self.answer.finished
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": str(self.id), "title": self.title, "system_prompt": self.system_prompt,
+            "messages": [{"role": r, "content": c} for r, c in self.messages],
+            "answer": self.answer.to_json() if self.answer else None,
+            "sampler": self.sampler.to_json(), "stop_strings": list(self.stop_strings),
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], tokens: list[int]) -> "Conversation":
+        messages = []
+        for item in data.get("messages", []):
+            if not isinstance(item, dict):
+                continue
+            role, content = item.get("role"), item.get("content")
+            if role in ROLES and isinstance(content, str):
+                messages.append((role, content))
+        answer = data.get("answer")
+        try:
+            conv_id = uuid.UUID(str(data.get("id")))
+        except ValueError:
+            conv_id = uuid.uuid4()
+        stops = [s for s in data.get("stop_strings", []) if isinstance(s, str) and s]
+        sampler = data.get("sampler")
+        return cls(
+            id=conv_id, title=str(data.get("title", "Conversation")),
+            system_prompt=str(data.get("system_prompt", "")), messages=messages,
+            answer=Answer.from_json(answer) if isinstance(answer, dict) else None,
+            sampler=SamplerSettings.from_json(sampler) if isinstance(sampler, dict) else SamplerSettings(),
+            stop_strings=stops, tokens=list(tokens),
+            created=float(data.get("created", time.time())))
+
+
+def title_from(text: str, limit: int = 48) -> str:
+    """A conversation title from its first user message."""
+    words = " ".join(text.split())
+    return words if len(words) <= limit else words[:limit - 1].rstrip() + "…"

@@ -1,0 +1,242 @@
+"""The generation loop: prefill, sample, decode, stream, stop or pause.
+
+Runs on the thread that owns the :class:`~engine.runtime.Runtime`.  Other threads talk
+to it only through :class:`Control` (pause) and receive text through the listener
+callbacks, which run on the generating thread and must return quickly.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from engine import chat_template
+from engine.conversation import Answer, Conversation, title_from
+from engine.errors import GenerationError
+from engine.runtime import Runtime
+from engine.sampling import seed_for
+from native.sampler import Candidates, SamplerChain
+
+FINISH_PAUSED = "paused"
+
+
+class Control:
+    """A pause request that any thread may make; the generating thread honours it."""
+
+    def __init__(self) -> None:
+        self._pause = threading.Event()
+        self._runtime: Runtime | None = None
+
+    def request_pause(self) -> None:
+        self._pause.set()
+        runtime = self._runtime
+        if runtime is not None:
+            runtime.ctx.request_abort()  # interrupts a prefill chunk on CPU backends
+
+    @property
+    def pause_requested(self) -> bool:
+        return self._pause.is_set()
+
+    def reset(self) -> None:
+        self._pause.clear()
+
+
+class Listener(Protocol):
+    def on_prefill_progress(self, done: int, total: int) -> None: ...
+    def on_text(self, delta: str) -> None: ...
+
+
+class NullListener:
+    def on_prefill_progress(self, done: int, total: int) -> None:
+        pass
+
+    def on_text(self, delta: str) -> None:
+        pass
+
+
+@dataclass
+class GenerationResult:
+    text: str                       # text shown during this run
+    finish_reason: str              # "stop", "length", "stop_string", "context_full", "paused"
+    n_prompt_tokens: int = 0
+    n_reused_tokens: int = 0
+    n_prefilled: int = 0
+    n_generated: int = 0            # tokens generated during this run
+    ttft_s: float | None = None
+    prefill_s: float = 0.0
+    generation_s: float = 0.0
+    probabilities: list[float] = field(default_factory=list)
+
+    @property
+    def paused(self) -> bool:
+        return self.finish_reason == FINISH_PAUSED
+
+    @property
+    def tokens_per_s(self) -> float:
+        # the first token's time belongs to the prefill (it comes from its logits)
+        if self.n_generated == 0 or self.generation_s <= 0:
+            return 0.0
+        return self.n_generated / self.generation_s
+
+    @property
+    def confidence(self) -> dict[str, float] | None:
+        if not self.probabilities:
+            return None
+        return {"mean": float(np.mean(self.probabilities)), "min": float(np.min(self.probabilities))}
+
+
+def begin_answer(conv: Conversation, runtime: Runtime, user_text: str, *, n_predict: int = -1) -> None:
+    """Add a user turn and make ``conv.tokens`` the prompt for the assistant's answer."""
+    commit_answer(conv)
+    if conv.paused:
+        raise GenerationError("the previous answer is paused; resume or discard it first")
+    if not conv.messages and conv.title in ("", "New conversation"):
+        conv.title = title_from(user_text)
+    conv.messages.append(("user", user_text))
+    prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
+    conv.tokens = runtime.model.tokenize_prompt(prompt)
+    conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict)
+
+
+def commit_answer(conv: Conversation) -> None:
+    """Move a finished answer into the message list (idempotent)."""
+    a = conv.answer
+    if a is not None and a.finished and not (conv.messages and conv.messages[-1][0] == "assistant"):
+        conv.messages.append(("assistant", a.text))
+
+
+def discard_answer(conv: Conversation) -> None:
+    """Forget the answer in progress (for Regenerate): the prompt stays."""
+    if conv.answer is not None:
+        if conv.messages and conv.messages[-1][0] == "assistant" and conv.answer.finished:
+            conv.messages.pop()
+        conv.tokens = conv.tokens[:conv.answer.n_prompt_tokens]
+        conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=conv.answer.n_predict)
+
+
+def _stop_hold(text: str, stops: list[str]) -> int:
+    """How many trailing characters could still be the start of a stop string."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = None,
+             listener: Listener | None = None, stop_after: int | None = None,
+             autosave_every: int = 0,
+             autosave: Callable[[Conversation], None] | None = None) -> GenerationResult:
+    """Continue ``conv.answer`` until it ends, pauses, or ``stop_after`` tokens were made.
+
+    ``conv.tokens`` is brought into the KV cache first, decoding only what is missing.
+    """
+    control = control or Control()
+    listener = listener or NullListener()
+    answer = conv.answer
+    if answer is None or answer.finished:
+        raise GenerationError("there is no answer to continue")
+    started = time.perf_counter()
+    control._runtime = runtime
+    try:
+        report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
+                                 on_progress=listener.on_prefill_progress)
+    finally:
+        control._runtime = None
+    result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
+                              n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
+                              prefill_s=report.seconds)
+    if report.aborted:
+        return result
+
+    model = runtime.model
+    s = conv.sampler
+    chain = SamplerChain(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temperature=s.temperature,
+                         repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n)
+    window = s.repeat_last_n if s.repeat_last_n > 0 else len(conv.tokens)
+    chain.accept(conv.tokens[-window:] if window else [])
+    candidates = _candidates(runtime)
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.setstate((answer.pending, 0))
+    stops = conv.stop_strings
+    emitted_before = answer.emitted
+    generated_here = 0
+    loop_started = time.perf_counter()
+    finish = None
+    try:
+        while finish is None:
+            if answer.n_predict >= 0 and answer.n_generated >= answer.n_predict:
+                finish = "length"
+                break
+            if control.pause_requested or (stop_after is not None and generated_here >= stop_after):
+                break
+            pos = len(runtime.kv_tokens)
+            if pos >= runtime.ctx.n_ctx:
+                finish = "context_full"
+                break
+            logits = runtime.logits()
+            token = chain.sample(candidates, logits, seed_for(s.seed, pos))
+            result.probabilities.append(_probability(logits, token))
+            if result.ttft_s is None:
+                result.ttft_s = time.perf_counter() - started
+            if model.is_eog(token):
+                finish = "stop"
+                break
+            runtime.decode_token(token)
+            conv.tokens.append(token)
+            chain.accept((token,))
+            answer.n_generated += 1
+            generated_here += 1
+            answer.text += decoder.decode(model.token_to_piece(token))
+            if stops:
+                cut = min((i for i in (answer.text.find(st, max(0, answer.emitted - len(st)))
+                                       for st in stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    answer.text = answer.text[:cut]
+                    finish = "stop_string"
+                    break
+            show_upto = len(answer.text) - _stop_hold(answer.text, stops)
+            if show_upto > answer.emitted:
+                listener.on_text(answer.text[answer.emitted:show_upto])
+                answer.emitted = show_upto
+            if autosave and autosave_every and answer.n_generated % autosave_every == 0:
+                answer.pending = decoder.getstate()[0]
+                autosave(conv)
+    finally:
+        chain.close()
+    result.generation_s = time.perf_counter() - loop_started
+    result.n_generated = generated_here
+    if finish is None:
+        answer.pending = decoder.getstate()[0]
+    else:
+        answer.text += decoder.decode(b"", final=True)
+        answer.pending = b""
+        answer.finish_reason = finish
+        if len(answer.text) > answer.emitted:
+            listener.on_text(answer.text[answer.emitted:])
+            answer.emitted = len(answer.text)
+        result.finish_reason = finish
+    result.text = answer.text[emitted_before:answer.emitted]
+    return result
+
+
+def _candidates(runtime: Runtime) -> Candidates:
+    cands = getattr(runtime, "_candidates", None)
+    if cands is None or cands.n_vocab != runtime.ctx.n_vocab:
+        cands = Candidates(runtime.ctx.n_vocab)
+        runtime._candidates = cands
+    return cands
+
+
+def _probability(logits: np.ndarray, token: int) -> float:
+    """The model's own probability of ``token`` (softmax of the raw logits)."""
+    top = float(logits.max())
+    total = float(np.exp(logits - top, dtype=np.float32).sum())
+    return float(np.exp(float(logits[token]) - top) / total) if total > 0 else 0.0

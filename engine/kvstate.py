@@ -1,0 +1,133 @@
+"""Structural check of a llama.cpp sequence-state blob, before llama.cpp sees it.
+
+The blob that ``llama_state_seq_get_data`` writes (llama.cpp commit 0c1e57098,
+``llama_context::state_seq_get_data`` and ``llama_kv_cache::state_write``) is::
+
+    uint32 magic 0xaf143cd8, int32 seq_id
+    then one block per KV cache (two for sliding-window models: full, then SWA):
+      uint32 n_stream
+      per stream: uint32 cell_count; if cell_count > 0:
+        cell_count x (int32 pos, uint32 n_seq_id, n_seq_id x int32 seq_id)
+        uint32 v_trans, uint32 n_layer
+        n_layer x (int32 type_k, uint64 k_row_size, cell_count * k_row_size bytes)
+        if not v_trans: n_layer x (int32 type_v, uint64 v_row_size, cell_count * v_row_size bytes)
+        else:           n_layer x (int32 type_v, uint32 el_size, uint32 n_embd_v_gqa,
+                                   n_embd_v_gqa * cell_count * el_size bytes)
+
+:func:`check_state` walks that structure with bounds checks at every step and compares
+it with what the header promises (types, V layout, positions, layer count), so a blob
+crafted to pass the CRC still cannot smuggle in another shape.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import CorruptState
+
+STATE_MAGIC = 0xAF143CD8
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What the walk found: per cache block, its cell count and layer count."""
+    blocks: tuple[tuple[int, int], ...]   # (cell_count, n_layer)
+    v_trans: bool
+
+
+class _Reader:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise CorruptState(f"the KV state ends inside its {what}")
+        part = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return part
+
+    def u32(self, what: str) -> int:
+        return struct.unpack("<I", self.take(4, what))[0]
+
+    def i32(self, what: str) -> int:
+        return struct.unpack("<i", self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack("<Q", self.take(8, what))[0]
+
+
+def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: int,
+                n_layer: int, type_k: int, type_v: int, flash_attn: bool,
+                n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int) -> StateLayout:
+    """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency."""
+    r = _Reader(memoryview(state).cast("B"))
+    if r.u32("magic") != STATE_MAGIC:
+        raise CorruptState("the KV state does not start with llama.cpp's state magic")
+    if r.i32("sequence id") != 0:
+        raise CorruptState("the KV state is not for sequence 0")
+    max_row_k = 4 * n_head_kv * n_embd_head_k + 64
+    max_row_v = 4 * n_head_kv * n_embd_head_v + 64
+    blocks: list[tuple[int, int]] = []
+    v_trans_seen: bool | None = None
+    while r.pos < len(r.data):
+        if len(blocks) >= 2:
+            raise CorruptState("the KV state holds more caches than a model can have")
+        n_stream = r.u32("stream count")
+        if n_stream != 1:
+            raise CorruptState(f"the KV state has {n_stream} streams; checkpoints hold one")
+        cells = r.u32("cell count")
+        if cells > n_ctx or cells > n_tokens:
+            raise CorruptState(f"the KV state holds {cells} cells for {n_tokens} tokens")
+        if cells == 0:
+            blocks.append((0, 0))
+            continue
+        meta = np.frombuffer(r.take(12 * cells, "cell table"), dtype="<i4").reshape(cells, 3)
+        if not (meta[:, 1] == 1).all() or not (meta[:, 2] == 0).all():
+            raise CorruptState("the KV state's cells belong to other sequences")
+        pos = meta[:, 0]
+        if pos.min() < 0 or pos.max() >= n_tokens or (cells > 1 and not (np.diff(pos) > 0).all()):
+            raise CorruptState("the KV state's positions are out of order or out of range")
+        if not blocks and (cells != n_tokens or pos[-1] != n_tokens - 1):
+            raise CorruptState(f"the KV state holds {cells} positions, the header says {n_tokens}")
+        v_trans = r.u32("V layout")
+        if v_trans > 1:
+            raise CorruptState("the KV state's V layout flag is invalid")
+        if v_trans != (0 if flash_attn else 1):
+            raise CorruptState("the KV state's V layout does not match its flash-attention setting")
+        if v_trans_seen is not None and bool(v_trans) != v_trans_seen:
+            raise CorruptState("the KV state's caches disagree on the V layout")
+        v_trans_seen = bool(v_trans)
+        layers = r.u32("layer count")
+        if layers == 0 or layers > n_layer:
+            raise CorruptState(f"the KV state has {layers} layers, the model {n_layer}")
+        for _ in range(layers):
+            if r.i32("K type") != type_k:
+                raise CorruptState("the KV state's K type differs from its header")
+            row = r.u64("K row size")
+            if row == 0 or row > max_row_k:
+                raise CorruptState("the KV state's K rows have an impossible size")
+            r.take(row * cells, "K data")
+        for _ in range(layers):
+            if r.i32("V type") != type_v:
+                raise CorruptState("the KV state's V type differs from its header")
+            if v_trans:
+                el = r.u32("V element size")
+                n_embd = r.u32("V width")
+                if el == 0 or el > 4 or n_embd == 0 or n_embd > n_head_kv * n_embd_head_v:
+                    raise CorruptState("the KV state's V rows have an impossible size")
+                r.take(el * n_embd * cells, "V data")
+            else:
+                row = r.u64("V row size")
+                if row == 0 or row > max_row_v:
+                    raise CorruptState("the KV state's V rows have an impossible size")
+                r.take(row * cells, "V data")
+        blocks.append((cells, layers))
+    if not blocks:
+        raise CorruptState("the KV state holds no cache")
+    if sum(layers for _, layers in blocks) > n_layer:
+        raise CorruptState("the KV state has more layers than the model")
+    return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen))

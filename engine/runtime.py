@@ -1,0 +1,305 @@
+"""The loaded model and context, the KV cache's contents, and checkpoint save/restore.
+
+A :class:`Runtime` belongs to one thread (the engine thread, or the CLI's main thread).
+It knows exactly which tokens the KV cache holds (``kv_tokens``) and for which length
+it holds the next-token logits, so that any conversation can be brought into the cache
+by decoding only what is not there yet (prefix reuse), and so that a checkpoint can
+carry the logits a resumed generation needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from engine import APP_VERSION
+from engine.atomic import atomic_write
+from engine.checkpoint_format import (KIND_MANUAL, CheckpointData, Header, encode_metadata,
+                                      write_sections)
+from engine.conversation import Conversation
+from engine.errors import (GenerationError, IncompatibleContext, IncompatibleModel,
+                           RestoreFailed, SaveFailed)
+from engine.fingerprint import model_fingerprint
+from engine.kvstate import check_state
+from native.context import DECODE_ABORTED, Context, ContextSettings
+from native.errors import DecodeError, StateError
+from native.library import loaded_library
+from native.model import Model, ProgressCallback
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class PrefillReport:
+    n_prompt: int = 0        # tokens the model must have seen before sampling
+    n_reused: int = 0        # of those, already in the KV cache
+    n_decoded: int = 0       # decoded now
+    seconds: float = 0.0
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    path: Path
+    size: int
+    seconds: float
+    n_tokens: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
+
+
+class Runtime:
+    """A model, one context over it, and what that context's KV cache holds."""
+
+    def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
+                 *, n_gpu_layers: int = 0, progress: ProgressCallback | None = None) -> None:
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, progress=progress)
+        try:
+            self.fingerprint = model_fingerprint(self.model.path)
+            self.ctx = Context(self.model, settings)
+        except BaseException:
+            self.model.close()
+            raise
+        self.settings = settings
+        self.kv_tokens: list[int] = []
+        self._logits_len = -1                     # KV length the logits belong to
+        self._logits_copy: np.ndarray | None = None  # None: read them live from the context
+        self._prompt_logits: tuple[int, np.ndarray] | None = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()
+
+    # -- logits bookkeeping ----------------------------------------------------------------
+    def has_logits(self) -> bool:
+        return self._logits_len == len(self.kv_tokens) and len(self.kv_tokens) > 0
+
+    def logits(self) -> np.ndarray:
+        """Next-token logits after ``kv_tokens`` (a view; valid until the next decode)."""
+        if not self.has_logits():
+            raise GenerationError("no logits for the current position")
+        return self._logits_copy if self._logits_copy is not None else self.ctx.logits_last()
+
+    def _set_live_logits(self) -> None:
+        self._logits_len = len(self.kv_tokens)
+        self._logits_copy = None
+
+    def _forget_logits(self) -> None:
+        self._logits_len = -1
+        self._logits_copy = None
+
+    # -- bringing tokens into the cache ----------------------------------------------------
+    def trim(self, n: int) -> int:
+        """Keep only the first ``n`` cached tokens; returns how many were kept.
+
+        Sliding-window and recurrent memories cannot drop a tail; they are cleared.
+        """
+        if n >= len(self.kv_tokens):
+            return len(self.kv_tokens)
+        if n > 0 and self.ctx.seq_rm(0, n, -1):
+            del self.kv_tokens[n:]
+        else:
+            self.ctx.clear()
+            self.kv_tokens.clear()
+        if self._prompt_logits and self._prompt_logits[0] == len(self.kv_tokens):
+            self._logits_len, self._logits_copy = self._prompt_logits
+        else:
+            self._forget_logits()
+        return len(self.kv_tokens)
+
+    def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
+                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
+        """Make the cache hold exactly ``tokens`` with logits for the last one.
+
+        Decodes only the part not already cached, in chunks aligned to absolute
+        multiples of the batch size, so an interrupted prefill resumed later splits the
+        work exactly as an uninterrupted one would.  Stops early (``aborted``) when
+        ``should_stop`` turns true; the abort callback also interrupts a running chunk.
+        """
+        started = time.perf_counter()
+        total = len(tokens)
+        if total > self.ctx.n_ctx:
+            raise GenerationError(f"the prompt has {total} tokens; the context holds {self.ctx.n_ctx}")
+        keep = self.trim(common_prefix(self.kv_tokens, tokens))
+        if keep == total and not self.has_logits() and total > 0:
+            keep = self.trim(total - 1)  # the last token must be decoded again for its logits
+        report = PrefillReport(n_prompt=total, n_reused=keep)
+        step = self.settings.n_batch
+        pos = keep
+        while pos < total:
+            if should_stop():
+                report.aborted = True
+                break
+            end = min(total, (pos // step + 1) * step)
+            chunk = tokens[pos:end]
+            rc = self.ctx.decode(chunk, pos, logits_last=end == total, abortable=True)
+            if rc == DECODE_ABORTED:
+                done = self.ctx.pos_max() + 1
+                self.kv_tokens.extend(tokens[pos:done])
+                self._forget_logits()
+                report.aborted = True
+                report.n_decoded += done - pos
+                break
+            self.kv_tokens.extend(chunk)
+            report.n_decoded += len(chunk)
+            pos = end
+            if on_progress:
+                on_progress(pos, total)
+        self.ctx.clear_abort()
+        if not report.aborted and report.n_decoded:
+            self._set_live_logits()
+            self._prompt_logits = (len(self.kv_tokens), self.ctx.logits_last().copy())
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def decode_token(self, token: int) -> None:
+        """Append one sampled token to the cache; its logits become current."""
+        if len(self.kv_tokens) >= self.ctx.n_ctx:
+            raise GenerationError("the context is full")
+        self.ctx.decode((token,), len(self.kv_tokens), logits_last=True, abortable=False)
+        self.kv_tokens.append(token)
+        self._set_live_logits()
+
+    # -- compatibility ---------------------------------------------------------------------
+    def header_for(self, conv: Conversation, kind: int) -> Header:
+        shape = self.model.shape
+        s = self.settings
+        n_generated = conv.answer.n_generated if conv.answer else 0
+        return Header(
+            model_fingerprint=self.fingerprint, model_size=self.model.size_bytes,
+            n_vocab=shape.n_vocab, n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
+            n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
+            n_swa=shape.n_swa, n_ctx=self.ctx.n_ctx, type_k=s.type_k, type_v=s.type_v,
+            flash_attn=s.flash_attn, kv_unified=s.kv_unified, n_seq_max=s.n_seq_max,
+            n_tokens=len(self.kv_tokens), n_tokens_total=len(conv.tokens),
+            n_generated=n_generated, created_unix_ns=time.time_ns(), conversation_id=conv.id,
+            library=loaded_library().identity, title=conv.title, kind=kind)
+
+    def check_compatible(self, header: Header, meta: dict | None = None) -> None:
+        """Raise IncompatibleModel / IncompatibleContext with the reason, or return."""
+        shape = self.model.shape
+        their_model = ((meta or {}).get("model") or {}).get("name") or "another model"
+        if header.model_fingerprint != self.fingerprint:
+            raise IncompatibleModel(
+                f"this checkpoint was made with {their_model}; the loaded model is "
+                f"{self.model.name} (model fingerprints differ)")
+        mismatched = [name for name, theirs, ours in (
+            ("n_vocab", header.n_vocab, shape.n_vocab), ("n_layer", header.n_layer, shape.n_layer),
+            ("n_head_kv", header.n_head_kv, shape.n_head_kv),
+            ("head size", (header.n_embd_head_k, header.n_embd_head_v),
+             (shape.n_embd_head_k, shape.n_embd_head_v))) if theirs != ours]
+        if mismatched:
+            raise IncompatibleModel("the checkpoint's model shape differs from the loaded model's ("
+                                    + ", ".join(mismatched) + ")")
+        s = self.settings
+        for name, theirs, ours, unit in (
+                ("context size", header.n_ctx, self.ctx.n_ctx, " tokens"),
+                ("K cache type", header.type_k, s.type_k, ""),
+                ("V cache type", header.type_v, s.type_v, ""),
+                ("flash attention", header.flash_attn, s.flash_attn, ""),
+                ("sequence count", header.n_seq_max, s.n_seq_max, ""),
+                ("unified KV", header.kv_unified, s.kv_unified, "")):
+            if theirs != ours:
+                raise IncompatibleContext(
+                    f"the checkpoint needs {name} {_show(theirs)}{unit}, this context has "
+                    f"{_show(ours)}{unit}; exact resumption needs the same setting")
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def metadata_for(self, conv: Conversation) -> dict:
+        return {
+            "format": "checkpoint-chat", "app_version": APP_VERSION,
+            "title": conv.title, "conversation": conv.to_json(),
+            "transcript": conv.transcript(),
+            "model": {"name": self.model.name, "path": str(self.model.path),
+                      "architecture": self.model.architecture,
+                      "fingerprint": self.fingerprint.hex()},
+            "n_ctx": self.ctx.n_ctx, "n_threads": self.ctx.n_threads,
+        }
+
+    def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL) -> SaveInfo:
+        """Write ``conv`` and the KV cache to ``path`` atomically."""
+        started = time.perf_counter()
+        path = Path(path)
+        n = len(self.kv_tokens)
+        if list(conv.tokens[:n]) != self.kv_tokens:
+            raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
+        header = self.header_for(conv, kind)
+        meta = encode_metadata(self.metadata_for(conv))
+        logits = np.array(self.logits(), copy=True) if self.has_logits() else None
+        state = bytearray()
+        if n:
+            size = self.ctx.state_size()
+            state = bytearray(size)
+            try:
+                written = self.ctx.state_get_into(state, size)
+            except StateError as exc:
+                raise SaveFailed(str(exc)) from exc
+            del state[written:]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(path) as f:
+                write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32), logits, state)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise SaveFailed(f"could not save the checkpoint to {path}: {reason}; "
+                             "any earlier checkpoint there is untouched") from exc
+        return SaveInfo(path=path, size=path.stat().st_size,
+                        seconds=time.perf_counter() - started, n_tokens=n)
+
+    def restore(self, data: CheckpointData) -> Conversation:
+        """Put a verified checkpoint's state into the cache; returns its conversation.
+
+        Everything is checked before llama.cpp sees a byte, so a refused file leaves the
+        cache (and the conversation it belongs to) as it was.  Only if llama.cpp itself
+        refuses a state that passed every check is the cache emptied; the previous
+        conversation then re-decodes its prompt the next time it is used.
+        """
+        h = data.header
+        self.check_compatible(h, data.meta)
+        if h.n_tokens:
+            check_state(data.state, n_tokens=h.n_tokens, n_ctx=h.n_ctx, n_layer=h.n_layer,
+                        type_k=h.type_k, type_v=h.type_v, flash_attn=h.flash_attn,
+                        n_head_kv=h.n_head_kv, n_embd_head_k=h.n_embd_head_k,
+                        n_embd_head_v=h.n_embd_head_v)
+        conv_json = data.meta.get("conversation")
+        conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
+                                      [int(t) for t in data.tokens])
+        conv.id = h.conversation_id
+        self.ctx.clear()
+        self.kv_tokens = []
+        self._forget_logits()
+        self._prompt_logits = None
+        if h.n_tokens:
+            try:
+                self.ctx.state_set_from(data.state, len(data.state))
+            except StateError as exc:
+                self.ctx.clear()
+                raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
+            if self.ctx.pos_max() != h.n_tokens - 1:
+                self.ctx.clear()
+                raise RestoreFailed("the restored state does not hold the promised tokens")
+            self.kv_tokens = [int(t) for t in data.tokens[:h.n_tokens]]
+            if data.logits is not None:
+                self._logits_len = h.n_tokens
+                self._logits_copy = data.logits
+        return conv
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
