@@ -5,11 +5,18 @@ imported and reads ``LLAMA_CPP_LIB_PATH`` at that moment, so the folder must be 
 before anything imports it.  Everything in native/ reaches the bindings through
 :func:`bindings`, which performs that choice exactly once per process.
 
+Where the folder comes from, first match wins (:func:`choose_library`):
+``--llama-lib DIR`` on the command line, the folder in Settings, the environment
+variable ``CHECKPOINT_CHAT_LLAMA_LIB``, else the library llama-cpp-python built.
+
 A library built from another llama.cpp commit has other struct layouts: calling it
-corrupts memory instead of failing.  A folder the user picked is therefore probed in a
-child process first (:mod:`native.probe`), so a crash there costs nothing but an error
-message; the bundled library, built together with the bindings, is only sanity-checked
-in process.
+corrupts memory instead of failing.  A folder the user picked is therefore checked
+first without loading (:mod:`native.libfile`: file present, 64-bit, CUDA runtime
+present), then probed in a child process (:mod:`native.probe`: symbols, default
+parameters read back, backend init), so a crash there costs nothing but an error
+message.  The bundled library, built together with the bindings, is only
+sanity-checked in process.  On Windows the DLL search is set up by
+:mod:`native.dllsearch` (``os.add_dll_directory``, never PATH).
 """
 
 from __future__ import annotations
@@ -18,13 +25,19 @@ import ctypes
 import importlib.util
 import logging
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Mapping
 
+from native.dllsearch import PathGuard, dll_directories, prepare_windows_search  # noqa: F401
 from native.errors import LibraryError
+from native.libfile import (BINDINGS_VERSION, REQUIRED_LLAMA_CPP_COMMIT,  # noqa: F401
+                            check_binary, explain_load_failure, find_library_file,
+                            library_filenames, missing_cuda_runtime)
 
 log = logging.getLogger("native")
 
@@ -32,11 +45,6 @@ log = logging.getLogger("native")
 APP_ENV_VAR = "CHECKPOINT_CHAT_LLAMA_LIB"
 #: Environment variable llama-cpp-python itself reads at import time.
 BINDINGS_ENV_VAR = "LLAMA_CPP_LIB_PATH"
-
-#: llama-cpp-python 0.3.36 vendors this llama.cpp commit (its CHANGELOG); a user's own
-#: library is only safe to call when built from it.
-REQUIRED_LLAMA_CPP_COMMIT = "0c1e57098"
-BINDINGS_VERSION = "0.3.36"
 
 #: Functions native/ calls.  A library lacking any of them is from another build.
 REQUIRED_SYMBOLS = (
@@ -48,6 +56,7 @@ REQUIRED_SYMBOLS = (
     "llama_init_from_model",
     "llama_free",
     "llama_decode",
+    "llama_synchronize",
     "llama_get_logits_ith",
     "llama_get_memory",
     "llama_memory_clear",
@@ -66,16 +75,8 @@ REQUIRED_SYMBOLS = (
     "llama_sampler_apply",
     "llama_log_set",
     "llama_print_system_info",
+    "llama_supports_gpu_offload",
 )
-
-
-def library_filenames(platform: str = sys.platform) -> tuple[str, ...]:
-    """The file names llama-cpp-python looks for in a folder, on ``platform``."""
-    if platform == "win32":
-        return ("llama.dll", "libllama.dll")
-    if platform == "darwin":
-        return ("libllama.dylib", "libllama.so")
-    return ("libllama.so",)
 
 
 def bundled_library_dir() -> Path | None:
@@ -86,76 +87,66 @@ def bundled_library_dir() -> Path | None:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
+def bound_symbols() -> tuple[str, ...]:
+    """Every function ``llama_cpp.llama_cpp`` binds at import time (read from its source).
+
+    Importing the bindings fails on the first one a library lacks; listing them all up
+    front lets the refusal name every missing function, not just the first.
+    """
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    source = Path(list(spec.submodule_search_locations)[0]) / "llama_cpp.py"
+    try:
+        text = source.read_text("utf-8")
+    except OSError:
+        return ()
+    names = re.findall(r'ctypes_function\(\s*"(\w+)"', text) + re.findall(r"_lib\.(\w+)\.", text)
+    return tuple(dict.fromkeys(names))
+
+
+# -- which folder ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LibraryChoice:
+    """A user-chosen library folder and the setting it came from (for error messages)."""
+    folder: Path
+    source: str
+
+
+def choose_library(cli_dir: str | os.PathLike | None = None,
+                   settings_dir: str | os.PathLike | None = None,
+                   environ: Mapping[str, str] | None = None) -> LibraryChoice | None:
+    """The CLI flag, else Settings, else the environment; None means the bundled one."""
+    environ = os.environ if environ is None else environ
+    for candidate, source in ((cli_dir, "--llama-lib"), (settings_dir, "Settings"),
+                              (environ.get(APP_ENV_VAR), APP_ENV_VAR)):
+        if candidate is not None and str(candidate).strip():
+            return LibraryChoice(Path(str(candidate).strip()).expanduser(), source)
+    return None
+
+
 def choose_library_dir(cli_dir: str | os.PathLike | None = None,
                        settings_dir: str | os.PathLike | None = None,
-                       environ: dict[str, str] | None = None) -> Path | None:
-    """The user's library folder: the CLI flag, else Settings, else the environment.
+                       environ: Mapping[str, str] | None = None) -> Path | None:
+    """:func:`choose_library`'s folder only, for callers that do not need the source."""
+    choice = choose_library(cli_dir, settings_dir, environ)
+    return choice.folder if choice else None
 
-    ``None`` means the bundled library.
-    """
+
+def preflight(folder: Path, *, source: str = "", platform: str = sys.platform,
+              environ: Mapping[str, str] | None = None, machine: str | None = None) -> Path:
+    """Every check that needs no loading; returns the library file or raises LibraryError."""
     environ = os.environ if environ is None else environ
-    for candidate in (cli_dir, settings_dir, environ.get(APP_ENV_VAR)):
-        if candidate:
-            return Path(candidate).expanduser()
-    return None
-
-
-def find_library_file(folder: Path, platform: str = sys.platform) -> Path:
-    """The library inside ``folder``; the error names every path it tried."""
-    if not folder.is_dir():
-        raise LibraryError(f"llama library folder not found: {folder}")
-    tried = [folder / name for name in library_filenames(platform)]
-    for path in tried:
-        if path.is_file():
-            return path
-    raise LibraryError(
-        "no llama library in " + str(folder) + " (looked for "
-        + ", ".join(p.name for p in tried) + ")")
-
-
-def dll_directories(folder: Path, environ: dict[str, str] | None = None) -> list[Path]:
-    """Folders Windows must search for llama.dll's dependencies (ggml, CUDA runtime)."""
-    environ = os.environ if environ is None else environ
-    dirs = [folder]
-    cuda = environ.get("CUDA_PATH")
+    path = find_library_file(folder, platform, source=source)
+    check_binary(path, platform, machine)
+    cuda = missing_cuda_runtime(folder, platform, environ)
     if cuda:
-        dirs.append(Path(cuda) / "bin")
-    return [d for d in dirs if d.is_dir()]
+        raise LibraryError(cuda)
+    return path
 
 
-def explain_load_failure(folder: Path, error: BaseException,
-                         environ: dict[str, str] | None = None) -> str:
-    """Turn the loader's terse error into what the user should do about it."""
-    text = str(error)
-    if "%1 is not a valid Win32" in text or "wrong ELF class" in text or "mach-o" in text.lower():
-        return (f"the llama library in {folder} is not a 64-bit library for this "
-                f"{'Windows' if sys.platform == 'win32' else 'system'}; a 64-bit build is needed")
-    cuda_libs = sorted(p.name for p in folder.glob("*ggml-cuda*")) if folder.is_dir() else []
-    if cuda_libs:
-        runtime = _find_cuda_runtime(folder, environ)
-        if runtime is None:
-            return (f"the llama library in {folder} was built with CUDA ({cuda_libs[0]}) but the "
-                    "CUDA 12 runtime (cudart64_12.dll / libcudart.so.12) was not found; "
-                    "install the CUDA 12 runtime or a recent NVIDIA driver")
-    if isinstance(error, AttributeError):
-        return (f"the llama library in {folder} lacks a function this app needs ({text}); "
-                f"it comes from another llama.cpp build, commit {REQUIRED_LLAMA_CPP_COMMIT} "
-                f"(llama-cpp-python {BINDINGS_VERSION}) is needed")
-    return f"could not load the llama library from {folder}: {text}"
-
-
-def _find_cuda_runtime(folder: Path, environ: dict[str, str] | None) -> Path | None:
-    environ = os.environ if environ is None else environ
-    names = ("cudart64_12.dll", "libcudart.so.12")
-    places = [folder]
-    if environ.get("CUDA_PATH"):
-        places += [Path(environ["CUDA_PATH"]) / "bin", Path(environ["CUDA_PATH"]) / "lib64"]
-    for place in places:
-        for name in names:
-            if (place / name).is_file():
-                return place / name
-    return None
-
+# -- loading ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LoadedLibrary:
@@ -164,6 +155,7 @@ class LoadedLibrary:
     folder: Path
     bundled: bool
     version: str
+    source: str = "bundled"
 
     @property
     def identity(self) -> str:
@@ -176,48 +168,60 @@ _loaded: LoadedLibrary | None = None
 _bindings: ModuleType | None = None
 
 
-def bindings(lib_dir: Path | None = None, *, probe: bool = True) -> ModuleType:
+def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True) -> ModuleType:
     """Import ``llama_cpp.llama_cpp`` with the chosen library and return it.
 
     The first call decides the library for the life of the process; a later call that
     asks for another folder fails rather than silently using the first one.
     """
     global _loaded, _bindings
+    choice = lib_dir if isinstance(lib_dir, LibraryChoice) or lib_dir is None \
+        else LibraryChoice(Path(lib_dir), "the chosen folder")
     with _lock:
         if _bindings is not None:
-            if lib_dir is not None and _loaded and Path(lib_dir).resolve() != _loaded.folder.resolve():
+            if choice is not None and _loaded and choice.folder.resolve() != _loaded.folder.resolve():
                 raise LibraryError(
                     f"the llama library from {_loaded.folder} is already loaded; "
                     "restart the app to use another one")
             return _bindings
-        folder = bundled_library_dir() if lib_dir is None else Path(lib_dir)
+        folder = bundled_library_dir() if choice is None else choice.folder
         if folder is None:
             raise LibraryError(
                 f"llama-cpp-python is not installed; install llama-cpp-python=={BINDINGS_VERSION}")
-        path = find_library_file(folder)
-        if lib_dir is not None:
-            if probe:
-                from native.probe import probe_library
-                report = probe_library(folder)
-                if not report.ok:
-                    raise LibraryError(report.reason)
-            if sys.platform == "win32":
-                for d in dll_directories(folder):
-                    os.add_dll_directory(str(d))
-            os.environ[BINDINGS_ENV_VAR] = str(folder)
+        source = choice.source if choice else "bundled"
+        path = preflight(folder, source=source) if choice else find_library_file(folder)
+        if choice is not None and probe:
+            from native.probe import probe_library
+            report = probe_library(folder)
+            if not report.ok:
+                raise LibraryError(report.reason)
         try:
-            import llama_cpp.llama_cpp as ll
-        except (OSError, RuntimeError, FileNotFoundError, AttributeError) as exc:
+            prepare_windows_search(path)
+            if choice is not None:
+                os.environ[BINDINGS_ENV_VAR] = str(folder)
+            with PathGuard():
+                import llama_cpp.llama_cpp as ll
+        except (OSError, RuntimeError, AttributeError) as exc:
             raise LibraryError(explain_load_failure(folder, exc)) from exc
         check_abi(ll, path)
         from native.logs import install_log_router
         install_log_router(ll)
+        from native.sysinfo import load_dynamic_backends
+        load_dynamic_backends(folder)
         ll.llama_backend_init()
-        version = ll.llama_version().decode("utf-8", "replace") if hasattr(ll, "llama_version") else "unknown"
-        _loaded = LoadedLibrary(path=path, folder=folder, bundled=lib_dir is None, version=version)
+        version = library_version(ll)
+        _loaded = LoadedLibrary(path=path, folder=folder, bundled=choice is None,
+                                version=version, source=source)
         _bindings = ll
-        log.info("loaded %s (%s)", path, version)
+        log.info("loaded %s (%s, from %s)", path, version, source)
         return ll
+
+
+def library_version(ll: ModuleType) -> str:
+    fn = getattr(ll, "llama_version", None)
+    if fn is None:
+        return f"llama-cpp-python {BINDINGS_VERSION}"
+    return fn().decode("utf-8", "replace")
 
 
 def loaded_library() -> LoadedLibrary:
@@ -225,6 +229,26 @@ def loaded_library() -> LoadedLibrary:
     bindings()
     assert _loaded is not None
     return _loaded
+
+
+# -- ABI ----------------------------------------------------------------------------------------
+
+def missing_symbols(lib, names=REQUIRED_SYMBOLS) -> list[str]:
+    """The names ``lib`` (a ctypes.CDLL or anything with attributes) does not export."""
+    missing = []
+    for name in names:
+        try:
+            getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+def symbols_refusal(path: Path, missing: list[str], total: int) -> str:
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return (f"the llama library {path} lacks {len(missing)} of the {total} functions this app "
+            f"calls ({shown}): it was built from another llama.cpp; commit "
+            f"{REQUIRED_LLAMA_CPP_COMMIT} (llama-cpp-python {BINDINGS_VERSION}) is needed")
 
 
 def check_abi(ll: ModuleType, path: Path) -> None:
@@ -236,12 +260,9 @@ def check_abi(ll: ModuleType, path: Path) -> None:
     """
     if ctypes.sizeof(ctypes.c_void_p) != 8:
         raise LibraryError("Checkpoint Chat needs a 64-bit Python")
-    lib = ll._lib
-    missing = [name for name in REQUIRED_SYMBOLS if not hasattr(lib, name)]
+    missing = missing_symbols(ll._lib)
     if missing:
-        raise LibraryError(
-            f"the llama library {path} lacks {', '.join(missing[:3])}: it was built from "
-            f"another llama.cpp; commit {REQUIRED_LLAMA_CPP_COMMIT} is needed")
+        raise LibraryError(symbols_refusal(path, missing, len(REQUIRED_SYMBOLS)))
     problems = abi_problems(ll.llama_context_default_params(), ll.llama_model_default_params())
     if problems:
         raise LibraryError(
@@ -260,7 +281,9 @@ def abi_problems(cparams, mparams) -> list[str]:
         ("type_v", cparams.type_v, 1),
         ("flash_attn_type", cparams.flash_attn_type, -1),
         ("yarn_ext_factor", cparams.yarn_ext_factor, -1.0),
+        ("n_gpu_layers", mparams.n_gpu_layers, -1),
         ("main_gpu", mparams.main_gpu, 0),
+        ("split_mode", mparams.split_mode, 1),
         ("vocab_only", bool(mparams.vocab_only), False),
         ("check_tensors", bool(mparams.check_tensors), False),
     ]

@@ -1,24 +1,36 @@
 """What hardware llama.cpp sees: backends, devices and their free memory.
 
-llama-cpp-python does not bind ggml's device registry, so this module binds the five
+llama-cpp-python does not bind ggml's backend registry, so this module binds the few
 functions it needs from the ggml library that sits beside libllama.  Failure to do so
 is not fatal: the report then says the device list is unavailable.
+
+It also loads *dynamic* backends.  Official llama.cpp Windows releases are built with
+``GGML_BACKEND_DL=ON``: ggml-cuda.dll and the ggml-cpu-*.dll variants are plug-ins that
+the release's own programs load with ``ggml_backend_load_all()``, which searches the
+*executable's* folder (python.exe's, for us).  libllama does not do it itself, so a
+release folder would come up with no device at all; :func:`load_dynamic_backends`
+loads them from the library's folder when the registry is empty.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-from native.library import bindings, loaded_library
+from native.libfile import ggml_filenames
 
 log = logging.getLogger("native")
 
 # enum ggml_backend_dev_type
 _DEVICE_KINDS = {0: "CPU", 1: "GPU", 2: "iGPU", 3: "accelerator"}
+
+#: Opens a library file (tests pass a fake returning an object with ggml's functions).
+Opener = Callable[[str], Any]
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,8 @@ class SystemInfo:
     gpu_offload: bool
     features: str
     devices: list[Device] = field(default_factory=list)
+    backends: list[str] = field(default_factory=list)
+    source: str = "bundled"
 
     @property
     def backend_label(self) -> str:
@@ -46,59 +60,118 @@ class SystemInfo:
         return f"{gpus[0].kind} {gpus[0].description or gpus[0].name}" if gpus else "CPU"
 
 
-def _ggml_library(folder: Path) -> ctypes.CDLL | None:
-    names = {"win32": ["ggml.dll"], "darwin": ["libggml.dylib", "libggml.so"]}.get(
-        sys.platform, ["libggml.so"])
-    for name in names:
+def _open(path: str):
+    return ctypes.CDLL(path)
+
+
+def ggml_library(folder: Path, platform: str = sys.platform, opener: Opener = _open):
+    """ggml's core library in ``folder``, typed for the registry calls, or None."""
+    for name in ggml_filenames(platform):
         path = folder / name
-        if path.is_file():
-            try:
-                return ctypes.CDLL(str(path))
-            except OSError as exc:
-                log.warning("cannot open %s: %s", path, exc)
+        if not path.is_file():
+            continue
+        try:
+            lib = opener(str(path))
+        except OSError as exc:
+            log.warning("cannot open %s: %s", path, exc)
+            return None
+        try:
+            _declare(lib)
+        except AttributeError as exc:
+            log.warning("ggml device registry unavailable in %s: %s", path, exc)
+            return None
+        return lib
     return None
 
 
-def list_devices(folder: Path) -> list[Device]:
-    lib = _ggml_library(folder)
-    if lib is None:
-        return []
-    try:
-        lib.ggml_backend_dev_count.restype = ctypes.c_size_t
-        lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
-        lib.ggml_backend_dev_get.restype = ctypes.c_void_p
-        for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-            getattr(lib, fn).argtypes = [ctypes.c_void_p]
-            getattr(lib, fn).restype = ctypes.c_char_p
-        lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
-        lib.ggml_backend_dev_type.restype = ctypes.c_int
-        lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
-                                                ctypes.POINTER(ctypes.c_size_t)]
-        lib.ggml_backend_dev_memory.restype = None
-    except AttributeError as exc:
-        log.warning("ggml device registry unavailable: %s", exc)
-        return []
+def _declare(lib) -> None:
+    # size_t ggml_backend_dev_count(void); ggml_backend_dev_t ggml_backend_dev_get(size_t index)
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    # const char * ggml_backend_dev_name(ggml_backend_dev_t device) (and _description)
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, fn).argtypes = [ctypes.c_void_p]
+        getattr(lib, fn).restype = ctypes.c_char_p
+    # enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device)
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total)
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib.ggml_backend_dev_memory.restype = None
+    # size_t ggml_backend_reg_count(void); ggml_backend_reg_t ggml_backend_reg_get(size_t index)
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    # const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+
+
+def _text(raw) -> str:
+    return (raw or b"").decode("utf-8", "replace")
+
+
+def list_backends(lib) -> list[str]:
+    return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)))
+            for i in range(lib.ggml_backend_reg_count())]
+
+
+def list_devices_from(lib) -> list[Device]:
     devices = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
         devices.append(Device(
-            name=(lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
-            description=(lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+            name=_text(lib.ggml_backend_dev_name(dev)),
+            description=_text(lib.ggml_backend_dev_description(dev)),
             kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "other"),
             memory_free=free.value, memory_total=total.value))
     return devices
 
 
+def list_devices(folder: Path, platform: str = sys.platform, opener: Opener = _open) -> list[Device]:
+    lib = ggml_library(folder, platform, opener)
+    return list_devices_from(lib) if lib is not None else []
+
+
+def load_dynamic_backends(folder: Path, platform: str = sys.platform,
+                          opener: Opener = _open) -> list[str]:
+    """Load plug-in backends from ``folder`` when none is registered; the names loaded.
+
+    A library with backends linked in (llama-cpp-python's builds) already has them
+    registered, and is left alone.
+    """
+    lib = ggml_library(folder, platform, opener)
+    if lib is None or lib.ggml_backend_reg_count() > 0:
+        return []
+    load = getattr(lib, "ggml_backend_load_all_from_path", None)
+    if load is None:
+        log.warning("no ggml backend registered and %s cannot load plug-ins", folder)
+        return []
+    # void ggml_backend_load_all_from_path(const char * dir_path)
+    load.argtypes = [ctypes.c_char_p]
+    load.restype = None
+    load(os.fsencode(str(folder)) if platform != "win32" else str(folder).encode("utf-8"))
+    names = list_backends(lib)
+    log.info("loaded ggml backends from %s: %s", folder, ", ".join(names) or "none")
+    return names
+
+
 def system_info() -> SystemInfo:
+    from native.library import bindings, loaded_library
     ll = bindings()
     lib = loaded_library()
+    ggml = ggml_library(lib.folder)
     return SystemInfo(
         library_path=str(lib.path),
         library_version=lib.version,
         bundled=lib.bundled,
         gpu_offload=bool(ll.llama_supports_gpu_offload()),
         features=ll.llama_print_system_info().decode("utf-8", "replace").strip(),
-        devices=list_devices(lib.folder),
+        devices=list_devices_from(ggml) if ggml is not None else [],
+        backends=list_backends(ggml) if ggml is not None else [],
+        source=lib.source,
     )

@@ -1,0 +1,252 @@
+"""Checks on a llama library's files that need no loading: names, bitness, CUDA runtime.
+
+Everything here reads bytes or lists folders and never maps a library into the
+process, so it is safe on any file and testable on any OS: the target platform and
+the environment are parameters, and a "llama.dll" in a test is a few crafted bytes.
+
+The point is to refuse with what was found and what is needed *before* the OS loader
+turns the problem into "module not found" or "wrong ELF class".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from native.errors import LibraryError
+
+#: llama-cpp-python 0.3.36 vendors this llama.cpp commit (its CHANGELOG); a user's own
+#: library is only safe to call when built from it.
+REQUIRED_LLAMA_CPP_COMMIT = "0c1e57098"
+BINDINGS_VERSION = "0.3.36"
+
+
+def library_filenames(platform: str = sys.platform) -> tuple[str, ...]:
+    """The file names llama-cpp-python looks for in a folder, on ``platform``, in order."""
+    if platform == "win32":
+        return ("llama.dll", "libllama.dll")
+    if platform == "darwin":
+        return ("libllama.so", "libllama.dylib")
+    return ("libllama.so",)
+
+
+def ggml_filenames(platform: str = sys.platform) -> tuple[str, ...]:
+    """ggml's core library (the device registry lives there), beside libllama."""
+    if platform == "win32":
+        return ("ggml.dll", "libggml.dll")
+    if platform == "darwin":
+        return ("libggml.dylib", "libggml.so")
+    return ("libggml.so",)
+
+
+def find_library_file(folder: Path, platform: str = sys.platform, *, source: str = "") -> Path:
+    """The library inside ``folder``; the error names every path it tried and why.
+
+    ``source`` says where the folder came from ("--llama-lib", "Settings",
+    "CHECKPOINT_CHAT_LLAMA_LIB") so the user knows which setting to fix.
+    """
+    where = f" (from {source})" if source else ""
+    if not folder.exists():
+        raise LibraryError(f"llama library folder not found: {folder}{where}")
+    if not folder.is_dir():
+        raise LibraryError(f"llama library folder is not a folder: {folder}{where}; "
+                           f"choose the folder that contains {library_filenames(platform)[0]}")
+    tried = [folder / name for name in library_filenames(platform)]
+    for path in tried:
+        if path.is_file():
+            return path
+    raise LibraryError(f"no llama library in {folder}{where}; looked for "
+                       + ", ".join(str(p) for p in tried))
+
+
+# -- binary format -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BinaryKind:
+    """What a library file is, read from its first bytes."""
+    format: str      # "ELF", "PE", "Mach-O" or "unknown"
+    bits: int        # 32, 64, or 0 when unknown
+    machine: str     # "x86_64", "x86", "arm64", ... or "unknown"
+
+    def describe(self) -> str:
+        if self.format == "unknown":
+            return "not a shared library"
+        return f"a {self.bits}-bit {self.machine} {self.format} library"
+
+
+_ELF_MACHINES = {3: "x86", 62: "x86_64", 40: "arm", 183: "arm64"}
+_PE_MACHINES = {0x14C: ("x86", 32), 0x8664: ("x86_64", 64), 0xAA64: ("arm64", 64),
+                0x1C4: ("arm", 32)}
+_MACHO = {b"\xcf\xfa\xed\xfe": 64, b"\xce\xfa\xed\xfe": 32, b"\xca\xfe\xba\xbe": 0}
+
+
+def read_binary_kind(path: Path) -> BinaryKind:
+    """Read the ELF / PE / Mach-O header of ``path`` (only its first 4 KiB)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:4] == b"\x7fELF" and len(head) >= 20:
+        bits = {1: 32, 2: 64}.get(head[4], 0)
+        endian = "<" if head[5] == 1 else ">"
+        (machine,) = struct.unpack_from(endian + "H", head, 18)
+        return BinaryKind("ELF", bits, _ELF_MACHINES.get(machine, f"machine {machine}"))
+    if head[:2] == b"MZ" and len(head) >= 0x40:
+        (pe_offset,) = struct.unpack_from("<I", head, 0x3C)
+        if pe_offset + 6 <= len(head) and head[pe_offset:pe_offset + 4] == b"PE\0\0":
+            (machine,) = struct.unpack_from("<H", head, pe_offset + 4)
+            name, bits = _PE_MACHINES.get(machine, (f"machine 0x{machine:x}", 0))
+            return BinaryKind("PE", bits, name)
+        return BinaryKind("PE", 0, "unknown")
+    if head[:4] in _MACHO:
+        return BinaryKind("Mach-O", _MACHO[head[:4]], "unknown")
+    return BinaryKind("unknown", 0, "unknown")
+
+
+def _expected_format(platform: str) -> str:
+    return {"win32": "PE", "darwin": "Mach-O"}.get(platform, "ELF")
+
+
+def host_machine() -> str:
+    import platform as _platform
+    m = _platform.machine().lower()
+    return {"amd64": "x86_64", "x86_64": "x86_64", "aarch64": "arm64", "arm64": "arm64"}.get(m, m)
+
+
+def check_binary(path: Path, platform: str = sys.platform, machine: str | None = None) -> BinaryKind:
+    """Refuse a file this 64-bit process cannot load: wrong format, 32-bit, other CPU."""
+    kind = read_binary_kind(path)
+    want_format = _expected_format(platform)
+    machine = machine or host_machine()
+    system = {"win32": "Windows", "darwin": "macOS"}.get(platform, "Linux")
+    need = f"a 64-bit {machine} {want_format} library for {system}"
+    if kind.format == "unknown":
+        raise LibraryError(f"{path} is {kind.describe()}; {need} is needed")
+    if kind.format != want_format and not (want_format == "Mach-O" and kind.format == "ELF"):
+        raise LibraryError(f"{path} is {kind.describe()}, built for another operating system; "
+                           f"{need} is needed")
+    if kind.bits == 32:
+        raise LibraryError(f"{path} is {kind.describe()}; this app runs as a 64-bit process "
+                           f"and cannot load it: {need} is needed")
+    if kind.format != "Mach-O" and kind.machine != machine:
+        raise LibraryError(f"{path} is {kind.describe()}, for another processor; {need} is needed")
+    return kind
+
+
+# -- CUDA runtime --------------------------------------------------------------------------
+
+_CUDA_BACKEND = {"win32": ("ggml-cuda.dll",), "darwin": ()}
+_RUNTIME_NAME = {"win32": re.compile(rb"(?:cudart|cublas|cublasLt)64_\d+\.dll", re.I),
+                 "linux": re.compile(rb"lib(?:cudart|cublas|cublasLt)\.so\.\d+")}
+_DEFAULT_RUNTIME = {"win32": ("cudart64_12.dll", "cublas64_12.dll", "cublasLt64_12.dll"),
+                    "linux": ("libcudart.so.12", "libcublas.so.12", "libcublasLt.so.12")}
+
+
+def cuda_backend_file(folder: Path, platform: str = sys.platform) -> Path | None:
+    """ggml's CUDA backend in ``folder``, when this library was built with CUDA."""
+    names = _CUDA_BACKEND.get(platform, ("libggml-cuda.so",))
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+def cuda_runtime_names(backend: Path, platform: str = sys.platform) -> tuple[str, ...]:
+    """The CUDA runtime libraries the backend imports, read from its import strings.
+
+    The import table stores dependency names as plain ASCII, so a byte search finds
+    them without a PE/ELF parser; a CUDA 12 build names cudart64_12.dll, a CUDA 13 one
+    cudart64_13.dll.  Falls back to CUDA 12's names.
+    """
+    key = "win32" if platform == "win32" else "linux"
+    data = backend.read_bytes()
+    found = sorted({m.group(0).decode("ascii") for m in _RUNTIME_NAME[key].finditer(data)},
+                   key=lambda n: ("cudart" not in n.lower(), n.lower()))  # the runtime first
+    return tuple(found) or _DEFAULT_RUNTIME[key]
+
+
+def cuda_bin_dirs(environ: Mapping[str, str], platform: str = sys.platform) -> list[Path]:
+    """Where the CUDA toolkit / runtime installer puts its DLLs, newest version first.
+
+    The installer sets CUDA_PATH (the last installed) and CUDA_PATH_V12_4 style
+    variables (one per version); CUDA 13 moved the DLLs into bin\\x64.
+    """
+    if platform != "win32":
+        return []
+    roots: list[str] = []
+    if environ.get("CUDA_PATH"):
+        roots.append(environ["CUDA_PATH"])
+    versioned = sorted((k for k in environ if re.fullmatch(r"CUDA_PATH_V\d+_\d+", k)),
+                       key=lambda k: tuple(int(x) for x in k[11:].split("_")), reverse=True)
+    roots += [environ[k] for k in versioned if environ[k]]
+    dirs: list[Path] = []
+    for root in roots:
+        for sub in ("bin", os.path.join("bin", "x64")):
+            d = Path(root) / sub
+            if d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+def missing_cuda_runtime(folder: Path, platform: str, environ: Mapping[str, str]) -> str | None:
+    """Why a CUDA build in ``folder`` would fail to load, or None when it looks complete.
+
+    Only Windows is checked ahead of time: there the runtime must sit beside llama.dll
+    or in a CUDA bin folder.  On Linux the dynamic linker's own error is explained
+    after the fact (see :func:`explain_load_failure`).
+    """
+    if platform != "win32":
+        return None
+    backend = cuda_backend_file(folder, platform)
+    if backend is None:
+        return None
+    places = [folder] + [d for d in cuda_bin_dirs(environ, platform) if d.is_dir()]
+    missing = [name for name in cuda_runtime_names(backend, platform)
+               if not any((p / name).is_file() for p in places)]
+    system32 = Path(environ.get("SystemRoot", r"C:\Windows")) / "System32"
+    if missing:
+        major = re.search(r"_(\d+)\.dll", missing[0])
+        version = major.group(1) if major else "12"
+        return (f"the llama library in {folder} was built with CUDA ({backend.name}) but "
+                f"{', '.join(missing)} {'was' if len(missing) == 1 else 'were'} not found "
+                f"(looked in {', '.join(str(p) for p in places)}); install the CUDA {version} "
+                f"runtime: the CUDA Toolkit {version}.x, or unzip llama.cpp's matching "
+                f"cudart-llama-bin-win-cuda-{version}.x-x64.zip into {folder}")
+    if system32.is_dir() and not (system32 / "nvcuda.dll").is_file():
+        return (f"the llama library in {folder} was built with CUDA but no NVIDIA driver was "
+                f"found (nvcuda.dll is not in {system32}); install a recent NVIDIA driver")
+    return None
+
+
+# -- the loader's error, explained -------------------------------------------------------
+
+def explain_load_failure(folder: Path, error: BaseException, platform: str = sys.platform,
+                         environ: Mapping[str, str] | None = None) -> str:
+    """Turn the OS loader's terse error into what was found and what is needed."""
+    environ = os.environ if environ is None else environ
+    text = str(error)
+    system = {"win32": "Windows", "darwin": "macOS"}.get(platform, "Linux")
+    if ("%1 is not a valid Win32" in text or "WinError 193" in text or "wrong ELF class" in text
+            or "incompatible architecture" in text or "invalid ELF header" in text):
+        return (f"the llama library in {folder} is not a 64-bit library for {system} "
+                f"({text.strip()}); a 64-bit build is needed")
+    cuda = missing_cuda_runtime(folder, platform, environ)
+    if cuda:
+        return cuda
+    lib = re.search(r"(lib(?:cudart|cublas|cublasLt|cuda)\.so\.\d+): cannot open", text)
+    if lib:
+        return (f"the llama library in {folder} was built with CUDA but {lib.group(1)} was not "
+                "found; install the CUDA runtime (and a recent NVIDIA driver) or add its "
+                "folder to the linker's search path (ldconfig)")
+    if isinstance(error, AttributeError) or "undefined symbol" in text or "procedure" in text:
+        return (f"the llama library in {folder} lacks a function this app needs ({text.strip()}); "
+                f"it comes from another llama.cpp build: commit {REQUIRED_LLAMA_CPP_COMMIT} "
+                f"(llama-cpp-python {BINDINGS_VERSION}) is needed")
+    if "WinError 126" in text or "could not be found" in text or "one of its dependencies" in text:
+        return (f"Windows could not load the llama library in {folder} or one of the DLLs it "
+                f"needs ({text.strip()}); keep every DLL of the llama.cpp release together in "
+                "that folder")
+    return f"could not load the llama library from {folder}: {text.strip()}"
