@@ -7,25 +7,54 @@ temp file is removed and the destination is untouched.
 
 On Windows ``os.replace`` fails with ERROR_ACCESS_DENIED / SHARING_VIOLATION /
 LOCK_VIOLATION (winerror 5 / 32 / 33) while an antivirus scanner or the search indexer
-holds the destination open; those are retried for a bounded time.  The module-level
-``fsync`` and ``replace`` names are the seams tests use to inject failures.
+holds the destination open; those are retried for a bounded time.
+
+A process killed mid-write (SIGKILL, power loss) leaves its temp file behind.  On POSIX
+the writer holds an ``flock`` on its temp file, which the kernel drops when the process
+dies, so :func:`is_stale_temp` can tell a dead writer's leftovers from a live write.  On
+Windows an open file cannot be deleted at all, which gives the same protection.
+
+When the destination folder is a checkpoint store (it holds :data:`STORE_MARKER`), the
+final rename happens under the store's cross-process lock, so that pruning (which
+checks a file and then deletes it) can never delete a version that was renamed into
+place between its check and its delete.
+
+The module-level ``open_file``, ``fsync`` and ``replace`` names are the seams tests use
+to inject failures (ENOSPC, EIO, sharing violations).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, ContextManager, Iterator
+
+from filelock import FileLock
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+log = logging.getLogger("checkpoint")
 
 #: Windows errors caused by another process holding the file for a moment.
 TRANSIENT_WINERRORS = frozenset({5, 32, 33})
 REPLACE_RETRY_S = 3.0
 TEMP_SUFFIX = ".tmp"
+#: An empty file that marks a folder as a checkpoint store (see engine.store).
+STORE_MARKER = ".kvstore"
+STORE_LOCK_NAME = ".kvstore.lock"
+#: How long a save waits for the store lock, which is only ever held for a rename or a
+#: delete; a longer wait means something is badly wrong and the save reports it.
+STORE_LOCK_TIMEOUT_S = 30.0
 
+open_file = open
 fsync = os.fsync
 replace = os.replace
 
@@ -35,7 +64,25 @@ def temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
-def replace_with_retry(src: Path, dst: Path, budget_s: float = REPLACE_RETRY_S) -> None:
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def store_lock(folder: Path, timeout: float = STORE_LOCK_TIMEOUT_S) -> FileLock:
+    """The cross-process lock of the store in ``folder``."""
+    return FileLock(str(folder / STORE_LOCK_NAME), timeout=timeout)
+
+
+def _lock_for(folder: Path) -> ContextManager:
+    if (folder / STORE_MARKER).exists():
+        return store_lock(folder)
+    return contextlib.nullcontext()
+
+
+def replace_with_retry(src: Path, dst: Path, budget_s: float | None = None) -> None:
+    """``replace(src, dst)``, retrying transient Windows sharing errors for ``budget_s``."""
+    # read at call time so that tests (and a future setting) can shorten the budget
+    budget_s = REPLACE_RETRY_S if budget_s is None else budget_s
     deadline = time.monotonic() + budget_s
     delay = 0.01
     while True:
@@ -60,23 +107,77 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _mark_live(f: BinaryIO) -> None:
+    """Hold an flock on the temp file for as long as this process writes it."""
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def is_stale_temp(path: Path, min_age_s: float) -> bool:
+    """True when ``path`` is a temp file whose writer is gone.
+
+    A temp file younger than ``min_age_s`` is never stale: that covers the instant
+    between a writer creating its file and taking the lock.  On Windows the caller's
+    delete simply fails while the writer still has the file open.
+    """
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    if time.time() - st.st_mtime < min_age_s:
+        return False
+    if fcntl is None:
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # a live writer holds it
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, *, durable: bool = True) -> Iterator[BinaryIO]:
-    """Yield a binary file; on normal exit it atomically becomes ``path``."""
+def atomic_write(path: str | os.PathLike, *, durable: bool = True,
+                 lock: ContextManager | None = None) -> Iterator[BinaryIO]:
+    """Yield a binary file; on normal exit it atomically becomes ``path``.
+
+    ``lock`` is held around the rename; by default the store lock when ``path`` lies
+    in a checkpoint store, else nothing.
+    """
     path = Path(path)
     tmp = temp_path_for(path)
-    f = open(tmp, "xb")
+    f = open_file(tmp, "xb")
+    renamed = False
     try:
+        _mark_live(f)
         yield f
         f.flush()
         if durable:
             fsync(f.fileno())
         f.close()
-        replace_with_retry(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
+        with lock if lock is not None else _lock_for(path.parent):
+            replace_with_retry(tmp, path)
+            renamed = True
     except BaseException:
-        f.close()
+        # close() flushes what is buffered, which fails again on a full disk: the temp
+        # file must go away whatever close() says, and the first error is the one to report
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            f.close()
+        if not renamed:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
         raise
+    if durable:
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:
+            # The new file is complete and in place; only the durability of the rename is
+            # in doubt, and after a power loss the folder holds the old file or the new
+            # one, both whole.  Reporting "save failed" would be false.
+            log.warning("could not fsync folder %s after saving %s: %s", path.parent, path.name, exc)

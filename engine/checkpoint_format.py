@@ -68,6 +68,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import uuid
 import zlib
@@ -104,6 +105,12 @@ class Limits:
     """Upper bounds a reader enforces before allocating anything."""
     max_meta: int = 16 << 20          # 16 MiB of JSON
     max_json_depth: int = 32
+    # Parsed JSON costs far more memory than its text (an empty list is 2 bytes of text
+    # and 56 of Python object), so the number of containers and values is capped too,
+    # counted on the raw bytes before parsing.  A conversation needs about two
+    # containers and a handful of values per message.
+    max_json_containers: int = 1 << 16
+    max_json_values: int = 1 << 18
     max_ctx: int = 1 << 22            # 4M tokens
     max_vocab: int = 1 << 21          # 2M entries
     max_layers: int = 1024
@@ -202,7 +209,9 @@ def max_state_len(h: Header) -> int:
 
 def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIMITS) -> Header:
     """Decode and validate a header; ``file_size`` adds the exact-length check."""
-    if len(raw) < 8 or raw[:8] != MAGIC:
+    if len(raw) < 8 and MAGIC.startswith(raw):
+        raise TruncatedCheckpoint(f"the file ends inside its magic bytes ({len(raw)} bytes long)")
+    if raw[:8] != MAGIC:
         raise NotACheckpoint("not a Checkpoint Chat checkpoint (wrong magic bytes)")
     if len(raw) < 12:
         raise TruncatedCheckpoint("the file ends inside its header")
@@ -299,10 +308,36 @@ def read_header(path: str | os.PathLike) -> Header:
 # -- metadata ---------------------------------------------------------------------------
 
 def encode_metadata(meta: dict[str, Any]) -> bytes:
+    """JSON bytes for ``meta``; refuses what a reader would refuse (never write an
+    unreadable checkpoint)."""
     data = json.dumps(meta, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     if len(data) > LIMITS.max_meta:
         raise CorruptMetadata(f"metadata of {len(data)} bytes exceeds the {LIMITS.max_meta} byte cap")
+    _check_json_shape(data, LIMITS)
     return data
+
+
+_JSON_ESCAPE = re.compile(rb"\\.", re.S)
+_JSON_STRING = re.compile(rb'"[^"]*"')
+
+
+def _check_json_shape(data: bytes, limits: Limits) -> None:
+    """Bound what ``json.loads`` would build, from the bytes alone, before parsing.
+
+    Escapes are removed first (so a ``\\"`` cannot end a string), then strings, which
+    cannot hold structure; both patterns are linear-time.  What remains is counted:
+    ``{`` and ``[`` open containers, ``,`` and ``:`` separate values.  Counting an
+    invalid document wrongly only matters if it parses, and then the count is exact.
+    """
+    skeleton = _JSON_STRING.sub(b"", _JSON_ESCAPE.sub(b"", data))
+    containers = skeleton.count(b"{") + skeleton.count(b"[")
+    if containers > limits.max_json_containers:
+        raise CorruptMetadata(f"the metadata block holds {containers} objects and lists, more "
+                              f"than the {limits.max_json_containers} allowed")
+    values = containers + skeleton.count(b",") + skeleton.count(b":")
+    if values > limits.max_json_values:
+        raise CorruptMetadata(f"the metadata block holds {values} values, more than the "
+                              f"{limits.max_json_values} allowed")
 
 
 def _depth(value: Any, limit: int) -> int:
@@ -321,12 +356,18 @@ def _depth(value: Any, limit: int) -> int:
 
 
 def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[str, Any]:
+    data = bytes(data)
+    if len(data) > limits.max_meta:
+        raise CorruptMetadata(f"metadata of {len(data)} bytes exceeds the {limits.max_meta} byte cap")
+    _check_json_shape(data, limits)
     try:
-        meta = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptMetadata(f"the metadata block is not valid JSON: {exc}") from None
+        meta = json.loads(data.decode("utf-8"))
     except RecursionError:
         raise CorruptMetadata("the metadata block is nested too deeply") from None
+    except ValueError as exc:
+        # JSONDecodeError and UnicodeDecodeError, and also the ValueError Python raises
+        # for an integer of more than 4300 digits (sys.set_int_max_str_digits)
+        raise CorruptMetadata(f"the metadata block is not valid JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise CorruptMetadata("the metadata block is not a JSON object")
     if _depth(meta, limits.max_json_depth) > limits.max_json_depth:

@@ -131,3 +131,11 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
     if sum(layers for _, layers in blocks) > n_layer:
         raise CorruptState("the KV state has more layers than the model")
     return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen))
+
+
+def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayout:
+    """:func:`check_state` with the shape taken from a checkpoint header."""
+    return check_state(state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
+                       n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
+                       flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
+                       n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v)
