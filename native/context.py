@@ -195,8 +195,18 @@ class Context:
         # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id)
         return int(self._ll.llama_state_seq_get_size(self.ptr, seq))
 
+    def synchronize(self) -> None:
+        """Wait until the backend (CUDA) has finished every queued computation.
+
+        On CUDA a pause lands between decode calls and the last one may still be
+        running on the device; a save must read the KV cache after it, not during.
+        """
+        # void llama_synchronize(struct llama_context * ctx)
+        self._ll.llama_synchronize(self.ptr)
+
     def state_get_into(self, buffer, size: int, seq: int = 0) -> int:
         """Copy ``seq``'s state into ``buffer`` (any writable ctypes-compatible buffer)."""
+        self.synchronize()  # llama.cpp does it too; explicit, as the save depends on it
         dst = (ctypes.c_uint8 * size).from_buffer(buffer)
         # size_t llama_state_seq_get_data(ctx, uint8_t * dst, size_t size, llama_seq_id seq_id)
         written = int(self._ll.llama_state_seq_get_data(self.ptr, dst, size, seq))

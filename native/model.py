@@ -21,6 +21,10 @@ log = logging.getLogger("native")
 #: Called with a fraction in [0, 1] while the weights load; return False to cancel.
 ProgressCallback = Callable[[float], bool]
 
+#: n_gpu_layers value meaning "offload every layer" (llama.cpp's own default, -1); on a
+#: CPU-only build it is the same as 0.
+GPU_LAYERS_ALL = -1
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -39,7 +43,7 @@ class ModelShape:
 class Model:
     """One loaded llama.cpp model."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0,
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
                  progress: ProgressCallback | None = None, vocab_only: bool = False) -> None:
         self.path = Path(path)
         if not self.path.is_file():
@@ -50,6 +54,14 @@ class Model:
         ll = self._ll = bindings()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        if main_gpu:
+            # with one GPU (split_mode NONE) main_gpu picks it; with LAYER split it holds
+            # the output layer and scratch buffers
+            if not 0 <= main_gpu < ll.llama_max_devices():
+                raise ModelLoadError(f"main GPU {main_gpu} does not exist "
+                                     f"(this build supports up to {ll.llama_max_devices()})")
+            params.main_gpu = main_gpu
+            params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: the whole model on that GPU
         params.vocab_only = vocab_only
         self._progress_cb = None  # referenced while llama.cpp may call it
         if progress is not None:
@@ -70,6 +82,7 @@ class Model:
         self._vocab = ll.llama_model_get_vocab(self._ptr)
         self.shape = self._read_shape()
         self.n_gpu_layers = n_gpu_layers
+        self.main_gpu = main_gpu
         self._piece_cache: dict[int, bytes] = {}
 
     # -- ownership -------------------------------------------------------------------

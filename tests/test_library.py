@@ -446,3 +446,14 @@ def test_cli_refuses_a_bad_folder_in_one_line(tmp_path):
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "lacks" in lines[0], done.stderr
+
+
+# -- GPU offload plumbing --------------------------------------------------------------------------------------------
+
+def test_main_gpu_beyond_the_build_is_refused_before_loading(smollm_path):
+    from native.errors import ModelLoadError
+    from native.model import GPU_LAYERS_ALL, Model
+    with pytest.raises(ModelLoadError, match="main GPU 99 does not exist"):
+        Model(smollm_path, main_gpu=99)
+    with Model(smollm_path, n_gpu_layers=GPU_LAYERS_ALL, main_gpu=0) as model:
+        assert model.n_gpu_layers == -1 and model.main_gpu == 0   # CPU build: same as 0
