@@ -1,0 +1,99 @@
+"""Well-formed checkpoints without a model, for tests that need thousands of saves.
+
+The files are written by the real writer (``write_sections`` inside ``atomic_write``)
+and carry a KV state blob laid out exactly as llama.cpp writes it (see engine.kvstate),
+so the real reader and the state walker check them as they would a model's file.  The
+metadata records which conversation and which save (``seq``) a file is, so a test can
+tell the previous version from the new one after a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine import checkpoint_format as fmt
+from engine.atomic import atomic_write
+from engine.kvstate import STATE_MAGIC, check_state_for
+
+N_LAYER, N_HEAD_KV, HEAD_DIM, N_VOCAB, N_CTX = 4, 2, 16, 512, 4096
+F16 = 1
+
+
+def state_blob(n_tokens: int, seed: int, *, flash_attn: bool = False) -> bytes:
+    """A one-cache, one-stream sequence state of ``n_tokens`` cells with f16 K/V."""
+    rng = np.random.default_rng(seed)
+    cells = np.zeros((n_tokens, 3), dtype="<i4")
+    cells[:, 0] = np.arange(n_tokens)
+    cells[:, 1] = 1                                    # one seq id each: sequence 0
+    row = 2 * N_HEAD_KV * HEAD_DIM                     # f16 bytes per cell and layer
+    parts = [struct.pack("<IiII", STATE_MAGIC, 0, 1, n_tokens), cells.tobytes(),
+             struct.pack("<II", 0 if flash_attn else 1, N_LAYER)]
+    for _ in range(N_LAYER):
+        parts += [struct.pack("<iQ", F16, row), rng.bytes(row * n_tokens)]
+    for _ in range(N_LAYER):
+        if flash_attn:
+            parts += [struct.pack("<iQ", F16, row), rng.bytes(row * n_tokens)]
+        else:
+            parts += [struct.pack("<iII", F16, 2, N_HEAD_KV * HEAD_DIM), rng.bytes(row * n_tokens)]
+    return b"".join(parts)
+
+
+def header(conv_id: uuid.UUID, n_tokens: int, kind: int, title: str = "synthetic",
+           n_generated: int = 0, flash_attn: bool = False) -> fmt.Header:
+    return fmt.Header(
+        model_fingerprint=b"synthetic-model!", model_size=123456, n_vocab=N_VOCAB,
+        n_layer=N_LAYER, n_head_kv=N_HEAD_KV, n_embd_head_k=HEAD_DIM, n_embd_head_v=HEAD_DIM,
+        n_swa=0, n_ctx=N_CTX, type_k=F16, type_v=F16, flash_attn=flash_attn, kv_unified=True,
+        n_seq_max=1, n_tokens=n_tokens, n_tokens_total=n_tokens, n_generated=n_generated,
+        created_unix_ns=time.time_ns(), conversation_id=conv_id, library="synthetic",
+        title=title, kind=kind)
+
+
+def write(path: Path, conv_id: uuid.UUID, seq: int, *, kind: int = fmt.KIND_AUTOSAVE,
+          n_tokens: int | None = None, writer: int = 0, title: str = "synthetic",
+          durable: bool = True) -> Path:
+    """Atomically save save number ``seq`` of conversation ``conv_id`` to ``path``."""
+    if n_tokens is None:   # vary the size so that kills land in every phase of a save
+        n_tokens = 16 + (seq * 7919 + writer * 104729) % 1000
+    h = header(conv_id, n_tokens, kind, title, n_generated=min(seq, n_tokens))
+    meta = fmt.encode_metadata({"conversation": str(conv_id), "seq": seq, "writer": writer,
+                                "title": title})
+    tokens = (np.arange(n_tokens, dtype=np.int32) * 31 + seq) % N_VOCAB
+    logits = np.linspace(-5, 5, N_VOCAB, dtype=np.float32)
+    with atomic_write(path, durable=durable) as f:
+        fmt.write_sections(f, h, meta, tokens, logits, state_blob(n_tokens, seed=seq * 1000 + writer))
+    return path
+
+
+def file_bytes(n_tokens: int = 8, seq: int = 1, conv_id: uuid.UUID | None = None) -> bytes:
+    """One small checkpoint as bytes (for mutation tests that need thousands of them)."""
+    import io
+    conv_id = conv_id or uuid.UUID(int=42)
+    h = header(conv_id, n_tokens, fmt.KIND_MANUAL)
+    h = fmt.replace(h, created_unix_ns=1_700_000_000_000_000_000)
+    meta = fmt.encode_metadata({"conversation": str(conv_id), "seq": seq, "title": "t"})
+    out = io.BytesIO()
+    fmt.write_sections(out, h, meta, np.arange(n_tokens, dtype=np.int32),
+                       np.zeros(N_VOCAB, np.float32), state_blob(n_tokens, seed=seq))
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class Checked:
+    header: fmt.Header
+    meta: dict
+
+
+def load_fully(path: str | os.PathLike) -> Checked:
+    """Everything a restore checks before llama.cpp: header, lengths, CRC, state walk."""
+    data = fmt.read_checkpoint(path)
+    if data.header.n_tokens:
+        check_state_for(data.header, data.state)
+    return Checked(data.header, data.meta)
