@@ -1,0 +1,547 @@
+"""The engine thread: one thread owns the Runtime; everyone else sends it commands.
+
+llama.cpp's context is not thread-safe and a decode may take seconds, so the desktop
+app never touches the :class:`~engine.runtime.Runtime` itself.  :class:`EngineWorker`
+starts one thread that owns the model, the context and every conversation object;
+other threads call its public methods, which only put a command on a queue (or, for
+:meth:`EngineWorker.pause`, set a flag) and return at once.  Results come back through
+the plain callbacks of a :class:`WorkerListener`, called *on the engine thread*: a GUI
+turns them into queued Qt signals, a test can record them.  This module never imports
+Qt, and it imports the native layer only on the engine thread (loading libllama is
+itself a native call the UI thread must not make).
+
+What the worker adds to the engine API is bookkeeping for "never recompute twice":
+
+* each conversation has one checkpoint file in the store, rewritten atomically after
+  every answer, pause and exit; autosaves go to the store's per-conversation autosave
+  file every N tokens and are pruned oldest-first under a disk budget;
+* the KV cache holds one conversation at a time.  Switching to another conversation
+  first saves the one in the cache if the file lags behind it, then restores the other
+  from its checkpoint instead of re-decoding its prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+from engine.checkpoint_format import (KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, Header,
+                                      read_checkpoint)
+from engine.conversation import Conversation
+from engine.errors import AppError, CheckpointError, GenerationError
+from engine.sampling import SamplerSettings
+from engine.store import Store
+
+log = logging.getLogger("engine")
+
+
+# -- what crosses the thread boundary: plain, immutable data ---------------------------------
+
+@dataclass(frozen=True)
+class ModelOptions:
+    path: Path
+    n_ctx: int = 4096
+    n_threads: int = 0
+    n_gpu_layers: int = 0
+    llama_lib: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The loaded model as the UI may know it (no native object inside)."""
+    name: str
+    path: Path
+    architecture: str
+    size: int
+    n_ctx: int
+    backend: str
+    library_path: str
+    library_version: str
+    _compat: Any = field(default=None, repr=False, compare=False)
+
+    def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
+        """Why a checkpoint cannot be restored into this model, or None.
+
+        Pure Python: the same check the Runtime runs, applied to values captured on the
+        engine thread, so a listing on another thread never waits for a generation.
+        """
+        if self._compat is None:
+            return None
+        from engine.runtime import Runtime  # already imported by the engine thread
+        try:
+            Runtime.check_compatible(self._compat, header, meta)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+
+@dataclass(frozen=True)
+class ConversationSnapshot:
+    """A copy of a conversation for display; the engine thread keeps the original."""
+    id: uuid.UUID
+    title: str
+    transcript: tuple[dict, ...]
+    paused: bool
+    n_tokens: int
+    n_ctx: int
+    seed: int
+    checkpoint: Path | None
+    checkpoint_size: int = 0
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    conversation_id: uuid.UUID
+    finish_reason: str
+    n_generated: int
+    n_prompt_tokens: int
+    n_reused_tokens: int
+    tokens_per_s: float
+    text: str
+
+
+class WorkerListener:
+    """Callbacks the engine thread makes; override what you need.  They must return fast."""
+
+    def on_model_loading(self, fraction: float) -> None: ...
+    def on_model_loaded(self, info: ModelInfo) -> None: ...
+    def on_model_failed(self, message: str) -> None: ...
+    def on_conversation_changed(self, snap: ConversationSnapshot) -> None: ...
+    def on_generation_started(self, snap: ConversationSnapshot) -> None: ...
+    def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None: ...
+    def on_text(self, conv_id: uuid.UUID, delta: str) -> None: ...
+    def on_generation_finished(self, summary: GenerationSummary) -> None: ...
+    def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None: ...
+    def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
+                            seconds: float, kind: int) -> None: ...
+    def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
+    def on_error(self, action: str, message: str) -> None: ...
+    def on_stopped(self) -> None: ...
+
+
+class _Relay:
+    """The generation loop's listener, tagging each callback with the conversation."""
+
+    def __init__(self, listener: WorkerListener, conv_id: uuid.UUID) -> None:
+        self._listener = listener
+        self._id = conv_id
+
+    def on_prefill_progress(self, done: int, total: int) -> None:
+        self._listener.on_prefill_progress(self._id, done, total)
+
+    def on_text(self, delta: str) -> None:
+        self._listener.on_text(self._id, delta)
+
+
+_STOP = object()
+
+
+class EngineWorker:
+    """Owns the Runtime on a dedicated thread; every public method is thread-safe."""
+
+    def __init__(self, listener: WorkerListener, store: Store | None = None) -> None:
+        self.listener = listener
+        self.store = store or Store()
+        self.autosave_every = 0
+        self.autosave_budget = 1 << 30
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._control = None                 # engine.generation.Control, made on the thread
+        self._control_ready = threading.Event()
+        self._pause_kind = KIND_PAUSE
+        self._stopping = threading.Event()
+        self._generating = threading.Event()
+        self._busy = 0                       # commands queued or running
+        self._busy_lock = threading.Lock()
+        # engine-thread state
+        self.runtime = None
+        self.model_info: ModelInfo | None = None
+        self._convs: dict[uuid.UUID, Conversation] = {}
+        self._paths: dict[uuid.UUID, Path] = {}
+        self._saved_tokens: dict[uuid.UUID, int] = {}
+        self._active: uuid.UUID | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def generating(self) -> bool:
+        return self._generating.is_set()
+
+    @property
+    def idle(self) -> bool:
+        with self._busy_lock:
+            return self._busy == 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, *, save: bool = True) -> None:
+        """Pause a running generation (saved as an exit checkpoint) and stop the thread.
+
+        Returns at once; ``on_stopped`` is called when the thread has saved and exited.
+        """
+        self._stopping.set()
+        if self._generating.is_set():
+            self.pause(kind=KIND_EXIT if save else KIND_PAUSE)
+        self._queue.put(_STOP)
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # -- commands (any thread) -------------------------------------------------------------
+    def _submit(self, action: str, fn: Callable, *args) -> None:
+        with self._busy_lock:
+            self._busy += 1
+        self._queue.put((action, fn, args))
+
+    def load_model(self, options: ModelOptions) -> None:
+        self._submit("load the model", self._do_load_model, options)
+
+    def set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
+        self._submit("change the sampler", self._do_set_sampler, conv_id, sampler)
+
+    def new_conversation(self, *, system_prompt: str = "",
+                         sampler: SamplerSettings | None = None) -> uuid.UUID:
+        conv = Conversation(system_prompt=system_prompt, sampler=sampler or SamplerSettings())
+        self._submit("create a conversation", self._do_adopt, conv)
+        return conv.id
+
+    def send(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
+        self._submit("generate", self._do_send, conv_id, text, n_predict)
+
+    def resume(self, conv_id: uuid.UUID, n_predict: int | None = None) -> None:
+        self._submit("resume", self._do_resume, conv_id, n_predict)
+
+    def regenerate(self, conv_id: uuid.UUID) -> None:
+        self._submit("regenerate", self._do_regenerate, conv_id)
+
+    def open_checkpoint(self, path: str | Path) -> None:
+        """Restore a checkpoint into the cache and make its conversation known."""
+        self._submit("open the checkpoint", self._do_open_checkpoint, Path(path))
+
+    def show(self, conv_id: uuid.UUID) -> None:
+        """Report a conversation's snapshot again (on_conversation_changed)."""
+        self._submit("show the conversation", self._do_show, conv_id)
+
+    def rename(self, conv_id: uuid.UUID, title: str) -> None:
+        self._submit("rename the conversation", self._do_rename, conv_id, title)
+
+    def forget(self, conv_id: uuid.UUID) -> None:
+        """Drop a conversation from memory (its files are the caller's business)."""
+        self._submit("delete the conversation", self._do_forget, conv_id)
+
+    def pause(self, *, kind: int = KIND_PAUSE) -> None:
+        """Ask the running generation to stop within one token; it then saves.
+
+        Runs on the caller's thread: it only sets an event and llama.cpp's abort flag
+        (a Python-side flag the abort callback reads), so a click is never queued
+        behind the generation it means to stop.
+        """
+        self._pause_kind = kind
+        if self._control_ready.is_set() and self._generating.is_set():
+            self._control.request_pause()
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        from engine.generation import Control  # imports native/ on this thread only
+        self._control = Control()
+        self._control_ready.set()
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _STOP:
+                    break
+                action, fn, args = item
+                try:
+                    fn(*args)
+                except Exception as exc:  # noqa: BLE001 - one bad command must not kill the thread
+                    self._report_error(action, exc)
+                finally:
+                    with self._busy_lock:
+                        self._busy -= 1
+            self._save_active_if_dirty(KIND_EXIT)
+        except Exception as exc:  # noqa: BLE001
+            self._report_error("save before exit", exc)
+        finally:
+            if self.runtime is not None:
+                self.runtime.close()
+                self.runtime = None
+            self.listener.on_stopped()
+
+    def _report_error(self, action: str, exc: BaseException) -> None:
+        from native.errors import NativeError
+        if isinstance(exc, (AppError, NativeError, OSError)):
+            log.warning("could not %s: %s", action, exc)
+            message = str(exc)
+        else:
+            log.exception("unexpected failure while trying to %s", action)
+            message = f"unexpected {type(exc).__name__}: {exc}"
+        self.listener.on_error(action, message)
+
+    # -- engine-thread implementations --------------------------------------------------------
+    def _do_load_model(self, opts: ModelOptions) -> None:
+        from engine.runtime import Runtime
+        from native.context import ContextSettings
+        from native.library import bindings, choose_library_dir, loaded_library
+        from native.sysinfo import system_info
+        try:
+            bindings(choose_library_dir(cli_dir=opts.llama_lib))
+            self._save_active_if_dirty(KIND_MANUAL)
+            if self.runtime is not None:
+                self.runtime.close()
+                self.runtime = None
+                self._active = None
+            last = [-1.0]
+
+            def progress(fraction: float) -> bool:
+                if fraction - last[0] >= 0.01 or fraction >= 1.0:  # at most ~100 events
+                    last[0] = fraction
+                    self.listener.on_model_loading(fraction)
+                return not self._stopping.is_set()
+
+            rt = Runtime(opts.path, ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
+                         n_gpu_layers=opts.n_gpu_layers, progress=progress)
+        except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
+            self._report_error("load the model", exc)
+            self.listener.on_model_failed(str(exc))
+            return
+        self.runtime = rt
+        try:
+            info = system_info()
+            backend, lib_path, lib_version = info.backend_label, info.library_path, info.library_version
+        except Exception as exc:  # noqa: BLE001 - device listing is informative only
+            log.warning("system info unavailable: %s", exc)
+            lib = loaded_library()
+            backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
+        compat = SimpleNamespace(  # duck-typed stand-in for Runtime.check_compatible
+            fingerprint=rt.fingerprint, settings=rt.settings,
+            model=SimpleNamespace(shape=rt.model.shape, name=rt.model.name),
+            ctx=SimpleNamespace(n_ctx=rt.ctx.n_ctx))
+        self.model_info = ModelInfo(
+            name=rt.model.name, path=Path(opts.path), architecture=rt.model.architecture,
+            size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
+            library_path=lib_path, library_version=lib_version, _compat=compat)
+        self.listener.on_model_loaded(self.model_info)
+
+    def _need_runtime(self):
+        if self.runtime is None:
+            raise AppError("no model is loaded yet")
+        return self.runtime
+
+    def _conv(self, conv_id: uuid.UUID) -> Conversation:
+        conv = self._convs.get(conv_id)
+        if conv is None:
+            raise AppError("that conversation is not open")
+        return conv
+
+    def snapshot(self, conv: Conversation) -> ConversationSnapshot:
+        path = self._paths.get(conv.id)
+        size = 0
+        if path is not None:
+            try:
+                size = path.stat().st_size
+            except OSError:
+                size = 0
+        n_ctx = self.runtime.ctx.n_ctx if self.runtime is not None else 0
+        return ConversationSnapshot(
+            id=conv.id, title=conv.title, transcript=tuple(dict(m) for m in conv.transcript()),
+            paused=conv.paused, n_tokens=len(conv.tokens), n_ctx=n_ctx, seed=conv.sampler.seed,
+            checkpoint=path, checkpoint_size=size)
+
+    def _do_adopt(self, conv: Conversation) -> None:
+        self._convs[conv.id] = conv
+        self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_show(self, conv_id: uuid.UUID) -> None:
+        self.listener.on_conversation_changed(self.snapshot(self._conv(conv_id)))
+
+    def _do_set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
+        self._conv(conv_id).sampler = sampler
+
+    def _do_rename(self, conv_id: uuid.UUID, title: str) -> None:
+        conv = self._conv(conv_id)
+        conv.title = title
+        if self._paths.get(conv_id) is not None:
+            # the title lives in the checkpoint's header: rewrite the file
+            self._activate(conv)
+            self._save(conv, KIND_MANUAL)
+        else:
+            self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_forget(self, conv_id: uuid.UUID) -> None:
+        self._convs.pop(conv_id, None)
+        self._paths.pop(conv_id, None)
+        self._saved_tokens.pop(conv_id, None)
+        if self._active == conv_id:
+            self._active = None
+        self.listener.on_conversation_deleted(conv_id)
+
+    def _do_open_checkpoint(self, path: Path) -> None:
+        rt = self._need_runtime()
+        data = read_checkpoint(path)
+        rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
+        self._save_active_if_dirty(KIND_MANUAL)
+        self._active = None
+        conv = rt.restore(data)
+        self._active = conv.id
+        self._convs[conv.id] = conv
+        self._paths[conv.id] = Path(path)
+        self._saved_tokens[conv.id] = data.header.n_tokens
+        self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_send(self, conv_id: uuid.UUID, text: str, n_predict: int) -> None:
+        from engine.generation import begin_answer
+        rt = self._need_runtime()
+        conv = self._conv(conv_id)
+        if conv.paused:
+            # a new message after a paused answer keeps what was generated so far
+            conv.answer.finish_reason = "interrupted"
+        begin_answer(conv, rt, text, n_predict=n_predict)
+        self._generate(conv)
+
+    def _do_resume(self, conv_id: uuid.UUID, n_predict: int | None) -> None:
+        conv = self._conv(conv_id)
+        if not conv.paused:
+            raise GenerationError("there is no paused answer to resume")
+        if n_predict is not None:
+            conv.answer.n_predict = n_predict
+        self._generate(conv)
+
+    def _do_regenerate(self, conv_id: uuid.UUID) -> None:
+        from engine.generation import discard_answer
+        conv = self._conv(conv_id)
+        if conv.answer is None:
+            raise GenerationError("there is no answer to regenerate")
+        discard_answer(conv)
+        self._generate(conv)
+
+    def _generate(self, conv: Conversation) -> None:
+        from engine.generation import generate
+        rt = self._need_runtime()
+        if self._stopping.is_set():
+            return
+        self._activate(conv)
+        self._control.reset()
+        self._pause_kind = KIND_PAUSE
+        self._generating.set()
+        self.listener.on_generation_started(self.snapshot(conv))
+        try:
+            result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv.id),
+                              autosave_every=self.autosave_every, autosave=self._autosave)
+        finally:
+            self._generating.clear()
+        self.listener.on_generation_finished(GenerationSummary(
+            conversation_id=conv.id, finish_reason=result.finish_reason,
+            n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
+            n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
+            text=result.text))
+        kind = self._pause_kind if result.paused else KIND_MANUAL
+        if not result.paused:
+            from engine.generation import commit_answer
+            commit_answer(conv)
+        self._save(conv, kind)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _save(self, conv: Conversation, kind: int) -> None:
+        rt = self._need_runtime()
+        path = self._paths.get(conv.id) or self.store.new_path(conv.title)
+        self.listener.on_checkpoint_saving(conv.id, kind)
+        info = rt.save(path, conv, kind)
+        self._paths[conv.id] = info.path
+        self._saved_tokens[conv.id] = info.n_tokens
+        self._remove_autosave(conv.id)  # superseded by the file just written
+        self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
+
+    def _autosave(self, conv: Conversation) -> None:
+        path = self.store.autosave_path(conv.id)
+        try:
+            info = self.runtime.save(path, conv, KIND_AUTOSAVE)
+        except CheckpointError as exc:
+            self.listener.on_error("autosave", str(exc))
+            return
+        self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds,
+                                          KIND_AUTOSAVE)
+        self._prune_autosaves(keep=path)
+
+    def _remove_autosave(self, conv_id: uuid.UUID) -> None:
+        try:
+            self.store.autosave_path(conv_id).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove an old autosave: %s", exc)
+
+    def _prune_autosaves(self, keep: Path) -> None:
+        """Delete the oldest autosaves while they exceed the budget (never a manual save)."""
+        autosaves = []
+        for p in self.store.files():
+            if p.name.startswith("autosave-") and p != keep:
+                try:
+                    st = p.stat()
+                except OSError:
+                    continue
+                autosaves.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in autosaves)
+        try:
+            total += keep.stat().st_size
+        except OSError:
+            pass
+        for _, size, p in sorted(autosaves):
+            if total <= self.autosave_budget:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            log.info("pruned autosave %s (disk budget)", p.name)
+
+    def _save_active_if_dirty(self, kind: int) -> None:
+        """Save the conversation in the KV cache if its file holds fewer tokens."""
+        if self.runtime is None or self._active is None:
+            return
+        conv = self._convs.get(self._active)
+        if conv is None:
+            return
+        n = len(self.runtime.kv_tokens)
+        if n and n != self._saved_tokens.get(conv.id, -1) and conv.tokens[:n] == self.runtime.kv_tokens:
+            self._save(conv, kind)
+
+    def _activate(self, conv: Conversation) -> None:
+        """Make the KV cache hold ``conv`` as far as possible without decoding.
+
+        If another conversation is in the cache it is saved first (when its file lags);
+        then ``conv`` is restored from its checkpoint when that holds more of its tokens
+        than the cache shares with it.  Whatever is still missing, generate() prefills.
+        """
+        from engine.runtime import common_prefix
+        rt = self._need_runtime()
+        if self._active == conv.id:
+            return
+        self._save_active_if_dirty(KIND_MANUAL)
+        self._active = conv.id
+        path = self._paths.get(conv.id)
+        saved = self._saved_tokens.get(conv.id, 0)
+        if path is None or saved <= common_prefix(rt.kv_tokens, conv.tokens):
+            return
+        try:
+            data = read_checkpoint(path)
+            n = data.header.n_tokens
+            if [int(t) for t in data.tokens[:n]] != conv.tokens[:n]:
+                log.info("checkpoint %s no longer matches the conversation; prefilling", path.name)
+                return
+            started = time.perf_counter()
+            rt.restore(data)
+            log.info("restored %d tokens from %s in %.2f s", n, path.name, time.perf_counter() - started)
+        except CheckpointError as exc:
+            log.warning("could not restore %s (%s); the prompt will be decoded again", path, exc)
+
+
+def with_sampler(base: SamplerSettings, **changes) -> SamplerSettings:
+    return replace(base, **changes)

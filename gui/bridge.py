@@ -1,0 +1,168 @@
+"""The one QObject through which the engine thread talks to the UI.
+
+:class:`EngineBridge` owns an :class:`engine.worker.EngineWorker` and implements its
+listener by emitting Qt signals.  The callbacks run on the engine thread; every signal
+is connected with a queued connection, so the slots run on the UI thread.
+
+Tokens are batched: the engine thread appends text to a buffer and posts a flush only
+when none is pending, so however fast tokens come the UI receives at most one delivery
+per event-loop turn, carrying everything generated since the last one.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Qt, Signal, Slot
+
+from engine.worker import (ConversationSnapshot, EngineWorker, GenerationSummary, ModelInfo,
+                           ModelOptions, WorkerListener)
+
+
+class _Listener(WorkerListener):
+    """Runs on the engine thread: turns callbacks into signal emissions."""
+
+    def __init__(self, bridge: "EngineBridge") -> None:
+        self.b = bridge
+
+    def on_model_loading(self, fraction: float) -> None:
+        self.b.model_loading.emit(float(fraction))
+
+    def on_model_loaded(self, info: ModelInfo) -> None:
+        self.b.model_loaded.emit(info)
+
+    def on_model_failed(self, message: str) -> None:
+        self.b.model_failed.emit(message)
+
+    def on_conversation_changed(self, snap: ConversationSnapshot) -> None:
+        self.b.conversation_changed.emit(snap)
+
+    def on_generation_started(self, snap: ConversationSnapshot) -> None:
+        self.b.generation_started.emit(snap)
+
+    def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None:
+        self.b.prefill_progressed.emit(conv_id, done, total)
+
+    def on_text(self, conv_id: uuid.UUID, delta: str) -> None:
+        self.b._buffer_text(conv_id, delta)
+
+    def on_generation_finished(self, summary: GenerationSummary) -> None:
+        self.b._finished_raw.emit(summary)
+
+    def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None:
+        self.b.checkpoint_saving.emit(conv_id, kind)
+
+    def on_checkpoint_saved(self, snap, path: Path, size: int, seconds: float, kind: int) -> None:
+        self.b.checkpoint_saved.emit(snap, str(path), int(size), float(seconds), int(kind))
+
+    def on_conversation_deleted(self, conv_id: uuid.UUID) -> None:
+        self.b.conversation_deleted.emit(conv_id)
+
+    def on_error(self, action: str, message: str) -> None:
+        self.b.engine_failed.emit(action, message)
+
+    def on_stopped(self) -> None:
+        self.b.engine_stopped.emit()
+
+
+class EngineBridge(QObject):
+    """Qt face of the engine thread.
+
+    Signals:
+        model_loading(float): fraction of the weights loaded.
+        model_loaded(ModelInfo)
+        model_failed(str)
+        conversation_changed(ConversationSnapshot): opened, created, renamed.
+        generation_started(ConversationSnapshot)
+        prefill_progressed(UUID, int, int): prompt tokens decoded of the total.
+        tokens_generated(UUID, str): a batch of new answer text.
+        generation_finished(GenerationSummary): after the last tokens_generated.
+        checkpoint_saving(UUID, int): a save of that kind began.
+        checkpoint_saved(ConversationSnapshot, str, int, float, int): path, size, seconds, kind.
+        conversation_deleted(UUID)
+        engine_failed(str, str): what was being done, and why it failed.
+        engine_stopped(): the engine thread saved what it had to and exited.
+    """
+
+    model_loading = Signal(float)
+    model_loaded = Signal(object)
+    model_failed = Signal(str)
+    conversation_changed = Signal(object)
+    generation_started = Signal(object)
+    prefill_progressed = Signal(object, int, int)
+    tokens_generated = Signal(object, str)
+    generation_finished = Signal(object)
+    checkpoint_saving = Signal(object, int)
+    checkpoint_saved = Signal(object, str, int, float, int)
+    conversation_deleted = Signal(object)
+    engine_failed = Signal(str, str)
+    engine_stopped = Signal()
+
+    _text_pending = Signal()
+    _finished_raw = Signal(object)
+
+    def __init__(self, store, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[uuid.UUID, str]] = []
+        self._flush_posted = False
+        self.worker = EngineWorker(_Listener(self), store)
+        # Explicitly queued: emitted on the engine thread, delivered on the UI thread.
+        self._text_pending.connect(self._on_engine_text_pending, Qt.ConnectionType.QueuedConnection)
+        self._finished_raw.connect(self._on_engine_finished, Qt.ConnectionType.QueuedConnection)
+        self.model_info: ModelInfo | None = None
+        self.model_loaded.connect(self._remember_model, Qt.ConnectionType.QueuedConnection)
+
+    # -- token batching -----------------------------------------------------------------------
+    def _buffer_text(self, conv_id: uuid.UUID, delta: str) -> None:
+        with self._lock:
+            self._pending.append((conv_id, delta))
+            post = not self._flush_posted
+            self._flush_posted = True
+        if post:
+            self._text_pending.emit()
+
+    @Slot()
+    def _on_engine_text_pending(self) -> None:
+        self.flush_text()
+
+    def flush_text(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._flush_posted = False
+        merged: list[list] = []
+        for conv_id, delta in pending:
+            if merged and merged[-1][0] == conv_id:
+                merged[-1][1] += delta
+            else:
+                merged.append([conv_id, delta])
+        for conv_id, text in merged:
+            self.tokens_generated.emit(conv_id, text)
+
+    @Slot(object)
+    def _on_engine_finished(self, summary: GenerationSummary) -> None:
+        self.flush_text()  # the answer's last text arrives before the finish
+        self.generation_finished.emit(summary)
+
+    @Slot(object)
+    def _remember_model(self, info: ModelInfo) -> None:
+        self.model_info = info
+
+    # -- commands: thin, documented pass-throughs ----------------------------------------------
+    def start(self) -> None:
+        self.worker.start()
+
+    def load_model(self, options: ModelOptions) -> None:
+        self.worker.load_model(options)
+
+    @property
+    def generating(self) -> bool:
+        return self.worker.generating
+
+    def pause(self) -> None:
+        self.worker.pause()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown(save=True)

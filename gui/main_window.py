@@ -1,0 +1,750 @@
+"""The main window: conversations, chat, prompt, model bar and status bar.
+
+The window never calls the model: commands go to the engine thread through
+:class:`~gui.bridge.EngineBridge` and results come back as queued signals.  File work
+(listing the store, CRC checks, copies) runs on executor threads via gui.tasks.  The
+checkpoint browser, drag-and-drop import and the settings dialog live in their own
+modules; this one wires them together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal, Slot
+from PySide6.QtGui import QAction, QCloseEvent, QDesktopServices, QKeySequence
+from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+                               QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout,
+                               QWidget)
+
+from engine.checkpoint_format import KIND_AUTOSAVE, KIND_NAMES
+from engine.models import default_model_path
+from engine.store import Store
+from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
+from gui.bridge import EngineBridge
+from gui.browser import CheckpointBrowser, list_rows
+from gui.chat_view import ChatView, PromptEdit
+from gui.conversations import ConversationList, stored_conversations
+from gui.importer import (FileCheck, check_file, export_file, file_size_text, import_file,
+                          local_checkpoint_paths, remove_quietly)
+from gui.settings import AppSettings
+from gui.tasks import in_thread, spawn, thread_safe
+
+log = logging.getLogger("gui")
+
+CLOSE_WAIT_MS = 15000   # bounded wait for the exit checkpoint when closing mid-answer
+
+
+class MainWindow(QMainWindow):
+    """Checkpoint Chat's main window.
+
+    Signals:
+        imports_finished(list): FileCheck results of a drop or File > Open Checkpoint.
+        validation_finished(object): FileCheck of a browser Validate.
+        message_shown(str, str): title and text of every message shown to the user.
+        store_listed(): the conversation list and browser were refreshed from the store.
+    """
+
+    imports_finished = Signal(list)
+    validation_finished = Signal(object)
+    message_shown = Signal(str, str)
+    store_listed = Signal()
+
+    def __init__(self, settings: AppSettings | None = None) -> None:
+        super().__init__()
+        self.settings = settings or AppSettings()
+        self.store = Store(self.settings.checkpoint_folder())
+        self.bridge = EngineBridge(self.store, self)
+        self.worker = self.bridge.worker
+        self._apply_autosave_settings()
+        self.current: uuid.UUID | None = None
+        self.running: uuid.UUID | None = None      # conversation with a queued/running answer
+        self.snapshots: dict[uuid.UUID, ConversationSnapshot] = {}
+        self.last_summary: GenerationSummary | None = None
+        self.pause_clicked_at: float | None = None
+        self.pause_latency_s: float | None = None
+        self.resume_offer: QMessageBox | None = None
+        self._closing = False
+        self._close_done = False
+        self.browser: CheckpointBrowser | None = None
+        self.setWindowTitle("Checkpoint Chat")
+        self.setAcceptDrops(True)
+        self.resize(QSize(1100, 720))
+        self._build_widgets()
+        self._build_menus()
+        self._connect_bridge()
+        self._update_buttons()
+
+    # -- construction ---------------------------------------------------------------------------
+    def _build_widgets(self) -> None:
+        self.conversation_list = ConversationList(self)
+        self.conversation_list.currentItemChanged.connect(self._on_list_current_changed)
+        self.conversation_list.new_requested.connect(self.new_conversation)
+        self.conversation_list.rename_requested.connect(self.rename_conversation)
+        self.conversation_list.delete_requested.connect(self.delete_conversation)
+        new_button = QPushButton("New conversation", self)
+        new_button.setObjectName("newButton")
+        new_button.clicked.connect(self.new_conversation)
+        left = QWidget(self)
+        lv = QVBoxLayout(left)
+        lv.setContentsMargins(0, 0, 0, 0)
+        lv.addWidget(new_button)
+        lv.addWidget(self.conversation_list, 1)
+
+        self.model_status = QLabel("Loading model…", self)
+        self.model_status.setObjectName("modelStatus")
+        self.model_status.setAccessibleName("Model status")
+        self.model_progress = QProgressBar(self)
+        self.model_progress.setObjectName("modelProgress")
+        self.model_progress.setAccessibleName("Model loading progress")
+        self.model_progress.setRange(0, 100)
+        self.model_progress.setMaximumWidth(240)
+        model_bar = QHBoxLayout()
+        model_bar.addWidget(self.model_status, 1)
+        model_bar.addWidget(self.model_progress)
+
+        self.chat_view = ChatView(self)
+        self.prompt_edit = PromptEdit(self)
+        self.prompt_edit.submitted.connect(self.send)
+        self.send_button = self._button("Send", "sendButton", "Send message", self.send)
+        self.pause_button = self._button("Pause", "pauseButton", "Pause generation", self.pause)
+        self.resume_button = self._button("Resume", "resumeButton", "Resume paused answer", self.resume)
+        self.regenerate_button = self._button("Regenerate", "regenerateButton", "Regenerate answer",
+                                              self.regenerate)
+        self.pause_button.setToolTip("Pause (Esc): stops within one token and saves a checkpoint")
+        buttons = QHBoxLayout()
+        buttons.addStretch(1)
+        for b in (self.regenerate_button, self.resume_button, self.pause_button, self.send_button):
+            buttons.addWidget(b)
+        right = QWidget(self)
+        rv = QVBoxLayout(right)
+        rv.setContentsMargins(0, 0, 0, 0)
+        rv.addLayout(model_bar)
+        rv.addWidget(self.chat_view, 1)
+        rv.addWidget(self.prompt_edit)
+        rv.addLayout(buttons)
+
+        splitter = QSplitter(self)
+        splitter.addWidget(left)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([220, 880])
+        self.setCentralWidget(splitter)
+
+        sb = self.statusBar()
+        self.speed_label = QLabel("", self)
+        self.speed_label.setObjectName("tokensPerSecond")
+        self.context_usage = QProgressBar(self)
+        self.context_usage.setObjectName("contextUsage")
+        self.context_usage.setAccessibleName("Context used")
+        self.context_usage.setMaximumWidth(220)
+        self.context_usage.setFormat("%v / %m tokens")
+        self.context_usage.setRange(0, 1)
+        self.context_usage.setValue(0)
+        self.save_progress = QProgressBar(self)
+        self.save_progress.setObjectName("saveProgress")
+        self.save_progress.setRange(0, 0)      # busy indicator: llama.cpp gives no save progress
+        self.save_progress.setMaximumWidth(90)
+        self.save_progress.hide()
+        self.checkpoint_label = QLabel("No checkpoint yet", self)
+        self.checkpoint_label.setObjectName("lastCheckpoint")
+        sb.addWidget(self.speed_label)
+        sb.addPermanentWidget(self.save_progress)
+        sb.addPermanentWidget(self.checkpoint_label)
+        sb.addPermanentWidget(self.context_usage)
+
+        # keyboard order: list -> chat -> prompt -> buttons
+        QWidget.setTabOrder(self.conversation_list, self.chat_view)
+        QWidget.setTabOrder(self.chat_view, self.prompt_edit)
+        QWidget.setTabOrder(self.prompt_edit, self.send_button)
+        QWidget.setTabOrder(self.send_button, self.pause_button)
+        QWidget.setTabOrder(self.pause_button, self.resume_button)
+        QWidget.setTabOrder(self.resume_button, self.regenerate_button)
+
+    def _button(self, text: str, name: str, accessible: str, slot) -> QPushButton:
+        b = QPushButton(text, self)
+        b.setObjectName(name)
+        b.setAccessibleName(accessible)
+        b.clicked.connect(slot)
+        return b
+
+    def _build_menus(self) -> None:
+        def action(menu, text, slot, shortcut=None) -> QAction:
+            a = QAction(text, self)
+            if shortcut:
+                a.setShortcut(QKeySequence(shortcut))
+            a.triggered.connect(slot)
+            menu.addAction(a)
+            return a
+
+        m = self.menuBar().addMenu("&File")
+        action(m, "&New Conversation", self.new_conversation, "Ctrl+N")
+        action(m, "Open &Model…", self.open_model_dialog)
+        self.recent_menu = m.addMenu("Recent Models")
+        self.recent_menu.aboutToShow.connect(self._fill_recent_menu)
+        action(m, "&Open Checkpoint…", self.open_checkpoint_dialog, "Ctrl+O")
+        action(m, "&Checkpoints…", self.show_browser, "Ctrl+B")
+        m.addSeparator()
+        action(m, "&Settings…", self.open_settings, "Ctrl+,")
+        m.addSeparator()
+        action(m, "&Quit", self.close, "Ctrl+Q")
+        c = self.menuBar().addMenu("&Conversation")
+        action(c, "&Send", self.send)
+        self.pause_action = action(c, "&Pause", self.pause, "Esc")
+        action(c, "&Resume", self.resume, "Ctrl+R")
+        action(c, "Re&generate", self.regenerate, "Ctrl+Shift+R")
+        c.addSeparator()
+        action(c, "Re&name…", lambda: self.current and self.rename_conversation(self.current), "F2")
+        action(c, "&Delete…", lambda: self.current and self.delete_conversation(self.current))
+        h = self.menuBar().addMenu("&Help")
+        action(h, "&About", self._about)
+
+    def _connect_bridge(self) -> None:
+        b = self.bridge
+        b.model_loading.connect(self._on_bridge_model_loading)
+        b.model_loaded.connect(self._on_bridge_model_loaded)
+        b.model_failed.connect(self._on_bridge_model_failed)
+        b.conversation_changed.connect(self._on_bridge_conversation_changed)
+        b.generation_started.connect(self._on_bridge_generation_started)
+        b.prefill_progressed.connect(self._on_bridge_prefill_progressed)
+        b.tokens_generated.connect(self._on_bridge_tokens_generated)
+        b.generation_finished.connect(self._on_bridge_generation_finished)
+        b.checkpoint_saving.connect(self._on_bridge_checkpoint_saving)
+        b.checkpoint_saved.connect(self._on_bridge_checkpoint_saved)
+        b.engine_failed.connect(self._on_bridge_engine_failed)
+        b.engine_stopped.connect(self._on_bridge_engine_stopped)
+
+    def _apply_autosave_settings(self) -> None:
+        self.worker.autosave_every = max(0, self.settings.autosave_every)
+        self.worker.autosave_budget = max(1, self.settings.autosave_budget_mb) * (1 << 20)
+
+    # -- start --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread, load the model, open a fresh conversation, list the store."""
+        self.bridge.start()
+        self.load_model()
+        self.new_conversation()
+        self.refresh_store()
+        self.prompt_edit.setFocus()
+
+    def model_options(self) -> ModelOptions:
+        s = self.settings
+        path = Path(s.model_path) if s.model_path else default_model_path()
+        return ModelOptions(path=path, n_ctx=s.n_ctx, n_threads=s.n_threads,
+                            n_gpu_layers=s.n_gpu_layers, llama_lib=s.llama_lib or None)
+
+    def load_model(self, path: Path | None = None) -> None:
+        try:
+            options = self.model_options()
+        except Exception as exc:  # noqa: BLE001 - the default model may be missing
+            self._on_bridge_model_failed(str(exc))
+            return
+        if path is not None:
+            options = ModelOptions(path=Path(path), n_ctx=options.n_ctx, n_threads=options.n_threads,
+                                   n_gpu_layers=options.n_gpu_layers, llama_lib=options.llama_lib)
+        self.model_status.setText(f"Loading {options.path.name}…")
+        self.model_progress.setValue(0)
+        self.model_progress.show()
+        self.bridge.load_model(options)
+
+    # -- user actions -------------------------------------------------------------------------------
+    @Slot()
+    def new_conversation(self) -> None:
+        if self.running is not None:
+            return
+        conv_id = self.worker.new_conversation(system_prompt=self.settings.system_prompt,
+                                               sampler=self.settings.sampler())
+        self.current = conv_id
+        self.conversation_list.upsert(conv_id, "New conversation", top=True)
+        self.conversation_list.select(conv_id)
+        self.chat_view.set_transcript([])
+        self._update_context_usage(0, self.bridge.model_info.n_ctx if self.bridge.model_info else 0)
+        self._update_buttons()
+
+    @Slot()
+    def send(self) -> None:
+        text = self.prompt_edit.toPlainText().strip()
+        if not text or self.running is not None or self._closing:
+            return
+        if self.current is None:
+            self.new_conversation()
+        self.prompt_edit.clear()
+        snap = self.snapshots.get(self.current)
+        if snap is None or snap.title in ("", "New conversation"):
+            self.conversation_list.upsert(self.current, _title_from(text))
+        self.chat_view.begin_answer(text)
+        self.running = self.current
+        self.worker.send(self.current, text, self.settings.n_predict)
+        self._update_buttons()
+
+    @Slot()
+    def pause(self) -> None:
+        if self.running is None:
+            return
+        self.pause_clicked_at = time.perf_counter()
+        self.bridge.pause()
+
+    @Slot()
+    def resume(self) -> None:
+        snap = self.snapshots.get(self.current) if self.current else None
+        if self.running is not None or snap is None or not snap.paused:
+            return
+        self.chat_view.begin_answer(None)
+        self.running = self.current
+        self.worker.resume(self.current)
+        self._update_buttons()
+
+    @Slot()
+    def regenerate(self) -> None:
+        snap = self.snapshots.get(self.current) if self.current else None
+        if self.running is not None or snap is None or not snap.transcript:
+            return
+        if self.chat_view.messages and self.chat_view.messages[-1].role == "assistant":
+            self.chat_view.messages.pop()
+        self.chat_view.begin_answer(None)
+        self.running = self.current
+        self.worker.regenerate(self.current)
+        self._update_buttons()
+
+    def rename_conversation(self, conv_id: uuid.UUID) -> None:
+        item = self.conversation_list.item_for(conv_id)
+        old = item.text().removeprefix("⏸ ") if item else ""
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=old)
+        if ok and title.strip():
+            self._rename(conv_id, title.strip())
+
+    def _rename(self, conv_id: uuid.UUID, title: str) -> None:
+        if conv_id not in self.snapshots:
+            path = self.conversation_list.path_of(conv_id)
+            if path is None:
+                return
+            self.worker.open_checkpoint(path)   # the queue keeps the order: open, then rename
+        self.worker.rename(conv_id, title)
+        self.conversation_list.upsert(conv_id, title)
+
+    def delete_conversation(self, conv_id: uuid.UUID) -> None:
+        if self.running == conv_id:
+            return
+        answer = QMessageBox.question(self, "Delete conversation",
+                                      "Delete this conversation and its checkpoint files?")
+        if answer == QMessageBox.StandardButton.Yes:
+            self._delete(conv_id)
+
+    def _delete(self, conv_id: uuid.UUID) -> None:
+        path = self.conversation_list.path_of(conv_id)
+        snap = self.snapshots.pop(conv_id, None)
+        for p in {path, snap.checkpoint if snap else None, self.store.autosave_path(conv_id)}:
+            if p is not None:
+                remove_quietly(p)
+        self.worker.forget(conv_id)
+        self.conversation_list.remove(conv_id)
+        if self.current == conv_id:
+            self.current = None
+            self.new_conversation()
+        self.refresh_store()
+
+    # -- model ------------------------------------------------------------------------------------
+    def open_model_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open model", str(Path.home()), "GGUF models (*.gguf)")
+        if path:
+            self.switch_model(Path(path))
+
+    def switch_model(self, path: Path) -> None:
+        if self.running is not None:
+            self.show_message("Model", "Pause the answer before switching models.")
+            return
+        self.settings.model_path = str(path)
+        self.settings.add_recent_model(str(path))
+        self.load_model(path)
+
+    def _fill_recent_menu(self) -> None:
+        self.recent_menu.clear()
+        for p in self.settings.recent_models():
+            self.recent_menu.addAction(Path(p).name, lambda p=p: self.switch_model(Path(p)))
+        if self.recent_menu.isEmpty():
+            self.recent_menu.addAction("(none)").setEnabled(False)
+
+    def open_settings(self) -> None:
+        from gui.settings_dialog import SettingsDialog
+        dialog = SettingsDialog(self.settings, self.bridge.model_info, self)
+        if dialog.exec():
+            self._apply_autosave_settings()
+            if dialog.model_changed and self.running is None:
+                self.load_model()
+
+    def _about(self) -> None:
+        info = self.bridge.model_info
+        lib = f"\nllama.cpp: {info.library_version} ({info.library_path})" if info else ""
+        QMessageBox.about(self, "Checkpoint Chat",
+                          "Checkpoint Chat: generation state is never lost and never computed "
+                          f"twice.{lib}")
+
+    # -- messages ---------------------------------------------------------------------------------
+    def show_message(self, title: str, text: str, *, error: bool = False) -> QMessageBox:
+        """The one way the app tells the user something: a non-modal box, also a signal."""
+        log.log(logging.WARNING if error else logging.INFO, "%s: %s", title, text)
+        box = QMessageBox(QMessageBox.Icon.Warning if error else QMessageBox.Icon.Information,
+                          title, text, QMessageBox.StandardButton.Ok, self)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.open()
+        self.message_shown.emit(title, text)
+        return box
+
+    def show_error(self, title: str, text: str) -> QMessageBox:
+        return self.show_message(title, text, error=True)
+
+    # -- engine events ---------------------------------------------------------------------------
+    @Slot(float)
+    def _on_bridge_model_loading(self, fraction: float) -> None:
+        self.model_progress.setValue(int(fraction * 100))
+
+    @Slot(object)
+    def _on_bridge_model_loaded(self, info: ModelInfo) -> None:
+        self.model_progress.hide()
+        self.model_status.setText(f"<b>{info.name}</b> · {info.backend} · context {info.n_ctx:,} tokens")
+        self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
+        snap = self.snapshots.get(self.current) if self.current else None
+        self._update_context_usage(snap.n_tokens if snap else 0, info.n_ctx)
+        self.refresh_store()
+
+    @Slot(str)
+    def _on_bridge_model_failed(self, message: str) -> None:
+        self.model_progress.hide()
+        self.model_status.setText("No model loaded — File › Open Model…")
+        self.running = None
+        self._update_buttons()
+
+    @Slot(object)
+    def _on_bridge_conversation_changed(self, snap: ConversationSnapshot) -> None:
+        self.snapshots[snap.id] = snap
+        self.conversation_list.upsert(snap.id, snap.title, path=snap.checkpoint, paused=snap.paused)
+        if snap.id == self.current and self.running != snap.id:
+            self._show_snapshot(snap)
+        self._update_buttons()
+
+    @Slot(object)
+    def _on_bridge_generation_started(self, snap: ConversationSnapshot) -> None:
+        self.snapshots[snap.id] = snap
+        self.running = snap.id
+        self.speed_label.setText("Reading the prompt…")
+        self._update_context_usage(snap.n_tokens, snap.n_ctx)
+        self._update_buttons()
+
+    @Slot(object, int, int)
+    def _on_bridge_prefill_progressed(self, conv_id, done: int, total: int) -> None:
+        if done < total:
+            self.speed_label.setText(f"Reading the prompt… {done:,} / {total:,} tokens")
+
+    @Slot(object, str)
+    def _on_bridge_tokens_generated(self, conv_id, text: str) -> None:
+        if conv_id == self.current:
+            if self.speed_label.text().startswith("Reading"):
+                self.speed_label.setText("Generating…")
+            self.chat_view.append_text(text)
+
+    @Slot(object)
+    def _on_bridge_generation_finished(self, summary: GenerationSummary) -> None:
+        self.last_summary = summary
+        if self.pause_clicked_at is not None:
+            self.pause_latency_s = time.perf_counter() - self.pause_clicked_at
+            self.pause_clicked_at = None
+        self.running = None
+        paused = summary.finish_reason == "paused"
+        self.speed_label.setText(f"{summary.tokens_per_s:.1f} tokens/s · {summary.n_generated} tokens"
+                                 + (f" · {summary.n_reused_tokens:,} prompt tokens reused"
+                                    if summary.n_reused_tokens else ""))
+        if summary.conversation_id == self.current:
+            self.chat_view.finish_answer(complete=not paused, note="Paused · saving checkpoint…" if paused else "")
+        self._update_buttons()
+
+    @Slot(object, int)
+    def _on_bridge_checkpoint_saving(self, conv_id, kind: int) -> None:
+        self.save_progress.show()
+        self.checkpoint_label.setText(f"Saving {KIND_NAMES.get(kind, '')} checkpoint…")
+
+    @Slot(object, str, int, float, int)
+    def _on_bridge_checkpoint_saved(self, snap: ConversationSnapshot, path: str, size: int,
+                                    seconds: float, kind: int) -> None:
+        self.save_progress.hide()
+        stamp = time.strftime("%H:%M:%S")
+        self.checkpoint_label.setText(f"Checkpoint {stamp} · {file_size_text(size)}"
+                                      + (" (autosave)" if kind == KIND_AUTOSAVE else ""))
+        self.checkpoint_label.setToolTip(f"{path}\nwritten in {seconds * 1000:.0f} ms")
+        if kind == KIND_AUTOSAVE:
+            return   # the conversation's own file is unchanged; nothing else to update
+        self.snapshots[snap.id] = snap
+        self.conversation_list.upsert(snap.id, snap.title, path=Path(path), paused=snap.paused)
+        if snap.id == self.current and self.running != snap.id:
+            self._update_context_usage(snap.n_tokens, snap.n_ctx)
+            if snap.paused:
+                self.chat_view.set_note(f"Paused · saved {file_size_text(size)} at {stamp} — Resume continues it")
+        self._update_buttons()
+        if self.browser is not None and self.browser.isVisible():
+            self.refresh_store()
+
+    @Slot(str, str)
+    def _on_bridge_engine_failed(self, action: str, message: str) -> None:
+        if self.running is not None and action in ("generate", "resume", "regenerate"):
+            self.running = None
+            self.chat_view.finish_answer(complete=False, note="Stopped by an error")
+        self.save_progress.hide()
+        self._update_buttons()
+        self.show_error(f"Could not {action}", message)
+
+    @Slot()
+    def _on_bridge_engine_stopped(self) -> None:
+        if self._closing:
+            self._finish_close()
+
+    # -- display helpers ----------------------------------------------------------------------------
+    def _show_snapshot(self, snap: ConversationSnapshot) -> None:
+        note = ""
+        if snap.paused and snap.checkpoint_size:
+            note = f"Paused · saved {file_size_text(snap.checkpoint_size)} — Resume continues it"
+        self.chat_view.set_transcript(snap.transcript, paused=snap.paused, note=note)
+        self._update_context_usage(snap.n_tokens, snap.n_ctx)
+
+    def _update_context_usage(self, used: int, n_ctx: int) -> None:
+        self.context_usage.setRange(0, max(1, n_ctx))
+        self.context_usage.setValue(min(used, max(1, n_ctx)))
+
+    def _update_buttons(self) -> None:
+        busy = self.running is not None
+        snap = self.snapshots.get(self.current) if self.current else None
+        self.send_button.setEnabled(not busy and not self._closing)
+        self.pause_button.setEnabled(busy)
+        self.pause_action.setEnabled(busy)
+        self.resume_button.setEnabled(not busy and bool(snap and snap.paused))
+        self.regenerate_button.setEnabled(not busy and bool(snap and snap.transcript
+                                                            and snap.transcript[-1]["role"] == "assistant"))
+        self.conversation_list.setEnabled(not busy)
+
+    @Slot()
+    def _on_list_current_changed(self, item, _previous=None) -> None:
+        if item is None:
+            return
+        conv_id = item.data(Qt.ItemDataRole.UserRole)
+        if conv_id == self.current:
+            return
+        self.current = conv_id
+        snap = self.snapshots.get(conv_id)
+        if snap is not None:
+            self._show_snapshot(snap)
+            self.worker.show(conv_id)
+        else:
+            path = self.conversation_list.path_of(conv_id)
+            self.chat_view.set_transcript([])
+            self.chat_view.placeholder = "Opening the conversation…"
+            self.chat_view.render()
+            self.chat_view.placeholder = "Type a message below and press Enter."
+            if path is not None:
+                self.worker.open_checkpoint(path)
+        self._update_buttons()
+
+    def select_conversation(self, conv_id: uuid.UUID) -> None:
+        """Make ``conv_id`` the current conversation, as a click in the list would."""
+        item = self.conversation_list.item_for(conv_id)
+        if item is not None:
+            self.conversation_list.setCurrentItem(item)
+
+    # -- store: listing, browser, import --------------------------------------------------------------
+    def refresh_store(self) -> None:
+        spawn(self._refresh_store())
+
+    async def _refresh_store(self) -> None:
+        started = time.perf_counter()
+        model = self.bridge.model_info
+        convs = await in_thread(stored_conversations, self.store)
+        rows = await in_thread(list_rows, self.store, model) if self.browser is not None else None
+        for c in convs:
+            if c.id not in self.snapshots:
+                self.conversation_list.upsert(c.id, c.title, path=c.path, paused=c.paused)
+        if rows is not None:
+            self.browser.set_rows(rows, model, time.perf_counter() - started)
+        self.store_listed.emit()
+
+    def show_browser(self) -> CheckpointBrowser:
+        if self.browser is None:
+            self.browser = CheckpointBrowser(self)
+            self.browser.resume_requested.connect(self.open_checkpoint)
+            self.browser.validate_requested.connect(self.validate_checkpoint)
+            self.browser.rename_requested.connect(self._browser_rename)
+            self.browser.delete_requested.connect(self._browser_delete)
+            self.browser.export_requested.connect(self._browser_export)
+            self.browser.reveal_requested.connect(
+                lambda p: QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(p).parent))))
+            self.browser.refresh_requested.connect(self.refresh_store)
+            self.browser.files_dropped.connect(self.import_files)
+        self.browser.show()
+        self.browser.raise_()
+        self.refresh_store()
+        return self.browser
+
+    def open_checkpoint(self, path: Path) -> None:
+        """Restore a checkpoint from the store and show its conversation."""
+        if self.running is not None:
+            self.show_message("Checkpoint", "Pause the answer before opening another checkpoint.")
+            return
+        spawn(self._open_checkpoint(Path(path)))
+
+    async def _open_checkpoint(self, path: Path) -> None:
+        from engine.checkpoint_format import read_header
+        try:
+            header = await in_thread(read_header, path)
+        except Exception as exc:  # noqa: BLE001 - shown to the user
+            self.show_error("Could not open the checkpoint", str(exc))
+            return
+        self.conversation_list.upsert(header.conversation_id, header.title, path=path, top=True)
+        self.snapshots.pop(header.conversation_id, None)  # the file is the newer truth
+        self.current = header.conversation_id
+        self.conversation_list.select(header.conversation_id)
+        self.worker.open_checkpoint(path)
+
+    def open_checkpoint_dialog(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Open checkpoint", str(self.store.folder),
+                                                "Checkpoints (*.kvckpt);;All files (*)")
+        if paths:
+            self.import_files([Path(p) for p in paths])
+
+    def import_files(self, paths: list) -> None:
+        spawn(self._import_files([Path(p) for p in paths]))
+
+    async def _import_files(self, paths: list[Path]) -> None:
+        results: list[FileCheck] = []
+        self.save_progress.show()
+        try:
+            for p in paths:
+                results.append(await in_thread(import_file, p, self.store, self.bridge.model_info))
+        finally:
+            self.save_progress.hide()
+        refused = [r for r in results if r.imported is None]
+        if refused:
+            self.show_error("Not imported", "\n".join(r.message() for r in refused))
+        self.imports_finished.emit(results)
+        imported = [r.imported for r in results if r.imported is not None]
+        self.refresh_store()
+        if imported:
+            self._offer_resume(imported[0], len(imported))
+
+    def _offer_resume(self, path: Path, count: int) -> None:
+        box = QMessageBox(QMessageBox.Icon.Question, "Checkpoint imported",
+                          f"Imported {count} checkpoint{'s' if count > 1 else ''} into the store. "
+                          f"Resume “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
+        resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton("Later", QMessageBox.ButtonRole.RejectRole)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(path))
+        box.open()
+        self.resume_offer = box
+
+    def validate_checkpoint(self, path: Path) -> None:
+        spawn(self._validate(Path(path)))
+
+    async def _validate(self, path: Path) -> FileCheck:
+        bar = self.browser.progress if self.browser is not None else None
+        if bar is not None:
+            bar.setRange(0, 1000)
+            bar.setValue(0)
+            bar.show()
+        last = [-1]
+
+        def progress(done: int, total: int) -> None:
+            step = done * 1000 // max(1, total)
+            if step != last[0] and bar is not None:  # at most 1000 cross-thread posts
+                last[0] = step
+                post(step)
+        post = thread_safe(lambda v: bar.setValue(v))
+        try:
+            result = await in_thread(check_file, path, self.bridge.model_info, progress)
+        finally:
+            if bar is not None:
+                bar.hide()
+        if self.browser is not None:
+            status = "verified" if result.ok else result.status
+            self.browser.model.update_row(path, status=status,
+                                          reason="CRC OK" if result.ok else result.reason)
+        self.validation_finished.emit(result)
+        return result
+
+    def _browser_rename(self, path: Path) -> None:
+        row = self.browser.selected_row() if self.browser else None
+        if row is None or row.header is None:
+            return
+        title, ok = QInputDialog.getText(self.browser, "Rename checkpoint", "Title:", text=row.title)
+        if ok and title.strip():
+            conv_id = row.header.conversation_id
+            self.conversation_list.upsert(conv_id, title.strip(), path=path)
+            self._rename(conv_id, title.strip())
+
+    def _browser_delete(self, path: Path) -> None:
+        answer = QMessageBox.question(self.browser, "Delete checkpoint", f"Delete {Path(path).name}?")
+        if answer == QMessageBox.StandardButton.Yes:
+            remove_quietly(Path(path))
+            self.refresh_store()
+
+    def _browser_export(self, path: Path) -> None:
+        target, _ = QFileDialog.getSaveFileName(self.browser, "Export checkpoint",
+                                                str(Path.home() / Path(path).name),
+                                                "Checkpoints (*.kvckpt)")
+        if target:
+            spawn(self._export(Path(path), Path(target)))
+
+    async def _export(self, path: Path, target: Path) -> None:
+        try:
+            await in_thread(export_file, path, target)
+        except OSError as exc:
+            self.show_error("Export failed", str(exc))
+            return
+        self.show_message("Exported", f"Saved a copy as {target}")
+
+    # -- drag and drop ------------------------------------------------------------------------------
+    def dragEnterEvent(self, event) -> None:
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dragMoveEvent(self, event) -> None:
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = local_checkpoint_paths(event.mimeData().urls())
+        if not paths:
+            event.ignore()
+            return
+        event.acceptProposedAction()
+        self.import_files(paths)
+
+    # -- closing ------------------------------------------------------------------------------------
+    def closeEvent(self, event: QCloseEvent) -> None:
+        """Pause and save before exiting, with a visible notice and a bounded wait."""
+        if self._close_done or not self.worker.alive:
+            if self.browser is not None:
+                self.browser.close()
+            event.accept()
+            return
+        event.ignore()
+        if self._closing:
+            return
+        self._closing = True
+        self.statusBar().showMessage("Saving…")
+        self.save_progress.show()
+        self.prompt_edit.setEnabled(False)
+        self._update_buttons()
+        self.bridge.shutdown()
+        QTimer.singleShot(CLOSE_WAIT_MS, self._finish_close)
+
+    def _finish_close(self) -> None:
+        if self._close_done:
+            return
+        self._close_done = True
+        if self.worker.alive:
+            log.warning("the engine did not finish saving within %d ms; exiting anyway", CLOSE_WAIT_MS)
+        self.close()
+
+
+def _title_from(text: str, limit: int = 48) -> str:
+    words = " ".join(text.split())
+    return words if len(words) <= limit else words[:limit - 1].rstrip() + "…"

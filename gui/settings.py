@@ -1,0 +1,97 @@
+"""User settings: QSettings in an INI file under the platformdirs config folder.
+
+The file lives in ``engine.paths.config_dir()`` rather than Qt's native store (the
+Windows registry) so that ``CHECKPOINT_CHAT_HOME`` relocates it for tests and portable
+installs, and so a user can read and back it up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+
+from engine import paths
+from engine.sampling import SamplerSettings, random_seed
+
+
+@dataclass(frozen=True)
+class _Key:
+    name: str
+    default: object
+    kind: type
+
+
+_KEYS = {k.name: k for k in (
+    _Key("model_path", "", str),
+    _Key("llama_lib", "", str),
+    _Key("n_gpu_layers", 0, int),
+    _Key("n_ctx", 4096, int),
+    _Key("n_threads", 0, int),
+    _Key("temperature", 0.8, float),
+    _Key("top_k", 40, int),
+    _Key("top_p", 0.95, float),
+    _Key("min_p", 0.05, float),
+    _Key("repeat_penalty", 1.0, float),
+    _Key("seed", -1, int),               # -1: a fresh random seed per conversation
+    _Key("n_predict", -1, int),          # answer length limit (-1: none)
+    _Key("system_prompt", "", str),
+    _Key("autosave_every", 64, int),     # tokens; 0 turns autosave off
+    _Key("checkpoint_dir", "", str),
+    _Key("autosave_budget_mb", 2048, int),
+)}
+
+MAX_RECENT_MODELS = 8
+
+
+class AppSettings:
+    """Typed access to the settings file; attribute names are the keys above."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        path = path or paths.config_dir() / "settings.ini"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.qsettings = QSettings(str(path), QSettings.Format.IniFormat)
+
+    def __getattr__(self, name: str):
+        key = _KEYS.get(name)
+        if key is None:
+            raise AttributeError(name)
+        value = self.qsettings.value(name, key.default)
+        try:
+            return key.kind(value)
+        except (TypeError, ValueError):
+            return key.default
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _KEYS:
+            self.qsettings.setValue(name, _KEYS[name].kind(value))
+        else:
+            super().__setattr__(name, value)
+
+    def sync(self) -> None:
+        self.qsettings.sync()
+
+    # -- derived values -------------------------------------------------------------------
+    def checkpoint_folder(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else paths.checkpoint_dir()
+
+    def sampler(self) -> SamplerSettings:
+        seed = self.seed
+        return SamplerSettings(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                               min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                               seed=random_seed() if seed < 0 else seed)
+
+    def recent_models(self) -> list[str]:
+        value = self.qsettings.value("recent_models", [])
+        if isinstance(value, str):
+            value = [value]
+        return [str(v) for v in (value or []) if v]
+
+    def add_recent_model(self, path: str) -> None:
+        recent = [path] + [p for p in self.recent_models() if p != path]
+        self.qsettings.setValue("recent_models", recent[:MAX_RECENT_MODELS])
+
+
+def default_of(name: str):
+    return _KEYS[name].default

@@ -1,0 +1,87 @@
+"""The Settings dialog: a form over :class:`gui.settings.AppSettings`."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
+                               QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QWidget)
+
+from engine.worker import ModelInfo
+from gui.settings import AppSettings
+
+_MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers")
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, settings: AppSettings, model: ModelInfo | None, parent=None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self.settings = settings
+        self.model_changed = False
+        form = QFormLayout(self)
+        self.fields: dict[str, QWidget] = {}
+
+        def path_row(key: str, label: str, folder: bool, hint: str = "") -> None:
+            edit = QLineEdit(str(getattr(settings, key)))
+            edit.setPlaceholderText(hint)
+            browse = QPushButton("Browse…")
+            browse.clicked.connect(lambda: self._browse(edit, folder))
+            row = QHBoxLayout()
+            row.addWidget(edit, 1)
+            row.addWidget(browse)
+            form.addRow(label, row)
+            self.fields[key] = edit
+
+        def spin(key: str, label: str, lo, hi, step=1, decimals=None, special: str = "") -> None:
+            box = QDoubleSpinBox() if decimals is not None else QSpinBox()
+            if decimals is not None:
+                box.setDecimals(decimals)
+            box.setRange(lo, hi)
+            box.setSingleStep(step)
+            box.setValue(getattr(settings, key))
+            if special:
+                box.setSpecialValueText(special)
+            form.addRow(label, box)
+            self.fields[key] = box
+
+        path_row("model_path", "Model (GGUF):", False, "default: SmolLM2-135M-Instruct")
+        path_row("llama_lib", "llama library folder:", True, "default: the bundled library")
+        loaded = (f"Loaded: {model.library_version} · {model.backend}\n{model.library_path}\n"
+                  "(passed the ABI check; a new folder takes effect at the next start)"
+                  if model else "No library loaded yet")
+        info = QLabel(loaded)
+        info.setWordWrap(True)
+        form.addRow("", info)
+        spin("n_gpu_layers", "GPU layers:", 0, 999)
+        spin("n_ctx", "Context size (tokens):", 256, 1 << 20, 256)
+        spin("n_threads", "Threads:", 0, 256, special="auto")
+        spin("temperature", "Temperature:", 0.0, 5.0, 0.05, 2)
+        spin("top_k", "Top-k:", 0, 1000)
+        spin("top_p", "Top-p:", 0.0, 1.0, 0.01, 2)
+        spin("min_p", "Min-p:", 0.0, 1.0, 0.01, 2)
+        spin("repeat_penalty", "Repeat penalty:", 0.5, 3.0, 0.05, 2)
+        spin("seed", "Seed:", -1, 2**31 - 1, special="random")
+        spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
+        spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
+        path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
+        spin("autosave_budget_mb", "Autosave disk budget (MB):", 1, 1 << 20, 256)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def _browse(self, edit: QLineEdit, folder: bool) -> None:
+        if folder:
+            path = QFileDialog.getExistingDirectory(self, "Choose a folder", edit.text())
+        else:
+            path, _ = QFileDialog.getOpenFileName(self, "Choose a model", edit.text(), "GGUF (*.gguf)")
+        if path:
+            edit.setText(path)
+
+    def accept(self) -> None:
+        for key, widget in self.fields.items():
+            value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
+            if key in _MODEL_KEYS and value != getattr(self.settings, key):
+                self.model_changed = True
+            setattr(self.settings, key, value)
+        self.settings.sync()
+        super().accept()

@@ -1,0 +1,107 @@
+"""Fast tests of the GUI's logic: layering, token batching, Markdown, listing speed."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+IMPORT = re.compile(r"^\s*(?:from|import)\s+([\w.]+)", re.MULTILINE)
+
+
+def _imports(folder: str) -> dict[str, set[str]]:
+    out = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        out[str(path.relative_to(ROOT))] = {m.split(".")[0] for m in IMPORT.findall(path.read_text("utf-8"))}
+    return out
+
+
+def test_engine_never_imports_qt():
+    for path, mods in _imports("engine").items():
+        assert not mods & {"PySide6", "qasync", "shiboken6"}, path
+
+
+def test_gui_never_imports_native_or_llama_cpp():
+    found = _imports("gui")
+    assert "gui/main_window.py" in found
+    for path, mods in found.items():
+        assert not mods & {"native", "llama_cpp"}, path
+
+
+def test_worker_imports_native_only_lazily():
+    # module level of engine/worker.py must not pull in libllama (the UI thread imports it)
+    text = (ROOT / "engine" / "worker.py").read_text("utf-8")
+    top_level = [line for line in text.splitlines() if line.startswith(("import ", "from "))]
+    assert not any(re.search(r"\b(native|llama_cpp|engine\.runtime|engine\.generation)\b", line)
+                   for line in top_level), top_level
+
+
+def test_bridge_batches_tokens_into_few_deliveries(qtbot):
+    from engine.store import Store
+    from gui.bridge import EngineBridge
+    bridge = EngineBridge(Store(Path("unused")))
+    got = []
+    bridge.tokens_generated.connect(lambda cid, text: got.append(text))
+    cid = uuid.uuid4()
+    listener = bridge.worker.listener
+    for i in range(1000):              # as fast as an engine could ever produce them
+        listener.on_text(cid, f"{i} ")
+    qtbot.waitUntil(lambda: "".join(got) == "".join(f"{i} " for i in range(1000)), timeout=2000)
+    assert len(got) == 1               # one delivery, not a thousand
+
+
+def test_markdown_renders_code_and_escapes_html():
+    from gui.markdown import to_html
+    html = to_html("Hello **bold** <script>\n\n```python\nx = 1 < 2\n```\n- a\n- `b`")
+    assert "<b>bold</b>" in html and "&lt;script&gt;" in html and "<script>" not in html
+    assert "x = 1 &lt; 2" in html and "<pre" in html
+    assert html.count("<li>") == 2 and "<code>b</code>" in html
+
+
+def test_settings_round_trip(app_home):
+    from gui.settings import AppSettings
+    s = AppSettings()
+    assert s.n_ctx == 4096 and s.seed == -1
+    s.n_ctx, s.temperature = 1024, 0.3
+    s.add_recent_model("/m/a.gguf")
+    s.add_recent_model("/m/b.gguf")
+    s.add_recent_model("/m/a.gguf")
+    s.sync()
+    again = AppSettings()
+    assert again.n_ctx == 1024 and again.temperature == 0.3
+    assert again.recent_models() == ["/m/a.gguf", "/m/b.gguf"]
+    assert again.sampler().seed >= 0   # -1 means: a fresh random seed
+
+
+def _tiny_checkpoint(path: Path, title: str) -> None:
+    from engine.checkpoint_format import Header, write_sections
+    h = Header(model_fingerprint=b"\x01" * 16, model_size=1, n_vocab=10, n_layer=1, n_head_kv=1,
+               n_embd_head_k=8, n_embd_head_v=8, n_swa=0, n_ctx=64, type_k=1, type_v=1,
+               flash_attn=False, kv_unified=True, n_seq_max=1, n_tokens=0, n_tokens_total=2,
+               n_generated=0, created_unix_ns=time.time_ns(), conversation_id=uuid.uuid4(),
+               library="test", title=title)
+    with open(path, "wb") as f:
+        write_sections(f, h, b"{}", np.array([1, 2], dtype=np.int32), None, b"")
+
+
+def test_browser_lists_a_thousand_checkpoints_fast(tmp_path, qtbot):
+    from engine.store import Store
+    from gui.browser import CheckpointBrowser, list_rows
+    store = Store(tmp_path)
+    for i in range(1000):
+        _tiny_checkpoint(tmp_path / f"c{i:04d}.kvckpt", f"conversation {i}")
+    (tmp_path / "broken.kvckpt").write_bytes(b"\x89KVC\r\n\x1a\n" + b"\0" * 10)
+    started = time.perf_counter()
+    rows = list_rows(store, None)
+    browser = CheckpointBrowser()
+    qtbot.addWidget(browser)
+    browser.set_rows(rows, None)
+    elapsed = time.perf_counter() - started
+    assert len(rows) == 1001 and elapsed < 1.0, elapsed
+    assert sum(r.status == "corrupt" for r in rows) == 1
+    browser.filter_edit.setText("conversation 99")
+    assert browser.proxy.rowCount() == 11      # 99, 990..999

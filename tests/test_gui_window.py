@@ -1,0 +1,238 @@
+"""The desktop app against the real model, offscreen (pytest-qt).
+
+Small context (1024) and short answers keep this tier quick on two cores.  Every test
+drives the window as a user would (typing, clicking, dropping files, closing) and
+checks what the engine wrote to disk.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtWidgets import QApplication
+
+from engine.checkpoint_format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
+
+PROMPT = "Write a long story about a dragon who guards a library."
+SEED = 1234
+
+
+@pytest.fixture
+def make_window(qtbot, qapp):
+    from gui.main_window import MainWindow
+    from gui.settings import AppSettings
+    from gui.tasks import ensure_event_loop
+    ensure_event_loop(qapp)
+    windows = []
+
+    def make(n_predict: int = 40, **overrides):
+        s = AppSettings()
+        s.n_ctx, s.n_threads, s.seed, s.n_predict = 1024, 2, SEED, n_predict
+        s.temperature, s.autosave_every = 0.8, 0
+        for key, value in overrides.items():
+            setattr(s, key, value)
+        w = MainWindow(s)
+        windows.append(w)
+        w.show()
+        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
+            w.start()
+        return w
+
+    yield make
+    for w in windows:
+        if w.worker.alive:
+            w.worker.shutdown()
+            w.worker.join(60)
+        w._close_done = True
+        w.close()
+        w.deleteLater()
+
+
+def type_and_send(qtbot, w, text: str) -> None:
+    w.prompt_edit.setFocus()
+    qtbot.keyClicks(w.prompt_edit, text)
+    qtbot.keyClick(w.prompt_edit, Qt.Key.Key_Return)
+
+
+def wait_saved(qtbot, w, timeout=60_000):
+    """Wait for the next non-autosave checkpoint; returns (snapshot, path, size, seconds, kind)."""
+    with qtbot.waitSignal(w.bridge.checkpoint_saved, timeout=timeout,
+                          check_params_cb=lambda *a: a[4] != 2) as blocker:
+        pass
+    return blocker.args
+
+
+def run_to_end(qtbot, w, text: str):
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as fin:
+        with qtbot.waitSignal(w.bridge.checkpoint_saved, timeout=120_000):
+            type_and_send(qtbot, w, text)
+    return fin.args[0]
+
+
+def test_type_send_stream_pause_resume_equals_uninterrupted(qtbot, make_window, app_home):
+    w = make_window(n_predict=40)
+    assert w.findChild(type(w.prompt_edit), "promptEdit") is w.prompt_edit
+    for name in ("promptEdit", "sendButton", "pauseButton", "resumeButton", "chatView",
+                 "conversationList", "modelStatus", "contextUsage"):
+        assert w.findChild(object, name) is not None, name
+    assert "Smol" in w.model_status.text() or "smol" in w.model_status.text().lower()
+
+    batches = []
+    w.bridge.tokens_generated.connect(lambda _id, text: batches.append(text))
+    summary = run_to_end(qtbot, w, PROMPT)
+    full = w.chat_view.answer_text()
+    assert summary.finish_reason in ("length", "stop") and summary.n_generated > 5
+    assert "".join(batches) == full and len(batches) >= 2     # streamed, not all at once
+    assert full in w.chat_view.toPlainText().replace("\u2029", "\n")
+    assert w.context_usage.value() > 0 and w.context_usage.maximum() == 1024
+
+    # a second conversation, same prompt and seed: pause as soon as tokens flow
+    qtbot.mouseClick(w.findChild(object, "newButton"), Qt.MouseButton.LeftButton)
+    assert w.chat_view.answer_text() == ""
+    with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+        type_and_send(qtbot, w, PROMPT)
+    assert w.pause_button.isEnabled() and not w.send_button.isEnabled()
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=30_000) as fin:
+        qtbot.mouseClick(w.pause_button, Qt.MouseButton.LeftButton)
+    assert fin.args[0].finish_reason == "paused"
+    snap, path, size, _secs, kind = wait_saved(qtbot, w)
+    assert kind == KIND_PAUSE and snap.paused
+    assert verify_file(path).kind == KIND_PAUSE            # a valid, complete checkpoint
+    assert Path(path).parent == w.store.folder
+    partial = w.chat_view.answer_text()
+    assert len(partial) < len(full) and full.startswith(partial)
+    qtbot.waitUntil(lambda: "saved" in w.chat_view.toPlainText(), timeout=5000)
+    assert w.resume_button.isEnabled()
+
+    # Resume continues in place; the result equals the uninterrupted run
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=60_000) as fin:
+        qtbot.mouseClick(w.resume_button, Qt.MouseButton.LeftButton)
+    assert fin.args[0].n_reused_tokens == fin.args[0].n_prompt_tokens   # nothing recomputed
+    wait_saved(qtbot, w)
+    assert w.chat_view.answer_text() == full
+
+
+def _drop(widget, paths):
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    # as a drag does: enter (the widget accepts file URLs), then the drop itself
+    enter = QDragEnterEvent(QPoint(10, 10), Qt.DropAction.CopyAction, mime,
+                            Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(widget, enter)
+    assert enter.isAccepted()
+    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime,
+                       Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(widget, event)
+    event._mime = mime   # the event does not own its mime data: keep it alive with the event
+    return event
+
+
+def _foreign_checkpoint(gemma_path: Path, target: Path) -> Path:
+    """A real checkpoint made with Gemma 3 270M (another model, another architecture)."""
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    rt = Runtime(gemma_path, ContextSettings(n_ctx=1024, n_threads=2))
+    try:
+        conv = Conversation()
+        begin_answer(conv, rt, "Hello", n_predict=4)
+        generate(rt, conv)
+        rt.save(target, conv)
+    finally:
+        rt.close()
+    return target
+
+
+def test_drop_valid_corrupt_and_foreign_checkpoints(qtbot, make_window, tmp_path, gemma_path):
+    w = make_window(n_predict=8)
+    run_to_end(qtbot, w, "Say hello.")
+    source = Path(w.snapshots[w.current].checkpoint)
+    outside = tmp_path / "drops"
+    outside.mkdir()
+    valid = outside / "valid.kvckpt"
+    shutil.copy2(source, valid)
+    corrupt = outside / "corrupt.kvckpt"
+    data = bytearray(valid.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt.write_bytes(bytes(data))
+    foreign = _foreign_checkpoint(gemma_path, outside / "gemma.kvckpt")
+    text_file = outside / "notes.kvckpt"
+    text_file.write_text("not a checkpoint")
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    files_before = set(w.store.files())
+
+    with qtbot.waitSignal(w.imports_finished, timeout=60_000) as done:
+        event = _drop(w, [valid, corrupt, foreign, text_file])
+    assert event.isAccepted()
+    results = {Path(r.path).name: r for r in done.args[0]}
+    assert results["valid.kvckpt"].imported is not None
+    assert results["corrupt.kvckpt"].status == "corrupt" and "checksum" in results["corrupt.kvckpt"].reason
+    assert results["gemma.kvckpt"].status == "incompatible"
+    assert "model" in results["gemma.kvckpt"].reason
+    assert results["notes.kvckpt"].status == "not a checkpoint"
+    new_files = set(w.store.files()) - files_before
+    assert new_files == {results["valid.kvckpt"].imported}            # nothing else imported
+    assert verify_file(results["valid.kvckpt"].imported)
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before  # sources untouched
+    assert w.resume_offer is not None                                  # the user is offered to resume
+
+    # the browser lists it, shows the status, and accepts drops as well
+    browser = w.show_browser()
+    qtbot.waitUntil(lambda: len(browser.model.rows) == len(w.store.files()), timeout=10_000)
+    assert w.findChild(object, "checkpointBrowser") is browser.table
+    assert all(r.status == "valid" for r in browser.model.rows)
+    with qtbot.waitSignal(w.imports_finished, timeout=60_000) as done:
+        _drop(browser.table.viewport(), [foreign])
+    assert done.args[0][0].status == "incompatible"
+    with qtbot.waitSignal(w.validation_finished, timeout=30_000) as checked:
+        w.validate_checkpoint(results["valid.kvckpt"].imported)
+    assert checked.args[0].ok
+
+    # accepting the offer opens the imported checkpoint as a conversation
+    imported = results["valid.kvckpt"].imported
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000) as opened:
+        w.open_checkpoint(imported)
+    assert opened.args[0].transcript[-1]["role"] == "assistant"
+
+
+def test_close_during_generation_saves_and_restart_resumes(qtbot, make_window):
+    w = make_window(n_predict=120)
+    with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+        type_and_send(qtbot, w, PROMPT)
+    conv_id = w.current
+    with qtbot.waitSignal(w.bridge.engine_stopped, timeout=30_000):
+        w.close()
+        assert "Saving" in w.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: not w.isVisible(), timeout=5000)
+    saved = [p for p in w.store.files() if read_header(p).conversation_id == conv_id]
+    assert len(saved) == 1 and read_header(saved[0]).kind == KIND_EXIT
+    assert verify_file(saved[0])
+    partial = w.chat_view.answer_text()
+    assert partial
+
+    w2 = make_window(n_predict=120)
+    qtbot.waitUntil(lambda: w2.conversation_list.item_for(conv_id) is not None, timeout=10_000)
+    assert w2.conversation_list.item_for(conv_id).text().startswith("⏸")
+    with qtbot.waitSignal(w2.bridge.conversation_changed, timeout=30_000) as opened:
+        w2.select_conversation(conv_id)
+    assert opened.args[0].paused
+    qtbot.waitUntil(lambda: w2.resume_button.isEnabled(), timeout=5000)
+    assert w2.chat_view.answer_text() == partial
+    with qtbot.waitSignal(w2.bridge.generation_finished, timeout=120_000) as fin:
+        qtbot.mouseClick(w2.resume_button, Qt.MouseButton.LeftButton)
+    summary = fin.args[0]
+    assert summary.n_reused_tokens == summary.n_prompt_tokens and summary.n_generated > 0
+    wait_saved(qtbot, w2)
+    resumed = w2.chat_view.answer_text()
+    assert resumed.startswith(partial) and len(resumed) > len(partial)
+
+    # the same seed in one uninterrupted run gives the same answer
+    w2.new_conversation()
+    run_to_end(qtbot, w2, PROMPT)
+    assert w2.chat_view.answer_text() == resumed
