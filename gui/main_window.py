@@ -69,6 +69,7 @@ class MainWindow(QMainWindow):
         self.resume_offer: QMessageBox | None = None
         self._closing = False
         self._close_done = False
+        self._engine_stopped = False
         self.browser: CheckpointBrowser | None = None
         self.setWindowTitle("Checkpoint Chat")
         self.setAcceptDrops(True)
@@ -496,6 +497,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def _on_bridge_engine_stopped(self) -> None:
+        self._engine_stopped = True
         if self._closing:
             self._finish_close()
 
@@ -720,7 +722,7 @@ class MainWindow(QMainWindow):
     # -- closing ------------------------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:
         """Pause and save before exiting, with a visible notice and a bounded wait."""
-        if self._close_done or not self.worker.alive:
+        if self._close_done or self._engine_stopped or not self.worker.alive:
             if self.browser is not None:
                 self.browser.close()
             event.accept()
@@ -740,7 +742,7 @@ class MainWindow(QMainWindow):
         if self._close_done:
             return
         self._close_done = True
-        if self.worker.alive:
+        if not self._engine_stopped:
             log.warning("the engine did not finish saving within %d ms; exiting anyway", CLOSE_WAIT_MS)
         self.close()
 
