@@ -68,8 +68,9 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
-def store_lock(folder: Path, timeout: float = STORE_LOCK_TIMEOUT_S) -> FileLock:
+def store_lock(folder: Path, timeout: float | None = None) -> FileLock:
     """The cross-process lock of the store in ``folder``."""
+    timeout = STORE_LOCK_TIMEOUT_S if timeout is None else timeout   # read at call time
     return FileLock(str(folder / STORE_LOCK_NAME), timeout=timeout)
 
 

@@ -197,6 +197,10 @@ class Store:
             raise SaveFailed(f"could not read {src}: {exc.strerror or exc}") from exc
         existing = self._find_copy(raw, size, trailer)
         if existing is not None and _intact(existing):
+            try:
+                verify_file(src)   # same header and checksum, but the source may be damaged
+            except OSError as exc:
+                raise SaveFailed(f"could not read {src}: {exc.strerror or exc}") from exc
             return existing
         target = self.new_path(header.title or "imported")
         try:
