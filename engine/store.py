@@ -106,9 +106,16 @@ class Store:
         return store_lock(self.folder)
 
     # -- names -----------------------------------------------------------------------------
+    def _mark(self) -> None:
+        """Mark an existing folder as a store; a path function never creates folders
+        (the save does), so the very first save into a new store renames unlocked,
+        which only matters to a pruner, and a pruner marks the folder itself."""
+        if self.folder.is_dir() and not (self.folder / STORE_MARKER).exists():
+            self.ensure()
+
     def new_path(self, title: str, suffix: str = "") -> Path:
-        """A fresh, unused file name in the store (the folder is created if needed)."""
-        self.ensure()
+        """A fresh, unused file name in the store."""
+        self._mark()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         while True:
             # 64 random bits: a name collision (and so an overwrite) is out of reach
@@ -119,7 +126,7 @@ class Store:
 
     def autosave_path(self, conversation_id) -> Path:
         """The one autosave file of a conversation (replaced atomically each time)."""
-        self.ensure()
+        self._mark()
         return self.folder / f"autosave-{conversation_id.hex[:12]}{EXTENSION}"
 
     # -- listing ---------------------------------------------------------------------------
@@ -202,6 +209,7 @@ class Store:
             except OSError as exc:
                 raise SaveFailed(f"could not read {src}: {exc.strerror or exc}") from exc
             return existing
+        self.ensure()
         target = self.new_path(header.title or "imported")
         try:
             with atomic_write(target) as out, open(src, "rb") as f:

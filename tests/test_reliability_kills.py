@@ -46,6 +46,7 @@ def test_killed_writer_never_costs_a_conversation_its_checkpoint(tmp_path, zygot
 
 def test_listing_never_shows_a_file_being_written(tmp_path):
     store = Store(tmp_path / "store")
+    store.ensure()
     conv = uuid.uuid4()
     target = store.new_path("in progress")
     from engine.atomic import atomic_write
@@ -115,6 +116,7 @@ def test_concurrency_check_can_fail(tmp_path, zygote):
     """The campaign's checks see an overwrite: a store whose names collide."""
     folder = tmp_path / "colliding"
     store = Store(folder)
+    store.ensure()
     conv = uuid.uuid4()
     first = store.new_path("same title")
     synthetic.write(first, conv, 1, kind=fmt.KIND_MANUAL)

@@ -23,6 +23,7 @@ A, M, P, X = fmt.KIND_AUTOSAVE, fmt.KIND_MANUAL, fmt.KIND_PAUSE, fmt.KIND_EXIT
 
 
 def _save(store: Store, conv, seq, kind, name=None):
+    store.ensure()
     path = store.folder / name if name else (
         store.autosave_path(conv) if kind == A else store.new_path(f"c{seq}"))
     synthetic.write(path, conv, seq, kind=kind, n_tokens=32)
@@ -91,8 +92,9 @@ def _hold_lock_in_other_process(store: Store, seconds: float) -> subprocess.Pope
 
 def test_saves_into_a_store_rename_under_its_cross_process_lock(tmp_path, monkeypatch):
     store = Store(tmp_path / "存储")
+    store.ensure()                             # the folder and its store marker
     conv = uuid.uuid4()
-    path = store.autosave_path(conv)           # marks the folder as a store
+    path = store.autosave_path(conv)
     holder = _hold_lock_in_other_process(store, 0.8)
     started = time.monotonic()
     synthetic.write(path, conv, 1)
@@ -107,9 +109,15 @@ def test_saves_into_a_store_rename_under_its_cross_process_lock(tmp_path, monkey
     assert synthetic.load_fully(path).meta["seq"] == 1 and store.temp_files() == []
 
 
-def test_outside_a_store_no_lock_is_taken(tmp_path):
+def test_outside_a_store_no_lock_is_taken_and_path_functions_create_nothing(tmp_path):
     synthetic.write(tmp_path / "plain.kvckpt", uuid.uuid4(), 1)
     assert not (tmp_path / atomic.STORE_LOCK_NAME).exists()
+    store = Store(tmp_path / "not yet")
+    store.new_path("x"), store.autosave_path(uuid.uuid4())
+    assert not store.folder.exists()
+    store.folder.mkdir()
+    store.new_path("x")                        # an existing folder becomes a marked store
+    assert (store.folder / atomic.STORE_MARKER).exists()
 
 
 def test_stale_temp_files_are_removed_and_young_or_live_ones_kept(tmp_path):

@@ -40,6 +40,7 @@ def kill_campaign(folder: Path, n_kills: int, *, seed: int = 0, n_convs: int = 3
     """SIGKILL a synthetic writer ``n_kills`` times at random moments; check after each."""
     rng = random.Random(seed)
     store = Store(folder)
+    store.ensure()
     convs = [uuid.UUID(int=rng.getrandbits(128)) for _ in range(n_convs)]
     next_seq = [1] * n_convs
     on_disk: list[int | None] = [None] * n_convs   # the save each autosave file held last check
