@@ -298,3 +298,30 @@ def test_damaged_real_checkpoints_never_reach_llama(tmp_path, smollm_runtime, sm
     path.write_bytes(smol_bytes)
     conv = smollm_runtime.restore(fmt.read_checkpoint(path))
     assert calls == [h.state_len] and smollm_runtime.kv_tokens == conv.tokens[:h.n_tokens]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=(TypeError, ValueError), reason=(
+    "engine/conversation.py Conversation.from_json converts metadata values with int()/float() "
+    "and iterates them unchecked, so a checksum-valid file with odd metadata escapes "
+    "Runtime.restore as TypeError/ValueError instead of a CheckpointError (reported to the owner)"))
+@pytest.mark.parametrize("conversation", [{"created": "yesterday"}, {"messages": 5},
+                                          {"answer": {"n_generated": [1]}}])
+def test_resealed_odd_conversation_metadata_is_a_refusal(tmp_path, smollm_runtime, smol_bytes,
+                                                         conversation):
+    f = corrupt.header_fields(smol_bytes)
+    meta = json.loads(smol_bytes[fmt.HEADER_LEN:fmt.HEADER_LEN + f["meta_len"]])
+    meta["conversation"].update(conversation)
+    new_meta = fmt.encode_metadata(meta)
+    rest = smol_bytes[fmt.HEADER_LEN + f["meta_len"]:]
+    data = corrupt.with_payload_crc(
+        corrupt.with_header(smol_bytes[:fmt.HEADER_LEN], meta_len=len(new_meta)) + new_meta + rest)
+    path = tmp_path / "odd.kvckpt"
+    path.write_bytes(data)
+    checked = fmt.read_checkpoint(path)      # intact as a file
+    kv_before = list(smollm_runtime.kv_tokens)
+    try:
+        smollm_runtime.restore(checked)
+    except CheckpointError:
+        pass
+    assert smollm_runtime.kv_tokens == kv_before or smollm_runtime.kv_tokens == list(checked.tokens)
