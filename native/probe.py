@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Sequence
 
 PROBE_TIMEOUT_S = 60.0
+#: In a frozen (PyInstaller) app there is no ``python -m``: the console executable
+#: runs the probe when its first argument is this (see installer/launch_cli.py).
+FROZEN_PROBE_ARG = "--probe-llama-library"
 
 STAGES = {
     "open": "opening the library",
@@ -66,7 +69,7 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONFAULTHANDLER"] = "1"   # a crash leaves a Python traceback on stderr
     env["PYTHONIOENCODING"] = "utf-8"
-    argv = list(command) if command else [sys.executable, "-m", "native.probe", str(folder)]
+    argv = list(command) if command else probe_command(folder)
     try:
         done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired as exc:
@@ -76,6 +79,23 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
                            stage=stage)
     return interpret(folder, done.returncode, done.stdout.decode("utf-8", "replace"),
                      done.stderr.decode("utf-8", "replace"))
+
+
+def probe_command(folder: Path) -> list[str]:
+    """The child's command line, from a source checkout or from a frozen app."""
+    if not getattr(sys, "frozen", False):
+        return [sys.executable, "-m", "native.probe", str(folder)]
+    exe = Path(sys.executable)
+    # the windowed CheckpointChat.exe has no stdout of its own: use the console twin
+    console = exe.with_name("checkpoint-chat" + exe.suffix)
+    return [str(console if console.is_file() else exe), FROZEN_PROBE_ARG, str(folder)]
+
+
+def run_if_probe(argv: Sequence[str]) -> int | None:
+    """The frozen executables' first step: run the probe and return its status, or None."""
+    if len(argv) == 2 and argv[0] == FROZEN_PROBE_ARG:
+        return _main(argv[1])
+    return None
 
 
 def _lines(stdout: str) -> list[dict]:
