@@ -36,6 +36,16 @@ def _setup_logging() -> None:
     faulthandler.enable(_crash_file)
 
 
+def _warn_about_known_bad_qt() -> None:
+    """PySide6 6.12.0 under Python < 3.12 under-counts references to True/None on every
+    Signal.emit() / processEvents(); a long chat would abort the process."""
+    import PySide6
+    if PySide6.__version__ == "6.12.0" and sys.version_info < (3, 12):
+        log.error("PySide6 6.12.0 with Python %d.%d has a reference-count bug that crashes "
+                  "long sessions; install PySide6-Essentials 6.11.3 or use Python 3.12+",
+                  *sys.version_info[:2])
+
+
 def main(argv: list[str] | None = None) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
@@ -44,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from gui.settings import AppSettings
 
     _setup_logging()
+    _warn_about_known_bad_qt()
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
     app.setApplicationName("Checkpoint Chat")
     app.setOrganizationName("CheckpointChat")

@@ -135,6 +135,8 @@ class CheckpointTable(QTableView):
         self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.setSortingEnabled(True)
         self.setAlternatingRowColors(True)
+        self.setWordWrap(False)           # one line per checkpoint; the tooltip has the rest
+        self.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.verticalHeader().hide()
         self.horizontalHeader().setStretchLastSection(True)
         self.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)

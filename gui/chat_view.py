@@ -127,7 +127,7 @@ class ChatView(QTextBrowser):
             parts.append(body)
             if not m.complete and m.role == "assistant":
                 note = m.note or "Paused"
-                parts.append(f'<p style="color:{accent};"><b>⏸ {html.escape(note)}</b></p>')
+                parts.append(f'<p style="color:{accent};"><b>‖ {html.escape(note)}</b></p>')
         bar = self.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 4
         self.setHtml("\n".join(parts))

@@ -20,6 +20,8 @@ from engine.store import Store
 ID_ROLE = Qt.ItemDataRole.UserRole
 PATH_ROLE = Qt.ItemDataRole.UserRole + 1
 PAUSED_ROLE = Qt.ItemDataRole.UserRole + 2
+#: Prefix of a paused conversation's title ("⏸" is missing from common UI fonts)
+PAUSED_MARK = "‖ "
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class ConversationList(QListWidget):
         self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.customContextMenuRequested.connect(self._menu)
         self.setMinimumWidth(180)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.setUniformItemSizes(True)
 
     def item_for(self, conv_id: uuid.UUID) -> QListWidgetItem | None:
         for i in range(self.count()):
@@ -81,7 +86,7 @@ class ConversationList(QListWidget):
         if paused is not None:
             item.setData(PAUSED_ROLE, paused)
         is_paused = bool(item.data(PAUSED_ROLE))
-        item.setText(("⏸ " if is_paused else "") + title)
+        item.setText((PAUSED_MARK if is_paused else "") + title)
         item.setToolTip(title + (f"\n{item.data(PATH_ROLE)}" if item.data(PATH_ROLE) else ""))
         return item
 

@@ -27,7 +27,7 @@ from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, Mo
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser, list_rows
 from gui.chat_view import ChatView, PromptEdit
-from gui.conversations import ConversationList, stored_conversations
+from gui.conversations import PAUSED_MARK, ConversationList, stored_conversations
 from gui.importer import (FileCheck, check_file, export_file, file_size_text, import_file,
                           local_checkpoint_paths, remove_quietly)
 from gui.settings import AppSettings
@@ -312,7 +312,7 @@ class MainWindow(QMainWindow):
 
     def rename_conversation(self, conv_id: uuid.UUID) -> None:
         item = self.conversation_list.item_for(conv_id)
-        old = item.text().removeprefix("⏸ ") if item else ""
+        old = item.text().removeprefix(PAUSED_MARK) if item else ""
         title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=old)
         if ok and title.strip():
             self._rename(conv_id, title.strip())

@@ -7,12 +7,17 @@ touches the model goes to the engine thread instead (gui.bridge).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 
 import qasync
 
 log = logging.getLogger("gui")
+
+# Plain Python threads rather than qasync's default QThread executor: a QThread still
+# running when the interpreter exits aborts the process, a Python pool is joined at exit.
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="gui-io")
 
 
 def ensure_event_loop(app) -> asyncio.AbstractEventLoop:
@@ -31,7 +36,7 @@ def ensure_event_loop(app) -> asyncio.AbstractEventLoop:
 async def in_thread(fn, *args, **kwargs):
     """Run ``fn`` on an executor thread and await its result."""
     loop = asyncio.get_event_loop()
-    return await loop.run_in_executor(None, functools.partial(fn, *args, **kwargs))
+    return await loop.run_in_executor(_EXECUTOR, functools.partial(fn, *args, **kwargs))
 
 
 def spawn(coro) -> asyncio.Future:

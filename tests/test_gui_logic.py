@@ -105,3 +105,23 @@ def test_browser_lists_a_thousand_checkpoints_fast(tmp_path, qtbot):
     assert sum(r.status == "corrupt" for r in rows) == 1
     browser.filter_edit.setText("conversation 99")
     assert browser.proxy.rowCount() == 11      # 99, 990..999
+
+
+def test_pyside_keeps_singleton_refcounts(qapp):
+    """PySide6 6.12.0 on Python 3.11 drops a reference to True on every Signal.emit() and
+    to None on every processEvents(); after a few thousand the interpreter aborts
+    ("bool_dealloc").  The app emits a signal per token batch, so such a build must not ship."""
+    import sys
+    from PySide6.QtCore import QObject, Signal
+
+    class Emitter(QObject):
+        fired = Signal(object, str, int)
+
+    e = Emitter()
+    e.fired.connect(lambda *a: None)
+    before_true, before_none = sys.getrefcount(True), sys.getrefcount(None)
+    for _ in range(200):
+        e.fired.emit(None, "x", 1)
+        qapp.processEvents()
+    assert sys.getrefcount(True) - before_true > -50, "Signal.emit leaks references to True"
+    assert sys.getrefcount(None) - before_none > -50, "processEvents leaks references to None"

@@ -16,6 +16,7 @@ from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
+from gui.conversations import PAUSED_MARK
 from engine.checkpoint_format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
 
 PROMPT = "Write a long story about a dragon who guards a library."
@@ -235,7 +236,7 @@ def test_close_during_generation_saves_and_restart_resumes(qtbot, make_window):
     assert reference_summary.n_reused_tokens == 0
 
     qtbot.waitUntil(lambda: w2.conversation_list.item_for(conv_id) is not None, timeout=10_000)
-    assert w2.conversation_list.item_for(conv_id).text().startswith("⏸")
+    assert w2.conversation_list.item_for(conv_id).text().startswith(PAUSED_MARK)
     with qtbot.waitSignal(w2.bridge.conversation_changed, timeout=30_000) as opened:
         w2.select_conversation(conv_id)
     assert opened.args[0].paused
