@@ -29,7 +29,7 @@ VENV="$STATE/venv"
 PY=${PYTHON:-python3}
 CUDA_ARCH=${CUDA_ARCH:-90}
 PIN="llama-cpp-python==0.3.36"
-CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAVA_BUILD=OFF"
 PART_MB=56
 
 log() { printf '[gpu_check %s] %s\n' "$(date +%T)" "$*"; }
@@ -68,6 +68,7 @@ build() {
     command -v nvcc >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
     log "nvcc $(nvcc --version | tail -1); GPU: $(nvidia-smi --query-gpu=name,memory.free --format=csv,noheader)"
     mkdir -p "$STATE"
+    cublas_fallback
     "$PY" -m venv --system-site-packages "$VENV"   # reuse the image's numpy, jinja2, scikit-build-core
     "$VENV/bin/pip" install -q --no-index --no-deps .gpu/whl/*.whl
     local t0=$SECONDS
@@ -77,6 +78,27 @@ build() {
         || { tail -40 "$STATE/build.log"; log "BUILD FAILED"; exit 1; }
     log "built in $((SECONDS - t0)) s"
     "$VENV/bin/python" -c "import llama_cpp.llama_cpp as ll; assert ll.llama_supports_gpu_offload(), 'not a CUDA build'; print('GPU offload: yes')"
+}
+
+cublas_fallback() {
+    # ggml-cuda links cuBLAS.  An image whose toolkit has nvcc but no cuBLAS (as this
+    # project's CPU machines) may still hold it as the nvidia-cublas pip wheel: point
+    # CMake's FindCUDAToolkit at that copy, and the loader too (LD_LIBRARY_PATH).
+    local cuda_lib; cuda_lib="$(dirname "$(dirname "$(command -v nvcc)")")"
+    if ls "$cuda_lib"/lib64/libcublas.so* "$cuda_lib"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
+        return
+    fi
+    local wheel; wheel="$("$PY" -c 'import nvidia.cublas as c, os; print(list(c.__path__)[0])' 2>/dev/null || true)"
+    [ -n "$wheel" ] || { log "no cuBLAS in the toolkit nor as a wheel: the build will fail"; return; }
+    local lib="$STATE/cublas"; mkdir -p "$lib"
+    for name in cublas cublasLt; do
+        local real; real="$(ls "$wheel"/lib/lib$name.so.* | head -1)"
+        ln -sf "$real" "$lib/lib$name.so"
+        CMAKE_ARGS="$CMAKE_ARGS -DCUDA_${name}_LIBRARY=$lib/lib$name.so"
+    done
+    export CPATH="$wheel/include${CPATH:+:$CPATH}" LD_LIBRARY_PATH="$wheel/lib:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "export LD_LIBRARY_PATH=$LD_LIBRARY_PATH" > "$STATE/env.sh"
+    log "cuBLAS from the pip wheel at $wheel"
 }
 
 stage() {
@@ -99,6 +121,8 @@ check() {
     local m; m="$(model)"
     log "model $m"
     export PYTHONUNBUFFERED=1 CHECKPOINT_CHAT_HOME="$STATE/home"
+    # shellcheck disable=SC1091
+    [ -f "$STATE/env.sh" ] && . "$STATE/env.sh"
     # the app runs from this checkout with the venv's CUDA bindings
     PYTHONPATH="$ROOT" "$VENV/bin/python" installer/gpu_bench.py --model "$m" --ngl 99 \
         --sizes 8192,32768 --n 64 --k 24 2>&1 | grep -v '^llama_\|^load\|^print_info' | tee "$STATE/result.txt"
