@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-p", type=float, default=None)
     run.add_argument("--repeat-penalty", type=float, default=None)
     run.add_argument("--repeat-last-n", type=int, default=None)
+    run.add_argument("--ignore-eos", action="store_true", default=None,
+                     help="keep generating past end-of-generation tokens")
     run.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="stop when this text appears (repeatable)")
     run.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
@@ -159,7 +161,8 @@ def _sampler_from_args(args, base):
         temperature=pick(args.temp, base.temperature), top_k=pick(args.top_k, base.top_k),
         top_p=pick(args.top_p, base.top_p), min_p=pick(args.min_p, base.min_p),
         repeat_penalty=pick(args.repeat_penalty, base.repeat_penalty),
-        repeat_last_n=pick(args.repeat_last_n, base.repeat_last_n), seed=seed)
+        repeat_last_n=pick(args.repeat_last_n, base.repeat_last_n), seed=seed,
+        ignore_eos=pick(args.ignore_eos, base.ignore_eos))
 
 
 def _model_path(args, meta: dict | None) -> Path:
@@ -305,14 +308,15 @@ def cmd_validate(args) -> int:
 def _check_against_model(header, meta, model_path: Path) -> None:
     from engine.errors import IncompatibleModel
     from engine.fingerprint import model_fingerprint
-    from native.model import Model
+    from engine.gguf import GGUFError, read_shape
 
-    with Model(model_path, vocab_only=True) as model:
-        shape = model.shape
-        name = model.name
+    try:
+        shape = read_shape(model_path)
+    except GGUFError as exc:
+        raise IncompatibleModel(str(exc)) from None
     if model_fingerprint(model_path) != header.model_fingerprint:
         theirs = ((meta or {}).get("model") or {}).get("name") or "another model"
-        raise IncompatibleModel(f"this checkpoint was made with {theirs}, not {name} "
+        raise IncompatibleModel(f"this checkpoint was made with {theirs}, not {shape.name} "
                                 "(model fingerprints differ)")
     for field_name, theirs, ours in (("n_vocab", header.n_vocab, shape.n_vocab),
                                      ("n_layer", header.n_layer, shape.n_layer),

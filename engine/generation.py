@@ -182,6 +182,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
                 finish = "context_full"
                 break
             logits = runtime.logits()
+            if s.ignore_eos:
+                logits = _without_eog(runtime, logits)
             token = chain.sample(candidates, logits, seed_for(s.seed, pos))
             result.probabilities.append(_probability(logits, token))
             if result.ttft_s is None:
@@ -233,6 +235,17 @@ def _candidates(runtime: Runtime) -> Candidates:
         cands = Candidates(runtime.ctx.n_vocab)
         runtime._candidates = cands
     return cands
+
+
+def _without_eog(runtime: Runtime, logits: np.ndarray) -> np.ndarray:
+    """A copy of ``logits`` in which no end-of-generation token can be chosen."""
+    eog = getattr(runtime, "_eog_ids", None)
+    if eog is None:
+        eog = np.array([t for t in range(runtime.ctx.n_vocab) if runtime.model.is_eog(t)], dtype=np.int64)
+        runtime._eog_ids = eog
+    masked = np.array(logits, copy=True)
+    masked[eog] = -np.inf
+    return masked
 
 
 def _probability(logits: np.ndarray, token: int) -> float:

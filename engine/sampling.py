@@ -49,6 +49,7 @@ class SamplerSettings:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = 0
+    ignore_eos: bool = False     # keep going past end-of-generation tokens (benchmarks, tests)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +59,11 @@ class SamplerSettings:
         known = {f.name: f.type for f in fields(cls)}
         clean = {}
         for name, value in data.items():
-            if name in known and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if name not in known:
+                continue
+            if known[name] == "bool":
+                if isinstance(value, bool):
+                    clean[name] = value
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 clean[name] = int(value) if known[name] == "int" else float(value)
         return cls(**clean)

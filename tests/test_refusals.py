@@ -1,0 +1,127 @@
+"""Bad checkpoints are refused with the reason; nothing crashes; nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import run_cli
+from engine import checkpoint_format as fmt
+from engine.checkpoint_format import read_checkpoint
+from engine.conversation import Conversation
+from engine.errors import (ChecksumMismatch, IncompatibleContext, IncompatibleModel,
+                           TruncatedCheckpoint)
+from engine.generation import begin_answer, generate
+from engine.sampling import SamplerSettings
+
+
+@pytest.fixture(scope="module")
+def smollm_ckpt(tmp_path_factory, smollm_path):
+    path = tmp_path_factory.mktemp("ckpt") / "smol.kvckpt"
+    run_cli("run", "-m", str(smollm_path), "-p", "Name three colours.", "-n", "12", "--stop-after", "6",
+            "--temp", "0", "--ctx-size", "1024", "--checkpoint-save", str(path), check=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_ckpt(tmp_path_factory, gemma_path):
+    path = tmp_path_factory.mktemp("ckpt") / "gemma.kvckpt"
+    run_cli("run", "-m", str(gemma_path), "-p", "Name three colours.", "-n", "12", "--stop-after", "6",
+            "--temp", "0", "--ctx-size", "1024", "--checkpoint-save", str(path), check=True)
+    return path
+
+
+def _fails_cleanly(done, *needles: str) -> None:
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [l for l in done.stderr.strip().splitlines() if l]
+    assert lines, "no error message"
+    for needle in needles:
+        assert needle in done.stderr, done.stderr
+
+
+def test_valid_checkpoint_validates(smollm_ckpt, smollm_path):
+    done = run_cli("validate", str(smollm_ckpt), "--model", str(smollm_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Header", "OK", "CRC32", "OK", "KV", "state", "OK",
+                                   "Dimensions", "match", "model"]
+
+
+def test_one_flipped_byte_is_refused(smollm_ckpt, tmp_path):
+    bad = tmp_path / "flipped.kvckpt"
+    data = bytearray(smollm_ckpt.read_bytes())
+    header = fmt.read_header(smollm_ckpt)
+    data[header.state_offset + header.state_len // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch):
+        read_checkpoint(bad)
+    done = run_cli("validate", str(bad))
+    assert done.returncode == 1 and "Header OK" in done.stdout and "checksum mismatch" in done.stderr
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(bad)), "checksum mismatch")
+
+
+def test_truncated_is_refused(smollm_ckpt, tmp_path):
+    bad = tmp_path / "short.kvckpt"
+    bad.write_bytes(smollm_ckpt.read_bytes()[:-1000])
+    with pytest.raises(TruncatedCheckpoint, match="truncated"):
+        read_checkpoint(bad)
+    _fails_cleanly(run_cli("validate", str(bad)), "truncated")
+
+
+def test_not_a_checkpoint(tmp_path, smollm_path):
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_path)), "not a Checkpoint Chat checkpoint")
+    _fails_cleanly(run_cli("inspect", str(tmp_path / "missing.kvckpt")), "not found")
+
+
+def test_foreign_model_refused_both_ways(smollm_ckpt, gemma_ckpt, smollm_path, gemma_path):
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-m", str(gemma_path)),
+                   "was made with", "fingerprints differ")
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(gemma_ckpt), "-m", str(smollm_path)),
+                   "was made with", "fingerprints differ")
+    _fails_cleanly(run_cli("validate", str(gemma_ckpt), "--model", str(smollm_path)), "fingerprints differ")
+
+
+def test_other_context_settings_refused(smollm_ckpt):
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "--ctx-size", "2048"),
+                   "context size 1024")
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-ctk", "q8_0"), "K cache type")
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-fa", "on"), "flash attention")
+
+
+def test_failed_load_keeps_open_conversation(smollm_runtime, gemma_ckpt, tmp_path):
+    """After a refused load, the conversation that was open generates as if nothing happened."""
+    rt = smollm_runtime
+    settings = SamplerSettings(temperature=0.0, seed=1)
+
+    def fresh_answer():
+        conv = Conversation(sampler=settings)
+        begin_answer(conv, rt, "Count from one to five.", n_predict=6)
+        return conv
+
+    conv = fresh_answer()
+    first = generate(rt, conv, stop_after=3)
+    kv_before = list(rt.kv_tokens)
+    other_ctx = tmp_path / "ctx.kvckpt"
+    shutil.copy(gemma_ckpt, other_ctx)
+    with pytest.raises(IncompatibleModel):
+        rt.restore(read_checkpoint(other_ctx))
+    assert rt.kv_tokens == kv_before
+    rest = generate(rt, conv)
+    assert rest.n_reused_tokens == rest.n_prompt_tokens, "the open conversation had to be re-decoded"
+    reference = generate(rt, fresh_answer())
+    assert first.text + rest.text == reference.text
+
+
+def test_other_context_in_process(smollm_runtime, smollm_ckpt):
+    with pytest.raises(IncompatibleContext, match="context size 1024"):
+        smollm_runtime.restore(read_checkpoint(smollm_ckpt))  # the shared runtime has n_ctx 2048
+
+
+def test_inspect_reads_metadata_without_state(smollm_ckpt):
+    done = run_cli("inspect", str(smollm_ckpt), "--json", check=True)
+    info = json.loads(done.stdout)
+    assert info["header"]["n_generated"] == 6
+    assert info["metadata"]["transcript"][-1]["role"] == "assistant"
+    assert info["metadata"]["transcript"][-1]["complete"] is False
