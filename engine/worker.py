@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -541,7 +541,3 @@ class EngineWorker:
             log.info("restored %d tokens from %s in %.2f s", n, path.name, time.perf_counter() - started)
         except CheckpointError as exc:
             log.warning("could not restore %s (%s); the prompt will be decoded again", path, exc)
-
-
-def with_sampler(base: SamplerSettings, **changes) -> SamplerSettings:
-    return replace(base, **changes)

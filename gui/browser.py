@@ -16,7 +16,7 @@ from pathlib import Path
 
 from PySide6.QtCore import (QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt, Signal)
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLabel, QLineEdit,
+from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit,
                                QProgressBar, QPushButton, QTableView, QVBoxLayout, QWidget)
 
 from engine.checkpoint_format import KIND_NAMES, Header
@@ -138,8 +138,7 @@ class CheckpointTable(QTableView):
         self.setWordWrap(False)           # one line per checkpoint; the tooltip has the rest
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.verticalHeader().hide()
-        self.horizontalHeader().setStretchLastSection(True)
-        self.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        self.horizontalHeader().setStretchLastSection(True)   # Status: the reasons matter most
 
     def dragEnterEvent(self, event: QDragEnterEvent) -> None:
         if event.mimeData().hasUrls():
@@ -238,7 +237,9 @@ class CheckpointBrowser(QWidget):
     def set_rows(self, rows: list[Row], model_info: ModelInfo | None, seconds: float = 0.0) -> None:
         self.model.set_rows(rows, model_info)
         self.table.resizeColumnsToContents()
-        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for col, cap in ((0, 230), (1, 170)):
+            if self.table.columnWidth(col) > cap:
+                self.table.setColumnWidth(col, cap)
         total = sum(r.size for r in rows)
         self.summary.setText(f"{len(rows)} checkpoints · {file_size_text(total)}"
                              + (f" · listed in {seconds * 1000:.0f} ms" if seconds else ""))

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.test_gui_logic import _tiny_checkpoint
     _tiny_checkpoint(w.store.folder / "gemma-notes.kvckpt", "Notes from another model")
     browser = w.show_browser()
-    browser.resize(1000, 380)
+    browser.resize(1200, 360)
     _wait(app, lambda: len(browser.model.rows) >= 5)
     results = []
     w.validation_finished.connect(results.append)

@@ -8,7 +8,6 @@ checks what the engine wrote to disk.
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest

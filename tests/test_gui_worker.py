@@ -1,0 +1,131 @@
+"""engine.worker (the GUI's engine thread) with the real model, no Qt involved.
+
+The bookkeeping behind "never recompute twice": autosaves and their disk budget,
+switching conversations by restoring checkpoints instead of re-decoding prompts, and
+refused checkpoints leaving the current conversation usable.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from engine.checkpoint_format import KIND_AUTOSAVE, read_header
+from engine.sampling import SamplerSettings
+from engine.store import Store
+from engine.worker import EngineWorker, ModelOptions, WorkerListener
+
+
+class Recorder(WorkerListener):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.cond = threading.Condition()
+
+    def _add(self, *event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def on_model_loaded(self, info):
+        self._add("loaded", info)
+
+    def on_generation_finished(self, summary):
+        self._add("finished", summary)
+
+    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
+        self._add("saved", snap, path, kind)
+
+    def on_conversation_changed(self, snap):
+        self._add("changed", snap)
+
+    def on_error(self, action, message):
+        self._add("error", action, message)
+
+    def on_stopped(self):
+        self._add("stopped")
+
+    def wait(self, kind: str, count: int = 1, timeout: float = 120) -> list[tuple]:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
+        assert ok, f"no {kind!r} event: {self.events}"
+        return self.of(kind)
+
+    def of(self, kind: str) -> list[tuple]:
+        return [e for e in self.events if e[0] == kind]
+
+
+@pytest.fixture
+def worker(smollm_path, tmp_path):
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+    rec.wait("loaded")
+    yield w, rec
+    w.shutdown()
+    assert w.join(60)
+
+
+def test_autosaves_every_n_tokens_within_the_budget(worker):
+    w, rec = worker
+    w.autosave_every = 8
+    a = w.new_conversation(sampler=SamplerSettings(seed=3))
+    w.send(a, "Tell me about rivers.", n_predict=20)
+    summary = rec.wait("finished")[0][1]
+    rec.wait("saved", summary.n_generated // 8 + 1)
+    kinds = [e[3] for e in rec.of("saved")]
+    assert summary.n_generated >= 8
+    assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [kinds[-1]]
+    assert kinds[-1] != KIND_AUTOSAVE
+    # the final save supersedes the autosave file
+    assert not w.store.autosave_path(a).exists()
+    assert [read_header(p).conversation_id for p in w.store.files()] == [a]
+
+    # a tiny budget prunes older autosaves (never the one just written, never a manual save)
+    w.autosave_budget = 1
+    b = w.new_conversation(sampler=SamplerSettings(seed=4))
+    stale = w.store.autosave_path(uuid.uuid4())
+    stale.write_bytes(b"x" * 1000)
+    w.send(b, "Tell me about lakes.", n_predict=10)
+    rec.wait("finished", 2)
+    assert not stale.exists()
+    assert any(read_header(p).conversation_id == a for p in w.store.files())
+
+
+def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_path, tmp_path):
+    w, rec = worker
+    a = w.new_conversation(sampler=SamplerSettings(seed=5))
+    w.send(a, "Name three colours.", n_predict=12)
+    rec.wait("finished", 1)
+    b = w.new_conversation(sampler=SamplerSettings(seed=6))
+    w.send(b, "Name three animals.", n_predict=12)
+    rec.wait("finished", 2)
+    # back to A: its checkpoint is restored, only the new turn is decoded
+    w.send(a, "And three more?", n_predict=8)
+    summary = rec.wait("finished", 3)[-1][1]
+    first_prompt = rec.of("finished")[0][1].n_prompt_tokens
+    assert summary.n_reused_tokens >= first_prompt + 12 - 1, summary
+
+    # a checkpoint of another model is refused and A stays usable
+    errors_before = len(rec.of("error"))
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    foreign = tmp_path / "gemma.kvckpt"
+    rt = Runtime(gemma_path, ContextSettings(n_ctx=1024, n_threads=2))
+    try:
+        conv = Conversation()
+        begin_answer(conv, rt, "Hi", n_predict=2)
+        generate(rt, conv)
+        rt.save(foreign, conv)
+    finally:
+        rt.close()
+    w.open_checkpoint(foreign)
+    err = rec.wait("error", errors_before + 1)[-1]
+    assert "model" in err[2]
+    w.send(a, "Thanks!", n_predict=4)
+    summary = rec.wait("finished", 4)[-1][1]
+    assert summary.n_reused_tokens > first_prompt          # the cache still held A
