@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
     run.add_argument("-b", "--batch-size", type=int, default=None, help="prefill chunk (default 512)")
     run.add_argument("-t", "--threads", type=int, default=None)
-    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                     help="layers to offload to the GPU (-1: all; default 0)")
+    run.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")
     run.add_argument("-fa", "--flash-attn", choices=("on", "off"), default=None)
     run.add_argument("-ctk", "--cache-type-k", default=None, help="K cache type (f16, q8_0, ...)")
     run.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type (f16, q8_0, ...)")
@@ -142,7 +144,7 @@ def _context_settings(args, header):
     return ContextSettings(
         n_ctx=n_ctx, n_batch=args.batch_size or base.n_batch,
         n_ubatch=args.batch_size or base.n_ubatch, n_threads=args.threads or 0,
-        flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else False),
+        flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else base.flash_attn),
         type_k=kv_type(args.cache_type_k, header.type_k if header else base.type_k),
         type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v))
 
@@ -180,9 +182,10 @@ def cmd_run(args) -> int:
     from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
     from engine.conversation import Conversation
     from engine.generation import Control, begin_answer, commit_answer, generate
-    from engine.runtime import Runtime
+    from engine.runtime import Runtime, check_context
     from engine.store import Store
-    from native.library import bindings, choose_library_dir
+    from engine.shutdown import ShutdownGuard
+    from native.library import bindings, choose_library
 
     prompt = args.prompt
     if args.prompt_file:
@@ -190,14 +193,16 @@ def cmd_run(args) -> int:
     if prompt is None and not args.checkpoint_load:
         raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
                        "(--checkpoint-load)")
-    bindings(choose_library_dir(cli_dir=args.llama_lib))
+    bindings(choose_library(cli_dir=args.llama_lib))
 
     data = None
     if args.checkpoint_load:
         data = fmt.read_checkpoint(args.checkpoint_load)
     settings = _context_settings(args, data.header if data else None)
+    if data is not None:
+        check_context(data.header, settings)  # before spending time on loading the model
     runtime = Runtime(_model_path(args, data.meta if data else None), settings,
-                      n_gpu_layers=args.n_gpu_layers)
+                      n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
     store = Store()
     if data is not None:
         conv = runtime.restore(data)
@@ -227,14 +232,8 @@ def cmd_run(args) -> int:
             print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
     control = Control()
-    interrupted = False
-
-    def on_sigint(_signum, _frame) -> None:
-        nonlocal interrupted
-        if interrupted:  # a second Ctrl+C while saving: leave now, the autosave remains
-            raise KeyboardInterrupt
-        interrupted = True
-        control.request_pause()
+    # Ctrl+C, SIGTERM and (on Windows) closing the console all mean "pause and save"
+    guard = ShutdownGuard(lambda reason: control.request_pause())
 
     class Printer:
         def on_prefill_progress(self, done: int, total: int) -> None:
@@ -245,26 +244,31 @@ def cmd_run(args) -> int:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        result = generate(runtime, conv, control=control, listener=Printer(),
-                          stop_after=args.stop_after,
-                          autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
-        checkpoint = None
-        if result.paused or save_path:
-            kind = KIND_EXIT if interrupted else (KIND_PAUSE if result.paused else KIND_MANUAL)
-            commit_answer(conv)
-            target = save_path or store.new_path(conv.title)
-            info = runtime.save(target, conv, kind)
-            checkpoint = info
-            if not args.json and result.text and not result.text.endswith("\n"):
-                print()
-            print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)})",
-                  file=sys.stderr)
-        elif not args.json:
-            print()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with guard:
+        try:
+            result = generate(runtime, conv, control=control, listener=Printer(),
+                              stop_after=args.stop_after,
+                              autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
+            interrupted = guard.requested
+            checkpoint = None
+            if result.paused or save_path:
+                kind = KIND_EXIT if interrupted else (KIND_PAUSE if result.paused else KIND_MANUAL)
+                commit_answer(conv)
+                target = save_path or store.new_path(conv.title)
+                checkpoint = runtime.save(target, conv, kind)
+                if not args.json and result.text and not result.text.endswith("\n"):
+                    print()
+                print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
+                      file=sys.stderr)
+                if autosave_path != checkpoint.path and autosave_path.exists():
+                    store.delete(autosave_path)  # superseded by the checkpoint just written
+            else:
+                if not args.json:
+                    print()
+                if autosave_path.exists() and autosave_path.parent == store.folder:
+                    store.delete(autosave_path)  # the answer is complete; nothing to protect
+        finally:
+            guard.save_finished()  # a waiting console-close handler may let the process go
     if args.json:
         print(json.dumps({
             "text": result.text, "finish_reason": result.finish_reason,
@@ -275,7 +279,7 @@ def cmd_run(args) -> int:
             "confidence": result.confidence, "seed": conv.sampler.seed,
         }, ensure_ascii=False))
     runtime.close()
-    return EXIT_INTERRUPTED if interrupted else EXIT_OK
+    return guard.exit_status if interrupted else EXIT_OK
 
 
 # -- validate / inspect / list / info ------------------------------------------------------------
@@ -392,10 +396,10 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     from engine.models import default_model_path
-    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library_dir
+    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library
     from native.sysinfo import system_info
 
-    bindings(choose_library_dir(cli_dir=args.llama_lib))
+    bindings(choose_library(cli_dir=args.llama_lib))
     info = system_info()
     try:
         model = str(default_model_path())

@@ -23,8 +23,8 @@ from engine.atomic import atomic_write
 from engine.checkpoint_format import (KIND_MANUAL, CheckpointData, Header, encode_metadata,
                                       write_sections)
 from engine.conversation import Conversation
-from engine.errors import (GenerationError, IncompatibleContext, IncompatibleModel,
-                           RestoreFailed, SaveFailed)
+from engine.errors import (CorruptMetadata, GenerationError, IncompatibleContext,
+                           IncompatibleModel, RestoreFailed, SaveFailed)
 from engine.fingerprint import model_fingerprint
 from engine.kvstate import check_state
 from native.context import DECODE_ABORTED, Context, ContextSettings
@@ -66,8 +66,9 @@ class Runtime:
     """A model, one context over it, and what that context's KV cache holds."""
 
     def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
-                 *, n_gpu_layers: int = 0, progress: ProgressCallback | None = None) -> None:
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, progress=progress)
+                 *, n_gpu_layers: int = 0, main_gpu: int = 0,
+                 progress: ProgressCallback | None = None) -> None:
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, progress=progress)
         try:
             self.fingerprint = model_fingerprint(self.model.path)
             self.ctx = Context(self.model, settings)
@@ -205,18 +206,7 @@ class Runtime:
         if mismatched:
             raise IncompatibleModel("the checkpoint's model shape differs from the loaded model's ("
                                     + ", ".join(mismatched) + ")")
-        s = self.settings
-        for name, theirs, ours, unit in (
-                ("context size", header.n_ctx, self.ctx.n_ctx, " tokens"),
-                ("K cache type", header.type_k, s.type_k, ""),
-                ("V cache type", header.type_v, s.type_v, ""),
-                ("flash attention", header.flash_attn, s.flash_attn, ""),
-                ("sequence count", header.n_seq_max, s.n_seq_max, ""),
-                ("unified KV", header.kv_unified, s.kv_unified, "")):
-            if theirs != ours:
-                raise IncompatibleContext(
-                    f"the checkpoint needs {name} {_show(theirs)}{unit}, this context has "
-                    f"{_show(ours)}{unit}; exact resumption needs the same setting")
+        check_context(header, self.settings, self.ctx.n_ctx)
 
     # -- checkpoints -----------------------------------------------------------------------
     def metadata_for(self, conv: Conversation) -> dict:
@@ -278,8 +268,11 @@ class Runtime:
                         n_head_kv=h.n_head_kv, n_embd_head_k=h.n_embd_head_k,
                         n_embd_head_v=h.n_embd_head_v)
         conv_json = data.meta.get("conversation")
-        conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                      [int(t) for t in data.tokens])
+        try:
+            conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
+                                          [int(t) for t in data.tokens])
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
         conv.id = h.conversation_id
         self.ctx.clear()
         self.kv_tokens = []
@@ -299,6 +292,21 @@ class Runtime:
                 self._logits_len = h.n_tokens
                 self._logits_copy = data.logits
         return conv
+
+
+def check_context(header: Header, settings: ContextSettings, n_ctx: int | None = None) -> None:
+    """Raise IncompatibleContext unless ``settings`` shape the KV cache as ``header`` needs."""
+    for name, theirs, ours, unit in (
+            ("context size", header.n_ctx, settings.n_ctx if n_ctx is None else n_ctx, " tokens"),
+            ("K cache type", header.type_k, settings.type_k, ""),
+            ("V cache type", header.type_v, settings.type_v, ""),
+            ("flash attention", header.flash_attn, settings.flash_attn, ""),
+            ("sequence count", header.n_seq_max, settings.n_seq_max, ""),
+            ("unified KV", header.kv_unified, settings.kv_unified, "")):
+        if theirs != ours:
+            raise IncompatibleContext(
+                f"the checkpoint needs {name} {_show(theirs)}{unit}, this context has "
+                f"{_show(ours)}{unit}; exact resumption needs the same setting")
 
 
 def _show(value) -> str:

@@ -86,8 +86,8 @@ def test_foreign_model_refused_both_ways(smollm_ckpt, gemma_ckpt, smollm_path, g
 def test_other_context_settings_refused(smollm_ckpt):
     _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "--ctx-size", "2048"),
                    "context size 1024")
-    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-ctk", "q8_0"), "K cache type")
-    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-fa", "on"), "flash attention")
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-ctk", "f16"), "K cache type")
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "-fa", "off"), "flash attention")
 
 
 def test_failed_load_keeps_open_conversation(smollm_runtime, gemma_ckpt, tmp_path):
