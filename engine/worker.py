@@ -454,6 +454,11 @@ class EngineWorker:
 
     # -- checkpoints --------------------------------------------------------------------------
     def _save(self, conv: Conversation, kind: int) -> None:
+        # the kind in the header is what a listing shows as "paused": keep it truthful
+        if conv.paused and kind == KIND_MANUAL:
+            kind = KIND_PAUSE
+        elif not conv.paused and kind in (KIND_PAUSE, KIND_EXIT):
+            kind = KIND_MANUAL
         rt = self._need_runtime()
         path = self._paths.get(conv.id) or self.store.new_path(conv.title)
         self.listener.on_checkpoint_saving(conv.id, kind)

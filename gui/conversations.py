@@ -42,7 +42,7 @@ def stored_conversations(store: Store) -> list[StoredConversation]:
             continue
         seen[h.conversation_id] = StoredConversation(
             h.conversation_id, h.title or e.path.stem, e.path, e.created,
-            h.kind in (KIND_PAUSE, KIND_EXIT, KIND_AUTOSAVE) and h.n_generated > 0)
+            h.kind in (KIND_PAUSE, KIND_EXIT, KIND_AUTOSAVE))  # see EngineWorker._save
     return list(seen.values())
 
 

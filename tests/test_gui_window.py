@@ -250,3 +250,28 @@ def test_close_during_generation_saves_and_restart_resumes(qtbot, make_window):
     assert resumed.startswith(partial) and len(resumed) > len(partial)
 
     assert resumed == reference
+
+
+def test_pause_during_prefill_stops_at_once_and_resumes(qtbot, make_window):
+    w = make_window(n_predict=6)
+    long_prompt = "Summarise the following notes.\n\n" + "The shelves hold maps and ledgers. " * 90
+    started = []
+    w.bridge.generation_started.connect(started.append)
+    with qtbot.waitSignal(w.bridge.generation_started, timeout=60_000):
+        w.prompt_edit.setPlainText(long_prompt)
+        qtbot.mouseClick(w.send_button, Qt.MouseButton.LeftButton)
+    qtbot.wait(300)                                     # inside the first prefill chunk
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=30_000) as fin:
+        qtbot.keyClick(w, Qt.Key.Key_Escape)            # Esc is Pause
+    assert fin.args[0].finish_reason == "paused" and fin.args[0].n_generated == 0
+    assert w.pause_latency_s < 2.0, w.pause_latency_s   # an aborted chunk, not a whole prefill
+    _snap, path, _size, _secs, kind = wait_saved(qtbot, w)
+    header = verify_file(path)
+    assert kind == KIND_PAUSE and header.prefill_pending and header.n_tokens < header.n_tokens_total
+    assert w.chat_view.answer_text() == ""
+    qtbot.waitUntil(w.resume_button.isEnabled, timeout=5000)
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as fin:
+        qtbot.mouseClick(w.resume_button, Qt.MouseButton.LeftButton)
+    assert fin.args[0].finish_reason in ("length", "stop") and fin.args[0].n_generated > 0
+    assert fin.args[0].n_reused_tokens == header.n_tokens   # kept what the pause had decoded
+    assert w.chat_view.answer_text()
