@@ -1,0 +1,42 @@
+"""The benchmark suite's smallest configuration runs end to end (no timing is judged)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+EXPECTED = {
+    "ttft": {"recompute_s", "restore_s", "floor_s", "restore_speedup", "restore_vs_floor"},
+    "disk": {"save_s", "raw_write_s", "save_vs_raw", "load_s", "raw_read_s", "load_vs_raw"},
+    "size": {"file_MB", "kv_formula_MB", "transcript_KB", "size_vs_formula"},
+    "memory": {"state_MB", "save_extra_MB", "save_extra_x", "load_extra_MB", "load_extra_x"},
+    "autosave": {"every", "none_tok_s", "full_tok_s", "full_cost_pct"},
+    "throughput": {"phase", "bare", "ours", "llama", "ours_vs_bare", "ours_vs_llama"},
+    "pause": {"phase", "halt_ms", "durable_ms"},
+}
+# may be negative or absent by nature: a cost within noise, a column of a missing feature
+SIGNED = {"full_cost_pct", "delta_cost_pct", "last_token_ms"}
+
+
+def test_smallest_configuration_produces_every_table(smollm_path, tmp_path, capsys):
+    from benchmarks.suite import main
+    out = tmp_path / "bench.json"
+    assert main(["--smoke", "--json", str(out)]) == 0
+    report = json.loads(out.read_text(encoding="utf-8"))
+    printed = capsys.readouterr().out
+    for name, keys in EXPECTED.items():
+        table = report["tables"][name]
+        assert table["title"] in printed
+        assert table["rows"], f"table {name} is empty"
+        for row in table["rows"]:
+            assert keys <= row.keys(), (name, keys - row.keys())
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in SIGNED:
+                    assert value >= 0 and not math.isnan(value), (name, key, value)
+    phases = {r["phase"] for r in report["tables"]["throughput"]["rows"]}
+    assert phases == {"prefill", "generate"}
+    assert {r["target"] for r in report["targets"]} >= {"restore / raw floor", "save / raw write+fsync"}
