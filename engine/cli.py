@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-after", type=int, default=None, metavar="N",
                      help="pause after N generated tokens and save, as the Pause button does")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
 
     val = sub.add_parser("validate", help="check a checkpoint file")
     val.add_argument("path")
@@ -124,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_ERROR
+    except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -178,14 +182,8 @@ def _model_path(args, meta: dict | None) -> Path:
 
 
 def cmd_run(args) -> int:
-    from engine import checkpoint_format as fmt
-    from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
-    from engine.conversation import Conversation
-    from engine.generation import Control, begin_answer, commit_answer, generate
-    from engine.runtime import Runtime, check_context
-    from engine.store import Store
+    from engine.generation import Control
     from engine.shutdown import ShutdownGuard
-    from native.library import bindings, choose_library
 
     prompt = args.prompt
     if args.prompt_file:
@@ -193,93 +191,109 @@ def cmd_run(args) -> int:
     if prompt is None and not args.checkpoint_load:
         raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
                        "(--checkpoint-load)")
-    bindings(choose_library(cli_dir=args.llama_lib))
+    control = Control()
+    # Ctrl+C, SIGTERM and (on Windows) closing the console all mean "pause and save";
+    # installed before the model loads, so an early Ctrl+C saves an empty-handed pause
+    # (the prompt, nothing decoded) instead of a traceback
+    guard = ShutdownGuard(lambda reason: control.request_pause())
+    with guard:
+        try:
+            outcome = _run_session(args, prompt, control, guard)
+        finally:
+            guard.save_finished()  # a waiting console-close handler may let the process go
+    if args.json:
+        print(json.dumps(outcome, ensure_ascii=False))
+    return guard.exit_status if guard.requested else EXIT_OK
 
-    data = None
-    if args.checkpoint_load:
-        data = fmt.read_checkpoint(args.checkpoint_load)
+
+DEFAULT_AUTOSAVE_BUDGET = 4 << 30   # bytes of autosaves the store may hold (oldest pruned first)
+
+
+def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
+    from engine import checkpoint_format as fmt
+    from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, commit_answer, generate
+    from engine.runtime import Runtime, check_context
+    from engine.store import Store
+    from native.library import bindings, choose_library
+
+    bindings(choose_library(cli_dir=args.llama_lib))
+    data = fmt.read_checkpoint(args.checkpoint_load) if args.checkpoint_load else None
     settings = _context_settings(args, data.header if data else None)
     if data is not None:
         check_context(data.header, settings)  # before spending time on loading the model
     runtime = Runtime(_model_path(args, data.meta if data else None), settings,
                       n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
-    store = Store()
-    if data is not None:
-        conv = runtime.restore(data)
-        conv.sampler = _sampler_from_args(args, conv.sampler)
-        if args.stop:
-            conv.stop_strings = args.stop
-    else:
-        conv = Conversation(system_prompt=args.system or "", sampler=_sampler_from_args(args, None),
-                            stop_strings=args.stop or [])
-    if prompt is not None:
-        if conv.paused:
-            # a new message after a paused answer keeps what was generated so far
-            conv.answer.finish_reason = "interrupted"
-        begin_answer(conv, runtime, prompt, n_predict=-1 if args.n_predict is None else args.n_predict)
-    elif not conv.paused:
-        raise AppError("this checkpoint's answer is complete; give --prompt to continue the conversation")
-    elif args.n_predict is not None:
-        conv.answer.n_predict = args.n_predict
+    try:
+        if data is not None:
+            conv = runtime.restore(data)
+            conv.sampler = _sampler_from_args(args, conv.sampler)
+            if args.stop:
+                conv.stop_strings = args.stop
+        else:
+            conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
+                                sampler=_sampler_from_args(args, None))
+        if prompt is not None:
+            if conv.paused:
+                # a new message after a paused answer keeps what was generated so far
+                conv.answer.finish_reason = "interrupted"
+            begin_answer(conv, runtime, prompt,
+                         n_predict=-1 if args.n_predict is None else args.n_predict)
+        elif not conv.paused:
+            raise AppError("this checkpoint's answer is complete; give --prompt to continue "
+                           "the conversation")
+        elif args.n_predict is not None:
+            conv.answer.n_predict = args.n_predict
 
-    save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
-    autosave_path = save_path or store.autosave_path(conv.id)
+        store = Store()
+        save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
+        autosave_path = save_path or store.autosave_path(conv.id)
 
-    def autosave(c: Conversation) -> None:
-        try:
-            runtime.save(autosave_path, c, KIND_AUTOSAVE)
-        except CheckpointError as exc:
-            print(f"warning: autosave failed: {exc}", file=sys.stderr)
+        def autosave(c: Conversation) -> None:
+            try:
+                runtime.save(autosave_path, c, KIND_AUTOSAVE)
+            except CheckpointError as exc:
+                print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
-    control = Control()
-    # Ctrl+C, SIGTERM and (on Windows) closing the console all mean "pause and save"
-    guard = ShutdownGuard(lambda reason: control.request_pause())
+        class Printer:
+            def on_prefill_progress(self, done: int, total: int) -> None:
+                if args.progress:
+                    print(f"[PREFILL] {done}/{total}", file=sys.stderr, flush=True)
 
-    class Printer:
-        def on_prefill_progress(self, done: int, total: int) -> None:
-            pass
-
-        def on_text(self, delta: str) -> None:
-            if not args.json:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-
-    with guard:
-        try:
-            result = generate(runtime, conv, control=control, listener=Printer(),
-                              stop_after=args.stop_after,
-                              autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
-            interrupted = guard.requested
-            checkpoint = None
-            if result.paused or save_path:
-                kind = KIND_EXIT if interrupted else (KIND_PAUSE if result.paused else KIND_MANUAL)
-                commit_answer(conv)
-                target = save_path or store.new_path(conv.title)
-                checkpoint = runtime.save(target, conv, kind)
-                if not args.json and result.text and not result.text.endswith("\n"):
-                    print()
-                print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
-                      file=sys.stderr)
-                if autosave_path != checkpoint.path and autosave_path.exists():
-                    store.delete(autosave_path)  # superseded by the checkpoint just written
-            else:
+            def on_text(self, delta: str) -> None:
                 if not args.json:
-                    print()
-                if autosave_path.exists() and autosave_path.parent == store.folder:
-                    store.delete(autosave_path)  # the answer is complete; nothing to protect
-        finally:
-            guard.save_finished()  # a waiting console-close handler may let the process go
-    if args.json:
-        print(json.dumps({
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+
+        result = generate(runtime, conv, control=control, listener=Printer(),
+                          stop_after=args.stop_after,
+                          autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
+        checkpoint = None
+        if result.paused or save_path:
+            kind = KIND_EXIT if guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
+            commit_answer(conv)
+            checkpoint = runtime.save(save_path or store.new_path(conv.title), conv, kind)
+            if not args.json and result.text and not result.text.endswith("\n"):
+                print()
+            print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
+                  file=sys.stderr)
+        elif not args.json:
+            print()
+        if autosave_path.parent == store.folder and autosave_path.exists():
+            store.delete(autosave_path)  # superseded by the checkpoint, or the answer is done
+        if store.folder.is_dir():
+            store.prune_autosaves(DEFAULT_AUTOSAVE_BUDGET)
+        return {
             "text": result.text, "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
             "n_generated": result.n_generated, "ttft_s": result.ttft_s,
             "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,
             "checkpoint": str(checkpoint.path) if checkpoint else None,
             "confidence": result.confidence, "seed": conv.sampler.seed,
-        }, ensure_ascii=False))
-    runtime.close()
-    return guard.exit_status if interrupted else EXIT_OK
+        }
+    finally:
+        runtime.close()
 
 
 # -- validate / inspect / list / info ------------------------------------------------------------

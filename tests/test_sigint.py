@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import selectors
 import signal
 import subprocess
 import sys
@@ -14,9 +15,25 @@ from conftest import ROOT, run_cli
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *args, "--json",
-                             "--threads", "2"], cwd=str(ROOT), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *args, "--threads", "2"],
+                            cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ))
+
+
+def _wait_for(proc: subprocess.Popen, stream_name: str, pattern: bytes, timeout: float = 120) -> bytes:
+    """Read ``stream_name`` until ``pattern`` appears; returns what was read."""
+    stream = getattr(proc, stream_name)
+    sel = selectors.DefaultSelector()
+    sel.register(stream, selectors.EVENT_READ)
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while pattern not in seen:
+        assert time.monotonic() < deadline, f"timed out waiting for {pattern!r}; got {seen[-500:]!r}"
+        if sel.select(timeout=1):
+            chunk = os.read(stream.fileno(), 4096)
+            assert chunk, f"the process ended before {pattern!r} appeared: {seen[-500:]!r}"
+            seen += chunk
+    return seen
 
 
 def _saved_path(stderr: str) -> str:
@@ -29,12 +46,8 @@ def _inspect(path: str) -> dict:
     return json.loads(run_cli("inspect", path, "--json", check=True).stdout)
 
 
-def _interrupt_after(proc: subprocess.Popen, seconds: float) -> tuple[str, str]:
-    time.sleep(seconds)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    return out, err
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
 
 
 def test_sigint_during_generation_saves_and_resumes(smollm_path, tmp_path):
@@ -42,24 +55,27 @@ def test_sigint_during_generation_saves_and_resumes(smollm_path, tmp_path):
     common = ["-m", str(smollm_path), "-p", "Tell a long story about a dragon.", "--seed", "9",
               "--temp", "0.8", "--ctx-size", "2048", "--ignore-eos"]
     proc = _start(*common, "-n", "1500", "--checkpoint-save", str(ckpt))
-    out, err = _interrupt_after(proc, 3.0)
+    _wait_for(proc, "stdout", b" ")           # tokens are streaming
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
     assert proc.returncode == 130, err
     assert _saved_path(err) == str(ckpt)
-    first = json.loads(out.strip().splitlines()[-1])
-    assert first["finish_reason"] == "paused"
-    k = first["n_generated"]
-    assert 0 < k < 1500
 
-    header = _inspect(str(ckpt))["header"]
+    info = _inspect(str(ckpt))
+    header = info["header"]
     assert header["kind"] == "exit" and header["has_logits"] and not header["prefill_pending"]
+    k = header["n_generated"]
+    assert 0 < k < 1500
+    first_text = info["metadata"]["transcript"][-1]["content"]
     assert run_cli("validate", str(ckpt), "--model", str(smollm_path)).returncode == 0
 
-    second = json.loads(run_cli("run", "--checkpoint-load", str(ckpt), "-n", str(k + 12), "--json",
-                                check=True).stdout.strip().splitlines()[-1])
+    second = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "-n", str(k + 12), "--json",
+                                check=True).stdout)
     assert second["n_generated"] == 12
-    full = json.loads(run_cli("run", *common, "-n", str(k + 12), "--json",
-                              check=True).stdout.strip().splitlines()[-1])
-    assert first["text"] + second["text"] == full["text"]
+    assert second["n_reused_tokens"] == second["n_prompt_tokens"]
+    full = _last_json(run_cli("run", *common, "-n", str(k + 12), "--json", check=True).stdout)
+    assert first_text + second["text"] == full["text"]
 
 
 def test_sigint_during_prefill_saves_partial_prefill(smollm_path, tmp_path):
@@ -69,20 +85,41 @@ def test_sigint_during_prefill_saves_partial_prefill(smollm_path, tmp_path):
     prompt_file.write_text(prompt, "utf-8")
     ckpt = tmp_path / "prefill.kvckpt"
     common = ["-m", str(smollm_path), "-f", str(prompt_file), "--temp", "0", "--ctx-size", "4096",
-              "--batch-size", "128", "-n", "8", "--ignore-eos"]
-    proc = _start(*common, "--checkpoint-save", str(ckpt))
-    out, err = _interrupt_after(proc, 2.0)
-    assert proc.returncode == 130, err
-    first = json.loads(out.strip().splitlines()[-1])
-    assert first["n_generated"] == 0
-    header = _inspect(_saved_path(err))["header"]
+              "--batch-size", "64", "-n", "8", "--ignore-eos", "--json"]
+    proc = _start(*common, "--checkpoint-save", str(ckpt), "--progress")
+    _wait_for(proc, "stderr", b"[PREFILL] 128/")   # two chunks are in the cache
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err.decode()
+    first = _last_json(out.decode())
+    assert first["n_generated"] == 0 and first["finish_reason"] == "paused"
+    header = _inspect(_saved_path(err.decode()))["header"]
     assert header["prefill_pending"] and not header["has_logits"]
-    assert header["n_tokens"] < header["n_tokens_total"]
+    assert 128 <= header["n_tokens"] < header["n_tokens_total"]
     assert run_cli("validate", str(ckpt)).returncode == 0
 
-    resumed = json.loads(run_cli("run", "--checkpoint-load", str(ckpt), "--json",
-                                 check=True).stdout.strip().splitlines()[-1])
+    resumed = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "--json", check=True).stdout)
     assert resumed["n_reused_tokens"] == header["n_tokens"], "decoded work was thrown away"
     assert resumed["n_generated"] == 8
-    full = json.loads(run_cli("run", *common, "--json", check=True).stdout.strip().splitlines()[-1])
+    full = _last_json(run_cli("run", *common, check=True).stdout)
     assert resumed["text"] == full["text"]
+
+
+def test_sigint_before_generation_is_a_clean_pause(smollm_path, tmp_path):
+    """Ctrl+C while the model is still loading still ends in a resumable checkpoint."""
+    ckpt = tmp_path / "early.kvckpt"
+    proc = _start("-m", str(smollm_path), "-p", "Hi", "-n", "4", "--checkpoint-save", str(ckpt),
+                  "--temp", "0", "--ctx-size", "512", "--json")
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert "Traceback" not in err
+    if proc.returncode == 130:       # the usual case: interrupted before or during prefill
+        assert ckpt.is_file() or err.strip() == "interrupted"
+        if not ckpt.is_file():
+            return
+        resumed = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "--json", check=True).stdout)
+        assert resumed["n_generated"] + _inspect(str(ckpt))["header"]["n_generated"] == 4
+    else:                            # Python had not installed any handler yet
+        assert proc.returncode in (-signal.SIGINT, 1, 130), err
