@@ -21,7 +21,8 @@ Header (offsets in bytes)::
 
       0  8  magic            b"\\x89KVC\\r\\n\\x1a\\n"  (PNG-style: catches text-mode copies)
       8  2  format_version   1
-     10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING; other bits must be 0
+     10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA;
+                             other bits must be 0
      12  4  header_len       256
      16 16  model_fingerprint  see engine.fingerprint
      32  8  model_size       bytes of the GGUF file
@@ -51,8 +52,19 @@ Header (offsets in bytes)::
     144  8  state_len
     152 32  library          llama.cpp identity, UTF-8, NUL-padded
     184 64  title            UTF-8, NUL-padded (truncated at a character boundary)
-    248  4  reserved         0
+    248  4  parent_n_tokens  DELTA only: tokens held by the parent (0 otherwise)
     252  4  header_crc32     CRC32 of bytes 0..251
+
+Delta checkpoints
+-----------------
+With the DELTA flag the state section holds only the KV cells of positions
+``parent_n_tokens..n_tokens-1``, saved from a scratch sequence (id 1) that shares those
+cells with sequence 0.  The metadata's ``"parent"`` object names the parent: its file
+name (in the same folder), its ``checkpoint_id`` and its payload CRC32; the token array
+is complete, so its first ``parent_n_tokens`` ids must equal the parent's.  Restoring
+applies the chain's base to sequence 0 and each delta through sequence 1 (copy to 0,
+then drop 1), which gives exactly the cache a full checkpoint would.  Every file of a
+chain is verified, and linked by id and CRC, before anything reaches llama.cpp.
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is not bit-exact for sliding-window models (the result depends
@@ -90,7 +102,8 @@ EXTENSION = ".kvckpt"
 
 FLAG_HAS_LOGITS = 1 << 0
 FLAG_PREFILL_PENDING = 1 << 1
-KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING
+FLAG_DELTA = 1 << 2
+KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA
 
 KIND_MANUAL, KIND_PAUSE, KIND_AUTOSAVE, KIND_EXIT = 0, 1, 2, 3
 KIND_NAMES = {KIND_MANUAL: "manual", KIND_PAUSE: "pause", KIND_AUTOSAVE: "autosave",
@@ -151,7 +164,12 @@ class Header:
     tokens_len: int = 0
     logits_len: int = 0
     state_len: int = 0
+    parent_n_tokens: int = 0
     version: int = FORMAT_VERSION
+
+    @property
+    def is_delta(self) -> bool:
+        return bool(self.flags & FLAG_DELTA)
 
     @property
     def has_logits(self) -> bool:
@@ -191,7 +209,7 @@ def pack_header(h: Header) -> bytes:
         h.type_k, h.type_v, int(h.flash_attn), int(h.kv_unified), h.kind, 0, h.n_seq_max, 0,
         h.n_tokens, h.n_tokens_total, h.n_generated, h.created_unix_ns, h.conversation_id.bytes,
         h.meta_len, h.tokens_len, h.logits_len, h.state_len,
-        _fixed_text(h.library, 32), _fixed_text(h.title, 64), 0, 0)
+        _fixed_text(h.library, 32), _fixed_text(h.title, 64), h.parent_n_tokens, 0)
     return body[:-4] + struct.pack("<I", zlib.crc32(body[:-4]))
 
 
@@ -226,7 +244,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     (magic, version, flags, header_len, fingerprint, model_size, n_vocab, n_layer, n_head_kv,
      head_k, head_v, n_swa, n_ctx, type_k, type_v, flash_attn, kv_unified, kind, reserved0,
      n_seq_max, reserved1, n_tokens, n_tokens_total, n_generated, created, conv_id, meta_len,
-     tokens_len, logits_len, state_len, library, title, reserved2, crc) = _HEADER.unpack(raw)
+     tokens_len, logits_len, state_len, library, title, parent_n_tokens, crc) = _HEADER.unpack(raw)
     if header_len != HEADER_LEN:
         raise CorruptHeader(f"header length {header_len} is not {HEADER_LEN}")
     if zlib.crc32(raw[:-4]) != crc:
@@ -234,8 +252,13 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     problems = []
     if flags & ~KNOWN_FLAGS:
         problems.append(f"unknown flags 0x{flags:04x}")
-    if reserved0 or reserved1 or reserved2:
+    if reserved0 or reserved1:
         problems.append("reserved fields are not zero")
+    if flags & FLAG_DELTA:
+        if not 0 < parent_n_tokens < n_tokens:
+            problems.append(f"a delta on {parent_n_tokens} parent tokens cannot hold {n_tokens}")
+    elif parent_n_tokens:
+        problems.append("parent token count without the delta flag")
     if kind not in KIND_NAMES:
         problems.append(f"unknown kind {kind}")
     if flash_attn > 1 or kv_unified > 1:
@@ -283,7 +306,8 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         n_tokens_total=n_tokens_total, n_generated=n_generated, created_unix_ns=created,
         conversation_id=uuid.UUID(bytes=conv_id), library=text_library, title=text_title,
         kind=kind, flags=flags, meta_len=meta_len, tokens_len=tokens_len,
-        logits_len=logits_len, state_len=state_len, version=version)
+        logits_len=logits_len, state_len=state_len, parent_n_tokens=parent_n_tokens,
+        version=version)
     if state_len > max_state_len(header):
         raise CorruptHeader(f"state length {state_len} is larger than any KV cache of this shape")
     if (n_tokens > 0) != (state_len > 0):
@@ -386,13 +410,14 @@ class CheckpointData:
     logits: np.ndarray | None        # float32, n_vocab
     state: bytearray                 # exactly state_len bytes
     path: Path | None = None
+    payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
                    logits: np.ndarray | None, state: memoryview | bytes | bytearray,
                    chunk: int = 8 << 20) -> Header:
-    """Write a whole checkpoint to ``out``; returns the header as written.
+    """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
 
     The state is written in chunks from the caller's buffer while its CRC is computed,
     so no second copy of it is made.
@@ -401,7 +426,8 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     logits_bytes = b"" if logits is None else np.ascontiguousarray(logits, dtype="<f4").tobytes()
     state_view = memoryview(state).cast("B")
     flags = (FLAG_HAS_LOGITS if logits is not None else 0) | (
-        FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0)
+        FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0) | (
+        header.flags & FLAG_DELTA)
     header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
                      logits_len=len(logits_bytes), state_len=len(state_view))
     out.write(pack_header(header))
@@ -414,7 +440,7 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
         out.write(piece)
         crc = zlib.crc32(piece, crc)
     out.write(struct.pack("<I", crc) + TRAILER_MAGIC)
-    return header
+    return header, crc
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -463,7 +489,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         if not np.isfinite(logits[~np.isneginf(logits)]).all():
             raise CorruptMetadata("the stored logits hold NaN or infinite values")
     return CheckpointData(header=header, meta=meta, tokens=tokens, logits=logits, state=state,
-                          path=path)
+                          path=path, payload_crc=crc)
 
 
 def _read_state_into(f: BinaryIO, state: bytearray, crc: int, progress, chunk: int = 8 << 20) -> int:

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("path")
     val.add_argument("--model", help="also check it fits this GGUF model")
 
+    comp = sub.add_parser("compact", help="merge a delta chain into one full checkpoint")
+    comp.add_argument("path")
+    comp.add_argument("-o", "--output", help="where to write it (default: beside, *-full.kvckpt)")
+    comp.add_argument("--model", help="GGUF model (default: the one the checkpoint names)")
+    comp.add_argument("--threads", type=int, default=None)
+    comp.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+
     ins = sub.add_parser("inspect", help="show a checkpoint's header and metadata")
     ins.add_argument("path")
     ins.add_argument("--json", action="store_true")
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from gui.app import main as gui_main
         return gui_main([])
     from native.errors import NativeError
-    handler = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect,
+    handler = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "compact": cmd_compact,
                "list": cmd_list, "info": cmd_info}[args.command]
     try:
         return handler(args)
@@ -214,12 +221,15 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
     from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
     from engine.conversation import Conversation
     from engine.generation import begin_answer, commit_answer, generate
+    from engine.autosave import Autosaver
+    from engine.chain import load_chain
     from engine.runtime import Runtime, check_context
     from engine.store import Store
     from native.library import bindings, choose_library
 
     bindings(choose_library(cli_dir=args.llama_lib))
-    data = fmt.read_checkpoint(args.checkpoint_load) if args.checkpoint_load else None
+    chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
+    data = chain[-1] if chain else None
     settings = _context_settings(args, data.header if data else None)
     if data is not None:
         check_context(data.header, settings)  # before spending time on loading the model
@@ -227,7 +237,7 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
                       n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
     try:
         if data is not None:
-            conv = runtime.restore(data)
+            conv = runtime.restore_chain(chain)
             conv.sampler = _sampler_from_args(args, conv.sampler)
             if args.stop:
                 conv.stop_strings = args.stop
@@ -248,11 +258,17 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
 
         store = Store()
         save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
-        autosave_path = save_path or store.autosave_path(conv.id)
+        # autosaves go to --checkpoint-save as full files when one was given; otherwise
+        # into the store as a chain of deltas (each holds only the new tokens' cells)
+        autosaver = Autosaver(runtime, store.folder, mode="full" if save_path else "delta")
 
         def autosave(c: Conversation) -> None:
             try:
-                runtime.save(autosave_path, c, KIND_AUTOSAVE)
+                if save_path:
+                    runtime.save(save_path, c, KIND_AUTOSAVE)
+                else:
+                    store.ensure()
+                    autosaver(c)
             except CheckpointError as exc:
                 print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
@@ -280,8 +296,7 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
                   file=sys.stderr)
         elif not args.json:
             print()
-        if autosave_path.parent == store.folder and autosave_path.exists():
-            store.delete(autosave_path)  # superseded by the checkpoint, or the answer is done
+        autosaver.discard()  # superseded by the checkpoint just written, or the answer is done
         if store.folder.is_dir():
             store.prune_autosaves(DEFAULT_AUTOSAVE_BUDGET)
         return {
@@ -300,7 +315,7 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
 
 def cmd_validate(args) -> int:
     from engine import checkpoint_format as fmt
-    from engine.kvstate import check_state
+    from engine.kvstate import check_state_for
 
     path = Path(args.path)
     try:
@@ -309,17 +324,54 @@ def cmd_validate(args) -> int:
         data = fmt.read_checkpoint(path)
         print("CRC32 OK")
         if header.n_tokens:
-            check_state(data.state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
-                        n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
-                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
-                        n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v)
+            check_state_for(header, data.state)
         print("KV state OK")
+        if header.is_delta:
+            from engine.chain import load_chain
+            from engine.runtime import check_link
+            chain = load_chain(path)
+            for item in chain[:-1]:
+                if item.header.n_tokens:
+                    check_state_for(item.header, item.state)
+            for prev, child in zip(chain, chain[1:]):
+                check_link(prev, child)
+            print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")
         if args.model:
             _check_against_model(header, data.meta, Path(args.model))
             print("Dimensions match model")
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    return EXIT_OK
+
+
+def cmd_compact(args) -> int:
+    from engine.chain import load_chain
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    from native.library import bindings, choose_library
+
+    chain = load_chain(args.path)
+    last = chain[-1]
+    h = last.header
+    if not h.is_delta:
+        print(f"{args.path} is already a full checkpoint")
+        return EXIT_OK
+    bindings(choose_library(cli_dir=args.llama_lib))
+    model = Path(args.model) if args.model else _model_path(argparse.Namespace(model=None), last.meta)
+    settings = ContextSettings(n_ctx=h.n_ctx, n_threads=args.threads or 0, flash_attn=h.flash_attn,
+                               type_k=h.type_k, type_v=h.type_v, n_seq_max=h.n_seq_max,
+                               kv_unified=h.kv_unified)
+    runtime = Runtime(model, settings)
+    try:
+        conv = runtime.restore_chain(chain)
+        out = Path(args.output) if args.output else Path(args.path).with_name(
+            Path(args.path).stem + "-full.kvckpt")
+        info = runtime.save(out, conv, h.kind)
+    finally:
+        runtime.close()
+    print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)}; "
+          f"merged {len(chain)} files)")
     return EXIT_OK
 
 

@@ -68,3 +68,7 @@ class RestoreFailed(CheckpointError):
 
 class SaveFailed(CheckpointError):
     """Writing a checkpoint failed; the previous file, if any, is untouched."""
+
+
+class BrokenChain(CheckpointError):
+    """A delta checkpoint's parent is missing, damaged, or not the one it was made on."""

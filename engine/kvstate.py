@@ -62,13 +62,18 @@ class _Reader:
 
 def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: int,
                 n_layer: int, type_k: int, type_v: int, flash_attn: bool,
-                n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int) -> StateLayout:
-    """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency."""
+                n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
+                first_pos: int = 0, seq_id: int = 0) -> StateLayout:
+    """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency.
+
+    A delta state holds positions ``first_pos..n_tokens-1`` of sequence ``seq_id`` (1).
+    """
     r = _Reader(memoryview(state).cast("B"))
     if r.u32("magic") != STATE_MAGIC:
         raise CorruptState("the KV state does not start with llama.cpp's state magic")
-    if r.i32("sequence id") != 0:
-        raise CorruptState("the KV state is not for sequence 0")
+    if r.i32("sequence id") != seq_id:
+        raise CorruptState(f"the KV state is not for sequence {seq_id}")
+    n_new = n_tokens - first_pos
     max_row_k = 4 * n_head_kv * n_embd_head_k + 64
     max_row_v = 4 * n_head_kv * n_embd_head_v + 64
     blocks: list[tuple[int, int]] = []
@@ -80,23 +85,23 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
         if n_stream != 1:
             raise CorruptState(f"the KV state has {n_stream} streams; checkpoints hold one")
         cells = r.u32("cell count")
-        if cells > n_ctx or cells > n_tokens:
+        if cells > n_ctx or cells > n_new:
             raise CorruptState(f"the KV state holds {cells} cells for {n_tokens} tokens")
         if cells == 0:
             blocks.append((0, 0))
             continue
         meta = np.frombuffer(r.take(12 * cells, "cell table"), dtype="<i4").reshape(cells, 3)
-        if not (meta[:, 1] == 1).all() or not (meta[:, 2] == 0).all():
+        if not (meta[:, 1] == 1).all() or not (meta[:, 2] == seq_id).all():
             raise CorruptState("the KV state's cells belong to other sequences")
         pos = meta[:, 0]
         # cells are written in slot order, not position order: a sliding-window cache is
         # a ring, and a trimmed cache refills freed slots, so only uniqueness is required
-        if pos.min() < 0 or pos.max() >= n_tokens:
+        if pos.min() < first_pos or pos.max() >= n_tokens:
             raise CorruptState("the KV state's positions are out of range")
         if len(np.unique(pos)) != cells:
             raise CorruptState("the KV state holds a position twice")
-        if not blocks and cells != n_tokens:
-            raise CorruptState(f"the KV state holds {cells} positions, the header says {n_tokens}")
+        if not blocks and cells != n_new:
+            raise CorruptState(f"the KV state holds {cells} positions, the header says {n_new}")
         v_trans = r.u32("V layout")
         if v_trans > 1:
             raise CorruptState("the KV state's V layout flag is invalid")
@@ -142,4 +147,5 @@ def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayou
     return check_state(state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
                        n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
-                       n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v)
+                       n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
+                       first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0)

@@ -9,10 +9,12 @@ carry the logits a resumed generation needs.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,13 +22,13 @@ import numpy as np
 
 from engine import APP_VERSION
 from engine.atomic import atomic_write
-from engine.checkpoint_format import (KIND_MANUAL, CheckpointData, Header, encode_metadata,
-                                      write_sections)
+from engine.checkpoint_format import (FLAG_DELTA, KIND_MANUAL, CheckpointData, Header,
+                                      encode_metadata, write_sections)
 from engine.conversation import Conversation
-from engine.errors import (CorruptMetadata, GenerationError, IncompatibleContext,
+from engine.errors import (BrokenChain, CorruptMetadata, GenerationError, IncompatibleContext,
                            IncompatibleModel, RestoreFailed, SaveFailed)
 from engine.fingerprint import model_fingerprint
-from engine.kvstate import check_state
+from engine.kvstate import check_state_for
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import DecodeError, StateError
 from native.library import loaded_library
@@ -50,6 +52,10 @@ class SaveInfo:
     size: int
     seconds: float
     n_tokens: int
+    checkpoint_id: str = ""
+    payload_crc: int = 0
+    tokens_digest: str = ""
+    delta: bool = False
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -220,57 +226,104 @@ class Runtime:
             "n_ctx": self.ctx.n_ctx, "n_threads": self.ctx.n_threads,
         }
 
-    def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL) -> SaveInfo:
-        """Write ``conv`` and the KV cache to ``path`` atomically."""
+    def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
+             parent: "SaveInfo | None" = None) -> SaveInfo:
+        """Write ``conv`` and the KV cache to ``path`` atomically.
+
+        With ``parent`` (an earlier save of this conversation whose tokens are still a
+        prefix of the cache) only the cells after the parent's end are written: a delta.
+        """
         started = time.perf_counter()
         path = Path(path)
         n = len(self.kv_tokens)
         if list(conv.tokens[:n]) != self.kv_tokens:
             raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
+        p0 = 0
+        if parent is not None:
+            p0 = parent.n_tokens
+            if not 0 < p0 < n or parent.tokens_digest != tokens_digest(self.kv_tokens[:p0]):
+                raise SaveFailed("the parent checkpoint is not a prefix of the cache")
+            if self.settings.n_seq_max < 2:
+                raise SaveFailed("delta checkpoints need a context with a scratch sequence")
+        checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind)
-        meta = encode_metadata(self.metadata_for(conv))
+        if parent is not None:
+            header = replace(header, flags=FLAG_DELTA, parent_n_tokens=p0)
+        meta_json = self.metadata_for(conv)
+        meta_json["checkpoint_id"] = checkpoint_id
+        if parent is not None:
+            meta_json["parent"] = {"file": parent.path.name, "checkpoint_id": parent.checkpoint_id,
+                                   "payload_crc": parent.payload_crc, "n_tokens": p0}
+        meta = encode_metadata(meta_json)
         logits = np.array(self.logits(), copy=True) if self.has_logits() else None
-        state = np.empty(0, dtype=np.uint8)
-        if n:
-            size = self.ctx.state_size()
-            # np.empty, not bytearray(size): zero-filling hundreds of MB holds the GIL
-            # (~55 ms per 88 MB here) and freezes the UI thread; llama.cpp overwrites it all.
-            state = np.empty(size, dtype=np.uint8)
-            try:
-                written = self.ctx.state_get_into(state, size)
-            except StateError as exc:
-                raise SaveFailed(str(exc)) from exc
-            state = state[:written]
+        state = self._state_bytes(p0) if n else np.empty(0, dtype=np.uint8)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(path) as f:
-                write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32), logits, state)
+                _, crc = write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32),
+                                        logits, state)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise SaveFailed(f"could not save the checkpoint to {path}: {reason}; "
                              "any earlier checkpoint there is untouched") from exc
         return SaveInfo(path=path, size=path.stat().st_size,
-                        seconds=time.perf_counter() - started, n_tokens=n)
+                        seconds=time.perf_counter() - started, n_tokens=n,
+                        checkpoint_id=checkpoint_id, payload_crc=crc,
+                        tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None)
+
+    def _state_bytes(self, p0: int) -> np.ndarray:
+        """Sequence 0's state, or (p0 > 0) only its cells at positions >= p0.
+
+        The partial state is read through scratch sequence 1, which shares those cells
+        (``seq_cp`` adds a sequence id to cells; nothing is copied) and is dropped after.
+        """
+        seq = 0
+        if p0:
+            self.ctx.seq_cp(0, 1, p0, -1)
+            seq = 1
+        try:
+            size = self.ctx.state_size(seq)
+            # np.empty, not bytearray(size): zero-filling hundreds of MB holds the GIL
+            # (~55 ms per 88 MB here) and freezes the UI thread; llama.cpp overwrites it all.
+            state = np.empty(size, dtype=np.uint8)
+            try:
+                written = self.ctx.state_get_into(state, size, seq)
+            except StateError as exc:
+                raise SaveFailed(str(exc)) from exc
+            return state[:written]
+        finally:
+            if p0:
+                self.ctx.seq_rm(1, -1, -1)
 
     def restore(self, data: CheckpointData) -> Conversation:
-        """Put a verified checkpoint's state into the cache; returns its conversation.
+        """Put a verified checkpoint's state into the cache; returns its conversation."""
+        return self.restore_chain([data])
 
-        Everything is checked before llama.cpp sees a byte, so a refused file leaves the
+    def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
+        """Restore a full checkpoint followed by zero or more deltas on it.
+
+        Everything is checked before llama.cpp sees a byte — every file's compatibility
+        and state structure, and the links between them — so a refused file leaves the
         cache (and the conversation it belongs to) as it was.  Only if llama.cpp itself
         refuses a state that passed every check is the cache emptied; the previous
         conversation then re-decodes its prompt the next time it is used.
         """
-        h = data.header
-        self.check_compatible(h, data.meta)
-        if h.n_tokens:
-            check_state(data.state, n_tokens=h.n_tokens, n_ctx=h.n_ctx, n_layer=h.n_layer,
-                        type_k=h.type_k, type_v=h.type_v, flash_attn=h.flash_attn,
-                        n_head_kv=h.n_head_kv, n_embd_head_k=h.n_embd_head_k,
-                        n_embd_head_v=h.n_embd_head_v)
-        conv_json = data.meta.get("conversation")
+        if not chain:
+            raise BrokenChain("no checkpoint to restore")
+        if chain[0].header.is_delta:
+            raise BrokenChain("the chain does not start with a full checkpoint")
+        for data in chain:
+            self.check_compatible(data.header, data.meta)
+            if data.header.n_tokens:
+                check_state_for(data.header, data.state)
+        for prev, data in zip(chain, chain[1:]):
+            check_link(prev, data)
+        last = chain[-1]
+        h = last.header
+        conv_json = last.meta.get("conversation")
         try:
             conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                          [int(t) for t in data.tokens])
+                                          [int(t) for t in last.tokens])
         except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
         conv.id = h.conversation_id
@@ -278,20 +331,51 @@ class Runtime:
         self.kv_tokens = []
         self._forget_logits()
         self._prompt_logits = None
-        if h.n_tokens:
-            try:
-                self.ctx.state_set_from(data.state, len(data.state))
-            except StateError as exc:
-                self.ctx.clear()
-                raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
-            if self.ctx.pos_max() != h.n_tokens - 1:
-                self.ctx.clear()
-                raise RestoreFailed("the restored state does not hold the promised tokens")
-            self.kv_tokens = [int(t) for t in data.tokens[:h.n_tokens]]
-            if data.logits is not None:
-                self._logits_len = h.n_tokens
-                self._logits_copy = data.logits
+        try:
+            for i, data in enumerate(chain):
+                if not data.header.n_tokens:
+                    continue
+                if i == 0:
+                    self.ctx.state_set_from(data.state, len(data.state), 0)
+                else:
+                    self.ctx.state_set_from(data.state, len(data.state), 1)
+                    self.ctx.seq_cp(1, 0, -1, -1)
+                    self.ctx.seq_rm(1, -1, -1)
+        except StateError as exc:
+            self.ctx.clear()
+            raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
+        if h.n_tokens and self.ctx.pos_max() != h.n_tokens - 1:
+            self.ctx.clear()
+            raise RestoreFailed("the restored state does not hold the promised tokens")
+        self.kv_tokens = [int(t) for t in last.tokens[:h.n_tokens]]
+        if last.logits is not None:
+            self._logits_len = h.n_tokens
+            self._logits_copy = last.logits
         return conv
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """A short digest of a token list: proves a delta's parent is still a prefix."""
+    return hashlib.blake2b(np.asarray(tokens, dtype="<i4").tobytes(), digest_size=16).hexdigest()
+
+
+def check_link(parent: CheckpointData, child: CheckpointData) -> None:
+    """Raise BrokenChain unless ``child`` is a delta on exactly ``parent``."""
+    ref = child.meta.get("parent")
+    name = parent.path.name if parent.path else "the parent"
+    if not child.header.is_delta or not isinstance(ref, dict):
+        raise BrokenChain(f"{child.path.name if child.path else 'a checkpoint'} is not a delta")
+    if ref.get("checkpoint_id") != parent.meta.get("checkpoint_id") \
+            or ref.get("payload_crc") != parent.payload_crc:
+        raise BrokenChain(f"{name} is not the parent this delta was made on (it was replaced "
+                          "or altered since)")
+    p0 = child.header.parent_n_tokens
+    if p0 != parent.header.n_tokens or ref.get("n_tokens") != p0:
+        raise BrokenChain(f"the delta continues from token {p0}, {name} holds {parent.header.n_tokens}")
+    if child.header.conversation_id != parent.header.conversation_id:
+        raise BrokenChain(f"{name} belongs to another conversation")
+    if not np.array_equal(child.tokens[:p0], parent.tokens[:p0]):
+        raise BrokenChain(f"the delta's tokens do not continue those of {name}")
 
 
 def check_context(header: Header, settings: ContextSettings, n_ctx: int | None = None) -> None:

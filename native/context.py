@@ -57,7 +57,7 @@ class ContextSettings:
     flash_attn: bool = True
     type_k: int = KV_TYPES["q8_0"]
     type_v: int = KV_TYPES["q8_0"]
-    n_seq_max: int = 1
+    n_seq_max: int = 2          # sequence 1 is scratch space for delta checkpoints
     kv_unified: bool = True
 
 

@@ -1,0 +1,128 @@
+"""Delta checkpoints: O(new tokens) autosaves that restore exactly what a full one would."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from engine.autosave import Autosaver
+from engine.chain import load_chain
+from engine.conversation import Conversation
+from engine.errors import BrokenChain
+from engine.generation import begin_answer, generate
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+
+LONG = "Here is a long and winding passage about rivers, hills and old towns. " * 60
+
+
+def _conversation(runtime, text: str) -> Conversation:
+    conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=77, ignore_eos=True))
+    begin_answer(conv, runtime, text, n_predict=48)
+    return conv
+
+
+@pytest.mark.parametrize("model", ["smollm", "gemma"])
+def test_chain_restores_exactly(model, request, tmp_path):
+    """Autosave deltas every 8 tokens; resume from the chain in a fresh context."""
+    path = request.getfixturevalue(f"{model}_path")
+    settings = ContextSettings(n_ctx=2048, n_threads=2)
+    first = Runtime(path, settings)
+    try:
+        # the prompt is longer than Gemma 3's 512-token window, so its ring wraps
+        reference = generate(first, _conversation(first, LONG)).text
+        first.trim(0)
+        conv = _conversation(first, LONG)
+        saver = Autosaver(first, tmp_path)
+        part = generate(first, conv, autosave=saver, autosave_every=8, stop_after=24)
+        assert [info.delta for info in saver.chain] == [False, True, True]
+        full_size = saver.chain[0].size
+        assert all(info.size < full_size / 4 for info in saver.chain[1:]), "deltas are not small"
+        latest = saver.latest
+    finally:
+        first.close()
+    second = Runtime(path, settings)
+    try:
+        chain = load_chain(latest)
+        assert len(chain) == 3
+        resumed = second.restore_chain(chain)
+        rest = generate(second, resumed)
+        assert rest.n_reused_tokens == rest.n_prompt_tokens
+        assert part.text + rest.text == reference
+    finally:
+        second.close()
+
+
+def test_broken_chains_are_refused_with_reason(smollm_runtime, tmp_path):
+    rt = smollm_runtime
+    rt.trim(0)
+    conv = _conversation(rt, "Tell me about owls.")
+    saver = Autosaver(rt, tmp_path)
+    generate(rt, conv, autosave=saver, autosave_every=4, stop_after=12)
+    base, middle, last = (info.path for info in saver.chain)
+
+    middle_bytes = middle.read_bytes()
+    middle.unlink()
+    with pytest.raises(BrokenChain, match="missing"):
+        load_chain(last)
+    middle.write_bytes(middle_bytes[:-10] + bytes(10))
+    with pytest.raises(BrokenChain, match="damaged"):
+        load_chain(last)
+    middle.write_bytes(middle_bytes)
+
+    # a different base under the same name: linked by id and CRC, so it is noticed
+    other = Autosaver(rt, tmp_path / "other")
+    rt.trim(0)
+    generate(rt, _conversation(rt, "Tell me about owls."), autosave=other, autosave_every=4, stop_after=4)
+    base.write_bytes(other.chain[0].path.read_bytes())
+    kv_before = list(rt.kv_tokens)
+    with pytest.raises(BrokenChain, match="replaced or altered"):
+        rt.restore_chain(load_chain(last))
+    assert rt.kv_tokens == kv_before, "a refused chain touched the cache"
+    done = run_cli("validate", str(last))
+    assert done.returncode == 1 and "replaced or altered" in done.stderr
+
+
+def test_crash_loses_at_most_the_autosave_interval(smollm_path, app_home, tmp_path):
+    """SIGKILL mid-generation: the last delta in the store resumes the same text."""
+    common = ["-m", str(smollm_path), "-p", "Write a long poem about the moon.", "--seed", "3",
+              "--temp", "0.8", "--ctx-size", "1024", "--ignore-eos", "--threads", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common, "-n", "400",
+                             "--checkpoint-save-interval", "16"], cwd=str(ROOT),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    store = app_home / "data" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while len(list(store.glob("autosave-*.kvckpt"))) < 3:
+        assert time.monotonic() < deadline and proc.poll() is None, "no autosaves appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    files = sorted(store.glob("autosave-*.kvckpt"))
+    latest = files[-1]
+    header = json.loads(run_cli("inspect", str(latest), "--json", check=True).stdout)["header"]
+    assert header["kind"] == "autosave"
+    k = header["n_generated"]
+    assert k % 16 == 0 and k >= 32
+    assert run_cli("validate", str(latest)).returncode == 0
+    rest = json.loads(run_cli("run", "--checkpoint-load", str(latest), "-n", str(k + 10), "--json",
+                              check=True).stdout.strip().splitlines()[-1])
+    assert rest["n_reused_tokens"] == rest["n_prompt_tokens"]
+    full = json.loads(run_cli("run", *common, "-n", str(k + 10), "--json",
+                              check=True).stdout.strip().splitlines()[-1])
+    meta = json.loads(run_cli("inspect", str(latest), "--json", check=True).stdout)["metadata"]
+    assert meta["transcript"][-1]["content"] + rest["text"] == full["text"]
+
+    compacted = tmp_path / "merged.kvckpt"
+    done = run_cli("compact", str(latest), "-o", str(compacted), check=True)
+    assert "merged" in done.stdout
+    again = json.loads(run_cli("run", "--checkpoint-load", str(compacted), "-n", str(k + 10), "--json",
+                               check=True).stdout.strip().splitlines()[-1])
+    assert again["text"] == rest["text"]
