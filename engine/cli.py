@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in (None, "gui"):
         from gui.app import main as gui_main
         return gui_main([])
+    if args.command == "run":
+        _report_previous_crash()
     from native.errors import NativeError
     handler = {"run": cmd_run, "validate": cmd_validate, "inspect": cmd_inspect, "compact": cmd_compact,
                "list": cmd_list, "info": cmd_info}[args.command]
@@ -138,6 +140,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- run ---------------------------------------------------------------------------------------
+
+def _report_previous_crash() -> None:
+    """Install the crash trace for this run; tell about a crash of an earlier one."""
+    from engine import crashlog
+    from engine.store import Store
+    try:
+        reports = crashlog.pending_crashes()
+        crashlog.install()
+    except OSError:
+        return  # an unwritable log folder must not stop the chat
+    if not reports:
+        return
+    kept = crashlog.acknowledge(reports)
+    autosave = crashlog.newest_autosave(Store())
+    print(f"note: Checkpoint Chat crashed in an earlier run ({reports[-1].excerpt}); "
+          f"details: {kept[-1] if kept else reports[-1].log}", file=sys.stderr)
+    if autosave:
+        print(f"note: its last autosave can be resumed with: checkpoint-chat run --checkpoint-load "
+              f"{autosave}", file=sys.stderr)
+
 
 def _context_settings(args, header):
     from native.context import KV_TYPES, ContextSettings

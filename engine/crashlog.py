@@ -1,0 +1,116 @@
+"""A trace of native crashes, and telling the user about one at the next start.
+
+A crash inside llama.dll kills the process before any Python ``except`` runs.
+``faulthandler`` still writes the Python stack of every thread to a file, so each
+process writes to its own ``faulthandler-<pid>.log`` in the log folder; a normal exit
+deletes it (empty).  At the next start, a non-empty file of a process that is gone is a
+crash the user has not heard about: :func:`pending_crashes` finds it, the CLI and the
+window tell the user and offer the newest autosave, and :func:`acknowledge` keeps it as
+``crash-<time>.log`` (the last few are kept for bug reports).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import paths
+
+KEEP_REPORTS = 5
+_handle = None
+
+
+@dataclass(frozen=True)
+class CrashReport:
+    log: Path
+    when: float
+    excerpt: str
+
+
+def install(folder: Path | None = None) -> Path:
+    """Write fatal-error tracebacks of this process to the log folder."""
+    global _handle
+    folder = folder or paths.log_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"faulthandler-{os.getpid()}.log"
+    _handle = open(path, "w", encoding="utf-8")
+    faulthandler.enable(_handle, all_threads=True)
+
+    def clean_exit() -> None:
+        faulthandler.disable()
+        _handle.close()
+        try:
+            if path.stat().st_size == 0:
+                path.unlink()
+        except OSError:
+            pass
+
+    atexit.register(clean_exit)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return os.name != "nt"  # POSIX: exists but not ours; Windows: os.kill(…, 0) is not a probe
+    return True
+
+
+def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
+    """Crash traces left by processes that are gone, oldest first."""
+    folder = folder or paths.log_dir()
+    reports = []
+    for path in sorted(folder.glob("faulthandler-*.log")) if folder.is_dir() else []:
+        try:
+            pid = int(path.stem.split("-", 1)[1])
+        except ValueError:
+            continue
+        if _alive(pid):
+            continue
+        try:
+            text = path.read_text("utf-8", "replace")
+            when = path.stat().st_mtime
+        except OSError:
+            continue
+        if not text.strip():
+            path.unlink(missing_ok=True)  # killed without a trace (SIGKILL, power loss)
+            continue
+        first = next((line for line in text.splitlines() if line.startswith("Fatal")), text.splitlines()[0])
+        reports.append(CrashReport(path, when, first.strip()))
+    return sorted(reports, key=lambda r: r.when)
+
+
+def acknowledge(reports: list[CrashReport]) -> list[Path]:
+    """Keep reported traces as crash-<time>.log (the newest few); returns their paths."""
+    kept = []
+    for report in reports:
+        target = report.log.with_name(time.strftime("crash-%Y%m%d-%H%M%S", time.localtime(report.when))
+                                      + f"-{report.log.stem.split('-', 1)[1]}.log")
+        try:
+            report.log.replace(target)
+            kept.append(target)
+        except OSError:
+            pass
+    if reports:
+        old = sorted(reports[0].log.parent.glob("crash-*.log"))[:-KEEP_REPORTS]
+        for path in old:
+            path.unlink(missing_ok=True)
+    return kept
+
+
+def newest_autosave(store) -> Path | None:
+    """The most recent autosave in ``store`` (an engine.store.Store)."""
+    from engine.checkpoint_format import KIND_AUTOSAVE
+    for entry in store.entries():
+        if entry.header is not None and entry.header.kind == KIND_AUTOSAVE:
+            return entry.path
+    return None

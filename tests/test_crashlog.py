@@ -1,0 +1,58 @@
+"""A native crash leaves a trace; the next start says so and offers the last autosave."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, run_cli
+from engine import crashlog
+
+
+def _crash_in_child(env=None) -> int:
+    code = ("from engine import crashlog; crashlog.install(); "
+            "import ctypes; ctypes.string_at(0)")   # a segfault, as a bad llama.dll would cause
+    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env or dict(os.environ),
+                          capture_output=True).returncode
+
+
+def test_crash_trace_is_reported_once(app_home):
+    assert _crash_in_child() < 0
+    reports = crashlog.pending_crashes()
+    assert len(reports) == 1 and "Fatal Python error" in reports[0].excerpt
+    kept = crashlog.acknowledge(reports)
+    assert kept and kept[0].name.startswith("crash-") and "string_at" in kept[0].read_text()
+    assert crashlog.pending_crashes() == []
+
+
+def test_normal_exit_leaves_nothing(app_home):
+    done = subprocess.run([sys.executable, "-c", "from engine import crashlog; crashlog.install()"],
+                          cwd=str(ROOT), env=dict(os.environ))
+    assert done.returncode == 0
+    assert list((app_home / "log").glob("*.log")) == []
+
+
+def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
+    # an autosave exists in the store (from an interrupted autosaving run)
+    run_cli("run", "-m", str(smollm_path), "-p", "Hi", "-n", "40", "--ignore-eos", "--temp", "0",
+            "--ctx-size", "512", "--checkpoint-save-interval", "8", "--stop-after", "20", check=True)
+    store = app_home / "data" / "checkpoints"
+    # the pause checkpoint superseded the autosaves; leave one behind as a crash would
+    paused = sorted(store.glob("*.kvckpt"))[0]
+    autosave = store / "autosave-crashed-00001.kvckpt"
+    done = run_cli("inspect", str(paused), "--json", check=True)
+    assert done.returncode == 0
+    import engine.checkpoint_format as fmt
+    from dataclasses import replace
+    raw = bytearray(paused.read_bytes())
+    header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
+    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=fmt.KIND_AUTOSAVE))
+    autosave.write_bytes(bytes(raw))
+    assert _crash_in_child() < 0
+    done = run_cli("run", "-m", str(smollm_path), "-p", "Hello", "-n", "2", "--ctx-size", "512")
+    assert done.returncode == 0, done.stderr
+    assert "crashed in an earlier run" in done.stderr
+    assert f"--checkpoint-load {autosave}" in done.stderr
+    again = run_cli("run", "-m", str(smollm_path), "-p", "Hello", "-n", "2", "--ctx-size", "512")
+    assert "crashed" not in again.stderr
