@@ -44,6 +44,7 @@ class ChatView(QTextBrowser):
         self.anchorClicked.connect(self._on_anchor_clicked)
         self.messages: list[Message] = []
         self._streaming = False
+        self._tail_start: int | None = None   # document position where the last message starts
         self.placeholder = "Type a message below and press Enter."
 
     # -- content ------------------------------------------------------------------------------
@@ -58,8 +59,14 @@ class ChatView(QTextBrowser):
     def begin_answer(self, user_text: str | None = None) -> None:
         """Show the user's message (if new) and an empty answer that text will stream into."""
         if user_text is not None:
+            appendable = bool(self.messages) and not self._streaming and self._tail_start is not None
             self.messages.append(Message("user", user_text))
             self.messages.append(Message("assistant", "", complete=False))
+            if appendable:
+                # add to the end of the document instead of laying out the whole conversation again
+                self._append_tail(len(self.messages) - 2, streaming=False)
+                self._append_tail(len(self.messages) - 1, streaming=True)
+                return
         elif not self.messages or self.messages[-1].role != "assistant":
             self.messages.append(Message("assistant", "", complete=False))
         self.messages[-1].note = ""
@@ -85,12 +92,19 @@ class ChatView(QTextBrowser):
         if self.messages and self.messages[-1].role == "assistant":
             self.messages[-1].complete = complete
             self.messages[-1].note = note
+            if self._tail_start is not None:
+                self._replace_tail(self._message_html(len(self.messages) - 1))
+                self._streaming = False
+                return
         self.render()
 
     def set_note(self, note: str) -> None:
         if self.messages and self.messages[-1].role == "assistant" and not self.messages[-1].complete:
             self.messages[-1].note = note
-            self.render()
+            if self._tail_start is not None and not self._streaming:
+                self._replace_tail(self._message_html(len(self.messages) - 1))
+            else:
+                self.render()
 
     def answer_text(self) -> str:
         """The last assistant message's text (what a test compares)."""
@@ -100,40 +114,79 @@ class ChatView(QTextBrowser):
         return ""
 
     # -- rendering ------------------------------------------------------------------------------
-    def render(self, *, streaming: bool = False) -> None:
+    # The last message is kept as the document's "tail" (from _tail_start to the end) so
+    # that streaming, finishing or pausing an answer re-lays out only that message: a full
+    # setHtml costs time in proportion to the whole conversation (tens of ms for a
+    # 4,000-token prompt), which would show as a stall in the UI.
+    def _colors(self) -> dict[str, str]:
         pal = self.palette()
         dark = pal.color(QPalette.ColorRole.Base).lightness() < 128
-        code_bg = "#2b2b2b" if dark else "#f2f2f2"
-        muted = pal.color(QPalette.ColorRole.PlaceholderText).name()
-        accent = pal.color(QPalette.ColorRole.Link).name()
-        user_bg = "#26323f" if dark else "#eef3fa"
-        parts = []
-        if not self.messages:
-            parts.append(f'<p style="color:{muted};">{html.escape(self.placeholder)}</p>')
-        for i, m in enumerate(self.messages):
-            last_streaming = streaming and i == len(self.messages) - 1
-            label = ROLE_LABELS[m.role]
-            copy = "" if last_streaming else f' &nbsp;<a href="copy:{i}" style="color:{accent};">Copy</a>'
-            parts.append(f'<p style="margin-top:10px;"><b>{label}</b>'
-                         f'<span style="color:{muted};">{copy}</span></p>')
-            if last_streaming:
-                # plain paragraph the streamed text is appended to; Markdown comes at the end
-                parts.append(f"<p>{html.escape(m.text)}")
-                continue
-            body = to_html(m.text, code_bg)
-            if m.role == "user":
-                body = (f'<table width="100%" cellpadding="6" style="background-color:{user_bg};">'
-                        f"<tr><td>{body}</td></tr></table>")
-            parts.append(body)
-            if not m.complete and m.role == "assistant":
-                note = m.note or "Paused"
-                parts.append(f'<p style="color:{accent};"><b>‖ {html.escape(note)}</b></p>')
+        return {"code_bg": "#2b2b2b" if dark else "#f2f2f2", "user_bg": "#26323f" if dark else "#eef3fa",
+                "muted": pal.color(QPalette.ColorRole.PlaceholderText).name(),
+                "accent": pal.color(QPalette.ColorRole.Link).name()}
+
+    def _message_html(self, i: int, streaming: bool = False) -> str:
+        c = self._colors()
+        m = self.messages[i]
+        copy = "" if streaming else f' &nbsp;<a href="copy:{i}" style="color:{c["accent"]};">Copy</a>'
+        head = (f'<p style="margin-top:10px;"><b>{ROLE_LABELS[m.role]}</b>'
+                f'<span style="color:{c["muted"]};">{copy}</span></p>')
+        if streaming:
+            # a plain paragraph the streamed text is appended to; Markdown comes at the end
+            return head + f"<p>{html.escape(m.text)}</p>"
+        body = to_html(m.text, c["code_bg"])
+        if m.role == "user":
+            body = (f'<table width="100%" cellpadding="6" style="background-color:{c["user_bg"]};">'
+                    f"<tr><td>{body}</td></tr></table>")
+        if not m.complete and m.role == "assistant":
+            note = m.note or "Paused"
+            body += f'<p style="color:{c["accent"]};"><b>‖ {html.escape(note)}</b></p>'
+        return head + body
+
+    def render(self, *, streaming: bool = False) -> None:
         bar = self.verticalScrollBar()
         at_bottom = bar.value() >= bar.maximum() - 4
-        self.setHtml("\n".join(parts))
+        self._tail_start = None
+        if not self.messages:
+            muted = self._colors()["muted"]
+            self.setHtml(f'<p style="color:{muted};">{html.escape(self.placeholder)}</p>')
+        else:
+            last = len(self.messages) - 1
+            self.setHtml("\n".join(self._message_html(i) for i in range(last)))
+            self._append_tail(last, streaming=streaming)
         self._streaming = streaming
         if at_bottom or streaming:
             bar.setValue(bar.maximum())
+
+    def _append_tail(self, index: int, *, streaming: bool) -> None:
+        """Append message ``index`` at the end of the document; it becomes the tail."""
+        cursor = QTextCursor(self.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        if not self.document().isEmpty():
+            cursor.insertBlock()
+        self._tail_start = cursor.position()
+        cursor.insertHtml(self._message_html(index, streaming))
+        self._space_tail()
+        self._streaming = streaming
+        bar = self.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _replace_tail(self, html_text: str) -> None:
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(self._tail_start)
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        cursor.insertHtml(html_text)
+        self._space_tail()
+
+    def _space_tail(self) -> None:
+        # insertHtml merges its first paragraph into the block at the cursor and drops
+        # that paragraph's top margin: put the gap between messages back
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(self._tail_start)
+        fmt = cursor.blockFormat()
+        fmt.setTopMargin(10)
+        cursor.setBlockFormat(fmt)
 
     @Slot(QUrl)
     def _on_anchor_clicked(self, url: QUrl) -> None:

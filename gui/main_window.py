@@ -1,10 +1,9 @@
 """The main window: conversations, chat, prompt, model bar and status bar.
 
 The window never calls the model: commands go to the engine thread through
-:class:`~gui.bridge.EngineBridge` and results come back as queued signals.  File work
-(listing the store, CRC checks, copies) runs on executor threads via gui.tasks.  The
-checkpoint browser, drag-and-drop import and the settings dialog live in their own
-modules; this one wires them together.
+:class:`~gui.bridge.EngineBridge` and results come back as queued signals.  What the
+window does with the checkpoint store (listing, the browser, drag-and-drop import)
+is in gui.store_actions; the widgets themselves live in their own modules.
 """
 
 from __future__ import annotations
@@ -14,8 +13,8 @@ import time
 import uuid
 from pathlib import Path
 
-from PySide6.QtCore import QSize, Qt, QTimer, QUrl, Signal, Slot
-from PySide6.QtGui import QAction, QCloseEvent, QDesktopServices, QKeySequence
+from PySide6.QtCore import QSize, Qt, QTimer, Signal, Slot
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout,
                                QWidget)
@@ -25,20 +24,19 @@ from engine.models import default_model_path
 from engine.store import Store
 from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
 from gui.bridge import EngineBridge
-from gui.browser import CheckpointBrowser, list_rows
+from gui.browser import CheckpointBrowser
 from gui.chat_view import ChatView, PromptEdit
-from gui.conversations import PAUSED_MARK, ConversationList, stored_conversations
-from gui.importer import (FileCheck, check_file, export_file, file_size_text, import_file,
-                          local_checkpoint_paths, remove_quietly)
+from gui.conversations import PAUSED_MARK, ConversationList
+from gui.importer import file_size_text, remove_quietly
 from gui.settings import AppSettings
-from gui.tasks import in_thread, spawn, thread_safe
+from gui.store_actions import StoreActions
 
 log = logging.getLogger("gui")
 
 CLOSE_WAIT_MS = 15000   # bounded wait for the exit checkpoint when closing mid-answer
 
 
-class MainWindow(QMainWindow):
+class MainWindow(StoreActions, QMainWindow):
     """Checkpoint Chat's main window.
 
     Signals:
@@ -524,7 +522,6 @@ class MainWindow(QMainWindow):
                                                             and snap.transcript[-1]["role"] == "assistant"))
         self.conversation_list.setEnabled(not busy)
 
-    @Slot()
     def _on_list_current_changed(self, item, _previous=None) -> None:
         if item is None:
             return
@@ -551,173 +548,6 @@ class MainWindow(QMainWindow):
         item = self.conversation_list.item_for(conv_id)
         if item is not None:
             self.conversation_list.setCurrentItem(item)
-
-    # -- store: listing, browser, import --------------------------------------------------------------
-    def refresh_store(self) -> None:
-        spawn(self._refresh_store())
-
-    async def _refresh_store(self) -> None:
-        started = time.perf_counter()
-        model = self.bridge.model_info
-        convs = await in_thread(stored_conversations, self.store)
-        rows = await in_thread(list_rows, self.store, model) if self.browser is not None else None
-        for c in convs:
-            if c.id not in self.snapshots:
-                self.conversation_list.upsert(c.id, c.title, path=c.path, paused=c.paused)
-        if rows is not None:
-            self.browser.set_rows(rows, model, time.perf_counter() - started)
-        self.store_listed.emit()
-
-    def show_browser(self) -> CheckpointBrowser:
-        if self.browser is None:
-            self.browser = CheckpointBrowser(self)
-            self.browser.resume_requested.connect(self.open_checkpoint)
-            self.browser.validate_requested.connect(self.validate_checkpoint)
-            self.browser.rename_requested.connect(self._browser_rename)
-            self.browser.delete_requested.connect(self._browser_delete)
-            self.browser.export_requested.connect(self._browser_export)
-            self.browser.reveal_requested.connect(
-                lambda p: QDesktopServices.openUrl(QUrl.fromLocalFile(str(Path(p).parent))))
-            self.browser.refresh_requested.connect(self.refresh_store)
-            self.browser.files_dropped.connect(self.import_files)
-        self.browser.show()
-        self.browser.raise_()
-        self.refresh_store()
-        return self.browser
-
-    def open_checkpoint(self, path: Path) -> None:
-        """Restore a checkpoint from the store and show its conversation."""
-        if self.running is not None:
-            self.show_message("Checkpoint", "Pause the answer before opening another checkpoint.")
-            return
-        spawn(self._open_checkpoint(Path(path)))
-
-    async def _open_checkpoint(self, path: Path) -> None:
-        from engine.checkpoint_format import read_header
-        try:
-            header = await in_thread(read_header, path)
-        except Exception as exc:  # noqa: BLE001 - shown to the user
-            self.show_error("Could not open the checkpoint", str(exc))
-            return
-        self.conversation_list.upsert(header.conversation_id, header.title, path=path, top=True)
-        self.snapshots.pop(header.conversation_id, None)  # the file is the newer truth
-        self.current = header.conversation_id
-        self.conversation_list.select(header.conversation_id)
-        self.worker.open_checkpoint(path)
-
-    def open_checkpoint_dialog(self) -> None:
-        paths, _ = QFileDialog.getOpenFileNames(self, "Open checkpoint", str(self.store.folder),
-                                                "Checkpoints (*.kvckpt);;All files (*)")
-        if paths:
-            self.import_files([Path(p) for p in paths])
-
-    def import_files(self, paths: list) -> None:
-        spawn(self._import_files([Path(p) for p in paths]))
-
-    async def _import_files(self, paths: list[Path]) -> None:
-        results: list[FileCheck] = []
-        self.save_progress.show()
-        try:
-            for p in paths:
-                results.append(await in_thread(import_file, p, self.store, self.bridge.model_info))
-        finally:
-            self.save_progress.hide()
-        refused = [r for r in results if r.imported is None]
-        if refused:
-            self.show_error("Not imported", "\n".join(r.message() for r in refused))
-        self.imports_finished.emit(results)
-        imported = [r.imported for r in results if r.imported is not None]
-        self.refresh_store()
-        if imported:
-            self._offer_resume(imported[0], len(imported))
-
-    def _offer_resume(self, path: Path, count: int) -> None:
-        box = QMessageBox(QMessageBox.Icon.Question, "Checkpoint imported",
-                          f"Imported {count} checkpoint{'s' if count > 1 else ''} into the store. "
-                          f"Resume “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
-        resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
-        box.addButton("Later", QMessageBox.ButtonRole.RejectRole)
-        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(path))
-        box.open()
-        self.resume_offer = box
-
-    def validate_checkpoint(self, path: Path) -> None:
-        spawn(self._validate(Path(path)))
-
-    async def _validate(self, path: Path) -> FileCheck:
-        bar = self.browser.progress if self.browser is not None else None
-        if bar is not None:
-            bar.setRange(0, 1000)
-            bar.setValue(0)
-            bar.show()
-        last = [-1]
-
-        def progress(done: int, total: int) -> None:
-            step = done * 1000 // max(1, total)
-            if step != last[0] and bar is not None:  # at most 1000 cross-thread posts
-                last[0] = step
-                post(step)
-        post = thread_safe(lambda v: bar.setValue(v))
-        try:
-            result = await in_thread(check_file, path, self.bridge.model_info, progress)
-        finally:
-            if bar is not None:
-                bar.hide()
-        if self.browser is not None:
-            status = "verified" if result.ok else result.status
-            self.browser.model.update_row(path, status=status,
-                                          reason="CRC OK" if result.ok else result.reason)
-        self.validation_finished.emit(result)
-        return result
-
-    def _browser_rename(self, path: Path) -> None:
-        row = self.browser.selected_row() if self.browser else None
-        if row is None or row.header is None:
-            return
-        title, ok = QInputDialog.getText(self.browser, "Rename checkpoint", "Title:", text=row.title)
-        if ok and title.strip():
-            conv_id = row.header.conversation_id
-            self.conversation_list.upsert(conv_id, title.strip(), path=path)
-            self._rename(conv_id, title.strip())
-
-    def _browser_delete(self, path: Path) -> None:
-        answer = QMessageBox.question(self.browser, "Delete checkpoint", f"Delete {Path(path).name}?")
-        if answer == QMessageBox.StandardButton.Yes:
-            remove_quietly(Path(path))
-            self.refresh_store()
-
-    def _browser_export(self, path: Path) -> None:
-        target, _ = QFileDialog.getSaveFileName(self.browser, "Export checkpoint",
-                                                str(Path.home() / Path(path).name),
-                                                "Checkpoints (*.kvckpt)")
-        if target:
-            spawn(self._export(Path(path), Path(target)))
-
-    async def _export(self, path: Path, target: Path) -> None:
-        try:
-            await in_thread(export_file, path, target)
-        except OSError as exc:
-            self.show_error("Export failed", str(exc))
-            return
-        self.show_message("Exported", f"Saved a copy as {target}")
-
-    # -- drag and drop ------------------------------------------------------------------------------
-    def dragEnterEvent(self, event) -> None:
-        if event.mimeData().hasUrls():
-            event.acceptProposedAction()
-
-    def dragMoveEvent(self, event) -> None:
-        if event.mimeData().hasUrls():
-            event.acceptProposedAction()
-
-    def dropEvent(self, event) -> None:
-        paths = local_checkpoint_paths(event.mimeData().urls())
-        if not paths:
-            event.ignore()
-            return
-        event.acceptProposedAction()
-        self.import_files(paths)
 
     # -- closing ------------------------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:

@@ -125,3 +125,25 @@ def test_pyside_keeps_singleton_refcounts(qapp):
         qapp.processEvents()
     assert sys.getrefcount(True) - before_true > -50, "Signal.emit leaks references to True"
     assert sys.getrefcount(None) - before_none > -50, "processEvents leaks references to None"
+
+
+def test_chat_view_appends_turns_without_losing_or_reordering_text(qtbot):
+    from gui.chat_view import ChatView
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.set_transcript([])
+    for turn in range(3):
+        view.begin_answer(f"question {turn}")
+        for piece in ("answer ", f"number {turn} ", "with `code`"):
+            view.append_text(piece)
+        view.finish_answer(complete=turn < 2, note="Paused · saved 1 MB" if turn == 2 else "")
+    text = view.toPlainText()
+    order = [text.index(s) for s in ("question 0", "answer number 0", "question 1",
+                                     "answer number 1", "question 2", "answer number 2")]
+    assert order == sorted(order)
+    assert text.count("Copy") == 6 and "Paused · saved 1 MB" in text
+    assert "`" not in text                      # Markdown applied once the answer stopped
+    # the incremental document equals a full render of the same messages
+    incremental = text
+    view.render()
+    assert view.toPlainText().split() == incremental.split()

@@ -213,7 +213,7 @@ def test_drop_valid_corrupt_and_foreign_checkpoints(qtbot, make_window, tmp_path
 
 
 def test_close_during_generation_saves_and_restart_resumes(qtbot, make_window):
-    w = make_window(n_predict=120)
+    w = make_window(n_predict=48)
     with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
         type_and_send(qtbot, w, PROMPT)
     conv_id = w.current
@@ -227,7 +227,7 @@ def test_close_during_generation_saves_and_restart_resumes(qtbot, make_window):
     partial = w.chat_view.answer_text()
     assert partial
 
-    w2 = make_window(n_predict=120)
+    w2 = make_window(n_predict=48)
     # First, the reference: the same prompt and seed in one uninterrupted run, on a fresh
     # cache as the closed window had (a cache holding a longer sequence would be reused).
     reference_summary = run_to_end(qtbot, w2, PROMPT)
