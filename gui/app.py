@@ -1,39 +1,28 @@
 """Desktop app entry point: ``checkpoint-chat-gui`` / ``checkpoint-chat gui``.
 
-Sets up logging and faulthandler in the log folder (a crash inside llama.cpp leaves a
-trace), creates the QApplication with qasync as the asyncio event loop, and shows the
+Sets up logging and the crash trace (engine.crashlog: a crash inside llama.cpp leaves
+a trace, and the next start tells the user and offers the newest autosave), creates the QApplication with qasync as the asyncio event loop, and shows the
 main window, which starts loading the default model at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import sys
 
-from engine import paths
+from engine import crashlog, paths
 
 log = logging.getLogger("gui")
-_crash_file = None   # kept open for the life of the process, for faulthandler
 
 
 def _setup_logging() -> None:
-    global _crash_file
     folder = paths.log_dir()
     folder.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.FileHandler(folder / "checkpoint-chat.log", encoding="utf-8"),
                                   logging.StreamHandler()])
     logging.getLogger("native.llama").setLevel(logging.ERROR)
-    crash_path = folder / "crash.log"
-    if crash_path.is_file() and crash_path.stat().st_size:
-        # keep the previous run's trace: opening crash.log for this run would erase it
-        previous = folder / "crash-previous.log"
-        crash_path.replace(previous)
-        log.warning("the previous run crashed; its trace is in %s", previous)
-    _crash_file = open(crash_path, "w", encoding="utf-8")
-    faulthandler.enable(_crash_file)
 
 
 def _warn_about_known_bad_qt() -> None:
@@ -54,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from gui.settings import AppSettings
 
     _setup_logging()
+    crashes = crashlog.pending_crashes()   # before install(): our own trace file is not one
+    crashlog.install()                     # a crash inside llama.cpp leaves a trace
     _warn_about_known_bad_qt()
     app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
     app.setApplicationName("Checkpoint Chat")
@@ -67,11 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(AppSettings())
     window.show()
     window.start()
+    if crashes:
+        window.report_crash(crashes, crashlog.acknowledge(crashes), crashlog.newest_autosave(window.store))
     with loop:
         loop.run_until_complete(closed.wait())
-    if _crash_file is not None:
-        faulthandler.disable()
-        _crash_file.close()
     return 0
 
 

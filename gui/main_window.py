@@ -395,6 +395,22 @@ class MainWindow(StoreActions, QMainWindow):
     def show_error(self, title: str, text: str) -> QMessageBox:
         return self.show_message(title, text, error=True)
 
+    def report_crash(self, reports, kept: list[Path], autosave: Path | None) -> None:
+        """Tell the user the previous run crashed; offer its newest autosave."""
+        trace = f"\n\nThe trace is kept in {kept[-1]}." if kept else ""
+        if autosave is None:
+            self.show_error("Checkpoint Chat stopped unexpectedly",
+                            "The previous run crashed; no autosave was found." + trace)
+            return
+        box = QMessageBox(QMessageBox.Icon.Warning, "Checkpoint Chat stopped unexpectedly",
+                          f"The previous run crashed. Resume its newest autosave ({autosave.name})?"
+                          + trace, QMessageBox.StandardButton.NoButton, self)
+        resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton("Not now", QMessageBox.ButtonRole.RejectRole)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(autosave))
+        box.open()
+
     # -- engine events ---------------------------------------------------------------------------
     @Slot(float)
     def _on_bridge_model_loading(self, fraction: float) -> None:
