@@ -113,6 +113,14 @@ def _status_kb(field_name: str) -> int:
     return 0
 
 
+def _malloc_trim() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRSS:
     """Peak resident memory above the level at entry, for native allocations too.
 
@@ -134,6 +142,7 @@ class PeakRSS:
         if not self.available:
             return self
         gc.collect()
+        _malloc_trim()   # freed heap pages back to the kernel: reusing them must show up
         self.base = _status_kb("VmRSS") * 1024
         try:
             with open("/proc/self/clear_refs", "w") as f:

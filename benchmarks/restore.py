@@ -5,7 +5,8 @@ For each context length the prompt is prefilled once (the recompute time), then,
 by side and interleaved, the engine's save and a raw write+fsync of the same bytes, the
 engine's load and a raw read, and the engine's restore-to-first-token and the raw floor
 (read the state bytes, ``llama_state_seq_set_data``, decode one token).  The page cache
-is warm for both sides of each comparison.
+is warm for both sides of each comparison.  Times are the best of the repeats (the noise
+of a shared machine only ever adds); the recompute is measured once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (TYPE_NAMES, PeakRSS, Table, clock, greedy_conversation, kv_bytes, median,
+from benchmarks.common import (TYPE_NAMES, PeakRSS, Table, clock, greedy_conversation, kv_bytes,
                                prompt_tokens, ratio, raw_read, raw_write)
 
 MB = 1e6
@@ -152,18 +153,18 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Tab
     for p in (state_path, copy_path):
         p.unlink(missing_ok=True)
 
-    restore_s, floor_s = median(ttfts), median(floors)
-    part = [median([p[i] for p in parts]) for i in range(3)]
+    restore_s, floor_s = min(ttfts), min(floors)
+    part = [min([p[i] for p in parts]) for i in range(3)]
     out["ttft"].add(model=key, tokens=n, recompute_s=recompute_s, restore_s=restore_s, floor_s=floor_s,
                     restore_speedup=ratio(recompute_s, restore_s), floor_speedup=ratio(recompute_s, floor_s),
                     restore_vs_floor=ratio(restore_s, floor_s), read_s=part[0], set_s=part[1],
                     first_token_s=part[2])
-    save_s, raw_s = median(saves), median(raws)
+    save_s, raw_s = min(saves), min(raws)
     out["disk"].add(model=key, tokens=n, save_s=save_s, raw_write_s=raw_s, save_vs_raw=ratio(save_s, raw_s),
-                    get_write_s=median(get_write_floor),
-                    save_vs_get_write=ratio(save_s, median(get_write_floor)),
-                    load_s=median(loads), raw_read_s=median(reads),
-                    load_vs_raw=ratio(median(loads), median(reads)))
+                    get_write_s=min(get_write_floor),
+                    save_vs_get_write=ratio(save_s, min(get_write_floor)),
+                    load_s=min(loads), raw_read_s=min(reads),
+                    load_vs_raw=ratio(min(loads), min(reads)))
     out["size"].add(model=key, tokens=n, kv_type=TYPE_NAMES.get(h.type_k, str(h.type_k)),
                     file_MB=file_size / MB, kv_formula_MB=formula / MB, transcript_KB=transcript / 1e3,
                     size_vs_formula=ratio(file_size, formula + transcript), kv_cells_MB=cells / MB,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -60,6 +60,33 @@ class ContextSettings:
     n_seq_max: int = 2          # sequence 1 is scratch space for delta checkpoints
     kv_unified: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+            if getattr(self, name) <= 0:
+                raise ContextError(f"{name.replace('_', ' ')} must be positive, not {getattr(self, name)}")
+        if self.n_threads < 0:
+            raise ContextError(f"the thread count must be 0 (automatic) or more, not {self.n_threads}")
+
+    @property
+    def supports_deltas(self) -> bool:
+        """Delta checkpoints copy cells into scratch sequence 1 of one shared buffer."""
+        return self.n_seq_max >= 2 and self.kv_unified
+
+
+class _AbortSource:
+    """What llama.cpp's abort callback consults: a flag and the caller's stop condition."""
+    __slots__ = ("event", "check")
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.check: Callable[[], bool] | None = None
+
+    def should_abort(self) -> bool:
+        try:
+            return self.event.is_set() or bool(self.check is not None and self.check())
+        except Exception:  # never let an exception cross into C
+            return False
+
 
 class Context:
     """One llama context with its decode batch."""
@@ -83,16 +110,29 @@ class Context:
         params.no_perf = True
         self._abort = threading.Event()
         self._abortable = False  # only decodes started with abortable=True may be cut short
-        # bool (*ggml_abort_callback)(void * data): kept referenced for the context's life
-        self._abort_cb = ll.ggml_abort_callback(
-            lambda _data: self._abortable and self._abort.is_set())
-        params.abort_callback = self._abort_cb
+        # The callback reads a small holder, not self: no reference cycle through a
+        # CFUNCTYPE, so the context is freed in order by refcounting.  ``check`` is the
+        # caller's own stop condition (engine.generation.Control), read directly, so a
+        # pause from another thread never has to reach into the context.
+        src = self._abort_source = _AbortSource(self._abort)
+        # bool (*ggml_abort_callback)(void * data): kept referenced for the context's life.
+        # Installed only around abortable decodes (see decode): llama.cpp calls it after
+        # every graph node (~600 per token), each call taking the GIL.
+        self._abort_cb = ll.ggml_abort_callback(lambda _data: src.should_abort())
+        self._no_abort_cb = ll.ggml_abort_callback()  # NULL: nothing to call
         # llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params)
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
             raise ContextError(
                 f"llama.cpp could not create a context of {settings.n_ctx} tokens "
                 "(not enough memory, or unsupported settings)")
+        try:
+            self._init_batch(ll, model, settings, threads)
+        except BaseException:
+            self.close()  # never leave a half-built context for the garbage collector
+            raise
+
+    def _init_batch(self, ll, model: Model, settings: ContextSettings, threads: int) -> None:
         self.n_ctx = ll.llama_n_ctx(self._ptr)
         self.n_threads = threads
         self._mem = ll.llama_get_memory(self._ptr)
@@ -148,7 +188,7 @@ class Context:
 
     # -- decode ----------------------------------------------------------------------
     def decode(self, tokens: Sequence[int] | np.ndarray, pos0: int, *, logits_last: bool = True,
-               abortable: bool = False) -> int:
+               abortable: bool = False, should_abort: Callable[[], bool] | None = None) -> int:
         """Decode ``tokens`` at positions ``pos0...`` in sequence 0.
 
         Returns DECODE_OK, or DECODE_ABORTED when ``abortable`` and an abort was
@@ -168,11 +208,18 @@ class Context:
         if logits_last:
             self._b_logits[n - 1] = 1
         self._abortable = abortable
+        self._abort_source.check = should_abort if abortable else None
+        if abortable:
+            # void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data)
+            self._ll.llama_set_abort_callback(self.ptr, self._abort_cb, None)
         try:
             # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
             rc = self._ll.llama_decode(self.ptr, b)
         finally:
             self._abortable = False
+            self._abort_source.check = None
+            if abortable:
+                self._ll.llama_set_abort_callback(self.ptr, self._no_abort_cb, None)
         if rc == DECODE_OK or rc == DECODE_ABORTED:
             return rc
         if rc == DECODE_NO_SLOT:
