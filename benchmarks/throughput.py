@@ -33,7 +33,7 @@ class BareLoop:
         ll = self.ll = bindings()
         s = rt.settings
         p = ll.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = rt.ctx.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch), 1
+        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = rt.ctx.n_ctx, s.n_batch, min(s.n_ubatch, s.n_batch), s.n_seq_max
         p.n_threads = p.n_threads_batch = rt.ctx.n_threads
         p.flash_attn_type = 1 if s.flash_attn else 0
         p.type_k, p.type_v, p.kv_unified, p.no_perf = s.type_k, s.type_v, s.kv_unified, True
