@@ -12,6 +12,7 @@ full checkpoint every time (the behaviour to compare against).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from engine.checkpoint_format import EXTENSION, KIND_AUTOSAVE
@@ -33,7 +34,6 @@ class Autosaver:
         self.max_chain = max_chain
         self.chain: list[SaveInfo] = []
         self._conversation = None
-        self._counter = 0
         self.saves = 0
         self.bytes_written = 0
 
@@ -42,11 +42,17 @@ class Autosaver:
         return self.chain[-1].path if self.chain else None
 
     def _path(self, conv: Conversation) -> Path:
-        self._counter += 1
-        return self.folder / f"autosave-{conv.id.hex[:12]}-{self._counter:05d}{EXTENSION}"
+        # unique in time, not per process: a resumed run must never overwrite the chain it
+        # was loaded from (names sort chronologically, newest last)
+        while True:
+            path = self.folder / f"autosave-{conv.id.hex[:12]}-{time.time_ns():020d}{EXTENSION}"
+            if not path.exists():
+                return path
 
     def _extends_chain(self, conv: Conversation) -> bool:
         if self.mode != "delta" or not self.chain or self._conversation != conv.id:
+            return False
+        if not self.runtime.settings.supports_deltas:
             return False
         if len(self.chain) > self.max_chain:
             return False

@@ -408,7 +408,7 @@ class CheckpointData:
     meta: dict[str, Any]
     tokens: np.ndarray               # int32, n_tokens_total
     logits: np.ndarray | None        # float32, n_vocab
-    state: bytearray                 # exactly state_len bytes
+    state: np.ndarray                # uint8, exactly state_len bytes
     path: Path | None = None
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     extra: dict[str, Any] = field(default_factory=dict)
@@ -469,7 +469,9 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         crc = zlib.crc32(tokens_bytes, crc)
         logits_bytes = _read_exact(f, header.logits_len, "logits")
         crc = zlib.crc32(logits_bytes, crc)
-        state = bytearray(header.state_len) if load_state else bytearray()
+        # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
+        # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
+        state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
         if load_state:
             crc = _read_state_into(f, state, crc, progress)
         else:
@@ -492,8 +494,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
                           path=path, payload_crc=crc)
 
 
-def _read_state_into(f: BinaryIO, state: bytearray, crc: int, progress, chunk: int = 8 << 20) -> int:
-    view = memoryview(state)
+def _read_state_into(f: BinaryIO, state: np.ndarray, crc: int, progress, chunk: int = 8 << 20) -> int:
+    view = memoryview(state).cast("B")
     done = 0
     total = len(state)
     while done < total:

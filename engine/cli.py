@@ -34,6 +34,20 @@ def human_size(n: int) -> str:
 
 # -- argument parsing ------------------------------------------------------------------------
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="checkpoint-chat",
                                 description="Chat with local GGUF models; pause, save and resume "
@@ -61,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep generating past end-of-generation tokens")
     run.add_argument("--stop", action="append", default=None, metavar="TEXT",
                      help="stop when this text appears (repeatable)")
-    run.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
-    run.add_argument("-b", "--batch-size", type=int, default=None, help="prefill chunk (default 512)")
-    run.add_argument("-t", "--threads", type=int, default=None)
+    run.add_argument("-c", "--ctx-size", type=_positive, default=None, help="context size (default 4096)")
+    run.add_argument("-b", "--batch-size", type=_positive, default=None, help="prefill chunk (default 512)")
+    run.add_argument("-t", "--threads", type=_not_negative, default=None)
     run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                      help="layers to offload to the GPU (-1: all; default 0)")
     run.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")
@@ -73,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
     run.add_argument("--checkpoint-save", metavar="PATH", help="where pause / Ctrl+C / the end saves")
     run.add_argument("--checkpoint-load", metavar="PATH", help="continue from this checkpoint")
-    run.add_argument("--checkpoint-save-interval", type=int, default=0, metavar="N",
+    run.add_argument("--checkpoint-save-interval", type=_not_negative, default=0, metavar="N",
                      help="autosave every N generated tokens")
-    run.add_argument("--stop-after", type=int, default=None, metavar="N",
+    run.add_argument("--stop-after", type=_not_negative, default=None, metavar="N",
                      help="pause after N generated tokens and save, as the Pause button does")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
@@ -107,15 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, gui_main=None) -> int:
+    """Run one subcommand; with none (or a .kvckpt file, as a file manager passes it),
+    hand over to ``gui_main`` — the desktop app, which engine/ itself never imports."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].lower().endswith(".kvckpt"):
+        return _start_gui(gui_main, argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("native.llama").setLevel(logging.DEBUG if args.verbose else logging.ERROR)
+    # llama.cpp's own log (including the error lines it prints when a pause aborts a
+    # prefill) is for -v; failures reach the user as one sentence of ours instead
+    logging.getLogger("native.llama").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     if args.command in (None, "gui"):
-        from gui.app import main as gui_main
-        return gui_main([])
+        return _start_gui(gui_main, [])
     if args.command == "run":
         _report_previous_crash()
     from native.errors import NativeError
@@ -137,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _start_gui(gui_main, argv: list[str]) -> int:
+    if gui_main is None:
+        print("error: the desktop app starts with `checkpoint-chat` (no subcommand) or "
+              "`checkpoint-chat-gui`", file=sys.stderr)
+        return EXIT_USAGE
+    return gui_main(argv)
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -179,7 +207,9 @@ def _context_settings(args, header):
         n_ubatch=args.batch_size or base.n_ubatch, n_threads=args.threads or 0,
         flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else base.flash_attn),
         type_k=kv_type(args.cache_type_k, header.type_k if header else base.type_k),
-        type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v))
+        type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v),
+        n_seq_max=header.n_seq_max if header else base.n_seq_max,
+        kv_unified=header.kv_unified if header else base.kv_unified)
 
 
 def _sampler_from_args(args, base):
@@ -216,7 +246,10 @@ def cmd_run(args) -> int:
 
     prompt = args.prompt
     if args.prompt_file:
-        prompt = Path(args.prompt_file).read_text("utf-8")
+        try:
+            prompt = Path(args.prompt_file).read_text("utf-8")
+        except UnicodeDecodeError:
+            raise AppError(f"the prompt file {args.prompt_file} is not UTF-8 text") from None
     if prompt is None and not args.checkpoint_load:
         raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
                        "(--checkpoint-load)")

@@ -30,13 +30,10 @@ class Control:
 
     def __init__(self) -> None:
         self._pause = threading.Event()
-        self._runtime: Runtime | None = None
 
     def request_pause(self) -> None:
+        # a prefill chunk in progress sees it too: llama.cpp's abort callback reads it
         self._pause.set()
-        runtime = self._runtime
-        if runtime is not None:
-            runtime.ctx.request_abort()  # interrupts a prefill chunk on CPU backends
 
     @property
     def pause_requested(self) -> bool:
@@ -144,12 +141,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     if answer is None or answer.finished:
         raise GenerationError("there is no answer to continue")
     started = time.perf_counter()
-    control._runtime = runtime
-    try:
-        report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
-                                 on_progress=listener.on_prefill_progress)
-    finally:
-        control._runtime = None
+    report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
+                             on_progress=listener.on_prefill_progress)
     result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
                               n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
                               prefill_s=report.seconds)
@@ -158,9 +151,11 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
 
     model = runtime.model
     s = conv.sampler
-    chain = SamplerChain(top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, temperature=s.temperature,
-                         repeat_penalty=s.repeat_penalty, repeat_last_n=s.repeat_last_n)
-    window = s.repeat_last_n if s.repeat_last_n > 0 else len(conv.tokens)
+    # llama.cpp's convention: repeat_last_n -1 means the whole context
+    window = runtime.ctx.n_ctx if s.repeat_last_n < 0 else s.repeat_last_n
+    chain = SamplerChain(n_vocab=runtime.ctx.n_vocab, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                         temperature=s.temperature, repeat_penalty=s.repeat_penalty,
+                         repeat_last_n=window)
     chain.accept(conv.tokens[-window:] if window else [])
     candidates = _candidates(runtime)
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
@@ -202,6 +197,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
                                        for st in stops) if i >= 0), default=-1)
                 if cut >= 0:
                     answer.text = answer.text[:cut]
+                    decoder.reset()  # bytes after the stop string are not part of the answer
                     finish = "stop_string"
                     break
             show_upto = len(answer.text) - _stop_hold(answer.text, stops)
@@ -218,7 +214,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     if finish is None:
         answer.pending = decoder.getstate()[0]
     else:
-        answer.text += decoder.decode(b"", final=True)
+        # an answer that ends inside a multi-byte character drops the incomplete tail
+        # rather than committing U+FFFD into the conversation
         answer.pending = b""
         answer.finish_reason = finish
         if len(answer.text) > answer.emitted:

@@ -85,7 +85,9 @@ class Runtime:
         self.kv_tokens: list[int] = []
         self._logits_len = -1                     # KV length the logits belong to
         self._logits_copy: np.ndarray | None = None  # None: read them live from the context
-        self._prompt_logits: tuple[int, np.ndarray] | None = None
+        # logits at the end of the last prefill, with the digest of the tokens they follow:
+        # Regenerate trims back to there and samples again without re-decoding
+        self._prompt_logits: tuple[int, str, np.ndarray] | None = None
 
     def close(self) -> None:
         self.ctx.close()
@@ -122,8 +124,9 @@ class Runtime:
         else:
             self.ctx.clear()
             self.kv_tokens.clear()
-        if self._prompt_logits and self._prompt_logits[0] == len(self.kv_tokens):
-            self._logits_len, self._logits_copy = self._prompt_logits
+        saved = self._prompt_logits
+        if saved and saved[0] == len(self.kv_tokens) and saved[1] == tokens_digest(self.kv_tokens):
+            self._logits_len, self._logits_copy = saved[0], saved[2]
         else:
             self._forget_logits()
         return len(self.kv_tokens)
@@ -145,6 +148,7 @@ class Runtime:
         if keep == total and not self.has_logits() and total > 0:
             keep = self.trim(total - 1)  # the last token must be decoded again for its logits
         report = PrefillReport(n_prompt=total, n_reused=keep)
+        self.ctx.clear_abort()  # a stale request from an earlier run must not cut this one
         step = self.settings.n_batch
         pos = keep
         while pos < total:
@@ -153,7 +157,8 @@ class Runtime:
                 break
             end = min(total, (pos // step + 1) * step)
             chunk = tokens[pos:end]
-            rc = self.ctx.decode(chunk, pos, logits_last=end == total, abortable=True)
+            rc = self.ctx.decode(chunk, pos, logits_last=end == total, abortable=True,
+                                 should_abort=should_stop)
             if rc == DECODE_ABORTED:
                 done = self.ctx.pos_max() + 1
                 self.kv_tokens.extend(tokens[pos:done])
@@ -169,7 +174,8 @@ class Runtime:
         self.ctx.clear_abort()
         if not report.aborted and report.n_decoded:
             self._set_live_logits()
-            self._prompt_logits = (len(self.kv_tokens), self.ctx.logits_last().copy())
+            self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
+                                   self.ctx.logits_last().copy())
         report.seconds = time.perf_counter() - started
         return report
 
@@ -243,8 +249,9 @@ class Runtime:
             p0 = parent.n_tokens
             if not 0 < p0 < n or parent.tokens_digest != tokens_digest(self.kv_tokens[:p0]):
                 raise SaveFailed("the parent checkpoint is not a prefix of the cache")
-            if self.settings.n_seq_max < 2:
-                raise SaveFailed("delta checkpoints need a context with a scratch sequence")
+            if not self.settings.supports_deltas:
+                raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
+                                 "(n_seq_max >= 2, kv_unified)")
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind)
         if parent is not None:

@@ -166,6 +166,7 @@ class EngineWorker:
         self._convs: dict[uuid.UUID, Conversation] = {}
         self._paths: dict[uuid.UUID, Path] = {}
         self._saved_tokens: dict[uuid.UUID, int] = {}
+        self._autosavers: dict[uuid.UUID, Any] = {}   # conversation -> engine.autosave.Autosaver
         self._active: uuid.UUID | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -317,6 +318,7 @@ class EngineWorker:
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
+        self._autosavers = {}  # their chains belong to the previous runtime's cache
         try:
             info = system_info()
             backend, lib_path, lib_version = info.backend_label, info.library_path, info.library_version
@@ -388,12 +390,14 @@ class EngineWorker:
         self.listener.on_conversation_deleted(conv_id)
 
     def _do_open_checkpoint(self, path: Path) -> None:
+        from engine.chain import load_chain
         rt = self._need_runtime()
-        data = read_checkpoint(path)
+        chain = load_chain(path)             # a delta autosave brings its ancestors along
+        data = chain[-1]
         rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
         self._save_active_if_dirty(KIND_MANUAL)
         self._active = None
-        conv = rt.restore(data)
+        conv = rt.restore_chain(chain)
         self._active = conv.id
         self._convs[conv.id] = conv
         self._paths[conv.id] = Path(path)
@@ -469,43 +473,28 @@ class EngineWorker:
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
 
     def _autosave(self, conv: Conversation) -> None:
-        path = self.store.autosave_path(conv.id)
+        """Autosave as a chain of deltas: each holds only the cells since the last one."""
+        from engine.autosave import Autosaver
+        saver = self._autosavers.get(conv.id)
+        if saver is None:
+            saver = self._autosavers[conv.id] = Autosaver(self.runtime, self.store.folder)
         try:
-            info = self.runtime.save(path, conv, KIND_AUTOSAVE)
+            self.store.ensure()
+            info = saver(conv)
         except CheckpointError as exc:
             self.listener.on_error("autosave", str(exc))
             return
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds,
                                           KIND_AUTOSAVE)
-        self._prune_autosaves(keep=path)
+        try:
+            self.store.prune_autosaves(self.autosave_budget)
+        except OSError as exc:
+            log.warning("could not prune autosaves: %s", exc)
 
     def _remove_autosave(self, conv_id: uuid.UUID) -> None:
-        try:
-            self.store.autosave_path(conv_id).unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("could not remove an old autosave: %s", exc)
-
-    def _prune_autosaves(self, keep: Path) -> None:
-        """Delete the oldest autosaves while they exceed the budget (never a manual save)."""
-        autosaves = []
-        for p in self.store.files():
-            if p.name.startswith("autosave-") and p != keep:
-                try:
-                    st = p.stat()
-                except OSError:
-                    continue
-                autosaves.append((st.st_mtime, st.st_size, p))
-        total = sum(size for _, size, _ in autosaves)
-        try:
-            total += keep.stat().st_size
-        except OSError:
-            pass
-        for _, size, p in sorted(autosaves):
-            if total <= self.autosave_budget:
-                break
-            p.unlink(missing_ok=True)
-            total -= size
-            log.info("pruned autosave %s (disk budget)", p.name)
+        saver = self._autosavers.pop(conv_id, None)
+        if saver is not None:
+            saver.discard()
 
     def _save_active_if_dirty(self, kind: int) -> None:
         """Save the conversation in the KV cache if its file holds fewer tokens."""

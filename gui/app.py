@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from engine import crashlog, paths
 
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     crashes = crashlog.pending_crashes()   # before install(): our own trace file is not one
     crashlog.install()                     # a crash inside llama.cpp leaves a trace
     _warn_about_known_bad_qt()
-    app = QApplication.instance() or QApplication([sys.argv[0], *(argv or [])])
+    app = QApplication.instance() or QApplication([sys.argv[0]])
     app.setApplicationName("Checkpoint Chat")
     app.setOrganizationName("CheckpointChat")
     app.setDesktopFileName("checkpoint-chat")
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(AppSettings())
     window.show()
     window.start()
+    # a double-clicked .kvckpt arrives as an argument: import it and offer to resume
+    opened = [Path(a) for a in (argv or []) if a.lower().endswith(".kvckpt")]
+    if opened:
+        window.import_files(opened)
     if crashes:
         window.report_crash(crashes, crashlog.acknowledge(crashes), crashlog.newest_autosave(window.store))
     with loop:

@@ -14,5 +14,5 @@ if __name__ == "__main__":
     status = run_if_probe(sys.argv[1:])
     if status is not None:
         sys.exit(status)
-    from engine.cli import main
+    from gui.launcher import main
     sys.exit(main())

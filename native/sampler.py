@@ -56,17 +56,18 @@ class Candidates:
 class SamplerChain:
     """An owned ``llama_sampler`` chain of filters (no random draw inside)."""
 
-    def __init__(self, *, top_k: int, top_p: float, min_p: float, temperature: float,
-                 repeat_penalty: float, repeat_last_n: int) -> None:
+    def __init__(self, *, n_vocab: int, top_k: int, top_p: float, min_p: float,
+                 temperature: float, repeat_penalty: float, repeat_last_n: int) -> None:
         ll = self._ll = bindings()
         params = ll.llama_sampler_chain_default_params()
         params.no_perf = True
         self._ptr = ll.llama_sampler_chain_init(params)
         self.has_penalty = repeat_penalty != 1.0 and repeat_last_n != 0
         if self.has_penalty:
-            # llama_sampler_init_penalties(penalty_last_n, penalty_repeat, penalty_freq, penalty_present)
+            # llama_sampler_init_penalties(int32 n_vocab, int32 penalty_last_n, float penalty_repeat,
+            #                              float penalty_freq, float penalty_present)
             ll.llama_sampler_chain_add(self._ptr, ll.llama_sampler_init_penalties(
-                repeat_last_n, repeat_penalty, 0.0, 0.0))
+                n_vocab, repeat_last_n, repeat_penalty, 0.0, 0.0))
         self.greedy = temperature <= 0.0
         if not self.greedy:
             if top_k > 0:

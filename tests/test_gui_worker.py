@@ -79,15 +79,22 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     assert summary.n_generated >= 8
     assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [kinds[-1]]
     assert kinds[-1] != KIND_AUTOSAVE
-    # the final save supersedes the autosave file
-    assert not w.store.autosave_path(a).exists()
+    # the final save supersedes the autosave chain
+    assert not [p for p in w.store.files() if p.name.startswith("autosave-")]
     assert [read_header(p).conversation_id for p in w.store.files()] == [a]
 
     # a tiny budget prunes older autosaves (never the one just written, never a manual save)
     w.autosave_budget = 1
     b = w.new_conversation(sampler=SamplerSettings(seed=4))
-    stale = w.store.autosave_path(uuid.uuid4())
-    stale.write_bytes(b"x" * 1000)
+    # an old autosave of A (A's newer manual save makes it prunable)
+    from dataclasses import replace
+    from engine import checkpoint_format as fmt
+    manual = next(p for p in w.store.files() if read_header(p).conversation_id == a)
+    raw = bytearray(manual.read_bytes())
+    header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
+    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=KIND_AUTOSAVE, created_unix_ns=1))
+    stale = w.store.folder / "autosave-old-00001.kvckpt"
+    stale.write_bytes(bytes(raw))
     w.send(b, "Tell me about lakes.", n_predict=10)
     rec.wait("finished", 2)
     assert not stale.exists()

@@ -69,11 +69,11 @@ def test_launchers_call_the_real_entry_points():
     gui = ast.parse((INST / "launch_gui.py").read_text("utf-8"))
     imports = lambda tree: {(n.module, a.name) for n in ast.walk(tree)  # noqa: E731
                             if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert ("engine.cli", "main") in imports(cli) and ("gui.app", "main") in imports(gui)
+    assert ("gui.launcher", "main") in imports(cli) and ("gui.app", "main") in imports(gui)
     for tree in (cli, gui):
         assert ("native.probe", "run_if_probe") in imports(tree), "the probe child runs frozen too"
     scripts = pyproject()["project"]
-    assert scripts["scripts"]["checkpoint-chat"] == "engine.cli:main"
+    assert scripts["scripts"]["checkpoint-chat"] == "gui.launcher:main"
     assert scripts["gui-scripts"]["checkpoint-chat-gui"] == "gui.app:main"
 
 

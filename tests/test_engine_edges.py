@@ -1,0 +1,68 @@
+"""Edge cases found in review: each was a real bug once."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from engine.conversation import Conversation
+from engine.generation import Control, begin_answer, generate
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+from native.errors import ContextError
+
+
+def test_stale_abort_request_does_not_cut_the_next_prefill(smollm_runtime):
+    rt = smollm_runtime
+    rt.trim(0)
+    rt.ctx.request_abort()          # left over from an earlier pause that raced its end
+    conv = Conversation(sampler=SamplerSettings(temperature=0, seed=1))
+    begin_answer(conv, rt, "Say one word.", n_predict=3)
+    result = generate(rt, conv, control=Control())
+    assert result.finish_reason != "paused" and result.n_generated > 0
+
+
+def test_trim_never_restores_logits_of_other_tokens(smollm_runtime):
+    rt = smollm_runtime
+    rt.trim(0)
+    model = rt.model
+    p = model.tokenize("alpha beta gamma " * 30, add_special=True)[:100]
+    q = p[:20] + model.tokenize(" delta epsilon zeta" * 300, add_special=False)[:700]
+    rt.prefill(p)
+    chunks = []                     # decode Q's first chunk, then stop as a pause would
+    rt.prefill(q, should_stop=lambda: bool(chunks), on_progress=lambda done, total: chunks.append(done))
+    assert 100 < len(rt.kv_tokens) < len(q)
+    rt.prefill(q[:100])
+    stale = np.array(rt.logits(), copy=True)
+    rt.trim(0)
+    rt.prefill(q[:100])
+    assert np.array_equal(stale, rt.logits()), "sampled from logits that follow other tokens"
+
+
+@pytest.mark.parametrize("penalty", ["1.3"])
+def test_repeat_penalty_is_deterministic_across_processes(smollm_path, tmp_path, penalty):
+    common = ["-m", str(smollm_path), "-p", "List many fruits.", "--seed", "5", "--temp", "0.8",
+              "--repeat-penalty", penalty, "-n", "30", "--ctx-size", "512", "--ignore-eos", "--json"]
+    full = json.loads(run_cli("run", *common, check=True).stdout.strip().splitlines()[-1])
+    ckpt = tmp_path / "p.kvckpt"
+    first = json.loads(run_cli("run", *common, "--stop-after", "11", "--checkpoint-save", str(ckpt),
+                               check=True).stdout.strip().splitlines()[-1])
+    rest = json.loads(run_cli("run", "--checkpoint-load", str(ckpt), "--json",
+                              check=True).stdout.strip().splitlines()[-1])
+    assert first["text"] + rest["text"] == full["text"]
+
+
+def test_bad_numbers_are_one_line_errors(tmp_path):
+    with pytest.raises(ContextError):
+        ContextSettings(n_batch=0)
+    for args in (["-b", "-1"], ["-c", "0"], ["--stop-after", "-2"]):
+        done = run_cli("run", "-p", "hi", *args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr and "positive" in done.stderr \
+            or "0 or more" in done.stderr, done.stderr
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9")
+    done = run_cli("run", "-f", str(bad))
+    assert done.returncode == 1 and "not UTF-8" in done.stderr and "Traceback" not in done.stderr
