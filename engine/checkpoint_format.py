@@ -536,3 +536,13 @@ def read_metadata(path: str | os.PathLike) -> tuple[Header, dict[str, Any]]:
         header = unpack_header(f.read(HEADER_LEN), size)
         meta = decode_metadata(_read_exact(f, header.meta_len, "metadata"))
     return header, meta
+
+
+def read_tokens(path: str | os.PathLike) -> tuple[Header, np.ndarray]:
+    """Header and token array only (what a prefix index needs); no CRC check."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header = unpack_header(f.read(HEADER_LEN), size)
+        f.seek(HEADER_LEN + header.meta_len)
+        data = _read_exact(f, header.tokens_len, "token array")
+    return header, np.frombuffer(data, dtype="<i4").astype(np.int32)

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="autosave every N generated tokens")
     run.add_argument("--stop-after", type=_not_negative, default=None, metavar="N",
                      help="pause after N generated tokens and save, as the Pause button does")
+    run.add_argument("--reuse-prefix", action="store_true",
+                     help="start from the stored checkpoint sharing the longest prefix with the prompt")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
     run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
 
@@ -312,6 +314,12 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
             conv.answer.n_predict = args.n_predict
 
         store = Store()
+        reuse = None
+        if args.reuse_prefix and data is None:
+            from engine.prefix_index import reuse_stored_prefix
+            reuse = reuse_stored_prefix(runtime, store.folder, conv.tokens)
+            if not args.json:
+                print(f"[PREFIX] {reuse.describe()}", file=sys.stderr)
         save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
         # autosaves go to --checkpoint-save as full files when one was given; otherwise
         # into the store as a chain of deltas (each holds only the new tokens' cells)
@@ -361,6 +369,8 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
             "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,
             "checkpoint": str(checkpoint.path) if checkpoint else None,
             "confidence": result.confidence, "seed": conv.sampler.seed,
+            "prefix_reuse": reuse.how if reuse else None,
+            "prefix_source": str(reuse.source) if reuse and reuse.source else None,
         }
     finally:
         runtime.close()
