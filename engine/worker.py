@@ -443,6 +443,12 @@ class EngineWorker:
         try:
             result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv.id),
                               autosave_every=self.autosave_every, autosave=self._autosave)
+        except Exception:
+            # a failure mid-answer (a bug, a decode error): save what the cache holds, so the
+            # tokens decoded so far are not lost and Resume can continue after a restart
+            self._generating.clear()
+            self._save_after_failure(conv)
+            raise
         finally:
             self._generating.clear()
         self.listener.on_generation_finished(GenerationSummary(
@@ -457,6 +463,15 @@ class EngineWorker:
         self._save(conv, kind)
 
     # -- checkpoints --------------------------------------------------------------------------
+    def _save_after_failure(self, conv: Conversation) -> None:
+        rt = self.runtime
+        n = len(rt.kv_tokens) if rt is not None else 0
+        if not n or not conv.paused or conv.tokens[:n] != rt.kv_tokens:
+            return
+        try:
+            self._save(conv, KIND_EXIT)
+        except Exception:  # noqa: BLE001 - the original failure is what gets reported
+            log.exception("could not save after a failed generation")
     def _save(self, conv: Conversation, kind: int) -> None:
         # the kind in the header is what a listing shows as "paused": keep it truthful
         if conv.paused and kind == KIND_MANUAL:

@@ -136,3 +136,38 @@ def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_pa
     w.send(a, "Thanks!", n_predict=4)
     summary = rec.wait("finished", 4)[-1][1]
     assert summary.n_reused_tokens > first_prompt          # the cache still held A
+
+
+def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
+    """An exception mid-answer is reported, the decoded tokens are saved, Resume continues."""
+    from engine.checkpoint_format import KIND_EXIT
+
+    class Failing(Recorder):
+        deltas = 0
+
+        def on_text(self, conv_id, text):
+            Failing.deltas += 1
+            if Failing.deltas == 6:
+                raise RuntimeError("a bug in a listener")
+
+    rec = Failing()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+        rec.wait("loaded")
+        conv = w.new_conversation(sampler=SamplerSettings(seed=8, ignore_eos=True))
+        w.send(conv, "Describe a forest.", n_predict=24)
+        action, message = rec.wait("error")[0][1:]
+        assert "RuntimeError" in message
+        saved = rec.wait("saved")[-1]
+        assert saved[3] == KIND_EXIT and saved[1].paused
+        header = read_header(saved[2])
+        assert header.n_generated >= 5 and header.has_logits
+        w.resume(conv)
+        summary = rec.wait("finished")[-1][1]
+        assert summary.n_reused_tokens == summary.n_prompt_tokens, "decoded tokens were lost"
+        assert header.n_generated + summary.n_generated == 24
+    finally:
+        w.shutdown()
+        assert w.join(60)
