@@ -67,8 +67,12 @@ def smoke_config() -> Config:
                   threads=1)   # one thread: no spinning barrier to starve when the machine is busy
 
 
-def run(cfg: Config, *, echo=print) -> dict:
-    """Run the configured sections; returns the JSON-ready report."""
+def run(cfg: Config, *, echo=print, partial: Path | None = None) -> dict:
+    """Run the configured sections; returns the JSON-ready report.
+
+    With ``partial``, the report so far is written there after every section, so a long
+    run that is stopped still leaves its finished tables behind.
+    """
     from engine.runtime import Runtime
     tables: dict[str, Table] = {}
     if set("abf") & set(cfg.sections):
@@ -80,6 +84,13 @@ def run(cfg: Config, *, echo=print) -> dict:
     if "e" in cfg.sections:
         tables["pause"] = pause.table()
     started = time.perf_counter()
+
+    def checkpoint(what: str) -> None:
+        echo(f"    {what} done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        if partial is not None:
+            partial.write_text(json.dumps(_report(cfg, tables, started), indent=1, default=str),
+                               encoding="utf-8")
+
     with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp:
         folder = Path(tmp)
         for key in cfg.models:
@@ -92,14 +103,17 @@ def run(cfg: Config, *, echo=print) -> dict:
                     for n in cfg.sizes:
                         echo(f"[{key}] a/b/f: {n} tokens ...", file=sys.stderr)
                         restore.measure(rt, key, n, folder, cfg.repeats, tables)
+                        checkpoint(f"{key} a/b/f {n}")
                 if "c" in cfg.sections:
                     echo(f"[{key}] c: autosave ...", file=sys.stderr)
                     autosave_cost.measure(rt, key, cfg.autosave_context, cfg.autosave_tokens,
                                           cfg.autosave_every, folder, tables["autosave"])
+                    checkpoint(f"{key} c")
                 if "e" in cfg.sections:
                     echo(f"[{key}] e: pause ...", file=sys.stderr)
                     pause.measure(rt, key, cfg.pause_context, cfg.pause_trials, folder, tables["pause"],
                                   delay=cfg.pause_delay)
+                    checkpoint(f"{key} e")
             finally:
                 rt.close()
             if "d" in cfg.sections:
@@ -115,6 +129,11 @@ def run(cfg: Config, *, echo=print) -> dict:
                                            tables["throughput"])
                     finally:
                         trt.close()
+                    checkpoint(f"{key} d")
+    return _report(cfg, tables, started)
+
+
+def _report(cfg: Config, tables: dict[str, Table], started: float) -> dict:
     report = {
         "config": {**cfg.__dict__, "pause_delay": list(cfg.pause_delay)},
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
@@ -152,6 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", help="context lengths for a/b/f, e.g. 512,2048,8192,32768")
     parser.add_argument("--sections", help=f"subset of {SECTIONS}")
     parser.add_argument("--threads", type=int, help="llama.cpp threads (default 2)")
+    parser.add_argument("--autosave", metavar="CONTEXT,TOKENS", help="section c sizes, e.g. 2048,512")
+    parser.add_argument("--throughput", metavar="PROMPT,TOKENS,REPEATS", help="section d sizes, e.g. 1024,256,3")
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     args = parser.parse_args(argv)
     cfg = smoke_config() if args.smoke else quick_config() if args.quick else Config()
@@ -166,7 +187,11 @@ def main(argv=None) -> int:
         cfg.sections = "".join(c for c in args.sections.lower() if c in SECTIONS)
     if args.threads:
         cfg.threads = args.threads
-    report = run(cfg, echo=print)
+    if args.autosave:
+        cfg.autosave_context, cfg.autosave_tokens = (int(x) for x in args.autosave.split(","))
+    if args.throughput:
+        cfg.tp_prompt, cfg.tp_tokens, cfg.tp_repeats = (int(x) for x in args.throughput.split(","))
+    report = run(cfg, echo=print, partial=Path(args.json) if args.json else None)
     print(render(report))
     print(f"\n({report['seconds']:.0f} s, load average at the end {report['machine']['load_avg_at_end']})")
     if args.json:
