@@ -386,18 +386,28 @@ def check_link(parent: CheckpointData, child: CheckpointData) -> None:
 
 
 def check_context(header: Header, settings: ContextSettings, n_ctx: int | None = None) -> None:
-    """Raise IncompatibleContext unless ``settings`` shape the KV cache as ``header`` needs."""
+    """Raise IncompatibleContext unless ``settings`` shape the KV cache as ``header`` needs.
+
+    Every difference is named at once, so one message tells the user all flags to change.
+    """
+    differences = []
     for name, theirs, ours, unit in (
             ("context size", header.n_ctx, settings.n_ctx if n_ctx is None else n_ctx, " tokens"),
-            ("K cache type", header.type_k, settings.type_k, ""),
-            ("V cache type", header.type_v, settings.type_v, ""),
+            ("K cache type", _kv_name(header.type_k), _kv_name(settings.type_k), ""),
+            ("V cache type", _kv_name(header.type_v), _kv_name(settings.type_v), ""),
             ("flash attention", header.flash_attn, settings.flash_attn, ""),
             ("sequence count", header.n_seq_max, settings.n_seq_max, ""),
             ("unified KV", header.kv_unified, settings.kv_unified, "")):
         if theirs != ours:
-            raise IncompatibleContext(
-                f"the checkpoint needs {name} {_show(theirs)}{unit}, this context has "
-                f"{_show(ours)}{unit}; exact resumption needs the same setting")
+            differences.append(f"{name} {_show(theirs)}{unit} (this context: {_show(ours)}{unit})")
+    if differences:
+        raise IncompatibleContext("the checkpoint needs " + ", ".join(differences)
+                                  + "; exact resumption needs the same settings")
+
+
+def _kv_name(type_id: int) -> str:
+    from native.context import KV_TYPES
+    return next((name for name, value in KV_TYPES.items() if value == type_id), f"type {type_id}")
 
 
 def _show(value) -> str:

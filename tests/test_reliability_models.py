@@ -78,8 +78,8 @@ def test_smollm_checkpoint_into_gemma_and_back(tmp_path, smollm_runtime, gemma_r
 
 @pytest.mark.parametrize("settings,reason", [
     (dict(n_ctx=1024), "context size 2048 tokens"),
-    (dict(type_k=KV_TYPES["q8_0"]), "K cache type"),
-    (dict(flash_attn=True), "flash attention off"),
+    (dict(type_k=KV_TYPES["f16"]), "K cache type q8_0"),
+    (dict(flash_attn=False, type_k=KV_TYPES["f16"], type_v=KV_TYPES["f16"]), "flash attention on"),
 ])
 def test_same_model_other_context_settings(tmp_path, smollm_path, smollm_runtime, monkeypatch,
                                            settings, reason):
