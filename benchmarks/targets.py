@@ -63,6 +63,8 @@ def evaluate(tables: dict) -> list[dict[str, Any]]:
             if r["model"] == m and r["every"] == 64:
                 add(5, "delta autosave every 64: cost", m, f"{r['context']}+{r['tokens']} tok", "< 3%",
                     r["delta_cost_pct"], lambda v: v < 3)
+                add(5, "delta autosave every 64: direct cost", m, f"{r['context']}+{r['tokens']} tok", "< 3%",
+                    r.get("delta_direct_pct"), lambda v: v < 3)
         for r in _rows(tables, "throughput"):
             if r["model"] != m or r["kv"] != "q8_0+FA":
                 continue
