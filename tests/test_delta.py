@@ -99,7 +99,7 @@ def test_crash_loses_at_most_the_autosave_interval(smollm_path, app_home, tmp_pa
                              "--checkpoint-save-interval", "16"], cwd=str(ROOT),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
     store = app_home / "data" / "checkpoints"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600   # generous: a loaded 2-core machine is slow, not wrong
     while len(list(store.glob("autosave-*.kvckpt"))) < 3:
         assert time.monotonic() < deadline and proc.poll() is None, "no autosaves appeared"
         time.sleep(0.05)
