@@ -119,7 +119,10 @@ def test_sigint_before_generation_is_a_clean_pause(smollm_path, tmp_path):
         assert ckpt.is_file() or err.strip() == "interrupted"
         if not ckpt.is_file():
             return
+        header = _inspect(str(ckpt))["header"]
+        if header["n_generated"] == 4:   # the 4 tokens were done before the signal arrived
+            return
         resumed = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "--json", check=True).stdout)
-        assert resumed["n_generated"] + _inspect(str(ckpt))["header"]["n_generated"] == 4
+        assert resumed["n_generated"] + header["n_generated"] == 4
     else:                            # Python had not installed any handler yet
         assert proc.returncode in (-signal.SIGINT, 1, 130), err
