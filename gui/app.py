@@ -23,7 +23,8 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.FileHandler(folder / "checkpoint-chat.log", encoding="utf-8"),
                                   logging.StreamHandler()])
-    logging.getLogger("native.llama").setLevel(logging.ERROR)
+    # llama.cpp logs a paused prefill as errors; failures reach the user through our own messages
+    logging.getLogger("native.llama").setLevel(logging.CRITICAL)
 
 
 def _warn_about_known_bad_qt() -> None:
