@@ -110,7 +110,7 @@ def test_sigint_before_generation_is_a_clean_pause(smollm_path, tmp_path):
     ckpt = tmp_path / "early.kvckpt"
     proc = _start("-m", str(smollm_path), "-p", "Hi", "-n", "4", "--checkpoint-save", str(ckpt),
                   "--temp", "0", "--ctx-size", "512", "--json")
-    time.sleep(0.4)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     err = err.decode()
@@ -124,5 +124,7 @@ def test_sigint_before_generation_is_a_clean_pause(smollm_path, tmp_path):
             return
         resumed = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "--json", check=True).stdout)
         assert resumed["n_generated"] + header["n_generated"] == 4
+    elif proc.returncode == 0:       # a fast machine finished the 4 tokens first
+        assert _inspect(str(ckpt))["header"]["n_generated"] == 4
     else:                            # Python had not installed any handler yet
-        assert proc.returncode in (-signal.SIGINT, 1, 130), err
+        assert proc.returncode in (-signal.SIGINT, 1), err
