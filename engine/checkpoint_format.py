@@ -416,7 +416,7 @@ class CheckpointData:
 
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
                    logits: np.ndarray | None, state: memoryview | bytes | bytearray,
-                   chunk: int = 8 << 20) -> Header:
+                   chunk: int = 8 << 20) -> tuple[Header, int]:
     """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
 
     The state is written in chunks from the caller's buffer while its CRC is computed,

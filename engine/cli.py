@@ -323,11 +323,11 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
         save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
         # autosaves go to --checkpoint-save as full files when one was given; otherwise
         # into the store as a chain of deltas (each holds only the new tokens' cells)
-        autosaver = Autosaver(runtime, store.folder, mode="full" if save_path else "delta")
+        autosaver = None if save_path else Autosaver(runtime, store.folder)
 
         def autosave(c: Conversation) -> None:
             try:
-                if save_path:
+                if autosaver is None:
                     runtime.save(save_path, c, KIND_AUTOSAVE)
                 else:
                     store.ensure()
@@ -359,7 +359,8 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
                   file=sys.stderr)
         elif not args.json:
             print()
-        autosaver.discard()  # superseded by the checkpoint just written, or the answer is done
+        if autosaver is not None:
+            autosaver.discard()  # superseded by the checkpoint just written, or the answer is done
         if store.folder.is_dir():
             store.prune_autosaves(DEFAULT_AUTOSAVE_BUDGET)
         return {
@@ -386,18 +387,19 @@ def cmd_validate(args) -> int:
     try:
         header = fmt.read_header(path)
         print("Header OK")
-        data = fmt.read_checkpoint(path)
-        print("CRC32 OK")
-        if header.n_tokens:
-            check_state_for(header, data.state)
-        print("KV state OK")
         if header.is_delta:
             from engine.chain import load_chain
+            chain = load_chain(path)       # this file and every ancestor, CRCs verified
+        else:
+            chain = [fmt.read_checkpoint(path)]
+        data = chain[-1]
+        print("CRC32 OK")
+        for item in chain:
+            if item.header.n_tokens:
+                check_state_for(item.header, item.state)
+        print("KV state OK")
+        if header.is_delta:
             from engine.runtime import check_link
-            chain = load_chain(path)
-            for item in chain[:-1]:
-                if item.header.n_tokens:
-                    check_state_for(item.header, item.state)
             for prev, child in zip(chain, chain[1:]):
                 check_link(prev, child)
             print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")

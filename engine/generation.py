@@ -20,7 +20,7 @@ from engine.conversation import Answer, Conversation, title_from
 from engine.errors import GenerationError
 from engine.runtime import Runtime
 from engine.sampling import seed_for
-from native.sampler import Candidates, SamplerChain
+from native.sampler import SamplerChain
 
 FINISH_PAUSED = "paused"
 
@@ -157,7 +157,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
                          temperature=s.temperature, repeat_penalty=s.repeat_penalty,
                          repeat_last_n=window)
     chain.accept(conv.tokens[-window:] if window else [])
-    candidates = _candidates(runtime)
+    candidates = runtime.candidates
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     decoder.setstate((answer.pending, 0))
     stops = conv.stop_strings
@@ -179,7 +179,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
             logits = runtime.logits()
             if s.ignore_eos:
                 logits = _without_eog(runtime, logits)
-            token = chain.sample(candidates, logits, seed_for(s.seed, pos))
+            # greedy draws nothing at random: no per-position seed to derive
+            token = chain.sample(candidates, logits, 0 if chain.greedy else seed_for(s.seed, pos))
             result.probabilities.append(_probability(logits, token))
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started
@@ -226,22 +227,10 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     return result
 
 
-def _candidates(runtime: Runtime) -> Candidates:
-    cands = getattr(runtime, "_candidates", None)
-    if cands is None or cands.n_vocab != runtime.ctx.n_vocab:
-        cands = Candidates(runtime.ctx.n_vocab)
-        runtime._candidates = cands
-    return cands
-
-
 def _without_eog(runtime: Runtime, logits: np.ndarray) -> np.ndarray:
     """A copy of ``logits`` in which no end-of-generation token can be chosen."""
-    eog = getattr(runtime, "_eog_ids", None)
-    if eog is None:
-        eog = np.array([t for t in range(runtime.ctx.n_vocab) if runtime.model.is_eog(t)], dtype=np.int64)
-        runtime._eog_ids = eog
     masked = np.array(logits, copy=True)
-    masked[eog] = -np.inf
+    masked[runtime.eog_ids] = -np.inf
     return masked
 
 

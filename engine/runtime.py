@@ -9,6 +9,7 @@ carry the logits a resumed generation needs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import DecodeError, StateError
 from native.library import loaded_library
 from native.model import Model, ProgressCallback
+from native.sampler import Candidates
 
 log = logging.getLogger("engine")
 
@@ -92,6 +94,16 @@ class Runtime:
     def close(self) -> None:
         self.ctx.close()
         self.model.close()
+
+    @functools.cached_property
+    def candidates(self) -> Candidates:
+        """The sampler's candidate array over this model's vocabulary, reused every token."""
+        return Candidates(self.ctx.n_vocab)
+
+    @functools.cached_property
+    def eog_ids(self) -> np.ndarray:
+        """Ids of the end-of-generation tokens (scanned once: n_vocab native calls)."""
+        return np.array([t for t in range(self.ctx.n_vocab) if self.model.is_eog(t)], dtype=np.int64)
 
     # -- logits bookkeeping ----------------------------------------------------------------
     def has_logits(self) -> bool:
