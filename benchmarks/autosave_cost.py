@@ -66,7 +66,7 @@ def _run(rt, prompt: list[int], n_gen: int, every: int, saver) -> float:
 
 
 def measure(rt, key: str, context: int, n_gen: int, everies: list[int], folder: Path, out: Table) -> None:
-    from engine.checkpoint_format import KIND_AUTOSAVE
+    from engine.checkpoints.format import KIND_AUTOSAVE
     prompt = prompt_tokens(rt.model, context)
     Autosaver, why = _delta_factory()
     if why and why not in out.notes:

@@ -40,7 +40,7 @@ class _Recorder:
 
 
 def _trial(rt, conv, path: Path, *, wait, notify_after: int = 1 << 30) -> dict:
-    from engine.checkpoint_format import KIND_PAUSE
+    from engine.checkpoints.format import KIND_PAUSE
     from engine.generation import Control, generate
     control = Control()
     rec = _Recorder(notify_after)

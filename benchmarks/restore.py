@@ -62,9 +62,9 @@ def _floor_trial(rt, state_path: Path, n: int, token: int) -> float:
 
 
 def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Table]) -> None:
-    from engine.checkpoint_format import read_checkpoint
+    from engine.checkpoints.format import read_checkpoint
     from engine.generation import generate
-    from engine.kvstate import check_state_for
+    from engine.checkpoints.kvstate import check_state_for
 
     tokens = prompt_tokens(rt.model, n)
     conv = greedy_conversation(tokens)

@@ -76,7 +76,7 @@ def wait_until(app, predicate, timeout: float) -> None:
 
 def synthesize_big_checkpoint(path: Path, size: int = 1 << 30) -> Path:
     """A structurally valid checkpoint with a ~1 GB state (random bytes, correct CRC)."""
-    from engine.checkpoint_format import Header, encode_metadata, pack_header, TRAILER_MAGIC
+    from engine.checkpoints.format import Header, encode_metadata, pack_header, TRAILER_MAGIC
     import numpy as np
     n_tokens = 4096
     tokens = np.arange(n_tokens, dtype="<i4").tobytes()

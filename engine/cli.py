@@ -174,7 +174,7 @@ def _start_gui(gui_main, argv: list[str]) -> int:
 def _report_previous_crash() -> None:
     """Install the crash trace for this run; tell about a crash of an earlier one."""
     from engine import crashlog
-    from engine.store import Store
+    from engine.checkpoints.store import Store
     try:
         reports = crashlog.pending_crashes()
         crashlog.install()
@@ -270,26 +270,24 @@ def cmd_run(args) -> int:
     return guard.exit_status if guard.requested else EXIT_OK
 
 
-DEFAULT_AUTOSAVE_BUDGET = 4 << 30   # bytes of autosaves the store may hold (oldest pruned first)
-
-
 def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
-    from engine import checkpoint_format as fmt
-    from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+    from engine.checkpoints import graph
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.compat import ContextShape, Target
+    from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+    from engine.checkpoints.store import Store
     from engine.conversation import Conversation
     from engine.generation import begin_answer, commit_answer, generate
-    from engine.autosave import Autosaver
-    from engine.chain import load_chain
-    from engine.runtime import Runtime, check_context
-    from engine.store import Store
+    from engine.history import LineWriter
+    from engine.runtime import Runtime
     from native.library import bindings, choose_library
 
     bindings(choose_library(cli_dir=args.llama_lib))
     chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
     data = chain[-1] if chain else None
     settings = _context_settings(args, data.header if data else None)
-    if data is not None:
-        check_context(data.header, settings)  # before spending time on loading the model
+    if data is not None:   # before spending time on loading the model
+        Target(context=ContextShape.of(settings)).check(data.header, data.meta)
     runtime = Runtime(_model_path(args, data.meta if data else None), settings,
                       n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
     try:
@@ -316,22 +314,24 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
         store = Store()
         reuse = None
         if args.reuse_prefix and data is None:
-            from engine.prefix_index import reuse_stored_prefix
+            from engine.prefix_reuse import reuse_stored_prefix
             reuse = reuse_stored_prefix(runtime, store.folder, conv.tokens)
             if not args.json:
                 print(f"[PREFIX] {reuse.describe()}", file=sys.stderr)
         save_path = Path(args.checkpoint_save) if args.checkpoint_save else None
-        # autosaves go to --checkpoint-save as full files when one was given; otherwise
-        # into the store as a chain of deltas (each holds only the new tokens' cells)
-        autosaver = None if save_path else Autosaver(runtime, store.folder)
+        # with --checkpoint-save, autosaves rewrite that file; otherwise the conversation's
+        # line in the store grows by deltas (on the loaded file when it is a store head)
+        writer = None
+        if save_path is None:
+            writer = (LineWriter.continuing(runtime, store, chain) if chain
+                      else LineWriter(runtime, store, conv.id.hex))
 
         def autosave(c: Conversation) -> None:
             try:
-                if autosaver is None:
+                if writer is None:
                     runtime.save(save_path, c, KIND_AUTOSAVE)
                 else:
-                    store.ensure()
-                    autosaver(c)
+                    writer.autosave(c)
             except CheckpointError as exc:
                 print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
@@ -349,20 +349,20 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
                           stop_after=args.stop_after,
                           autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
         checkpoint = None
-        if result.paused or save_path:
+        autosaved = writer is not None and writer.saves > 0
+        if result.paused or save_path or autosaved:
             kind = KIND_EXIT if guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
             commit_answer(conv)
-            checkpoint = runtime.save(save_path or store.new_path(conv.title), conv, kind)
+            checkpoint = (runtime.save(save_path, conv, kind) if save_path
+                          else writer.save_head(conv, kind))
             if not args.json and result.text and not result.text.endswith("\n"):
                 print()
             print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
                   file=sys.stderr)
         elif not args.json:
             print()
-        if autosaver is not None:
-            autosaver.discard()  # superseded by the checkpoint just written, or the answer is done
         if store.folder.is_dir():
-            store.prune_autosaves(DEFAULT_AUTOSAVE_BUDGET)
+            graph.prune(store, graph.DEFAULT_BUDGET_BYTES)
         return {
             "text": result.text, "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
@@ -380,18 +380,17 @@ def _run_session(args, prompt: str | None, control, guard) -> dict[str, Any]:
 # -- validate / inspect / list / info ------------------------------------------------------------
 
 def cmd_validate(args) -> int:
-    from engine import checkpoint_format as fmt
-    from engine.kvstate import check_state_for
+    from engine.checkpoints import format as fmt
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.compat import ModelIdentity, Target
+    from engine.checkpoints.kvstate import check_state_for
 
     path = Path(args.path)
     try:
         header = fmt.read_header(path)
         print("Header OK")
-        if header.is_delta:
-            from engine.chain import load_chain
-            chain = load_chain(path)       # this file and every ancestor, CRCs verified
-        else:
-            chain = [fmt.read_checkpoint(path)]
+        # this file and every ancestor, CRCs verified and each linked to the next
+        chain = load_chain(path) if header.is_delta else [fmt.read_checkpoint(path)]
         data = chain[-1]
         print("CRC32 OK")
         for item in chain:
@@ -399,12 +398,9 @@ def cmd_validate(args) -> int:
                 check_state_for(item.header, item.state)
         print("KV state OK")
         if header.is_delta:
-            from engine.runtime import check_link
-            for prev, child in zip(chain, chain[1:]):
-                check_link(prev, child)
             print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")
         if args.model:
-            _check_against_model(header, data.meta, Path(args.model))
+            Target(ModelIdentity.from_gguf(args.model)).check(header, data.meta)
             print("Dimensions match model")
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
@@ -413,55 +409,25 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compact(args) -> int:
-    from engine.chain import load_chain
-    from engine.runtime import Runtime
-    from native.context import ContextSettings
+    from engine.checkpoints.chain import load_chain
+    from engine.compaction import compact_into, runtime_for
     from native.library import bindings, choose_library
 
     chain = load_chain(args.path)
-    last = chain[-1]
-    h = last.header
-    if not h.is_delta:
+    if not chain[-1].header.is_delta:
         print(f"{args.path} is already a full checkpoint")
         return EXIT_OK
     bindings(choose_library(cli_dir=args.llama_lib))
-    model = Path(args.model) if args.model else _model_path(argparse.Namespace(model=None), last.meta)
-    settings = ContextSettings(n_ctx=h.n_ctx, n_threads=args.threads or 0, flash_attn=h.flash_attn,
-                               type_k=h.type_k, type_v=h.type_v, n_seq_max=h.n_seq_max,
-                               kv_unified=h.kv_unified)
-    runtime = Runtime(model, settings)
+    runtime = runtime_for(chain, model=args.model, n_threads=args.threads or 0)
     try:
-        conv = runtime.restore_chain(chain)
         out = Path(args.output) if args.output else Path(args.path).with_name(
             Path(args.path).stem + "-full.kvckpt")
-        info = runtime.save(out, conv, h.kind)
+        info = compact_into(runtime, chain, out)
     finally:
         runtime.close()
     print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)}; "
           f"merged {len(chain)} files)")
     return EXIT_OK
-
-
-def _check_against_model(header, meta, model_path: Path) -> None:
-    from engine.errors import IncompatibleModel
-    from engine.fingerprint import model_fingerprint
-    from engine.gguf import GGUFError, read_shape
-
-    try:
-        shape = read_shape(model_path)
-    except GGUFError as exc:
-        raise IncompatibleModel(str(exc)) from None
-    if model_fingerprint(model_path) != header.model_fingerprint:
-        theirs = ((meta or {}).get("model") or {}).get("name") or "another model"
-        raise IncompatibleModel(f"this checkpoint was made with {theirs}, not {shape.name} "
-                                "(model fingerprints differ)")
-    for field_name, theirs, ours in (("n_vocab", header.n_vocab, shape.n_vocab),
-                                     ("n_layer", header.n_layer, shape.n_layer),
-                                     ("n_head_kv", header.n_head_kv, shape.n_head_kv),
-                                     ("n_embd_head_k", header.n_embd_head_k, shape.n_embd_head_k),
-                                     ("n_embd_head_v", header.n_embd_head_v, shape.n_embd_head_v)):
-        if theirs != ours:
-            raise IncompatibleModel(f"{field_name} is {theirs} in the checkpoint, {ours} in the model")
 
 
 def _header_json(h) -> dict[str, Any]:
@@ -482,12 +448,39 @@ def _header_json(h) -> dict[str, Any]:
     }
 
 
+def _node_json(node, g) -> dict[str, Any]:
+    """A file's place in its folder's graph (engine.checkpoints.graph)."""
+    parent = g.parent(node)
+    problem = g.chain_problem(node)
+    return {
+        "id": node.checkpoint_id,
+        "parent": node.parent.file if node.parent else None,
+        "parent_found": parent is not None if node.is_delta else None,
+        "conversation": str(node.conversation_id), "line": node.line,
+        "head": g.is_head(node),
+        "needed_by_head": g.reachable(node),
+        "chain": [n.name for n in g.chain(node)], "chain_size": g.chain_size(node),
+        "chain_problem": problem,
+    }
+
+
+def _graph_of(path: Path):
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    g = Graph.scan(Store(path.parent))
+    return g, g.nodes.get(path.name)
+
+
 def cmd_inspect(args) -> int:
-    from engine import checkpoint_format as fmt
-    header, meta = fmt.read_metadata(args.path)
+    from engine.checkpoints import format as fmt
+    path = Path(args.path)
+    header, meta = fmt.read_metadata(path)
     meta = dict(meta)
+    g, node = _graph_of(path)
+    place = _node_json(node, g) if node is not None else None
     if args.json:
-        print(json.dumps({"header": _header_json(header), "metadata": meta}, ensure_ascii=False, indent=2))
+        print(json.dumps({"header": _header_json(header), "metadata": meta, "graph": place},
+                         ensure_ascii=False, indent=2))
         return EXIT_OK
     for key, value in _header_json(header).items():
         print(f"{key:18} {value}")
@@ -495,6 +488,16 @@ def cmd_inspect(args) -> int:
     print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
     conv = meta.get("conversation") or {}
     print(f"{'sampler':18} {json.dumps(conv.get('sampler', {}))}")
+    if place is not None:
+        role = "head of its line" if place["head"] else (
+            "part of a head's chain" if place["needed_by_head"] else "not needed by any head")
+        print(f"{'place':18} {role}")
+        print("chain:" + (f"  BROKEN: {place['chain_problem']}" if place["chain_problem"] else ""))
+        for name in place["chain"]:
+            member = g.nodes[name]
+            what = "delta" if member.is_delta else "full"
+            print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}")
+        print(f"  total {human_size(place['chain_size'])}")
     print("transcript:")
     for message in meta.get("transcript", []):
         if isinstance(message, dict):
@@ -505,25 +508,43 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from engine.store import Store
-    entries = Store(args.dir).entries()
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    store = Store(args.dir)
+    g = Graph.scan(store)
+    nodes = sorted(g.nodes.values(), key=lambda n: n.created_ns, reverse=True)
     if args.json:
-        print(json.dumps([{
-            "path": str(e.path), "size": e.size, "valid": e.valid, "error": e.error,
-            **({"header": _header_json(e.header)} if e.header else {})} for e in entries],
-            ensure_ascii=False, indent=2))
+        out = [{"path": str(n.path), "size": n.size, "valid": True, "error": None,
+                "header": _header_json(n.header), **_node_json(n, g)} for n in nodes]
+        out += [{"path": str(u.path), "size": u.size, "valid": False, "error": u.error,
+                 "id": None, "parent": None, "conversation": None, "head": False}
+                for u in g.unreadable]
+        print(json.dumps(out, ensure_ascii=False, indent=2))
         return EXIT_OK
-    if not entries:
+    if not nodes and not g.unreadable:
         print("no checkpoints")
         return EXIT_OK
-    for e in entries:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.created))
-        if e.header:
-            h = e.header
-            print(f"{when}  {h.kind_name:8} {h.n_tokens:6d} tok  {human_size(e.size):>9}  "
-                  f"{h.title}  [{e.path}]")
-        else:
-            print(f"{when}  CORRUPT  {e.error}  [{e.path}]")
+    # heads first, newest first, each with the files its chain needs folded under it
+    shown = set()
+    for head in g.heads:
+        chain = g.chain(head)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(head.created_ns / 1e9))
+        h = head.header
+        extra = f"  ({len(chain)} files, {human_size(g.chain_size(head))})" if len(chain) > 1 else ""
+        print(f"{when}  {h.kind_name:8} {h.n_tokens:6d} tok  {human_size(head.size):>9}  "
+              f"{h.title}  [{head.path}]{extra}")
+        for member in reversed(chain[:-1]):
+            if member.name not in shown:
+                print(f"{'':18}  └ {member.header.kind_name:8} {member.header.n_tokens:6d} tok  "
+                      f"{human_size(member.size):>9}  {member.name}")
+        shown.update(n.name for n in chain)
+    for n in nodes:
+        if n.name not in shown:
+            why = g.chain_problem(n) or "superseded by a newer head of its line"
+            print(f"{'':18}  {n.header.kind_name:8} {n.header.n_tokens:6d} tok  {human_size(n.size):>9}  "
+                  f"{n.name}  ({why})")
+    for u in g.unreadable:
+        print(f"{'':18}  CORRUPT  {u.error}  [{u.path}]")
     return EXIT_OK
 
 

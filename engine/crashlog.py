@@ -108,9 +108,7 @@ def acknowledge(reports: list[CrashReport]) -> list[Path]:
 
 
 def newest_autosave(store) -> Path | None:
-    """The most recent autosave in ``store`` (an engine.store.Store)."""
-    from engine.checkpoint_format import KIND_AUTOSAVE
-    for entry in store.entries():
-        if entry.header is not None and entry.header.kind == KIND_AUTOSAVE:
-            return entry.path
-    return None
+    """The newest head an autosave left (an answer a crash interrupted) in ``store``."""
+    from engine.checkpoints.format import KIND_AUTOSAVE
+    from engine.checkpoints.graph import Graph
+    return next((h.path for h in Graph.scan(store).heads if h.header.kind == KIND_AUTOSAVE), None)

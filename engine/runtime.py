@@ -10,7 +10,6 @@ carry the logits a resumed generation needs.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import time
@@ -22,14 +21,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine import APP_VERSION
-from engine.atomic import atomic_write
-from engine.checkpoint_format import (FLAG_DELTA, KIND_MANUAL, CheckpointData, Header,
-                                      encode_metadata, write_sections)
+from engine.checkpoints.atomic import atomic_write
+from engine.checkpoints.chain import ParentRef, check_link, common_prefix, tokens_digest
+from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
+from engine.checkpoints.format import (FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
+                                       Header, encode_metadata, write_sections)
+from engine.checkpoints.fingerprint import model_fingerprint
+from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
-from engine.errors import (BrokenChain, CorruptMetadata, GenerationError, IncompatibleContext,
-                           IncompatibleModel, RestoreFailed, SaveFailed)
-from engine.fingerprint import model_fingerprint
-from engine.kvstate import check_state_for
+from engine.errors import (BrokenChain, CorruptMetadata, GenerationError, RestoreFailed,
+                           SaveFailed)
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import DecodeError, StateError
 from native.library import loaded_library
@@ -58,16 +59,7 @@ class SaveInfo:
     payload_crc: int = 0
     tokens_digest: str = ""
     delta: bool = False
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if len(diff) else n
+    line: str = ""
 
 
 class Runtime:
@@ -214,23 +206,15 @@ class Runtime:
             n_generated=n_generated, created_unix_ns=time.time_ns(), conversation_id=conv.id,
             library=loaded_library().identity, title=conv.title, kind=kind)
 
+    @functools.cached_property
+    def target(self) -> Target:
+        """This model and context, as engine.checkpoints.compat compares checkpoints with."""
+        return Target(ModelIdentity.of(self.model.name, self.fingerprint, self.model.shape),
+                      ContextShape.of(self.settings, self.ctx.n_ctx))
+
     def check_compatible(self, header: Header, meta: dict | None = None) -> None:
         """Raise IncompatibleModel / IncompatibleContext with the reason, or return."""
-        shape = self.model.shape
-        their_model = ((meta or {}).get("model") or {}).get("name") or "another model"
-        if header.model_fingerprint != self.fingerprint:
-            raise IncompatibleModel(
-                f"this checkpoint was made with {their_model}; the loaded model is "
-                f"{self.model.name} (model fingerprints differ)")
-        mismatched = [name for name, theirs, ours in (
-            ("n_vocab", header.n_vocab, shape.n_vocab), ("n_layer", header.n_layer, shape.n_layer),
-            ("n_head_kv", header.n_head_kv, shape.n_head_kv),
-            ("head size", (header.n_embd_head_k, header.n_embd_head_v),
-             (shape.n_embd_head_k, shape.n_embd_head_v))) if theirs != ours]
-        if mismatched:
-            raise IncompatibleModel("the checkpoint's model shape differs from the loaded model's ("
-                                    + ", ".join(mismatched) + ")")
-        check_context(header, self.settings, self.ctx.n_ctx)
+        self.target.check(header, meta)
 
     # -- checkpoints -----------------------------------------------------------------------
     def metadata_for(self, conv: Conversation) -> dict:
@@ -245,11 +229,15 @@ class Runtime:
         }
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
-             parent: "SaveInfo | None" = None) -> SaveInfo:
+             parent: "SaveInfo | None" = None, *, line: str | None = None) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
-        prefix of the cache) only the cells after the parent's end are written: a delta.
+        prefix of the cache, in the same folder) only the cells after the parent's end
+        are written: a delta.  It lands only if the parent is still there at the moment
+        of the rename (SaveFailed otherwise: write a full checkpoint instead).  ``line``
+        is the line of history the file continues (engine.checkpoints.graph); by default
+        the conversation's own.
         """
         started = time.perf_counter()
         path = Path(path)
@@ -270,15 +258,21 @@ class Runtime:
             header = replace(header, flags=FLAG_DELTA, parent_n_tokens=p0)
         meta_json = self.metadata_for(conv)
         meta_json["checkpoint_id"] = checkpoint_id
+        line = line or conv.id.hex
+        meta_json["line"] = line
+        precondition = None
         if parent is not None:
-            meta_json["parent"] = {"file": parent.path.name, "checkpoint_id": parent.checkpoint_id,
-                                   "payload_crc": parent.payload_crc, "n_tokens": p0}
+            if parent.path.parent.resolve() != path.parent.resolve():
+                raise SaveFailed("a delta's parent must lie in the same folder")
+            meta_json["parent"] = ParentRef(parent.path.name, parent.checkpoint_id,
+                                            parent.payload_crc, p0).to_json()
+            precondition = functools.partial(_parent_still_there, parent)
         meta = encode_metadata(meta_json)
         logits = np.array(self.logits(), copy=True) if self.has_logits() else None
         state = self._state_bytes(p0) if n else np.empty(0, dtype=np.uint8)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_write(path) as f:
+            with atomic_write(path, precondition=precondition) as f:
                 _, crc = write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32),
                                         logits, state)
         except OSError as exc:
@@ -288,7 +282,8 @@ class Runtime:
         return SaveInfo(path=path, size=path.stat().st_size,
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
-                        tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None)
+                        tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None,
+                        line=line)
 
     def _state_bytes(self, p0: int) -> np.ndarray:
         """Sequence 0's state, or (p0 > 0) only its cells at positions >= p0.
@@ -373,56 +368,13 @@ class Runtime:
         return conv
 
 
-def tokens_digest(tokens: Sequence[int]) -> str:
-    """A short digest of a token list: proves a delta's parent is still a prefix."""
-    return hashlib.blake2b(np.asarray(tokens, dtype="<i4").tobytes(), digest_size=16).hexdigest()
-
-
-def check_link(parent: CheckpointData, child: CheckpointData) -> None:
-    """Raise BrokenChain unless ``child`` is a delta on exactly ``parent``."""
-    ref = child.meta.get("parent")
-    name = parent.path.name if parent.path else "the parent"
-    if not child.header.is_delta or not isinstance(ref, dict):
-        raise BrokenChain(f"{child.path.name if child.path else 'a checkpoint'} is not a delta")
-    if ref.get("checkpoint_id") != parent.meta.get("checkpoint_id") \
-            or ref.get("payload_crc") != parent.payload_crc:
-        raise BrokenChain(f"{name} is not the parent this delta was made on (it was replaced "
-                          "or altered since)")
-    p0 = child.header.parent_n_tokens
-    if p0 != parent.header.n_tokens or ref.get("n_tokens") != p0:
-        raise BrokenChain(f"the delta continues from token {p0}, {name} holds {parent.header.n_tokens}")
-    if child.header.conversation_id != parent.header.conversation_id:
-        raise BrokenChain(f"{name} belongs to another conversation")
-    if not np.array_equal(child.tokens[:p0], parent.tokens[:p0]):
-        raise BrokenChain(f"the delta's tokens do not continue those of {name}")
-
-
-def check_context(header: Header, settings: ContextSettings, n_ctx: int | None = None) -> None:
-    """Raise IncompatibleContext unless ``settings`` shape the KV cache as ``header`` needs.
-
-    Every difference is named at once, so one message tells the user all flags to change.
-    """
-    differences = []
-    for name, theirs, ours, unit in (
-            ("context size", header.n_ctx, settings.n_ctx if n_ctx is None else n_ctx, " tokens"),
-            ("K cache type", _kv_name(header.type_k), _kv_name(settings.type_k), ""),
-            ("V cache type", _kv_name(header.type_v), _kv_name(settings.type_v), ""),
-            ("flash attention", header.flash_attn, settings.flash_attn, ""),
-            ("sequence count", header.n_seq_max, settings.n_seq_max, ""),
-            ("unified KV", header.kv_unified, settings.kv_unified, "")):
-        if theirs != ours:
-            differences.append(f"{name} {_show(theirs)}{unit} (this context: {_show(ours)}{unit})")
-    if differences:
-        raise IncompatibleContext("the checkpoint needs " + ", ".join(differences)
-                                  + "; exact resumption needs the same settings")
-
-
-def _kv_name(type_id: int) -> str:
-    from native.context import KV_TYPES
-    return next((name for name, value in KV_TYPES.items() if value == type_id), f"type {type_id}")
-
-
-def _show(value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
+def _parent_still_there(parent: SaveInfo) -> None:
+    """Cancel a delta's rename when its parent was deleted or replaced meanwhile."""
+    try:
+        with open(parent.path, "rb") as f:
+            f.seek(-TRAILER_LEN, os.SEEK_END)
+            crc = int.from_bytes(f.read(4), "little")
+    except OSError:
+        crc = None
+    if crc != parent.payload_crc:
+        raise SaveFailed(f"the parent checkpoint {parent.path.name} is gone; nothing was saved")

@@ -8,7 +8,7 @@ give the same tokens.  Sampling is therefore a pure function of
 
 where p is the absolute position in the sequence of the token being chosen.  No random
 generator state is carried from one token to the next, so there is nothing to save:
-the stored logits of the last position (see engine.checkpoint_format) and the token
+the stored logits of the last position (see engine.checkpoints.format) and the token
 list are enough.  ``seed_for`` mixes (seed, p) with SplitMix64, whose output is well
 distributed even for consecutive inputs, and keeps 32 bits for llama.cpp's ``dist``
 sampler.

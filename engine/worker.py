@@ -12,12 +12,14 @@ itself a native call the UI thread must not make).
 
 What the worker adds to the engine API is bookkeeping for "never recompute twice":
 
-* each conversation has one checkpoint file in the store, rewritten atomically after
-  every answer, pause and exit; autosaves go to the store's per-conversation autosave
-  file every N tokens and are pruned oldest-first under a disk budget;
+* each conversation has a :class:`~engine.history.LineWriter`: its autosaves (every N
+  tokens) and heads (pause, exit, a finished answer, a rename) are deltas on the files
+  already on disk, compacted now and then; what a new head supersedes is retired, and
+  the store is pruned under a disk budget by reachability (engine.checkpoints.graph),
+  so nothing a head needs is ever deleted;
 * the KV cache holds one conversation at a time.  Switching to another conversation
-  first saves the one in the cache if the file lags behind it, then restores the other
-  from its checkpoint instead of re-decoding its prompt.
+  first saves the one in the cache if its head lags behind it, then restores the other
+  through its head's chain instead of re-decoding its prompt.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
-from engine.checkpoint_format import (KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, Header,
-                                      read_checkpoint)
+from engine.checkpoints import graph
+from engine.checkpoints.compat import Target
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, Header
+from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, GenerationError
 from engine.sampling import SamplerSettings
-from engine.store import Store
 
 log = logging.getLogger("engine")
 
@@ -64,22 +66,13 @@ class ModelInfo:
     backend: str
     library_path: str
     library_version: str
-    _compat: Any = field(default=None, repr=False, compare=False)
+    #: what checkpoints must fit (engine.checkpoints.compat): the rule the Runtime uses,
+    #: as a frozen value other threads may use without waiting for a generation
+    target: Target | None = field(default=None, repr=False, compare=False)
 
     def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
-        """Why a checkpoint cannot be restored into this model, or None.
-
-        Pure Python: the same check the Runtime runs, applied to values captured on the
-        engine thread, so a listing on another thread never waits for a generation.
-        """
-        if self._compat is None:
-            return None
-        from engine.runtime import Runtime  # already imported by the engine thread
-        try:
-            Runtime.check_compatible(self._compat, header, meta)
-        except CheckpointError as exc:
-            return str(exc)
-        return None
+        """Why a checkpoint cannot be restored into this model, or None."""
+        return self.target.incompatibility(header, meta) if self.target is not None else None
 
 
 @dataclass(frozen=True)
@@ -122,6 +115,7 @@ class WorkerListener:
     def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
                             seconds: float, kind: int) -> None: ...
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
+    def on_exported(self, source: Path, target: Path) -> None: ...
     def on_error(self, action: str, message: str) -> None: ...
     def on_stopped(self) -> None: ...
 
@@ -150,7 +144,7 @@ class EngineWorker:
         self.listener = listener
         self.store = store or Store()
         self.autosave_every = 0
-        self.autosave_budget = 1 << 30
+        self.autosave_budget = graph.DEFAULT_BUDGET_BYTES
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._control = None                 # engine.generation.Control, made on the thread
@@ -164,9 +158,8 @@ class EngineWorker:
         self.runtime = None
         self.model_info: ModelInfo | None = None
         self._convs: dict[uuid.UUID, Conversation] = {}
-        self._paths: dict[uuid.UUID, Path] = {}
-        self._saved_tokens: dict[uuid.UUID, int] = {}
-        self._autosavers: dict[uuid.UUID, Any] = {}   # conversation -> engine.autosave.Autosaver
+        self._paths: dict[uuid.UUID, Path] = {}      # each conversation's head file
+        self._writers: dict[uuid.UUID, Any] = {}     # engine.history.LineWriter, per runtime
         self._active: uuid.UUID | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -238,9 +231,13 @@ class EngineWorker:
     def rename(self, conv_id: uuid.UUID, title: str) -> None:
         self._submit("rename the conversation", self._do_rename, conv_id, title)
 
-    def forget(self, conv_id: uuid.UUID) -> None:
-        """Drop a conversation from memory (its files are the caller's business)."""
-        self._submit("delete the conversation", self._do_forget, conv_id)
+    def delete_conversation(self, conv_id: uuid.UUID) -> None:
+        """Forget a conversation and delete every file that only it needs."""
+        self._submit("delete the conversation", self._do_delete, conv_id)
+
+    def export(self, path: str | Path, target: str | Path) -> None:
+        """Write ``path``'s checkpoint as one self-contained file (a chain is compacted)."""
+        self._submit("export the checkpoint", self._do_export, Path(path), Path(target))
 
     def pause(self, *, kind: int = KIND_PAUSE) -> None:
         """Ask the running generation to stop within one token; it then saves.
@@ -318,7 +315,7 @@ class EngineWorker:
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
-        self._autosavers = {}  # their chains belong to the previous runtime's cache
+        self._writers = {}  # they wrote from the previous runtime's cache; heads stay in _paths
         try:
             info = system_info()
             backend, lib_path, lib_version = info.backend_label, info.library_path, info.library_version
@@ -326,14 +323,10 @@ class EngineWorker:
             log.warning("system info unavailable: %s", exc)
             lib = loaded_library()
             backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
-        compat = SimpleNamespace(  # duck-typed stand-in for Runtime.check_compatible
-            fingerprint=rt.fingerprint, settings=rt.settings,
-            model=SimpleNamespace(shape=rt.model.shape, name=rt.model.name),
-            ctx=SimpleNamespace(n_ctx=rt.ctx.n_ctx))
         self.model_info = ModelInfo(
             name=rt.model.name, path=Path(opts.path), architecture=rt.model.architecture,
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
-            library_path=lib_path, library_version=lib_version, _compat=compat)
+            library_path=lib_path, library_version=lib_version, target=rt.target)
         self.listener.on_model_loaded(self.model_info)
 
     def _need_runtime(self):
@@ -381,18 +374,21 @@ class EngineWorker:
         else:
             self.listener.on_conversation_changed(self.snapshot(conv))
 
-    def _do_forget(self, conv_id: uuid.UUID) -> None:
+    def _do_delete(self, conv_id: uuid.UUID) -> None:
         self._convs.pop(conv_id, None)
         self._paths.pop(conv_id, None)
-        self._saved_tokens.pop(conv_id, None)
+        self._writers.pop(conv_id, None)
         if self._active == conv_id:
             self._active = None
+        report = graph.delete_conversation(self.store, conv_id)
+        log.info("deleted conversation %s: %s", conv_id, report.describe())
         self.listener.on_conversation_deleted(conv_id)
 
     def _do_open_checkpoint(self, path: Path) -> None:
-        from engine.chain import load_chain
+        from engine.checkpoints.chain import load_chain
+        from engine.history import LineWriter
         rt = self._need_runtime()
-        chain = load_chain(path)             # a delta autosave brings its ancestors along
+        chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
         rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
         self._save_active_if_dirty(KIND_MANUAL)
@@ -400,9 +396,28 @@ class EngineWorker:
         conv = rt.restore_chain(chain)
         self._active = conv.id
         self._convs[conv.id] = conv
-        self._paths[conv.id] = Path(path)
-        self._saved_tokens[conv.id] = data.header.n_tokens
+        writer = self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
+        self._paths[conv.id] = writer.head.path if writer.head else Path(path)
         self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_export(self, source: Path, target: Path) -> None:
+        from engine.checkpoints.chain import load_chain
+        from engine.checkpoints.transfer import copy_file
+        from engine.compaction import compact_into, runtime_for
+        chain = load_chain(source)
+        if len(chain) == 1:
+            copy_file(source, target)
+        elif self.runtime is not None and self.runtime.target.problem(chain[-1].header) is None:
+            self._save_active_if_dirty(KIND_MANUAL)
+            self._active = None   # the cache will hold the exported chain, not a conversation
+            compact_into(self.runtime, chain, target)
+        else:
+            rt = runtime_for(chain)   # the chain's own model, loaded for the occasion
+            try:
+                compact_into(rt, chain, target)
+            finally:
+                rt.close()
+        self.listener.on_exported(source, target)
 
     def _do_send(self, conv_id: uuid.UUID, text: str, n_predict: int) -> None:
         from engine.generation import begin_answer
@@ -463,6 +478,14 @@ class EngineWorker:
         self._save(conv, kind)
 
     # -- checkpoints --------------------------------------------------------------------------
+    def _writer(self, conv: Conversation):
+        """This conversation's line writer (a new line for a conversation with no files)."""
+        from engine.history import LineWriter
+        writer = self._writers.get(conv.id)
+        if writer is None:
+            writer = self._writers[conv.id] = LineWriter(self._need_runtime(), self.store, conv.id.hex)
+        return writer
+
     def _save_after_failure(self, conv: Conversation) -> None:
         rt = self.runtime
         n = len(rt.kv_tokens) if rt is not None else 0
@@ -472,81 +495,85 @@ class EngineWorker:
             self._save(conv, KIND_EXIT)
         except Exception:  # noqa: BLE001 - the original failure is what gets reported
             log.exception("could not save after a failed generation")
+
     def _save(self, conv: Conversation, kind: int) -> None:
         # the kind in the header is what a listing shows as "paused": keep it truthful
         if conv.paused and kind == KIND_MANUAL:
             kind = KIND_PAUSE
         elif not conv.paused and kind in (KIND_PAUSE, KIND_EXIT):
             kind = KIND_MANUAL
-        rt = self._need_runtime()
-        path = self._paths.get(conv.id) or self.store.new_path(conv.title)
         self.listener.on_checkpoint_saving(conv.id, kind)
-        info = rt.save(path, conv, kind)
+        info = self._writer(conv).save_head(conv, kind)
         self._paths[conv.id] = info.path
-        self._saved_tokens[conv.id] = info.n_tokens
-        self._remove_autosave(conv.id)  # superseded by the file just written
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
 
     def _autosave(self, conv: Conversation) -> None:
-        """Autosave as a chain of deltas: each holds only the cells since the last one."""
-        from engine.autosave import Autosaver
-        saver = self._autosavers.get(conv.id)
-        if saver is None:
-            saver = self._autosavers[conv.id] = Autosaver(self.runtime, self.store.folder)
+        """Autosave: a delta holding only the cells since the newest file of the line."""
         try:
-            self.store.ensure()
-            info = saver(conv)
+            info = self._writer(conv).autosave(conv)
         except CheckpointError as exc:
             self.listener.on_error("autosave", str(exc))
             return
+        self._paths[conv.id] = info.path
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds,
                                           KIND_AUTOSAVE)
         try:
-            self.store.prune_autosaves(self.autosave_budget)
+            report = graph.prune(self.store, self.autosave_budget)
+            if report.deleted:
+                log.info("pruned the store: %s", report.describe())
         except OSError as exc:
-            log.warning("could not prune autosaves: %s", exc)
-
-    def _remove_autosave(self, conv_id: uuid.UUID) -> None:
-        saver = self._autosavers.pop(conv_id, None)
-        if saver is not None:
-            saver.discard()
+            log.warning("could not prune the store: %s", exc)
 
     def _save_active_if_dirty(self, kind: int) -> None:
-        """Save the conversation in the KV cache if its file holds fewer tokens."""
+        """Save the conversation in the KV cache if its head holds fewer tokens."""
         if self.runtime is None or self._active is None:
             return
         conv = self._convs.get(self._active)
+        writer = self._writers.get(self._active)
         if conv is None:
             return
         n = len(self.runtime.kv_tokens)
-        if n and n != self._saved_tokens.get(conv.id, -1) and conv.tokens[:n] == self.runtime.kv_tokens:
+        saved = writer.head.n_tokens if writer is not None and writer.head else -1
+        if n and n != saved and conv.tokens[:n] == self.runtime.kv_tokens:
             self._save(conv, kind)
 
     def _activate(self, conv: Conversation) -> None:
         """Make the KV cache hold ``conv`` as far as possible without decoding.
 
-        If another conversation is in the cache it is saved first (when its file lags);
-        then ``conv`` is restored from its checkpoint when that holds more of its tokens
-        than the cache shares with it.  Whatever is still missing, generate() prefills.
+        If another conversation is in the cache it is saved first (when its head lags);
+        then ``conv`` is restored through its head's chain when that holds more of its
+        tokens than the cache shares with it.  Whatever is still missing, generate()
+        prefills.
         """
-        from engine.runtime import common_prefix
+        from engine.checkpoints.chain import common_prefix, load_chain
+        from engine.history import LineWriter
         rt = self._need_runtime()
         if self._active == conv.id:
             return
         self._save_active_if_dirty(KIND_MANUAL)
         self._active = conv.id
-        path = self._paths.get(conv.id)
-        saved = self._saved_tokens.get(conv.id, 0)
-        if path is None or saved <= common_prefix(rt.kv_tokens, conv.tokens):
+        writer = self._writers.get(conv.id)
+        head = writer.head.path if writer is not None and writer.head else self._paths.get(conv.id)
+        if head is None:
+            self._writer(conv)
             return
+        in_cache = common_prefix(rt.kv_tokens, conv.tokens)
+        if writer is not None and writer.head and writer.head.n_tokens <= in_cache:
+            return   # the cache already holds all the head has (and the writer knows its files)
         try:
-            data = read_checkpoint(path)
+            chain = load_chain(head)
+            data = chain[-1]
             n = data.header.n_tokens
             if [int(t) for t in data.tokens[:n]] != conv.tokens[:n]:
-                log.info("checkpoint %s no longer matches the conversation; prefilling", path.name)
-                return
-            started = time.perf_counter()
-            rt.restore(data)
-            log.info("restored %d tokens from %s in %.2f s", n, path.name, time.perf_counter() - started)
+                raise CheckpointError(f"{head.name} no longer matches the conversation")
+            if n > in_cache:
+                started = time.perf_counter()
+                rt.restore_chain(chain)
+                log.info("restored %d tokens from %s (%d file(s)) in %.2f s", n, head.name,
+                         len(chain), time.perf_counter() - started)
+            if writer is None:
+                self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
         except CheckpointError as exc:
-            log.warning("could not restore %s (%s); the prompt will be decoded again", path, exc)
+            log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
+            if writer is None:   # continue on a line of its own; the old head stays as it is
+                self._writers[conv.id] = LineWriter(rt, self.store, uuid.uuid4().hex)

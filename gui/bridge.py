@@ -60,6 +60,9 @@ class _Listener(WorkerListener):
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None:
         self.b.conversation_deleted.emit(conv_id)
 
+    def on_exported(self, source: Path, target: Path) -> None:
+        self.b.checkpoint_exported.emit(str(source), str(target))
+
     def on_error(self, action: str, message: str) -> None:
         self.b.engine_failed.emit(action, message)
 
@@ -81,7 +84,8 @@ class EngineBridge(QObject):
         generation_finished(GenerationSummary): after the last tokens_generated.
         checkpoint_saving(UUID, int): a save of that kind began.
         checkpoint_saved(ConversationSnapshot, str, int, float, int): path, size, seconds, kind.
-        conversation_deleted(UUID)
+        conversation_deleted(UUID): its files are gone (all that no other head needs).
+        checkpoint_exported(str, str): a checkpoint was written as one file (source, target).
         engine_failed(str, str): what was being done, and why it failed.
         engine_stopped(): the engine thread saved what it had to and exited.
     """
@@ -97,6 +101,7 @@ class EngineBridge(QObject):
     checkpoint_saving = Signal(object, int)
     checkpoint_saved = Signal(object, str, int, float, int)
     conversation_deleted = Signal(object)
+    checkpoint_exported = Signal(str, str)
     engine_failed = Signal(str, str)
     engine_stopped = Signal()
 

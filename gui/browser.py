@@ -1,127 +1,241 @@
-"""The checkpoint browser: every file in the store, from headers alone.
+"""The checkpoint browser: the store as conversations, heads and chains.
 
-The table is filled by :func:`list_rows` on a worker thread (256 bytes read per file,
-so a thousand checkpoints list in well under a second) and shown through a sort/filter
-proxy.  Status is "valid", "incompatible" (with the reason, against the loaded model)
-or "corrupt" (with the reason); Validate runs the full CRC check with progress.  The
-browser does no file work itself: it asks the main window, which owns the store, the
-engine bridge and the background tasks.
+:func:`list_rows` (a worker thread) reads the store's graph (engine.checkpoints.graph:
+headers, metadata and trailers, never states) and returns one top-level row per head —
+what the user can resume — with the files its chain needs folded under it (a delta
+shows its own size, the head the chain's total).  A conversation with several heads
+(branches) gets a row of its own with its heads under it.  Files no head needs
+(superseded, broken chains) and unreadable files follow, each with the reason.  Status is
+"valid", "incompatible" (against the loaded model, with the reason), "corrupt" or
+"broken"; Validate runs the full CRC check of a file's whole chain with progress.
+
+The browser does no file work itself: it asks the main window, which owns the store,
+the engine bridge and the background tasks.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from PySide6.QtCore import (QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt, Signal)
-from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt, Signal
+from PySide6.QtGui import QBrush, QDragEnterEvent, QDropEvent, QPalette, QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit,
-                               QProgressBar, QPushButton, QTableView, QVBoxLayout, QWidget)
+                               QProgressBar, QPushButton, QTreeView, QVBoxLayout, QWidget)
 
-from engine.checkpoint_format import KIND_NAMES, Header
-from engine.store import Store
-from engine.worker import ModelInfo
-from gui.importer import file_size_text, local_checkpoint_paths
+from engine.checkpoints.compat import Target
+from engine.checkpoints.format import KIND_NAMES, Header
+from engine.checkpoints.graph import Graph, Node
+from engine.checkpoints.store import Store
+from gui.files import file_size_text, local_checkpoint_paths
+
+HEAD, CHAIN, CONVERSATION, LOOSE, UNREADABLE = "head", "chain", "conversation", "loose", "unreadable"
 
 
 @dataclass(frozen=True)
 class Row:
-    path: Path
+    path: Path | None       # None for a conversation's group row
     size: int
     created: float
     header: Header | None
-    status: str           # valid / incompatible / corrupt / verified
+    status: str             # valid / incompatible / corrupt / broken / verified
     reason: str = ""
+    role: str = HEAD        # head / chain / conversation / loose / unreadable
+    model_name: str = ""
+    chain_size: int = 0     # a head's chain, all files together
+    chain_files: int = 1
+    children: tuple["Row", ...] = ()
 
     @property
     def title(self) -> str:
-        return self.header.title if self.header else self.path.name
+        if self.header is not None:
+            return self.header.title or (self.path.stem if self.path else "")
+        return self.path.name if self.path else ""
+
+    @property
+    def resumable(self) -> bool:
+        return self.path is not None and self.header is not None and self.status in ("valid", "verified")
 
 
-def list_rows(store: Store, model: ModelInfo | None) -> list[Row]:
-    """Headers of every checkpoint, with their status against ``model`` (worker thread)."""
-    rows = []
-    for e in store.entries():
-        if e.header is None:
-            rows.append(Row(e.path, e.size, e.created, None, "corrupt", e.error or ""))
+def _node_row(g: Graph, node: Node, target: Target | None, role: str, children=()) -> Row:
+    reason = target.incompatibility(node.header) if target is not None else None
+    status, why = ("incompatible", reason) if reason else ("valid", "")
+    problem = g.chain_problem(node)
+    if problem and role != CHAIN:
+        status, why = "broken", problem
+    elif role == LOOSE:
+        why = why or "superseded: a newer head of this conversation holds its history"
+    return Row(node.path, node.size, node.created_ns / 1e9, node.header, status, why, role,
+               node.model_name, g.chain_size(node), len(g.chain(node)), tuple(children))
+
+
+def list_rows(store: Store, target: Target | None) -> list[Row]:
+    """The store as rows (see the module docstring); any thread."""
+    g = Graph.scan(store)
+    by_conv: dict[uuid.UUID, list[Row]] = {}
+    shown: set[str] = set()
+    for head in g.heads:
+        chain = g.chain(head)
+        members = [_node_row(g, n, target, CHAIN) for n in reversed(chain[:-1])]
+        shown.update(n.name for n in chain)
+        by_conv.setdefault(head.conversation_id, []).append(_node_row(g, head, target, HEAD, members))
+    rows: list[Row] = []
+    for heads in by_conv.values():
+        if len(heads) == 1:
+            rows.append(heads[0])
             continue
-        reason = model.incompatibility(e.header) if model is not None else None
-        rows.append(Row(e.path, e.size, e.created, e.header,
-                        "incompatible" if reason else "valid", reason or ""))
+        newest = heads[0]
+        rows.append(Row(None, sum(h.chain_size for h in heads), newest.created, newest.header,
+                        newest.status, f"{len(heads)} branches", CONVERSATION, newest.model_name,
+                        children=tuple(heads)))
+    for node in sorted(g.nodes.values(), key=lambda n: n.created_ns, reverse=True):
+        if node.name not in shown:
+            rows.append(_node_row(g, node, target, LOOSE))
+    for bad in g.unreadable:
+        rows.append(Row(bad.path, bad.size, _mtime(bad.path), None, "corrupt", bad.error, UNREADABLE))
     return rows
 
 
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _flatten(rows) -> list[Row]:
+    out = []
+    for row in rows:
+        out.append(row)
+        out += _flatten(row.children)
+    return out
+
+
 COLUMNS = ("Title", "Model", "Tokens", "Size", "Created", "Kind", "Status")
+ROW_ROLE = Qt.ItemDataRole.UserRole + 1
+SORT_ROLE = Qt.ItemDataRole.UserRole
 
 
-class CheckpointTableModel(QAbstractTableModel):
+class CheckpointTreeModel(QStandardItemModel):
+    """Rows as a tree of QStandardItems; each item carries its Row (ROW_ROLE)."""
+
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
-        self.rows: list[Row] = []
-        self.model_info: ModelInfo | None = None
+        self.setHorizontalHeaderLabels(list(COLUMNS))
+        self.top_rows: list[Row] = []
+        self.target: Target | None = None
 
-    def set_rows(self, rows: list[Row], model_info: ModelInfo | None) -> None:
+    @property
+    def rows(self) -> list[Row]:
+        """Every row, top-level and folded (a file appears once)."""
+        return [r for r in _flatten(self.top_rows) if r.path is not None]
+
+    def set_rows(self, rows: list[Row], target: Target | None) -> None:
         self.beginResetModel()
-        self.rows = rows
-        self.model_info = model_info
+        self.blockSignals(True)
+        self.removeRows(0, self.rowCount())
+        self.top_rows, self.target = rows, target
+        root = self.invisibleRootItem()
+        for row in rows:
+            self._append(root, row)
+        self.blockSignals(False)
         self.endResetModel()
 
-    def update_row(self, path: Path, **changes) -> None:
-        for i, row in enumerate(self.rows):
-            if row.path == path:
-                self.rows[i] = replace(row, **changes)
-                self.dataChanged.emit(self.index(i, 0), self.index(i, len(COLUMNS) - 1))
+    def _append(self, parent: QStandardItem, row: Row) -> None:
+        items = self._items(row)
+        parent.appendRow(items)
+        for child in row.children:
+            self._append(items[0], child)
 
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(COLUMNS)
-
-    def headerData(self, section, orientation, role=Qt.ItemDataRole.DisplayRole):
-        if orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole:
-            return COLUMNS[section]
-        return None
-
-    def _model_name(self, h: Header | None) -> str:
+    def _model_name(self, row: Row) -> str:
+        h = row.header
         if h is None:
             return "?"
-        info = self.model_info
-        if info is not None and info._compat is not None and h.model_fingerprint == info._compat.fingerprint:
-            return info.name
-        return f"other model ({h.model_fingerprint.hex()[:8]})"
+        if self.target is not None and self.target.model is not None \
+                and h.model_fingerprint == self.target.model.fingerprint:
+            return self.target.model.name
+        return row.model_name or f"other model ({h.model_fingerprint.hex()[:8]})"
 
-    def data(self, index: QModelIndex, role=Qt.ItemDataRole.DisplayRole):
-        if not index.isValid():
-            return None
-        row = self.rows[index.row()]
-        col = index.column()
+    def _items(self, row: Row) -> list[QStandardItem]:
         h = row.header
-        if role == Qt.ItemDataRole.UserRole:  # sort keys
-            return (row.title.lower(), self._model_name(h), h.n_tokens_total if h else -1, row.size,
-                    row.created, h.kind if h else -1, row.status)[col]
-        if role == Qt.ItemDataRole.ToolTipRole:
-            return row.reason or str(row.path)
-        if role != Qt.ItemDataRole.DisplayRole:
-            return None
-        if col == 0:
-            return row.title
-        if col == 1:
-            return self._model_name(h)
-        if col == 2:
-            return f"{h.n_tokens_total:,}" if h else ""
-        if col == 3:
-            return file_size_text(row.size)
-        if col == 4:
-            return time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created))
-        if col == 5:
-            return KIND_NAMES.get(h.kind, "?") if h else ""
-        return f"{row.status}: {row.reason}" if row.reason else row.status
+        if row.role == HEAD and row.chain_files > 1:
+            size = f"{file_size_text(row.size)} · chain {file_size_text(row.chain_size)} ({row.chain_files} files)"
+        else:
+            size = file_size_text(row.size)
+        kind = KIND_NAMES.get(h.kind, "?") if h else ""
+        if row.role == CONVERSATION:
+            title, kind = f"{row.title} — {row.reason}", "branches"
+        else:
+            title = row.title
+        role_note = {HEAD: "", CHAIN: " · in the chain", LOOSE: "", UNREADABLE: "",
+                     CONVERSATION: ""}[row.role]
+        status = (f"{row.status}{role_note}: {row.reason}" if row.reason and row.role != CONVERSATION
+                  else f"{row.status}{role_note}")
+        texts = (title, self._model_name(row), f"{h.n_tokens_total:,}" if h else "", size,
+                 time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created)), kind, status)
+        keys = (row.title.lower(), self._model_name(row), h.n_tokens_total if h else -1,
+                row.chain_size or row.size, row.created, h.kind if h else -1, row.status)
+        items = []
+        for text, key in zip(texts, keys):
+            item = QStandardItem(text)
+            item.setEditable(False)
+            item.setData(key, SORT_ROLE)
+            item.setData(row, ROW_ROLE)
+            item.setToolTip(row.reason or (str(row.path) if row.path else ""))
+            if row.role in (CHAIN, LOOSE) or row.status in ("incompatible", "corrupt", "broken"):
+                item.setForeground(QBrush(QPalette().color(QPalette.ColorGroup.Disabled,
+                                                           QPalette.ColorRole.Text)))
+            items.append(item)
+        return items
+
+    def update_row(self, path: Path, **changes) -> None:
+        """Replace the Row of ``path`` (status after Validate, say) wherever it is shown."""
+        def walk(parent: QStandardItem) -> None:
+            for r in range(parent.rowCount()):
+                first = parent.child(r, 0)
+                row = first.data(ROW_ROLE)
+                if row is not None and row.path == path:
+                    for c, item in enumerate(self._items(replace(row, **changes))):
+                        if c == 0:
+                            _swap_keep_children(parent, r, item)   # keep its folded chain
+                        else:
+                            parent.setChild(r, c, item)
+                walk(parent.child(r, 0))
+        walk(self.invisibleRootItem())
+        self.top_rows = [_replaced(r, path, changes) for r in self.top_rows]
+
+    def index_of(self, path: Path) -> QModelIndex:
+        def walk(parent: QStandardItem) -> QModelIndex:
+            for r in range(parent.rowCount()):
+                item = parent.child(r, 0)
+                row = item.data(ROW_ROLE)
+                if row is not None and row.path == path:
+                    return item.index()
+                found = walk(item)
+                if found.isValid():
+                    return found
+            return QModelIndex()
+        return walk(self.invisibleRootItem())
 
 
-class CheckpointTable(QTableView):
-    """The table; accepts dropped files (handed to ``files_dropped``)."""
+def _swap_keep_children(parent: QStandardItem, r: int, item: QStandardItem) -> None:
+    old = parent.child(r, 0)
+    old.setText(item.text())
+    for role in (SORT_ROLE, ROW_ROLE):
+        old.setData(item.data(role), role)
+    old.setToolTip(item.toolTip())
+
+
+def _replaced(row: Row, path: Path, changes: dict) -> Row:
+    children = tuple(_replaced(c, path, changes) for c in row.children)
+    row = replace(row, children=children) if children != row.children else row
+    return replace(row, **changes) if row.path == path else row
+
+
+class CheckpointTable(QTreeView):
+    """The tree; accepts dropped files (handed to ``files_dropped``)."""
 
     files_dropped = Signal(list)
 
@@ -135,10 +249,10 @@ class CheckpointTable(QTableView):
         self.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.setSortingEnabled(True)
         self.setAlternatingRowColors(True)
+        self.setUniformRowHeights(True)
         self.setWordWrap(False)           # one line per checkpoint; the tooltip has the rest
         self.setTextElideMode(Qt.TextElideMode.ElideRight)
-        self.verticalHeader().hide()
-        self.horizontalHeader().setStretchLastSection(True)   # Status: the reasons matter most
+        self.header().setStretchLastSection(True)   # Status: the reasons matter most
 
     def dragEnterEvent(self, event: QDragEnterEvent) -> None:
         if event.mimeData().hasUrls():
@@ -162,7 +276,7 @@ class CheckpointTable(QTableView):
 
 
 class CheckpointBrowser(QWidget):
-    """A window with the table, a filter and the actions.
+    """A window with the tree, a filter and the actions.
 
     Signals:
         resume_requested(Path), validate_requested(Path), rename_requested(Path),
@@ -182,12 +296,13 @@ class CheckpointBrowser(QWidget):
     def __init__(self, parent=None) -> None:
         super().__init__(parent, Qt.WindowType.Window)
         self.setWindowTitle("Checkpoints — Checkpoint Chat")
-        self.resize(900, 460)
-        self.model = CheckpointTableModel(self)
+        self.resize(980, 480)
+        self.model = CheckpointTreeModel(self)
         self.proxy = QSortFilterProxyModel(self)
         self.proxy.setSourceModel(self.model)
-        self.proxy.setSortRole(Qt.ItemDataRole.UserRole)
+        self.proxy.setSortRole(SORT_ROLE)
         self.proxy.setFilterKeyColumn(-1)
+        self.proxy.setRecursiveFilteringEnabled(True)
         self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
         self.table = CheckpointTable(self)
         self.table.setModel(self.proxy)
@@ -228,20 +343,25 @@ class CheckpointBrowser(QWidget):
         layout.addLayout(top)
         layout.addWidget(self.table, 1)
         layout.addLayout(buttons)
-        hint = QLabel("Drop .kvckpt files here to import them (the originals are not changed).", self)
+        hint = QLabel("Each row is a checkpoint you can resume; ▸ unfolds the files its chain needs. "
+                      "Drop .kvckpt files here to import them (the originals are not changed).", self)
         hint.setEnabled(False)
+        hint.setWordWrap(True)
         layout.addWidget(hint)
         self.table.selectionModel().selectionChanged.connect(self._update_buttons)
         self._update_buttons()
 
-    def set_rows(self, rows: list[Row], model_info: ModelInfo | None, seconds: float = 0.0) -> None:
-        self.model.set_rows(rows, model_info)
-        self.table.resizeColumnsToContents()
-        for col, cap in ((0, 230), (1, 170)):
+    def set_rows(self, rows: list[Row], target: Target | None, seconds: float = 0.0) -> None:
+        self.model.set_rows(rows, target)
+        for col in range(len(COLUMNS) - 1):
+            self.table.resizeColumnToContents(col)
+        for col, cap in ((0, 260), (1, 170), (3, 260)):
             if self.table.columnWidth(col) > cap:
                 self.table.setColumnWidth(col, cap)
-        total = sum(r.size for r in rows)
-        self.summary.setText(f"{len(rows)} checkpoints · {file_size_text(total)}"
+        files = self.model.rows
+        heads = sum(1 for r in files if r.role == HEAD)
+        total = sum(r.size for r in files)
+        self.summary.setText(f"{heads} resumable · {len(files)} files · {file_size_text(total)}"
                              + (f" · listed in {seconds * 1000:.0f} ms" if seconds else ""))
         self._update_buttons()
 
@@ -249,24 +369,30 @@ class CheckpointBrowser(QWidget):
         indexes = self.table.selectionModel().selectedRows()
         if not indexes:
             return None
-        return self.model.rows[self.proxy.mapToSource(indexes[0]).row()]
+        return self.proxy.mapToSource(indexes[0]).data(ROW_ROLE)
 
     def select_path(self, path: Path) -> bool:
-        for i, row in enumerate(self.model.rows):
-            if row.path == path:
-                self.table.selectRow(self.proxy.mapFromSource(self.model.index(i, 0)).row())
-                return True
-        return False
+        index = self.model.index_of(Path(path))
+        if not index.isValid():
+            return False
+        view_index = self.proxy.mapFromSource(index)
+        self.table.scrollTo(view_index)
+        self.table.selectionModel().select(
+            view_index, self.table.selectionModel().SelectionFlag.ClearAndSelect
+            | self.table.selectionModel().SelectionFlag.Rows)
+        return True
 
     def _emit_for_selected(self, signal) -> None:
         row = self.selected_row()
-        if row is not None:
+        if row is not None and row.path is not None:
             signal.emit(row.path)
 
     def _update_buttons(self, *_args) -> None:
         row = self.selected_row()
         for name, b in self.buttons.items():
-            enabled = row is not None
+            enabled = row is not None and row.path is not None
             if name == "Resume":
-                enabled = row is not None and row.status in ("valid", "verified")
+                enabled = row is not None and row.resumable
+            elif name == "Rename…":
+                enabled = enabled and row.header is not None
             b.setEnabled(enabled)

@@ -14,8 +14,9 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu
 
-from engine.checkpoint_format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE
-from engine.store import Store
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.store import Store
 
 ID_ROLE = Qt.ItemDataRole.UserRole
 PATH_ROLE = Qt.ItemDataRole.UserRole + 1
@@ -34,15 +35,14 @@ class StoredConversation:
 
 
 def stored_conversations(store: Store) -> list[StoredConversation]:
-    """The newest checkpoint of each conversation in the store, newest first (any thread)."""
+    """Each conversation's newest head in the store, newest first (any thread)."""
     seen: dict[uuid.UUID, StoredConversation] = {}
-    for e in store.entries():            # newest first
-        h = e.header
-        if h is None or h.conversation_id in seen:
+    for head in Graph.scan(store).heads:     # newest first
+        if head.conversation_id in seen:
             continue
-        seen[h.conversation_id] = StoredConversation(
-            h.conversation_id, h.title or e.path.stem, e.path, e.created,
-            h.kind in (KIND_PAUSE, KIND_EXIT, KIND_AUTOSAVE))  # see EngineWorker._save
+        seen[head.conversation_id] = StoredConversation(
+            head.conversation_id, head.title, head.path, head.created_ns / 1e9,
+            head.header.kind in (KIND_PAUSE, KIND_EXIT, KIND_AUTOSAVE))  # see EngineWorker._save
     return list(seen.values())
 
 

@@ -19,15 +19,15 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, Q
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout,
                                QWidget)
 
-from engine.checkpoint_format import KIND_AUTOSAVE, KIND_NAMES
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_NAMES
 from engine.models import default_model_path
-from engine.store import Store
+from engine.checkpoints.store import Store
 from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser
 from gui.chat_view import ChatView, PromptEdit
 from gui.conversations import PAUSED_MARK, ConversationList
-from gui.importer import file_size_text, remove_quietly
+from gui.files import file_size_text
 from gui.settings import AppSettings
 from gui.store_actions import StoreActions
 
@@ -44,12 +44,14 @@ class MainWindow(StoreActions, QMainWindow):
         validation_finished(object): FileCheck of a browser Validate.
         message_shown(str, str): title and text of every message shown to the user.
         store_listed(): the conversation list and browser were refreshed from the store.
+        conversation_deleted(UUID): a conversation and the files only it needed are gone.
     """
 
     imports_finished = Signal(list)
     validation_finished = Signal(object)
     message_shown = Signal(str, str)
     store_listed = Signal()
+    conversation_deleted = Signal(object)
 
     def __init__(self, settings: AppSettings | None = None) -> None:
         super().__init__()
@@ -213,6 +215,8 @@ class MainWindow(StoreActions, QMainWindow):
         b.generation_finished.connect(self._on_bridge_generation_finished)
         b.checkpoint_saving.connect(self._on_bridge_checkpoint_saving)
         b.checkpoint_saved.connect(self._on_bridge_checkpoint_saved)
+        b.conversation_deleted.connect(self._on_bridge_conversation_deleted)
+        b.checkpoint_exported.connect(self._on_bridge_checkpoint_exported)
         b.engine_failed.connect(self._on_bridge_engine_failed)
         b.engine_stopped.connect(self._on_bridge_engine_stopped)
 
@@ -333,17 +337,14 @@ class MainWindow(StoreActions, QMainWindow):
             self._delete(conv_id)
 
     def _delete(self, conv_id: uuid.UUID) -> None:
-        path = self.conversation_list.path_of(conv_id)
-        snap = self.snapshots.pop(conv_id, None)
-        for p in {path, snap.checkpoint if snap else None, self.store.autosave_path(conv_id)}:
-            if p is not None:
-                remove_quietly(p)
-        self.worker.forget(conv_id)
+        # the engine thread forgets it and deletes every file only it needs (its whole
+        # history: heads, chains, autosaves), then reports conversation_deleted
+        self.snapshots.pop(conv_id, None)
+        self.worker.delete_conversation(conv_id)
         self.conversation_list.remove(conv_id)
         if self.current == conv_id:
             self.current = None
             self.new_conversation()
-        self.refresh_store()
 
     # -- model ------------------------------------------------------------------------------------
     def open_model_dialog(self) -> None:
@@ -499,6 +500,11 @@ class MainWindow(StoreActions, QMainWindow):
         self._update_buttons()
         if self.browser is not None and self.browser.isVisible():
             self.refresh_store()
+
+    @Slot(object)
+    def _on_bridge_conversation_deleted(self, conv_id) -> None:
+        self.conversation_deleted.emit(conv_id)
+        self.refresh_store()
 
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 
 from engine import paths
+from engine.checkpoints import graph
 from engine.sampling import SamplerSettings, random_seed
 
 
@@ -39,7 +40,7 @@ _KEYS = {k.name: k for k in (
     _Key("system_prompt", "", str),
     _Key("autosave_every", 64, int),     # tokens; 0 turns autosave off
     _Key("checkpoint_dir", "", str),
-    _Key("autosave_budget_mb", 2048, int),
+    _Key("autosave_budget_mb", graph.DEFAULT_BUDGET_BYTES >> 20, int),   # superseded files (MB)
 )}
 
 MAX_RECENT_MODELS = 8

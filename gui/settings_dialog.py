@@ -63,7 +63,7 @@ class SettingsDialog(QDialog):
         spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
         spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
         path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
-        spin("autosave_budget_mb", "Autosave disk budget (MB):", 1, 1 << 20, 256)
+        spin("autosave_budget_mb", "Disk budget for superseded checkpoints (MB):", 1, 1 << 20, 256)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)

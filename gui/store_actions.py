@@ -3,8 +3,10 @@
 A mixin of :class:`gui.main_window.MainWindow` (it uses the window's store, bridge,
 conversation list and signals).  All file work runs on executor threads (gui.tasks);
 results come back to the UI thread as the awaited values of coroutines on the qasync
-loop.  Dropped or opened files are verified in full and copied into the store before
-anything is restored from them; the originals are never touched.
+loop.  Importing is engine.checkpoints.transfer's (dropped or opened files are verified
+in full, linked up and copied into the store before anything is restored from them;
+the originals are never touched); deleting is engine.checkpoints.graph's (nothing a
+head needs goes); exporting a chain compacts it on the engine thread.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QUrl
+from PySide6.QtCore import Qt, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
+from engine.checkpoints import graph
+from engine.checkpoints.format import read_header
+from engine.checkpoints.transfer import (MISSING_PARENT, FileCheck, chain_paths, check_file,
+                                         import_files)
+from engine.errors import CheckpointError
 from gui.browser import CheckpointBrowser, list_rows
 from gui.conversations import stored_conversations
-from gui.importer import (FileCheck, check_file, export_file, import_file, local_checkpoint_paths,
-                          remove_quietly)
+from gui.files import local_checkpoint_paths
 from gui.tasks import in_thread, spawn, thread_safe
 
 
@@ -34,15 +40,20 @@ class StoreActions:
 
     async def _refresh_store(self) -> None:
         started = time.perf_counter()
-        model = self.bridge.model_info
+        target = self._target()
         convs = await in_thread(stored_conversations, self.store)
-        rows = await in_thread(list_rows, self.store, model) if self.browser is not None else None
+        rows = await in_thread(list_rows, self.store, target) if self.browser is not None else None
         for c in convs:
             if c.id not in self.snapshots:
                 self.conversation_list.upsert(c.id, c.title, path=c.path, paused=c.paused)
         if rows is not None:
-            self.browser.set_rows(rows, model, time.perf_counter() - started)
+            self.browser.set_rows(rows, target, time.perf_counter() - started)
         self.store_listed.emit()
+
+    def _target(self):
+        """What checkpoints must fit: the loaded model and context (compat's description)."""
+        info = self.bridge.model_info
+        return info.target if info is not None else None
 
     def show_browser(self) -> CheckpointBrowser:
         if self.browser is None:
@@ -69,7 +80,6 @@ class StoreActions:
         spawn(self._open_checkpoint(Path(path)))
 
     async def _open_checkpoint(self, path: Path) -> None:
-        from engine.checkpoint_format import read_header
         try:
             header = await in_thread(read_header, path)
         except Exception as exc:  # noqa: BLE001 - shown to the user
@@ -91,21 +101,38 @@ class StoreActions:
         spawn(self._import_files([Path(p) for p in paths]))
 
     async def _import_files(self, paths: list[Path]) -> None:
-        results: list[FileCheck] = []
         self.save_progress.show()
         try:
-            for p in paths:
-                results.append(await in_thread(import_file, p, self.store, self.bridge.model_info))
+            results: list[FileCheck] = await in_thread(import_files, paths, self.store, self._target())
         finally:
             self.save_progress.hide()
         refused = [r for r in results if r.imported is None]
-        if refused:
-            self.show_error("Not imported", "\n".join(r.message() for r in refused))
         self.imports_finished.emit(results)
         imported = [r.imported for r in results if r.imported is not None]
         self.refresh_store()
+        orphan = next((r for r in refused if r.status == MISSING_PARENT and r.chain_folder), None)
+        if orphan is not None:
+            self._offer_chain_import(orphan, [r for r in refused if r is not orphan])
+        elif refused:
+            self.show_error("Not imported", "\n".join(r.message() for r in refused))
         if imported:
-            self._offer_resume(imported[0], len(imported))
+            self._offer_resume(imported[-1], len(imported))
+
+    def _offer_chain_import(self, orphan: FileCheck, others: list[FileCheck]) -> None:
+        """A delta came without its parents, which lie beside it: offer to bring them."""
+        text = orphan.message() + "".join("\n" + r.message() for r in others)
+        box = QMessageBox(QMessageBox.Icon.Warning, "Not imported", text,
+                          QMessageBox.StandardButton.NoButton, self)
+        chain = box.addButton("Import its chain", QMessageBox.ButtonRole.AcceptRole)
+        box.addButton("Cancel", QMessageBox.ButtonRole.RejectRole)
+        box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        box.buttonClicked.connect(lambda b: b is chain and spawn(self._import_chain(orphan.path)))
+        box.open()
+        self.chain_offer = box
+        self.message_shown.emit("Not imported", text)
+
+    async def _import_chain(self, path: Path) -> None:
+        await self._import_files(await in_thread(chain_paths, path))
 
     def _offer_resume(self, path: Path, count: int) -> None:
         box = QMessageBox(QMessageBox.Icon.Question, "Checkpoint imported",
@@ -136,7 +163,7 @@ class StoreActions:
                 post(step)
         post = thread_safe(lambda v: bar.setValue(v))
         try:
-            result = await in_thread(check_file, path, self.bridge.model_info, progress)
+            result = await in_thread(check_file, path, self._target(), progress)
         finally:
             if bar is not None:
                 bar.hide()
@@ -158,25 +185,35 @@ class StoreActions:
             self._rename(conv_id, title.strip())
 
     def _browser_delete(self, path: Path) -> None:
-        answer = QMessageBox.question(self.browser, "Delete checkpoint", f"Delete {Path(path).name}?")
+        answer = QMessageBox.question(
+            self.browser, "Delete checkpoint",
+            f"Delete {Path(path).name}?\nFiles of its chain that nothing else needs go with it.")
         if answer == QMessageBox.StandardButton.Yes:
-            remove_quietly(Path(path))
-            self.refresh_store()
+            spawn(self._delete_file(Path(path)))
+
+    async def _delete_file(self, path: Path) -> None:
+        try:
+            await in_thread(graph.delete_node, self.store, path)
+        except (CheckpointError, OSError, ValueError) as exc:
+            self.show_error("Not deleted", str(exc))
+        self.refresh_store()
 
     def _browser_export(self, path: Path) -> None:
         target, _ = QFileDialog.getSaveFileName(self.browser, "Export checkpoint",
                                                 str(Path.home() / Path(path).name),
                                                 "Checkpoints (*.kvckpt)")
         if target:
-            spawn(self._export(Path(path), Path(target)))
+            self.export_checkpoint(Path(path), Path(target))
 
-    async def _export(self, path: Path, target: Path) -> None:
-        try:
-            await in_thread(export_file, path, target)
-        except OSError as exc:
-            self.show_error("Export failed", str(exc))
-            return
-        self.show_message("Exported", f"Saved a copy as {target}")
+    def export_checkpoint(self, path: Path, target: Path) -> None:
+        """Write ``path`` as one self-contained file (a delta chain is compacted)."""
+        self.save_progress.show()
+        self.worker.export(path, target)
+
+    @Slot(str, str)
+    def _on_bridge_checkpoint_exported(self, source: str, target: str) -> None:
+        self.save_progress.hide()
+        self.show_message("Exported", f"Saved {Path(source).name} as one self-contained file: {target}")
 
     # -- drag and drop ------------------------------------------------------------------------------
     def dragEnterEvent(self, event) -> None:

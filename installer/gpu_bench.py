@@ -70,8 +70,8 @@ def prompt_of(model, n_tokens: int) -> str:
 
 
 def ttft(model_path: str, ngl: int, size: int, work: Path) -> dict:
-    from engine import checkpoint_format as fmt
-    from engine.checkpoint_format import KIND_PAUSE
+    from engine.checkpoints import format as fmt
+    from engine.checkpoints.format import KIND_PAUSE
     from engine.conversation import Conversation
     from engine.generation import begin_answer, commit_answer, generate
     from engine.runtime import Runtime
@@ -107,7 +107,7 @@ def ttft(model_path: str, ngl: int, size: int, work: Path) -> dict:
 
 
 def pause_latency(model_path: str, ngl: int, size: int, work: Path) -> dict:
-    from engine.checkpoint_format import KIND_PAUSE
+    from engine.checkpoints.format import KIND_PAUSE
     from engine.conversation import Conversation
     from engine.generation import Control, begin_answer, commit_answer, generate
     from engine.runtime import Runtime

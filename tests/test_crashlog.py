@@ -43,7 +43,7 @@ def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
     autosave = store / "autosave-crashed-00001.kvckpt"
     done = run_cli("inspect", str(paused), "--json", check=True)
     assert done.returncode == 0
-    import engine.checkpoint_format as fmt
+    import engine.checkpoints.format as fmt
     from dataclasses import replace
     raw = bytearray(paused.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))

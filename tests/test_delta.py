@@ -12,12 +12,13 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from engine.autosave import Autosaver
-from engine.chain import load_chain
+from engine.checkpoints.chain import load_chain
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
 from engine.generation import begin_answer, generate
+from engine.history import LineWriter
 from engine.runtime import Runtime
+from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from native.context import ContextSettings
 
@@ -41,12 +42,12 @@ def test_chain_restores_exactly(model, request, tmp_path):
         reference = generate(first, _conversation(first, LONG)).text
         first.trim(0)
         conv = _conversation(first, LONG)
-        saver = Autosaver(first, tmp_path)
+        saver = LineWriter(first, Store(tmp_path), "line")
         part = generate(first, conv, autosave=saver, autosave_every=8, stop_after=24)
         assert [info.delta for info in saver.chain] == [False, True, True]
         full_size = saver.chain[0].size
         assert all(info.size < full_size / 4 for info in saver.chain[1:]), "deltas are not small"
-        latest = saver.latest
+        latest = saver.head.path
     finally:
         first.close()
     second = Runtime(path, settings)
@@ -65,7 +66,7 @@ def test_broken_chains_are_refused_with_reason(smollm_runtime, tmp_path):
     rt = smollm_runtime
     rt.trim(0)
     conv = _conversation(rt, "Tell me about owls.")
-    saver = Autosaver(rt, tmp_path)
+    saver = LineWriter(rt, Store(tmp_path), "line")
     generate(rt, conv, autosave=saver, autosave_every=4, stop_after=12)
     base, middle, last = (info.path for info in saver.chain)
 
@@ -79,7 +80,7 @@ def test_broken_chains_are_refused_with_reason(smollm_runtime, tmp_path):
     middle.write_bytes(middle_bytes)
 
     # a different base under the same name: linked by id and CRC, so it is noticed
-    other = Autosaver(rt, tmp_path / "other")
+    other = LineWriter(rt, Store(tmp_path / "other"), "line")
     rt.trim(0)
     generate(rt, _conversation(rt, "Tell me about owls."), autosave=other, autosave_every=4, stop_after=4)
     base.write_bytes(other.chain[0].path.read_bytes())

@@ -41,7 +41,7 @@ def test_worker_imports_native_only_lazily():
 
 
 def test_bridge_batches_tokens_into_few_deliveries(qtbot):
-    from engine.store import Store
+    from engine.checkpoints.store import Store
     from gui.bridge import EngineBridge
     bridge = EngineBridge(Store(Path("unused")))
     got = []
@@ -78,7 +78,7 @@ def test_settings_round_trip(app_home):
 
 
 def _tiny_checkpoint(path: Path, title: str) -> None:
-    from engine.checkpoint_format import Header, write_sections
+    from engine.checkpoints.format import Header, write_sections
     h = Header(model_fingerprint=b"\x01" * 16, model_size=1, n_vocab=10, n_layer=1, n_head_kv=1,
                n_embd_head_k=8, n_embd_head_v=8, n_swa=0, n_ctx=64, type_k=1, type_v=1,
                flash_attn=False, kv_unified=True, n_seq_max=1, n_tokens=0, n_tokens_total=2,
@@ -89,7 +89,7 @@ def _tiny_checkpoint(path: Path, title: str) -> None:
 
 
 def test_browser_lists_a_thousand_checkpoints_fast(tmp_path, qtbot):
-    from engine.store import Store
+    from engine.checkpoints.store import Store
     from gui.browser import CheckpointBrowser, list_rows
     store = Store(tmp_path)
     for i in range(1000):

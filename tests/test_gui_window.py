@@ -16,7 +16,7 @@ from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
 from gui.conversations import PAUSED_MARK
-from engine.checkpoint_format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
+from engine.checkpoints.format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
 
 PROMPT = "Write a long story about a dragon who guards a library."
 SEED = 1234

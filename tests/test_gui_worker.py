@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from engine.checkpoint_format import KIND_AUTOSAVE, read_header
+from engine.checkpoints.format import KIND_AUTOSAVE, read_header
 from engine.sampling import SamplerSettings
-from engine.store import Store
+from engine.checkpoints.store import Store
 from engine.worker import EngineWorker, ModelOptions, WorkerListener
 
 
@@ -88,7 +88,7 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     b = w.new_conversation(sampler=SamplerSettings(seed=4))
     # an old autosave of A (A's newer manual save makes it prunable)
     from dataclasses import replace
-    from engine import checkpoint_format as fmt
+    from engine.checkpoints import format as fmt
     manual = next(p for p in w.store.files() if read_header(p).conversation_id == a)
     raw = bytearray(manual.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
@@ -140,7 +140,7 @@ def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_pa
 
 def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
     """An exception mid-answer is reported, the decoded tokens are saved, Resume continues."""
-    from engine.checkpoint_format import KIND_EXIT
+    from engine.checkpoints.format import KIND_EXIT
 
     class Failing(Recorder):
         deltas = 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine import APP_VERSION
-from engine.checkpoint_format import EXTENSION, MAGIC
+from engine.checkpoints.format import EXTENSION, MAGIC
 
 ROOT = Path(__file__).resolve().parent.parent
 INST = ROOT / "installer"

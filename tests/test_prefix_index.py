@@ -7,7 +7,8 @@ import json
 from conftest import run_cli
 from engine.conversation import Conversation
 from engine.generation import begin_answer
-from engine.prefix_index import PrefixIndex, block_hashes, reuse_stored_prefix, runtime_key
+from engine.checkpoints.prefix_index import PrefixIndex, block_hashes
+from engine.prefix_reuse import reuse_stored_prefix
 from engine.sampling import SamplerSettings
 
 SYSTEM = ("You are a meticulous assistant for a maritime museum. " * 24).strip()
@@ -56,7 +57,7 @@ def test_memory_that_cannot_trim_falls_back_to_an_exact_prefix(smollm_runtime, a
     rt.trim(0)
 
     index = PrefixIndex(folder)
-    best = index.matches(target.tokens, runtime_key(rt))
+    best = index.matches(target.tokens, rt.target.key)
     assert [m.path.name for m in best][:1] == ["longer.kvckpt"] and not best[0].exact
     assert len(block_hashes(target.tokens)) >= 3
 

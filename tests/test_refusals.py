@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from conftest import run_cli
-from engine import checkpoint_format as fmt
-from engine.checkpoint_format import read_checkpoint
+from engine.checkpoints import format as fmt
+from engine.checkpoints.format import read_checkpoint
 from engine.conversation import Conversation
 from engine.errors import (ChecksumMismatch, IncompatibleContext, IncompatibleModel,
                            TruncatedCheckpoint)

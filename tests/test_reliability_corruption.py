@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import checkpoint_format as fmt
+from engine.checkpoints import format as fmt
 from engine.errors import (CheckpointError, ChecksumMismatch, CorruptHeader, CorruptMetadata,
                            CorruptState, NotACheckpoint, TruncatedCheckpoint, UnsupportedVersion)
-from engine.kvstate import check_state_for
+from engine.checkpoints.kvstate import check_state_for
 from faultkit import corrupt, synthetic
 
 BASE = synthetic.file_bytes(n_tokens=8)

@@ -1,6 +1,6 @@
 """Issue 4, cases 5 and 6: a full or failing disk, Windows sharing violations, non-ASCII paths.
 
-Failures are injected through engine.atomic's seams (``open_file``, ``fsync``,
+Failures are injected through engine.checkpoints.atomic's seams (``open_file``, ``fsync``,
 ``replace``).  After every failed save: the previous file is byte-for-byte intact, no
 temp file is left, and ``Runtime.save`` raises SaveFailed with the OS's reason.
 """
@@ -16,10 +16,10 @@ import uuid
 
 import pytest
 
-from engine import atomic
-from engine import checkpoint_format as fmt
+from engine.checkpoints import atomic
+from engine.checkpoints import format as fmt
 from engine.errors import SaveFailed
-from engine.store import Store
+from engine.checkpoints.store import Store
 from faultkit import synthetic
 
 FOLDER_NAMES = ["检查点", "用户/文档/チェックポイント", "émoji 🧠💾", "C：Users用户文档"]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import checkpoint_format as fmt
-from engine.store import Store
+from engine.checkpoints import format as fmt
+from engine.checkpoints.store import Store
 from faultkit import synthetic
 from faultkit.campaigns import concurrency_campaign, kill_campaign
 from faultkit.zygote import Zygote
@@ -49,7 +49,7 @@ def test_listing_never_shows_a_file_being_written(tmp_path):
     store.ensure()
     conv = uuid.uuid4()
     target = store.new_path("in progress")
-    from engine.atomic import atomic_write
+    from engine.checkpoints.atomic import atomic_write
     with atomic_write(target) as f:
         f.write(synthetic.file_bytes()[:100])
         assert store.files() == [] and store.entries() == []

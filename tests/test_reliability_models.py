@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import checkpoint_format as fmt
+from engine.checkpoints import format as fmt
 from engine.conversation import Conversation
 from engine.errors import IncompatibleContext, IncompatibleModel
 from engine.generation import begin_answer, generate

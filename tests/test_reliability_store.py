@@ -13,10 +13,10 @@ import uuid
 import pytest
 from filelock import Timeout
 
-from engine import atomic
-from engine import checkpoint_format as fmt
+from engine.checkpoints import atomic
+from engine.checkpoints import format as fmt
 from engine.errors import CheckpointError
-from engine.store import Store
+from engine.checkpoints.store import Store
 from faultkit import corrupt, synthetic
 
 A, M, P, X = fmt.KIND_AUTOSAVE, fmt.KIND_MANUAL, fmt.KIND_PAUSE, fmt.KIND_EXIT

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import CheckpointError
-from engine.store import Store
+from engine.checkpoints.store import Store
 from faultkit import synthetic
 from faultkit.zygote import Zygote
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from engine import checkpoint_format as fmt
+from engine.checkpoints import format as fmt
 from engine.errors import CheckpointError
 from faultkit import synthetic
 

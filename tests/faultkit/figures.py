@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import atomic
-from engine import checkpoint_format as fmt
+from engine.checkpoints import atomic
+from engine.checkpoints import format as fmt
 from engine.errors import CheckpointError
 from faultkit import corrupt, synthetic
 from faultkit.campaigns import concurrency_campaign, kill_campaign
@@ -49,7 +49,7 @@ def killed_model_writer(work: Path, n_kills: int, zygote: Zygote) -> Row:
     """SIGKILL a process saving SmolLM2's real state; the survivor must verify."""
     import time
     from engine.models import default_model_path
-    from engine.store import Store
+    from engine.checkpoints.store import Store
     row = Row("1 killed writer (SmolLM2 state)")
     folder, conv, rng, seq = work / "model kills", uuid.uuid4(), random.Random(3), 1
     for k in range(n_kills):

@@ -1,7 +1,7 @@
 """Well-formed checkpoints without a model, for tests that need thousands of saves.
 
 The files are written by the real writer (``write_sections`` inside ``atomic_write``)
-and carry a KV state blob laid out exactly as llama.cpp writes it (see engine.kvstate),
+and carry a KV state blob laid out exactly as llama.cpp writes it (see engine.checkpoints.kvstate),
 so the real reader and the state walker check them as they would a model's file.  The
 metadata records which conversation and which save (``seq``) a file is, so a test can
 tell the previous version from the new one after a crash.
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import checkpoint_format as fmt
-from engine.atomic import atomic_write
-from engine.kvstate import STATE_MAGIC, check_state_for
+from engine.checkpoints import format as fmt
+from engine.checkpoints.atomic import atomic_write
+from engine.checkpoints.kvstate import STATE_MAGIC, check_state_for
 
 N_LAYER, N_HEAD_KV, HEAD_DIM, N_VOCAB, N_CTX = 4, 2, 16, 512, 4096
 F16 = 1

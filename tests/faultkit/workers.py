@@ -15,9 +15,9 @@ import time
 import uuid
 from pathlib import Path
 
-from engine import checkpoint_format as fmt
+from engine.checkpoints import format as fmt
 from engine.errors import CheckpointError
-from engine.store import Store
+from engine.checkpoints.store import Store
 from faultkit import synthetic
 
 

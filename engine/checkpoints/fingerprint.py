@@ -24,7 +24,7 @@ import struct
 from pathlib import Path
 
 from engine import paths
-from engine.atomic import atomic_write
+from engine.checkpoints.atomic import atomic_write
 
 HEAD_BYTES = 4 << 20
 TAIL_BYTES = 1 << 20

@@ -20,10 +20,11 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.atomic import atomic_write
-from engine.checkpoint_format import Header, read_tokens
+from engine.checkpoints.atomic import atomic_write
+from engine.checkpoints.chain import common_prefix
+from engine.checkpoints.compat import Target
+from engine.checkpoints.format import Header, read_tokens
 from engine.errors import CheckpointError
-from engine.runtime import Runtime, common_prefix
 
 log = logging.getLogger("engine")
 BLOCK = 64
@@ -40,9 +41,12 @@ def block_hashes(tokens: Sequence[int]) -> list[str]:
     return out
 
 
+INDEX_VERSION = 2   # 2: keys are engine.checkpoints.compat.Target.key
+
+
 def context_key(header: Header) -> str:
-    return (f"{header.model_fingerprint.hex()}:{header.n_ctx}:{header.type_k}:{header.type_v}:"
-            f"{int(header.flash_attn)}:{header.n_seq_max}:{int(header.kv_unified)}")
+    """The compatibility key of the model and context a checkpoint was made for."""
+    return Target.of_header(header).key
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,12 @@ class PrefixIndex:
     def _load(self) -> dict:
         try:
             data = json.loads(self.path.read_text("utf-8"))
-            return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
+        if not isinstance(data, dict) or data.get("version") != INDEX_VERSION:
+            return {}
+        entries = data.get("files")
+        return entries if isinstance(entries, dict) else {}
 
     def refresh(self) -> dict:
         """Bring the index up to date with the folder; returns it."""
@@ -96,7 +103,7 @@ class PrefixIndex:
         if changed or set(new) != set(old):
             try:
                 with atomic_write(self.path, durable=False) as f:
-                    f.write(json.dumps(new).encode("utf-8"))
+                    f.write(json.dumps({"version": INDEX_VERSION, "files": new}).encode("utf-8"))
             except OSError as exc:
                 log.warning("could not write the prefix index: %s", exc)
         return new
@@ -123,52 +130,3 @@ class PrefixIndex:
             n = common_prefix(list(stored[:header.n_tokens]), list(tokens))
             out.append(Match(self.folder / name, n, header.n_tokens))
         return sorted(out, key=lambda m: (m.n_common, m.exact), reverse=True)
-
-
-def runtime_key(runtime: Runtime) -> str:
-    s = runtime.settings
-    return (f"{runtime.fingerprint.hex()}:{runtime.ctx.n_ctx}:{s.type_k}:{s.type_v}:"
-            f"{int(s.flash_attn)}:{s.n_seq_max}:{int(s.kv_unified)}")
-
-
-@dataclass(frozen=True)
-class PrefixReuse:
-    how: str                   # "restored", "restored-exact", "cache" or "recompute"
-    n_tokens: int              # prompt tokens now in the cache, not to be decoded again
-    source: Path | None = None
-
-    def describe(self) -> str:
-        return {"restored": f"reused {self.n_tokens} tokens from {self.source} (tail trimmed)",
-                "restored-exact": f"reused {self.n_tokens} tokens from {self.source}",
-                "cache": f"reused {self.n_tokens} tokens already in the cache",
-                "recompute": "no stored checkpoint shares this prompt's beginning: full prefill",
-                }[self.how]
-
-
-def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> PrefixReuse:
-    """Restore the stored checkpoint that shares the longest prefix with ``tokens``.
-
-    The divergent tail is trimmed from the cache.  A memory that cannot drop a tail
-    (``llama_memory_seq_rm`` fails: some sliding-window or recurrent models) only takes
-    checkpoints that are entirely a prefix of the prompt; if none exists, the prompt is
-    decoded in full.  Compares against what the cache already holds first.
-    """
-    from engine.chain import load_chain
-    in_cache = common_prefix(runtime.kv_tokens, tokens)
-    can_trim = True
-    for match in PrefixIndex(folder).matches(tokens, runtime_key(runtime)):
-        if match.n_common <= in_cache:
-            break
-        if not match.exact and not can_trim:
-            continue
-        try:
-            runtime.restore_chain(load_chain(match.path))
-        except CheckpointError as exc:
-            log.info("prefix candidate %s skipped: %s", match.path.name, exc)
-            continue
-        kept = runtime.trim(match.n_common)
-        if kept == match.n_common:
-            return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path)
-        can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
-        in_cache = common_prefix(runtime.kv_tokens, tokens)
-    return PrefixReuse("cache" if in_cache else "recompute", in_cache)

@@ -32,7 +32,7 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO, ContextManager, Iterator
+from typing import BinaryIO, Callable, ContextManager, Iterator
 
 from filelock import FileLock
 
@@ -47,7 +47,7 @@ log = logging.getLogger("checkpoint")
 TRANSIENT_WINERRORS = frozenset({5, 32, 33})
 REPLACE_RETRY_S = 3.0
 TEMP_SUFFIX = ".tmp"
-#: An empty file that marks a folder as a checkpoint store (see engine.store).
+#: An empty file that marks a folder as a checkpoint store (see engine.checkpoints.store).
 STORE_MARKER = ".kvstore"
 STORE_LOCK_NAME = ".kvstore.lock"
 #: How long a save waits for the store lock, which is only ever held for a rename or a
@@ -145,11 +145,14 @@ def is_stale_temp(path: Path, min_age_s: float) -> bool:
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, *, durable: bool = True,
-                 lock: ContextManager | None = None) -> Iterator[BinaryIO]:
+                 lock: ContextManager | None = None,
+                 precondition: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
     """Yield a binary file; on normal exit it atomically becomes ``path``.
 
     ``lock`` is held around the rename; by default the store lock when ``path`` lies
-    in a checkpoint store, else nothing.
+    in a checkpoint store, else nothing.  ``precondition`` runs under that lock just
+    before the rename and may raise to cancel it (a delta checks that its parent is
+    still there: the store's pruner deletes under the same lock).
     """
     path = Path(path)
     tmp = temp_path_for(path)
@@ -163,6 +166,8 @@ def atomic_write(path: str | os.PathLike, *, durable: bool = True,
             fsync(f.fileno())
         f.close()
         with lock if lock is not None else _lock_for(path.parent):
+            if precondition is not None:
+                precondition()
             replace_with_retry(tmp, path)
             renamed = True
     except BaseException:

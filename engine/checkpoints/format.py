@@ -24,7 +24,7 @@ Header (offsets in bytes)::
      10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA;
                              other bits must be 0
      12  4  header_len       256
-     16 16  model_fingerprint  see engine.fingerprint
+     16 16  model_fingerprint  see engine.checkpoints.fingerprint
      32  8  model_size       bytes of the GGUF file
      40  4  n_vocab
      44  4  n_layer

@@ -1,0 +1,113 @@
+"""Delta-checkpoint chains: how a delta names its parent, and reading a chain safely.
+
+A delta names its parent in its metadata (``"parent"``): the parent's file name (always
+in the delta's own folder: a name with a path in it is refused, so a file cannot point
+outside), its checkpoint id, its payload CRC32 and the number of tokens it holds.
+:func:`load_chain` walks from any checkpoint back to its full base and returns the
+files oldest first, each verified (full CRC) and linked to the next (:func:`check_link`);
+a missing, damaged or replaced parent is reported with the reason and nothing is
+restored.  The store's graph (engine.checkpoints.graph) uses the same reference to draw
+its edges from headers and trailers without reading any state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from engine.checkpoints.format import CheckpointData, read_checkpoint
+from engine.errors import BrokenChain, CheckpointError
+
+MAX_CHAIN = 1024
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    """A short digest of a token list: proves a delta's parent is still a prefix."""
+    return hashlib.blake2b(np.asarray(tokens, dtype="<i4").tobytes(), digest_size=16).hexdigest()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
+
+
+@dataclass(frozen=True)
+class ParentRef:
+    """What a delta's metadata says about its parent."""
+    file: str
+    checkpoint_id: str
+    payload_crc: int
+    n_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "checkpoint_id": self.checkpoint_id,
+                "payload_crc": self.payload_crc, "n_tokens": self.n_tokens}
+
+
+def parent_ref(meta: dict, what: str = "the delta") -> ParentRef:
+    """The parent a delta's metadata names; BrokenChain when it names none validly."""
+    ref = meta.get("parent")
+    if not isinstance(ref, dict):
+        raise BrokenChain(f"{what} does not name its parent")
+    name, cid, crc, n = (ref.get(k) for k in ("file", "checkpoint_id", "payload_crc", "n_tokens"))
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", "..") \
+            or "\\" in name or "/" in name:
+        raise BrokenChain(f"{what} does not name a valid parent file")
+    if not isinstance(cid, str) or not isinstance(crc, int) or not isinstance(n, int) \
+            or isinstance(crc, bool) or isinstance(n, bool):
+        raise BrokenChain(f"{what} names its parent without an id and checksum")
+    return ParentRef(name, cid, crc, n)
+
+
+def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData]:
+    """``path`` and its ancestors, base first, every file verified and linked."""
+    path = Path(path)
+    chain = [read_checkpoint(path, progress=progress)]
+    seen = {path.resolve()}
+    while chain[0].header.is_delta:
+        if len(chain) >= MAX_CHAIN:
+            raise BrokenChain(f"the chain is longer than {MAX_CHAIN} files")
+        name = parent_ref(chain[0].meta, chain[0].path.name).file
+        parent_path = path.parent / name
+        if parent_path.resolve() in seen:
+            raise BrokenChain(f"the chain loops back to {name}")
+        if not parent_path.is_file():
+            raise BrokenChain(f"the parent checkpoint {name} is missing from {path.parent}")
+        try:
+            parent = read_checkpoint(parent_path, progress=progress)
+        except CheckpointError as exc:
+            raise BrokenChain(f"the parent checkpoint {name} is damaged: {exc}") from exc
+        check_link(parent, chain[0])
+        chain.insert(0, parent)
+        seen.add(parent_path.resolve())
+    return chain
+
+
+def check_link(parent: CheckpointData, child: CheckpointData) -> None:
+    """Raise BrokenChain unless ``child`` is a delta on exactly ``parent``."""
+    name = parent.path.name if parent.path else "the parent"
+    what = child.path.name if child.path else "a checkpoint"
+    if not child.header.is_delta:
+        raise BrokenChain(f"{what} is not a delta")
+    ref = parent_ref(child.meta, what)
+    if ref.checkpoint_id != parent.meta.get("checkpoint_id") or ref.payload_crc != parent.payload_crc:
+        raise BrokenChain(f"{name} is not the parent this delta was made on (it was replaced "
+                          "or altered since)")
+    p0 = child.header.parent_n_tokens
+    if p0 != parent.header.n_tokens or ref.n_tokens != p0:
+        raise BrokenChain(f"the delta continues from token {p0}, {name} holds {parent.header.n_tokens}")
+    if child.header.conversation_id != parent.header.conversation_id:
+        raise BrokenChain(f"{name} belongs to another conversation")
+    if not np.array_equal(child.tokens[:p0], parent.tokens[:p0]):
+        raise BrokenChain(f"the delta's tokens do not continue those of {name}")

@@ -1,0 +1,528 @@
+"""The store as a graph: files are nodes, parent links are edges, heads are what users have.
+
+Delta checkpoints made the store a graph: a delta is worth nothing without its parent.
+Every operation that deletes or lists files goes through this module, so none of them
+can treat a file on its own again.
+
+Nodes.  One per readable checkpoint file, from its header, its metadata and its trailer
+(never its state): checkpoint id, parent reference (file name, id, payload CRC), the
+conversation, the *line* of history, kind, token count and a digest of the tokens the
+KV state holds.  Nodes are cached by (inode, size, mtime), so a rescan reads only files
+that changed; files the app writes are never rewritten in place.
+
+Edges.  A delta's parent is the node of the named file whose checkpoint id and payload
+CRC match the reference; a delta whose parent is missing or replaced is *broken*.
+
+Lines and heads.  A line is one line of a conversation's history (the metadata's
+``"line"``; files written before lines existed belong to their conversation's line).
+Each line's *head* is its newest node whose chain is complete.  A conversation has one
+head per line: one today, one per branch when branches come.  The chain of a head
+(the head and its ancestors) is what restoring it needs.
+
+Superseded.  A node older than its line's head and in no head's chain holds an earlier
+state of a history that has moved on: it is *superseded*.  That is the only kind of
+file this module ever deletes on its own:
+
+* :func:`retire` deletes a line's superseded nodes once a new head was written
+  (the writer calls it after the new file is durable);
+* :func:`prune` spends a byte budget on superseded nodes, oldest first, and reports
+  what it kept and why;
+* :func:`delete_conversation` deletes every node of a conversation that no head of
+  another conversation depends on (the user asked for it).
+
+Never deleted automatically: a head or anything in a head's chain; a node newer than
+its line's head (a chain being written, or one whose parent went missing: the user may
+restore the parent); a file whose header cannot be read.  Before a line's superseded
+nodes go, the head's whole chain is verified (full CRC, once per file version); a head
+that fails is set aside and the next newest complete node becomes the head.
+
+Every deletion happens under the store's cross-process lock, with the graph scanned
+under that same lock, and re-checks that the file is still the version that was
+scanned.  A delta is renamed into place under the same lock only while its parent
+still exists (see ``atomic_write(precondition=...)``), so a concurrent prune can never
+leave a freshly written delta without its parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from engine.checkpoints.chain import MAX_CHAIN, ParentRef, parent_ref, tokens_digest
+from engine.checkpoints.format import (HEADER_LEN, TRAILER_LEN, Header, decode_metadata,
+                                       unpack_header, verify_file)
+from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
+from engine.errors import CheckpointError
+
+log = logging.getLogger("checkpoint")
+
+#: Bytes of superseded checkpoints a store may hold before pruning deletes them.  The
+#: one default for the window, the CLI and the settings dialog.
+DEFAULT_BUDGET_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class Node:
+    """One checkpoint file as the graph sees it."""
+    path: Path
+    size: int
+    identity: tuple[int, int, int]
+    header: Header
+    checkpoint_id: str | None
+    payload_crc: int                 # as stored in the trailer; verified when a chain is read
+    parent: ParentRef | None         # deltas only
+    line: str
+    tokens_digest: str               # of the tokens the KV state holds (n_tokens)
+    model_name: str = ""
+    parent_error: str | None = None  # a delta whose metadata names no valid parent
+    origin_crc: int | None = None    # an imported copy rewritten to relink it: its original CRC
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def conversation_id(self) -> uuid.UUID:
+        return self.header.conversation_id
+
+    @property
+    def created_ns(self) -> int:
+        return self.header.created_unix_ns
+
+    @property
+    def is_delta(self) -> bool:
+        return self.header.is_delta
+
+    @property
+    def title(self) -> str:
+        return self.header.title or self.path.stem
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A ``.kvckpt`` file whose header or metadata cannot be read: kept, with the reason."""
+    path: Path
+    size: int
+    error: str
+
+
+def line_of(meta: dict, header: Header) -> str:
+    line = meta.get("line")
+    return line if isinstance(line, str) and 0 < len(line) <= 64 else header.conversation_id.hex
+
+
+def read_node(path: Path) -> Node:
+    """Header, metadata, token array and trailer of one file (no state, no full CRC)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        header = unpack_header(f.read(HEADER_LEN), st.st_size)
+        meta_bytes = f.read(header.meta_len)
+        meta = decode_metadata(meta_bytes)
+        tokens = f.read(4 * header.n_tokens)
+        f.seek(st.st_size - TRAILER_LEN)
+        trailer = f.read(TRAILER_LEN)
+    if len(meta_bytes) != header.meta_len or len(tokens) != 4 * header.n_tokens \
+            or len(trailer) != TRAILER_LEN:
+        raise CheckpointError("the file ended while it was being read")
+    parent, parent_error = None, None
+    if header.is_delta:
+        try:
+            parent = parent_ref(meta, path.name)
+        except CheckpointError as exc:
+            parent_error = str(exc)
+    cid = meta.get("checkpoint_id")
+    model = meta.get("model")
+    origin = meta.get("origin_crc")
+    return Node(path=path, size=st.st_size, identity=file_identity(st), header=header,
+                checkpoint_id=cid if isinstance(cid, str) else None,
+                payload_crc=int.from_bytes(trailer[:4], "little"), parent=parent,
+                line=line_of(meta, header),
+                tokens_digest=tokens_digest(np.frombuffer(tokens, dtype="<i4")),
+                model_name=str(model.get("name", "")) if isinstance(model, dict) else "",
+                parent_error=parent_error,
+                origin_crc=origin if isinstance(origin, int) and not isinstance(origin, bool) else None)
+
+
+# Nodes by path, valid while the file keeps its identity (files are never rewritten in
+# place by the app; a user's or a test's rewrite changes the identity).
+_NODE_CACHE: dict[str, tuple[tuple[int, int, int], Node]] = {}
+_NODE_CACHE_MAX = 8192
+# Files (by path and identity) whose full CRC was verified in this process.
+_VERIFIED: set[tuple[str, tuple[int, int, int]]] = set()
+
+
+def _cached_node(path: Path) -> Node:
+    key = str(path)
+    st = path.stat()
+    hit = _NODE_CACHE.get(key)
+    if hit is not None and hit[0] == file_identity(st):
+        return hit[1]
+    node = read_node(path)
+    if len(_NODE_CACHE) >= _NODE_CACHE_MAX:
+        _NODE_CACHE.clear()
+    _NODE_CACHE[key] = (node.identity, node)
+    return node
+
+
+def verified(node: Node) -> bool:
+    """True when the file is intact (full CRC), checked once per file version."""
+    key = (str(node.path), node.identity)
+    if key in _VERIFIED:
+        return True
+    try:
+        verify_file(node.path)
+        if file_identity(node.path.stat()) != node.identity:
+            return False
+    except (CheckpointError, OSError):
+        return False
+    _VERIFIED.add(key)
+    return True
+
+
+class Graph:
+    """A snapshot of a store's files as nodes, parent edges, lines and heads."""
+
+    def __init__(self, nodes: Iterable[Node], unreadable: Iterable[Unreadable] = (),
+                 *, rejected: Iterable[str] = ()) -> None:
+        self.nodes: dict[str, Node] = {n.name: n for n in nodes}
+        self.unreadable: list[Unreadable] = list(unreadable)
+        self._rejected = set(rejected)    # heads that failed verification: not heads
+        self._parent: dict[str, Node | None] = {}
+        self._problem: dict[str, str | None] = {}
+        self.children: dict[str, list[Node]] = {}
+        for node in self.nodes.values():
+            parent = self._link(node)
+            self._parent[node.name] = parent
+            if parent is not None:
+                self.children.setdefault(parent.name, []).append(node)
+        self.lines: dict[str, list[Node]] = {}
+        for node in sorted(self.nodes.values(), key=_newest_first):
+            self.lines.setdefault(node.line, []).append(node)
+        self.head_of_line: dict[str, Node] = {}
+        for line, members in self.lines.items():
+            head = next((n for n in members if n.name not in self._rejected
+                         and self.chain_problem(n) is None), None)
+            if head is not None:
+                self.head_of_line[line] = head
+        self.heads: list[Node] = sorted(self.head_of_line.values(), key=_newest_first)
+        self._head_names = {h.name for h in self.heads}
+        self._reachable: set[str] = set()
+        for head in self.heads:
+            self._reachable.update(n.name for n in self.chain(head))
+
+    @classmethod
+    def scan(cls, folder: str | os.PathLike | Store, *, rejected: Iterable[str] = ()) -> "Graph":
+        store = folder if isinstance(folder, Store) else Store(folder)
+        nodes, unreadable = [], []
+        for path in store.files():
+            try:
+                nodes.append(_cached_node(path))
+            except FileNotFoundError:
+                continue   # deleted between the listing and the read
+            except (CheckpointError, OSError) as exc:
+                try:
+                    size = path.stat().st_size
+                except OSError:
+                    continue
+                unreadable.append(Unreadable(path, size, getattr(exc, "strerror", None) or str(exc)))
+        return cls(nodes, unreadable, rejected=rejected)
+
+    # -- edges and chains -------------------------------------------------------------------
+    def _link(self, node: Node) -> Node | None:
+        if not node.is_delta:
+            self._problem[node.name] = None
+            return None
+        if node.parent is None:
+            self._problem[node.name] = node.parent_error or f"{node.name} does not name its parent"
+            return None
+        parent = self.nodes.get(node.parent.file)
+        if parent is None:
+            self._problem[node.name] = f"the parent checkpoint {node.parent.file} is missing"
+        elif (parent.checkpoint_id, parent.payload_crc) != (node.parent.checkpoint_id,
+                                                            node.parent.payload_crc):
+            self._problem[node.name] = (f"{parent.name} is not the parent this delta was made on "
+                                        "(it was replaced or altered since)")
+            parent = None
+        elif parent.header.n_tokens != node.header.parent_n_tokens:
+            self._problem[node.name] = f"{parent.name} holds another number of tokens than the delta continues"
+            parent = None
+        else:
+            self._problem[node.name] = None
+        return parent
+
+    def parent(self, node: Node) -> Node | None:
+        return self._parent.get(node.name)
+
+    def chain(self, node: Node) -> list[Node]:
+        """``node`` and its linked ancestors, base first (stops where a link is broken)."""
+        out = [node]
+        while out[0].is_delta and len(out) < MAX_CHAIN:
+            parent = self._parent.get(out[0].name)
+            if parent is None or parent in out:
+                break
+            out.insert(0, parent)
+        return out
+
+    def chain_problem(self, node: Node) -> str | None:
+        """Why ``node``'s chain cannot be restored (from headers alone), or None."""
+        chain = self.chain(node)
+        base = chain[0]
+        if base.is_delta:
+            return self._problem.get(base.name) or f"the chain of {node.name} is too long or loops"
+        for member in chain:
+            if member.name in self._rejected:
+                return f"{member.name} is damaged"
+        return None
+
+    def chain_size(self, node: Node) -> int:
+        return sum(n.size for n in self.chain(node))
+
+    # -- heads --------------------------------------------------------------------------------
+    def is_head(self, node: Node) -> bool:
+        return node.name in self._head_names
+
+    def reachable(self, node: Node) -> bool:
+        """Whether some head's chain holds ``node``."""
+        return node.name in self._reachable
+
+    def heads_of(self, conversation_id: uuid.UUID) -> list[Node]:
+        return [h for h in self.heads if h.conversation_id == conversation_id]
+
+    def head_holding(self, node: Node) -> Node | None:
+        """The newest head whose chain holds ``node``."""
+        return next((h for h in self.heads if node in self.chain(h)), None)
+
+    def superseded(self, line: str | None = None) -> list[Node]:
+        """Nodes older than their line's head and in no head's chain, oldest first."""
+        out = []
+        for name, members in self.lines.items():
+            if line is not None and name != line:
+                continue
+            head = self.head_of_line.get(name)
+            if head is None:
+                continue   # no restorable node at all: keep everything for the user
+            out += [n for n in members if n.name not in self._reachable
+                    and _newest_first(n) > _newest_first(head)]
+        return sorted(out, key=lambda n: (n.created_ns, n.name))
+
+    def by_id(self, checkpoint_id: str, payload_crc: int) -> Node | None:
+        """The node of that checkpoint (its CRC, or the CRC it had before a relinking import)."""
+        return next((n for n in self.nodes.values() if n.checkpoint_id == checkpoint_id
+                     and payload_crc in (n.payload_crc, n.origin_crc)), None)
+
+
+def _newest_first(node: Node) -> tuple[int, str]:
+    # sorting ascending by this puts the newest first; ties (same nanosecond) by name
+    return (-node.created_ns, _inverted(node.name))
+
+
+def _inverted(name: str) -> str:
+    return "".join(chr(0x10FFFF - ord(c)) for c in name)
+
+
+# -- operations that delete ----------------------------------------------------------------------
+
+@dataclass
+class PruneReport:
+    """What a prune, retire or delete did, and what it kept and why."""
+    deleted: list[Path] = field(default_factory=list)
+    freed_bytes: int = 0
+    kept: dict[str, list[int]] = field(default_factory=dict)   # reason -> [files, bytes]
+    skipped_changed: int = 0       # candidates rewritten since they were scanned
+    stale_temps: int = 0
+    store_bytes: int = 0           # every checkpoint in the store, afterwards
+
+    def keep(self, reason: str, node_or_size) -> None:
+        size = node_or_size if isinstance(node_or_size, int) else node_or_size.size
+        slot = self.kept.setdefault(reason, [0, 0])
+        slot[0] += 1
+        slot[1] += size
+
+    def describe(self) -> str:
+        parts = [f"deleted {len(self.deleted)} superseded file(s), {self.freed_bytes:,} bytes"]
+        parts += [f"kept {n} {reason} ({size:,} bytes)" for reason, (n, size) in sorted(self.kept.items())]
+        return "; ".join(parts)
+
+
+KEPT_HEAD = "head(s)"
+KEPT_CHAIN = "file(s) a head depends on"
+KEPT_NEWER = "file(s) newer than their line's head (a chain being written, or one with a missing parent)"
+KEPT_UNREADABLE = "unreadable file(s)"
+KEPT_NO_HEAD = "file(s) of lines with no restorable head"
+KEPT_BUDGET = "superseded file(s) within the budget"
+
+
+def _classify(graph: Graph, report: PruneReport, candidates: set[str]) -> None:
+    for node in graph.nodes.values():
+        if node.name in candidates:
+            continue
+        if graph.is_head(node):
+            report.keep(KEPT_HEAD, node)
+        elif graph.reachable(node):
+            report.keep(KEPT_CHAIN, node)
+        elif node.line not in graph.head_of_line:
+            report.keep(KEPT_NO_HEAD, node)
+        else:
+            report.keep(KEPT_NEWER, node)
+    for bad in graph.unreadable:
+        report.keep(KEPT_UNREADABLE, bad.size)
+
+
+def _verified_graph(store: Store, lines: set[str] | None) -> Graph:
+    """Scan; then make sure every head that supersedes something is intact (full CRC)."""
+    rejected: set[str] = set()
+    while True:
+        graph = Graph.scan(store, rejected=rejected)
+        bad = set()
+        for line, head in graph.head_of_line.items():
+            if lines is not None and line not in lines:
+                continue
+            if not graph.superseded(line):
+                continue
+            bad.update(n.name for n in graph.chain(head) if not verified(n))
+        if not bad:
+            return graph
+        log.warning("damaged checkpoint(s) found while pruning, set aside: %s", ", ".join(sorted(bad)))
+        rejected |= bad
+
+
+def _delete(store: Store, node: Node, report: PruneReport) -> bool:
+    """Delete ``node`` unless its file changed since the scan (lock held)."""
+    try:
+        if file_identity(node.path.stat()) != node.identity:
+            report.skipped_changed += 1
+            return False
+        node.path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:   # Windows: held open by a reader; next time
+        log.info("could not delete %s now: %s", node.name, exc)
+        return False
+    report.deleted.append(node.path)
+    report.freed_bytes += node.size
+    return True
+
+
+def _components(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
+    """Superseded nodes grouped into chains (parent links), each leaves-first, the groups
+    oldest first (by their newest member), so a budget removes whole old chains."""
+    names = {n.name for n in nodes}
+    group: dict[str, int] = {}
+    groups: list[list[Node]] = []
+    for node in sorted(nodes, key=lambda n: (n.created_ns, n.name)):
+        parent = graph.parent(node)
+        if parent is not None and parent.name in names and parent.name in group:
+            idx = group[parent.name]
+        else:
+            idx = len(groups)
+            groups.append([])
+        group[node.name] = idx
+        groups[idx].append(node)
+    ordered = [sorted(g, key=lambda n: (n.created_ns, n.name), reverse=True) for g in groups if g]
+    return sorted(ordered, key=lambda g: (g[0].created_ns, g[0].name))
+
+
+def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
+          stale_temp_age_s: float = STALE_TEMP_AGE_S) -> PruneReport:
+    """Delete superseded chains, oldest first, while the store holds more than
+    ``budget_bytes`` (every checkpoint counts); None deletes every superseded file."""
+    report = PruneReport()
+    if not store.folder.is_dir():
+        return report
+    with store.lock():
+        report.stale_temps = store.remove_stale_temps(stale_temp_age_s)
+        graph = _verified_graph(store, None)
+        total = sum(n.size for n in graph.nodes.values()) + sum(u.size for u in graph.unreadable)
+        candidates = graph.superseded()
+        kept_in_budget: set[str] = set()
+        for chain in _components(graph, candidates):
+            for node in chain:
+                if budget_bytes is not None and total <= budget_bytes:
+                    kept_in_budget.add(node.name)
+                    report.keep(KEPT_BUDGET, node)
+                elif _delete(store, node, report):
+                    total -= node.size
+        _classify(graph, report, {n.name for n in candidates})
+        report.store_bytes = total
+    return report
+
+
+def retire(store: Store, line: str) -> PruneReport:
+    """Delete what a line's new head supersedes (call once the head is durable)."""
+    report = PruneReport()
+    if not store.folder.is_dir():
+        return report
+    with store.lock():
+        graph = _verified_graph(store, {line})
+        for chain in _components(graph, graph.superseded(line)):
+            for node in chain:
+                _delete(store, node, report)
+    return report
+
+
+def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
+    """Delete every file of a conversation that no other conversation's head needs."""
+    report = PruneReport()
+    if not store.folder.is_dir():
+        return report
+    with store.lock():
+        graph = Graph.scan(store)
+        needed = set()
+        for head in graph.heads:
+            if head.conversation_id != conversation_id:
+                needed.update(n.name for n in graph.chain(head))
+        mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
+        for node in sorted(mine, key=lambda n: (n.created_ns, n.name), reverse=True):
+            if node.name in needed:
+                report.keep("file(s) another conversation's head depends on", node)
+            else:
+                _delete(store, node, report)
+    return report
+
+
+def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
+    """Delete one file the user chose, as far as the graph allows.
+
+    A head goes with every file of its chain that no other head needs; a file some head
+    needs is refused (CheckpointError naming the head); any other file (superseded,
+    broken, unreadable) goes alone.
+    """
+    path = Path(path)
+    if not store.contains(path):
+        raise ValueError(f"{path} is not a checkpoint of the store in {store.folder}")
+    report = PruneReport()
+    with store.lock():
+        g = Graph.scan(store)
+        node = g.nodes.get(path.name)
+        if node is None:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return report
+            report.deleted.append(path)
+            report.freed_bytes += size
+            return report
+        if g.reachable(node) and not g.is_head(node):
+            head = g.head_holding(node)
+            raise CheckpointError(f"{node.name} is part of the chain of {head.name if head else 'a head'}; "
+                                  "delete that checkpoint (or its conversation) instead")
+        if not g.is_head(node):
+            _delete(store, node, report)
+            return report
+        needed = set()
+        for other in g.heads:
+            if other is not node:
+                needed.update(n.name for n in g.chain(other))
+        for member in reversed(g.chain(node)):
+            if member.name in needed:
+                report.keep(KEPT_CHAIN, member)
+            else:
+                _delete(store, member, report)
+    return report

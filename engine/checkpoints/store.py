@@ -1,0 +1,182 @@
+"""The checkpoint store: one folder of ``.kvckpt`` files, listed from headers alone.
+
+Names.  ``<title-slug>-<UTC timestamp>-<64 random bits>.kvckpt`` for a conversation's
+heads and ``autosave-<conversation>-<nanoseconds>.kvckpt`` for autosaves: two processes
+never pick the same name, so no save ever overwrites another file.  That matters: a
+delta names its parent by file name, id and CRC, so a file rewritten in place would
+orphan its children.
+
+Readers never see half a file.  Files being written are hidden temp files (see
+engine.checkpoints.atomic) that the listing never matches; they become visible by an
+atomic rename.
+
+Locking.  The folder holds an empty marker file (``.kvstore``); every atomic write into
+a marked folder renames under the store's cross-process ``filelock``, and so does every
+delete.  Writing the bytes happens outside the lock, so concurrent saves only
+serialise on the rename.
+
+What may be deleted, and when, is the graph's business (engine.checkpoints.graph:
+prune, retire, delete a conversation); importing and exporting are in
+engine.checkpoints.transfer.  Temp files left by killed writers are removed by
+:meth:`Store.remove_stale_temps`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import paths
+from engine.checkpoints.atomic import STORE_MARKER, is_stale_temp, is_temp_name, store_lock
+from engine.checkpoints.format import EXTENSION, HEADER_LEN, Header, unpack_header
+from engine.errors import CheckpointError
+
+#: A temp file untouched this long, with no live writer, is a killed writer's leftover.
+STALE_TEMP_AGE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file of the store: its header, or why it could not be read."""
+    path: Path
+    size: int
+    mtime: float
+    header: Header | None
+    error: str | None = None
+    identity: tuple[int, int, int] = (0, 0, 0)   # (inode, size, mtime_ns) when listed
+
+    @property
+    def valid(self) -> bool:
+        return self.header is not None
+
+    @property
+    def created(self) -> float:
+        return self.header.created_unix_ns / 1e9 if self.header else self.mtime
+
+
+def slugify(text: str, limit: int = 40) -> str:
+    """A file-name-safe form of a title that keeps non-ASCII letters."""
+    text = unicodedata.normalize("NFC", text)
+    text = re.sub(r"[^\w\-]+", "-", text, flags=re.UNICODE).strip("-_").lower()
+    return (text[:limit].rstrip("-_") or "checkpoint")
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class Store:
+    def __init__(self, folder: str | os.PathLike | None = None) -> None:
+        self.folder = Path(folder) if folder is not None else paths.checkpoint_dir()
+
+    # -- the folder and its lock -----------------------------------------------------------
+    def ensure(self) -> Path:
+        """Create the folder and its store marker (idempotent)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        marker = self.folder / STORE_MARKER
+        if not marker.exists():
+            marker.touch(exist_ok=True)
+        return self.folder
+
+    def lock(self):
+        """The cross-process lock (a ``filelock.FileLock``) of this store."""
+        self.ensure()
+        return store_lock(self.folder)
+
+    # -- names -----------------------------------------------------------------------------
+    def _mark(self) -> None:
+        """Mark an existing folder as a store; a path function never creates folders
+        (the save does), so the very first save into a new store renames unlocked,
+        which only matters to a pruner, and a pruner marks the folder itself."""
+        if self.folder.is_dir() and not (self.folder / STORE_MARKER).exists():
+            self.ensure()
+
+    def new_path(self, title: str, suffix: str = "") -> Path:
+        """A fresh, unused file name in the store."""
+        self._mark()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        while True:
+            # 64 random bits: a name collision (and so an overwrite) is out of reach
+            # even for thousands of saves per second from many processes
+            path = self.folder / f"{slugify(title)}-{stamp}-{secrets.token_hex(8)}{suffix}{EXTENSION}"
+            if not path.exists():
+                return path
+
+    def new_autosave_path(self, conversation_id) -> Path:
+        """A fresh autosave name; they sort chronologically, newest last."""
+        self._mark()
+        while True:
+            path = self.folder / f"autosave-{conversation_id.hex[:12]}-{time.time_ns():020d}{EXTENSION}"
+            if not path.exists():
+                return path
+
+    # -- listing ---------------------------------------------------------------------------
+    def files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return [p for p in self.folder.iterdir()
+                if p.name.endswith(EXTENSION) and not p.name.startswith(".") and p.is_file()]
+
+    def entries(self) -> list[Entry]:
+        """Every checkpoint with its header (or the reason it is unreadable), newest first."""
+        out = []
+        for path in self.files():
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(HEADER_LEN)
+                    st = os.fstat(f.fileno())
+            except OSError:
+                continue  # vanished between listing and opening (deleted or pruned)
+            try:
+                header, error = unpack_header(raw, st.st_size), None
+            except CheckpointError as exc:
+                header, error = None, str(exc)
+            out.append(Entry(path, st.st_size, st.st_mtime, header, error, file_identity(st)))
+        out.sort(key=lambda e: e.created, reverse=True)
+        return out
+
+    def temp_files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return [p for p in self.folder.iterdir() if is_temp_name(p.name)]
+
+    # -- changing the store ----------------------------------------------------------------
+    def remove_stale_temps(self, min_age_s: float = STALE_TEMP_AGE_S) -> int:
+        """Delete temp files whose writer died; returns how many were removed."""
+        removed = 0
+        for tmp in self.temp_files():
+            if is_stale_temp(tmp, min_age_s):
+                try:
+                    tmp.unlink()
+                    removed += 1
+                except OSError:
+                    pass  # Windows: still open by its writer; or removed meanwhile
+        return removed
+
+    def contains(self, path: str | os.PathLike) -> bool:
+        """Whether ``path`` names a checkpoint file of this store's folder."""
+        path = Path(path)
+        try:
+            return path.parent.resolve() == self.folder.resolve() and path.name.endswith(EXTENSION)
+        except OSError:
+            return False
+
+    def delete(self, path: str | os.PathLike) -> bool:
+        """Delete one file of this store, whatever depends on it; False if it was gone.
+
+        The primitive under engine.checkpoints.graph's deletes, which decide what may go.
+        """
+        path = Path(path)
+        if not self.contains(path):
+            raise ValueError(f"{path} is not a checkpoint of the store in {self.folder}")
+        with self.lock():
+            try:
+                path.unlink()
+                return True
+            except FileNotFoundError:
+                return False

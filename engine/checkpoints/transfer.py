@@ -1,0 +1,307 @@
+"""Bringing checkpoint files into the store, and checking one file in full.
+
+The one importer (the window's drops, File › Open Checkpoint and double-clicked files
+all come here).  It never moves or alters a source file:
+
+1. every file is verified in full (header, lengths, payload CRC) and, given a
+   :class:`~engine.checkpoints.compat.Target`, against the loaded model and context;
+2. a checkpoint already in the store (same checkpoint id and payload CRC) is not
+   copied again, and neither is the second of two identical files;
+3. files given together are linked up: a delta's parent may be among them or already
+   in the store.  A delta whose parent is in neither is refused with the reason (and,
+   when the parent lies beside it, the folder to import its chain from), and so is
+   every file that depends on it;
+4. parents are copied before their children, each through a temp file that is
+   verified before it is renamed into place.  A file keeps its name unless the store
+   already holds another file by that name; a delta whose parent got another name (or
+   was itself rewritten) is rewritten with its parent reference updated — same
+   checkpoint id, same state bytes, its original CRC kept as ``origin_crc`` so a later
+   import of the untouched original is recognised.
+
+Export of a single file is the caller's: a full checkpoint is copied as it is, a delta
+is compacted into one full file by the engine (engine.compaction), because only llama.cpp
+can merge KV states.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable
+
+from engine.checkpoints.atomic import atomic_write
+from engine.checkpoints.chain import ParentRef, check_link, load_chain, parent_ref, tokens_digest
+from engine.checkpoints.compat import Target
+from engine.checkpoints.format import (EXTENSION, KIND_AUTOSAVE, CheckpointData, Header,
+                                       encode_metadata, read_checkpoint, write_sections)
+from engine.checkpoints.graph import Graph, Node
+from engine.checkpoints.kvstate import check_state_for
+from engine.checkpoints.store import Store
+from engine.errors import BrokenChain, CheckpointError, NotACheckpoint
+
+VALID, INCOMPATIBLE, CORRUPT, NOT_CHECKPOINT, UNREADABLE, MISSING_PARENT = (
+    "valid", "incompatible", "corrupt", "not a checkpoint", "unreadable", "missing parent")
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """What checking or importing one file found."""
+    path: Path
+    status: str
+    reason: str = ""
+    header: Header | None = None
+    imported: Path | None = None      # the store's copy (also when it was already there)
+    already: bool = False             # the store held this checkpoint before
+    chain_folder: Path | None = None  # MISSING_PARENT: a folder that holds its parent
+
+    @property
+    def ok(self) -> bool:
+        return self.status == VALID
+
+    def message(self) -> str:
+        name = self.path.name
+        if self.imported is not None:
+            if self.already:
+                return f"{name}: already in the store as {self.imported.name}"
+            return f"{name}: imported as {self.imported.name}"
+        if self.status == VALID:
+            return f"{name}: valid"
+        if self.status == NOT_CHECKPOINT:
+            return f"{name} is not a Checkpoint Chat checkpoint; nothing was imported."
+        if self.status == INCOMPATIBLE:
+            return f"{name} belongs to another model or context: {self.reason}. Nothing was imported."
+        if self.status == MISSING_PARENT:
+            return f"{name} was not imported: {self.reason}"
+        return f"{name} is {self.status}: {self.reason}. Nothing was imported."
+
+
+def _status_of(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, NotACheckpoint):
+        return NOT_CHECKPOINT, str(exc)
+    if isinstance(exc, CheckpointError):
+        return CORRUPT, str(exc)
+    return UNREADABLE, getattr(exc, "strerror", None) or str(exc)
+
+
+def check_file(path: Path, target: Target | None, progress=None) -> FileCheck:
+    """Full verification of a file — and of its whole chain when it is a delta beside
+    its parents — plus, with a target, compatibility."""
+    path = Path(path)
+    try:
+        data = read_checkpoint(path, load_state=not _is_delta(path), progress=progress)
+        chain = load_chain(path) if data.header.is_delta else [data]
+        for item in chain:
+            if item.header.n_tokens and len(item.state):
+                check_state_for(item.header, item.state)
+    except (CheckpointError, OSError) as exc:
+        return FileCheck(path, *_status_of(exc))
+    if target is not None:
+        reason = target.incompatibility(data.header, data.meta)
+        if reason:
+            return FileCheck(path, INCOMPATIBLE, reason, data.header)
+    return FileCheck(path, VALID, "", data.header)
+
+
+def _is_delta(path: Path) -> bool:
+    from engine.checkpoints.format import read_header
+    try:
+        return read_header(path).is_delta
+    except (CheckpointError, OSError):
+        return False
+
+
+@dataclass
+class _Item:
+    path: Path
+    data: CheckpointData            # state not loaded
+    ref: ParentRef | None = None
+    result: FileCheck | None = None
+    dest: Path | None = None
+    written_crc: int | None = None  # the store copy's payload CRC
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.data.meta.get("checkpoint_id") or "", self.data.payload_crc)
+
+
+def import_files(paths: Iterable[Path], store: Store, target: Target | None = None,
+                 progress=None) -> list[FileCheck]:
+    """Import ``paths`` into ``store`` as the module docstring describes; one result each."""
+    paths = [Path(p) for p in paths]
+    results: dict[Path, FileCheck] = {}
+    items: list[_Item] = []
+    by_key: dict[tuple[str, int], _Item] = {}
+    for path in paths:
+        if path in results:
+            continue
+        try:
+            data = read_checkpoint(path, load_state=False, progress=progress)
+        except (CheckpointError, OSError) as exc:
+            results[path] = FileCheck(path, *_status_of(exc))
+            continue
+        reason = target.incompatibility(data.header, data.meta) if target is not None else None
+        if reason:
+            results[path] = FileCheck(path, INCOMPATIBLE, reason, data.header)
+            continue
+        item = _Item(path, data)
+        if data.header.is_delta:
+            try:
+                item.ref = parent_ref(data.meta, path.name)
+            except CheckpointError as exc:
+                results[path] = FileCheck(path, CORRUPT, str(exc), data.header)
+                continue
+        twin = by_key.get(item.key) if item.key[0] else None
+        if twin is not None:
+            item.result = FileCheck(path, VALID, "", data.header, already=True)  # filled below
+            items.append(item)
+            continue
+        if item.key[0]:
+            by_key[item.key] = item
+        items.append(item)
+
+    store.ensure()
+    graph = Graph.scan(store)
+    for item in _parents_first(items, by_key):
+        if item.result is not None and item.result.already:
+            continue   # a twin of another file in this batch
+        results[item.path] = _import_one(item, store, graph, by_key)
+    for item in items:   # twins take their original's outcome
+        if item.path not in results:
+            first = by_key[item.key].result
+            results[item.path] = replace(first, path=item.path, already=first.imported is not None)
+    return [results[p] for p in paths]
+
+
+def _parents_first(items: list[_Item], by_key: dict) -> list[_Item]:
+    ordered, placed = [], set()
+
+    def place(item: _Item, depth: int = 0) -> None:
+        if id(item) in placed or depth > 1024:
+            return
+        if item.ref is not None:
+            parent = by_key.get((item.ref.checkpoint_id, item.ref.payload_crc))
+            if parent is not None and parent is not item:
+                place(parent, depth + 1)
+        placed.add(id(item))
+        ordered.append(item)
+
+    for item in items:
+        place(item)
+    return ordered
+
+
+def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict) -> FileCheck:
+    data, path = item.data, item.path
+    h = data.header
+    cid = data.meta.get("checkpoint_id")
+    if store.contains(path):
+        item.result = FileCheck(path, VALID, "", h, imported=path, already=True)
+        item.dest, item.written_crc = path, data.payload_crc
+        return item.result
+    existing = graph.by_id(cid, data.payload_crc) if isinstance(cid, str) else None
+    if existing is not None:
+        item.result = FileCheck(path, VALID, "", h, imported=existing.path, already=True)
+        item.dest, item.written_crc = existing.path, existing.payload_crc
+        return item.result
+
+    new_ref = None
+    if item.ref is not None:
+        found = _find_parent(item, store, graph, by_key)
+        if isinstance(found, FileCheck):
+            item.result = found
+            return found
+        parent_name, parent_crc = found
+        if (parent_name, parent_crc) != (item.ref.file, item.ref.payload_crc):
+            new_ref = replace(item.ref, file=parent_name, payload_crc=parent_crc)
+
+    dest = store.folder / path.name
+    if dest.exists() or not path.name.endswith(EXTENSION) or path.name.startswith("."):
+        dest = (store.new_autosave_path(h.conversation_id) if h.kind == KIND_AUTOSAVE
+                else store.new_path(h.title or path.stem, suffix="-imported"))
+    try:
+        item.written_crc = _write_copy(path, dest, data, new_ref)
+    except (OSError, CheckpointError) as exc:
+        item.result = FileCheck(path, UNREADABLE, f"could not copy it into the store: {exc}", h)
+        return item.result
+    item.dest = dest
+    item.result = FileCheck(path, VALID, "", h, imported=dest)
+    return item.result
+
+
+def _find_parent(item: _Item, store: Store, graph: Graph, by_key: dict) -> tuple[str, int] | FileCheck:
+    """The parent's name and CRC in the store (imported in this batch or already there)."""
+    ref, data = item.ref, item.data
+    sibling = by_key.get((ref.checkpoint_id, ref.payload_crc))
+    if sibling is not None and sibling is not item:
+        if sibling.dest is None:
+            return FileCheck(item.path, MISSING_PARENT,
+                             f"its parent {sibling.path.name} was not imported", data.header)
+        try:
+            check_link(sibling.data, data)
+        except BrokenChain as exc:
+            return FileCheck(item.path, CORRUPT, str(exc), data.header)
+        return sibling.dest.name, sibling.written_crc
+    node = graph.by_id(ref.checkpoint_id, ref.payload_crc)
+    if node is not None:
+        problem = _link_problem(node, data)
+        if problem:
+            return FileCheck(item.path, CORRUPT, problem, data.header)
+        return node.name, node.payload_crc
+    beside = item.path.parent / ref.file
+    folder = item.path.parent if beside.is_file() else None
+    hint = (f"; import its chain from {folder} (Import folder), or a compacted copy"
+            if folder else "; import the folder it came from, or a compacted copy "
+            "(checkpoint-chat compact, or Export in the app that made it)")
+    return FileCheck(item.path, MISSING_PARENT,
+                     f"it is a delta checkpoint and its parent {ref.file} is neither among the "
+                     f"files given nor in the store{hint}", data.header, chain_folder=folder)
+
+
+def _link_problem(parent: Node, child: CheckpointData) -> str | None:
+    p0 = child.header.parent_n_tokens
+    if parent.header.n_tokens != p0:
+        return f"the delta continues from token {p0}, {parent.name} holds {parent.header.n_tokens}"
+    if parent.conversation_id != child.header.conversation_id:
+        return f"{parent.name} belongs to another conversation"
+    if tokens_digest(child.tokens[:p0]) != parent.tokens_digest:
+        return f"the delta's tokens do not continue those of {parent.name}"
+    return None
+
+
+def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef | None) -> int:
+    """Copy ``src`` to ``dest`` (rewriting the parent reference when given); returns the
+    copy's payload CRC.  The temp file is verified before it becomes ``dest``."""
+    with atomic_write(dest) as out:
+        if new_ref is None:
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, out, 8 << 20)
+            crc = data.payload_crc
+        else:
+            full = read_checkpoint(src)   # the state too, verified again
+            meta = dict(full.meta)
+            meta["parent"] = new_ref.to_json()
+            meta.setdefault("origin_crc", full.payload_crc)
+            _, crc = write_sections(out, full.header, encode_metadata(meta), full.tokens,
+                                    full.logits, full.state)
+        out.flush()
+        # the temp file, in full: what will be renamed into place is what was checked
+        copy = read_checkpoint(out.name, load_state=False)
+        if copy.payload_crc != crc or copy.meta.get("checkpoint_id") != data.meta.get("checkpoint_id"):
+            raise CheckpointError(f"{src} changed while it was being imported")
+    return crc
+
+
+def chain_paths(path: Path) -> list[Path]:
+    """The files of ``path``'s chain in its own folder (for "Import folder")."""
+    try:
+        return [d.path for d in load_chain(path)]
+    except (CheckpointError, OSError):
+        return [path]
+
+
+def copy_file(src: Path, dest: Path) -> Path:
+    """Copy a full checkpoint atomically (Export of a file that needs no compaction)."""
+    with open(src, "rb") as f, atomic_write(Path(dest)) as out:
+        shutil.copyfileobj(f, out, 8 << 20)
+    return Path(dest)

@@ -1,0 +1,60 @@
+"""Start a prompt from the stored checkpoint that shares its longest beginning.
+
+The index (engine.checkpoints.prefix_index) names the candidates; this module restores
+the best one into a Runtime and trims what differs, so only the rest of the prompt is
+decoded (``run --reuse-prefix``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from engine.checkpoints.chain import common_prefix, load_chain
+from engine.checkpoints.prefix_index import PrefixIndex
+from engine.errors import CheckpointError
+from engine.runtime import Runtime
+
+log = logging.getLogger("engine")
+@dataclass(frozen=True)
+class PrefixReuse:
+    how: str                   # "restored", "restored-exact", "cache" or "recompute"
+    n_tokens: int              # prompt tokens now in the cache, not to be decoded again
+    source: Path | None = None
+
+    def describe(self) -> str:
+        return {"restored": f"reused {self.n_tokens} tokens from {self.source} (tail trimmed)",
+                "restored-exact": f"reused {self.n_tokens} tokens from {self.source}",
+                "cache": f"reused {self.n_tokens} tokens already in the cache",
+                "recompute": "no stored checkpoint shares this prompt's beginning: full prefill",
+                }[self.how]
+
+
+def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> PrefixReuse:
+    """Restore the stored checkpoint that shares the longest prefix with ``tokens``.
+
+    The divergent tail is trimmed from the cache.  A memory that cannot drop a tail
+    (``llama_memory_seq_rm`` fails: some sliding-window or recurrent models) only takes
+    checkpoints that are entirely a prefix of the prompt; if none exists, the prompt is
+    decoded in full.  Compares against what the cache already holds first.
+    """
+    in_cache = common_prefix(runtime.kv_tokens, tokens)
+    can_trim = True
+    for match in PrefixIndex(folder).matches(tokens, runtime.target.key):
+        if match.n_common <= in_cache:
+            break
+        if not match.exact and not can_trim:
+            continue
+        try:
+            runtime.restore_chain(load_chain(match.path))
+        except CheckpointError as exc:
+            log.info("prefix candidate %s skipped: %s", match.path.name, exc)
+            continue
+        kept = runtime.trim(match.n_common)
+        if kept == match.n_common:
+            return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path)
+        can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
+        in_cache = common_prefix(runtime.kv_tokens, tokens)
+    return PrefixReuse("cache" if in_cache else "recompute", in_cache)
