@@ -484,10 +484,11 @@ def cmd_inspect(args) -> int:
         return EXIT_OK
     for key, value in _header_json(header).items():
         print(f"{key:18} {value}")
-    model = meta.get("model") or {}
+    # the metadata's shape is not trusted: a field of another type shows as "?"
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
-    conv = meta.get("conversation") or {}
-    print(f"{'sampler':18} {json.dumps(conv.get('sampler', {}))}")
+    conv = meta.get("conversation") if isinstance(meta.get("conversation"), dict) else {}
+    print(f"{'sampler':18} {json.dumps(conv.get('sampler', '?'), ensure_ascii=False)}")
     if place is not None:
         role = "head of its line" if place["head"] else (
             "part of a head's chain" if place["needed_by_head"] else "not needed by any head")
@@ -499,7 +500,8 @@ def cmd_inspect(args) -> int:
             print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}")
         print(f"  total {human_size(place['chain_size'])}")
     print("transcript:")
-    for message in meta.get("transcript", []):
+    transcript = meta.get("transcript")
+    for message in transcript if isinstance(transcript, list) else []:
         if isinstance(message, dict):
             content = str(message.get("content", ""))
             more = "" if message.get("complete", True) else "  [paused]"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import ROOT, run_cli
 from engine import crashlog
@@ -38,16 +40,19 @@ def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
     run_cli("run", "-m", str(smollm_path), "-p", "Hi", "-n", "40", "--ignore-eos", "--temp", "0",
             "--ctx-size", "512", "--checkpoint-save-interval", "8", "--stop-after", "20", check=True)
     store = app_home / "data" / "checkpoints"
-    # the pause checkpoint superseded the autosaves; leave one behind as a crash would
-    paused = sorted(store.glob("*.kvckpt"))[0]
+    # a crash leaves an autosave as the newest file of its line: copy the pause head's
+    # bytes as a newer autosave (same parent, so its chain is whole)
+    listing = json.loads(run_cli("list", "--json", check=True).stdout)
+    (head,) = [e for e in listing if e["head"]]
+    assert head["header"]["kind"] == "pause"
+    paused = Path(head["path"])
     autosave = store / "autosave-crashed-00001.kvckpt"
-    done = run_cli("inspect", str(paused), "--json", check=True)
-    assert done.returncode == 0
     import engine.checkpoints.format as fmt
     from dataclasses import replace
     raw = bytearray(paused.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
-    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=fmt.KIND_AUTOSAVE))
+    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=fmt.KIND_AUTOSAVE,
+                                                   created_unix_ns=header.created_unix_ns + 1))
     autosave.write_bytes(bytes(raw))
     assert _crash_in_child() < 0
     done = run_cli("run", "-m", str(smollm_path), "-p", "Hello", "-n", "2", "--ctx-size", "512")

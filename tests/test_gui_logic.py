@@ -54,12 +54,19 @@ def test_bridge_batches_tokens_into_few_deliveries(qtbot):
     assert len(got) == 1               # one delivery, not a thousand
 
 
-def test_markdown_renders_code_and_escapes_html():
-    from gui.markdown import to_html
-    html = to_html("Hello **bold** <script>\n\n```python\nx = 1 < 2\n```\n- a\n- `b`")
-    assert "<b>bold</b>" in html and "&lt;script&gt;" in html and "<script>" not in html
-    assert "x = 1 &lt; 2" in html and "<pre" in html
-    assert html.count("<li>") == 2 and "<code>b</code>" in html
+def test_markdown_renders_code_and_keeps_html_as_text(qapp):
+    from PySide6.QtGui import QPalette, QTextCursor, QTextDocument
+    from gui.markdown import DocWriter, Theme, parse
+    doc = QTextDocument()
+    writer = DocWriter(QTextCursor(doc), Theme.from_palette(QPalette()), lambda n: f"code:{n}")
+    writer.write(parse("Hello **bold** <script>\n\n```python\nx = 1 < 2\n```\n- a\n- `b`"))
+    text = doc.toPlainText()
+    assert "Hello bold <script>" in text and "x = 1 < 2" in text and "`" not in text
+    assert doc.find("bold").charFormat().fontWeight() >= 700
+    assert writer.code == ["x = 1 < 2"]
+    last = doc.lastBlock()                       # "- `b`": a list item in a monospace font
+    assert last.text() == "b" and last.textList() is not None and last.textList().count() == 2
+    assert last.begin().fragment().charFormat().fontFixedPitch()
 
 
 def test_settings_round_trip(app_home):

@@ -176,6 +176,9 @@ def test_drop_valid_corrupt_and_foreign_checkpoints(qtbot, make_window, tmp_path
     text_file = outside / "notes.kvckpt"
     text_file.write_text("not a checkpoint")
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    # the store no longer holds it (deleted by hand), so the valid file is really imported
+    from engine.checkpoints import graph
+    graph.delete_node(w.store, source)
     files_before = set(w.store.files())
 
     with qtbot.waitSignal(w.imports_finished, timeout=60_000) as done:
@@ -189,7 +192,13 @@ def test_drop_valid_corrupt_and_foreign_checkpoints(qtbot, make_window, tmp_path
     assert results["notes.kvckpt"].status == "not a checkpoint"
     new_files = set(w.store.files()) - files_before
     assert new_files == {results["valid.kvckpt"].imported}            # nothing else imported
+    assert results["valid.kvckpt"].imported.name == "valid.kvckpt"     # it keeps its name when free
     assert verify_file(results["valid.kvckpt"].imported)
+    # the same file dropped again is recognised (checkpoint id and CRC): no second copy
+    with qtbot.waitSignal(w.imports_finished, timeout=60_000) as again:
+        _drop(w, [valid, valid])
+    assert [r.already for r in again.args[0]] == [True, True]
+    assert set(w.store.files()) - files_before == new_files
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before  # sources untouched
     assert w.resume_offer is not None                                  # the user is offered to resume
 

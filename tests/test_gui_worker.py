@@ -69,6 +69,7 @@ def worker(smollm_path, tmp_path):
 
 
 def test_autosaves_every_n_tokens_within_the_budget(worker):
+    from engine.checkpoints.graph import Graph
     w, rec = worker
     w.autosave_every = 8
     a = w.new_conversation(sampler=SamplerSettings(seed=3))
@@ -79,26 +80,32 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     assert summary.n_generated >= 8
     assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [kinds[-1]]
     assert kinds[-1] != KIND_AUTOSAVE
-    # the final save supersedes the autosave chain
-    assert not [p for p in w.store.files() if p.name.startswith("autosave-")]
-    assert [read_header(p).conversation_id for p in w.store.files()] == [a]
+    # the final save is the conversation's head: a delta on the autosaves, which are its
+    # chain; nothing in the store is outside that chain
+    g = Graph.scan(w.store)
+    (head,) = g.heads
+    assert head.conversation_id == a and head.path == rec.of("saved")[-1][2]
+    assert head.header.kind != KIND_AUTOSAVE and head.is_delta
+    assert {n.name for n in g.chain(head)} == set(g.nodes)
 
-    # a tiny budget prunes older autosaves (never the one just written, never a manual save)
+    # a tiny budget prunes what no head needs, oldest first: here a stale copy of A's
+    # history; never A's chain, never B's live autosaves
     w.autosave_budget = 1
     b = w.new_conversation(sampler=SamplerSettings(seed=4))
-    # an old autosave of A (A's newer manual save makes it prunable)
     from dataclasses import replace
     from engine.checkpoints import format as fmt
-    manual = next(p for p in w.store.files() if read_header(p).conversation_id == a)
-    raw = bytearray(manual.read_bytes())
+    raw = bytearray(g.chain(head)[0].path.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
-    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=KIND_AUTOSAVE, created_unix_ns=1))
+    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, created_unix_ns=1))
     stale = w.store.folder / "autosave-old-00001.kvckpt"
     stale.write_bytes(bytes(raw))
+    assert not Graph.scan(w.store).reachable(Graph.scan(w.store).nodes[stale.name])
     w.send(b, "Tell me about lakes.", n_predict=10)
     rec.wait("finished", 2)
     assert not stale.exists()
-    assert any(read_header(p).conversation_id == a for p in w.store.files())
+    after = Graph.scan(w.store)
+    assert {n.name for n in after.chain(after.nodes[head.name])} <= set(after.nodes)
+    assert {h.conversation_id for h in after.heads} == {a, b}
 
 
 def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_path, tmp_path):

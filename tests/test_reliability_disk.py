@@ -233,14 +233,16 @@ def test_store_round_trip_in_non_ascii_folders(tmp_path, smollm_runtime, smol_se
     conv.title = "标题 😀 заголовок"
     saved = smollm_runtime.save(store.new_path(conv.title), conv)
     assert saved.path.parent == store.folder and "标题" in saved.path.name
-    auto = smollm_runtime.save(store.autosave_path(conv.id), conv, fmt.KIND_AUTOSAVE)
+    auto = smollm_runtime.save(synthetic.fixed_path(store, conv.id), conv, fmt.KIND_AUTOSAVE)
     entries = store.entries()
     assert {e.path for e in entries} == {saved.path, auto.path} and all(e.valid for e in entries)
     assert entries[0].header.title == "标题 😀 заголовок"
     outside = tmp_path / "外部 📁" / "copy.kvckpt"
     outside.parent.mkdir()
     outside.write_bytes(saved.path.read_bytes())
-    imported = Store(tmp_path / name / "子文件夹").import_file(outside)
+    from engine.checkpoints.transfer import import_files
+    (result,) = import_files([outside], Store(tmp_path / name / "子文件夹"))
+    imported = result.imported
     assert fmt.read_checkpoint(imported).header.conversation_id == conv.id
     assert smollm_runtime.restore(fmt.read_checkpoint(imported)).tokens == conv.tokens
     assert store.delete(saved.path) and not saved.path.exists()

@@ -1,6 +1,7 @@
-"""The store's promises: pruning never deletes what it must keep, imports never touch
+"""The store's promises: pruning deletes only superseded files, imports never touch
 their source, renames and deletes take the cross-process lock, dead writers' temp files
-are cleaned up and live ones are not."""
+are cleaned up and live ones are not.  (The graph's own rules, with deltas, are in
+test_store_graph.py.)"""
 
 from __future__ import annotations
 
@@ -13,72 +14,73 @@ import uuid
 import pytest
 from filelock import Timeout
 
-from engine.checkpoints import atomic
+from engine.checkpoints import atomic, graph, transfer
 from engine.checkpoints import format as fmt
-from engine.errors import CheckpointError
 from engine.checkpoints.store import Store
 from faultkit import corrupt, synthetic
 
 A, M, P, X = fmt.KIND_AUTOSAVE, fmt.KIND_MANUAL, fmt.KIND_PAUSE, fmt.KIND_EXIT
 
 
-def _save(store: Store, conv, seq, kind, name=None):
+def _save(store: Store, conv, seq, kind, name=None, line=None):
     store.ensure()
-    path = store.folder / name if name else (
-        store.autosave_path(conv) if kind == A else store.new_path(f"c{seq}"))
-    synthetic.write(path, conv, seq, kind=kind, n_tokens=32)
+    path = store.folder / name if name else store.new_path(f"c{seq}")
+    synthetic.write(path, conv, seq, kind=kind, n_tokens=32, line=line)
     time.sleep(0.002)   # distinct creation times, in the order of the calls
     return path
 
 
-def test_prune_keeps_manual_saves_and_each_conversations_newest(tmp_path):
+def test_prune_deletes_only_superseded_files(tmp_path):
+    """Every conversation keeps its head; a damaged head is set aside, never trusted."""
     store = Store(tmp_path / "store")
-    a, b, c, d, e = (uuid.uuid4() for _ in range(5))
-    a_auto = _save(store, a, 1, A)
-    a_manual = _save(store, a, 2, M)           # newer than a's autosave: the autosave may go
-    b_auto = _save(store, b, 1, A)             # b's only checkpoint
-    c_pause = _save(store, c, 1, P)
-    c_auto = _save(store, c, 2, A)             # c's newest
+    a, b, c, d = (uuid.uuid4() for _ in range(4))
+    a_old = _save(store, a, 1, A)              # superseded by a's newer head
+    a_head = _save(store, a, 2, M)
+    b_only = _save(store, b, 1, A)             # b's only checkpoint: its head
+    c_pause = _save(store, c, 1, P, line="branch")   # another line of c: a head of its own
+    c_auto = _save(store, c, 2, A)
     d_old = _save(store, d, 1, A, "autosave-d-old.kvckpt")
     d_new = _save(store, d, 2, A, "autosave-d-new.kvckpt")
     damaged = bytearray(d_new.read_bytes())
-    damaged[-100] ^= 1                         # d's newest is damaged: the older one is d's newest valid
+    damaged[-100] ^= 1                         # d's newest is damaged: the older one is its head
     d_new.write_bytes(bytes(damaged))
-    e_exit = _save(store, e, 1, X)
-    report = store.prune_autosaves(budget_bytes=0)
-    assert report.deleted == [a_auto]
-    for kept in (a_manual, b_auto, c_pause, c_auto, d_old, d_new, e_exit):
+    report = graph.prune(store, 0)
+    assert report.deleted == [a_old]
+    for kept in (a_head, b_only, c_pause, c_auto, d_old, d_new):
         assert kept.exists(), kept.name
+    assert report.kept[graph.KEPT_HEAD][0] == 4 + 1   # a, b, c twice, d (its older file)
     assert report.store_bytes == sum(e.size for e in store.entries())
+    assert "deleted 1 superseded file" in report.describe()
 
 
 def test_prune_deletes_oldest_first_and_only_what_the_budget_needs(tmp_path):
     store = Store(tmp_path / "store")
-    autos = []
+    olds = []
     for i in range(6):
         conv = uuid.uuid4()
-        autos.append(_save(store, conv, 1, A))
-        _save(store, conv, 2, M)   # each autosave has a newer manual save: all are candidates
-    size = autos[0].stat().st_size
+        olds.append(_save(store, conv, 1, A))
+        _save(store, conv, 2, M)   # each old file has a newer head: all are superseded
+    size = olds[0].stat().st_size
     total = sum(e.size for e in store.entries())
-    report = store.prune_autosaves(budget_bytes=total - 2 * size - 1)
-    assert report.deleted == autos[:3]                       # oldest first, no more than needed
-    assert all(p.exists() for p in autos[3:])
-    report = store.prune_autosaves(max_count=1)
-    assert report.deleted == autos[3:5] and autos[5].exists()
-    assert store.prune_autosaves(budget_bytes=10**12, max_count=100).deleted == []
+    report = graph.prune(store, total - 2 * size - 1)
+    assert report.deleted == olds[:3]                       # oldest first, no more than needed
+    assert all(p.exists() for p in olds[3:])
+    assert report.kept[graph.KEPT_BUDGET][0] == 3
+    assert graph.prune(store, 10**12).deleted == []
+    assert graph.prune(store, None).deleted == olds[3:]     # None: every superseded file
 
 
-def test_prune_skips_a_file_replaced_since_it_was_listed(tmp_path):
+def test_prune_skips_a_file_replaced_since_it_was_scanned(tmp_path):
     store = Store(tmp_path / "store")
     conv = uuid.uuid4()
-    auto = _save(store, conv, 1, A)
+    old = _save(store, conv, 1, A)
     _save(store, conv, 2, M)
-    listed = next(e for e in store.entries() if e.path == auto)
+    scanned = graph.Graph.scan(store).nodes[old.name]
     time.sleep(0.01)
-    _save(store, conv, 3, A)                    # a writer replaces the autosave: now the newest
-    assert store._delete_if_unchanged(listed) is False
-    assert synthetic.load_fully(auto).meta["seq"] == 3
+    synthetic.write(old, conv, 3, n_tokens=32)   # rewritten in place: now the newest
+    report = graph.PruneReport()
+    assert graph._delete(store, scanned, report) is False and report.skipped_changed == 1
+    assert synthetic.load_fully(old).meta["seq"] == 3
 
 
 def _hold_lock_in_other_process(store: Store, seconds: float) -> subprocess.Popen:
@@ -94,7 +96,7 @@ def test_saves_into_a_store_rename_under_its_cross_process_lock(tmp_path, monkey
     store = Store(tmp_path / "存储")
     store.ensure()                             # the folder and its store marker
     conv = uuid.uuid4()
-    path = store.autosave_path(conv)
+    path = synthetic.fixed_path(store, conv)
     holder = _hold_lock_in_other_process(store, 0.8)
     started = time.monotonic()
     synthetic.write(path, conv, 1)
@@ -113,7 +115,7 @@ def test_outside_a_store_no_lock_is_taken_and_path_functions_create_nothing(tmp_
     synthetic.write(tmp_path / "plain.kvckpt", uuid.uuid4(), 1)
     assert not (tmp_path / atomic.STORE_LOCK_NAME).exists()
     store = Store(tmp_path / "not yet")
-    store.new_path("x"), store.autosave_path(uuid.uuid4())
+    store.new_path("x"), store.new_autosave_path(uuid.uuid4())
     assert not store.folder.exists()
     store.folder.mkdir()
     store.new_path("x")                        # an existing folder becomes a marked store
@@ -140,14 +142,14 @@ def test_import_validates_copies_and_never_touches_the_source(tmp_path):
     synthetic.write(src, uuid.uuid4(), 7, kind=M, title="共享")
     before = (src.read_bytes(), src.stat().st_mtime_ns)
     store = Store(tmp_path / "store")
-    copy = store.import_file(src)
-    assert copy.parent == store.folder and copy.read_bytes() == before[0]
+    (result,) = transfer.import_files([src], store)
+    copy = result.imported
+    assert copy.parent == store.folder and copy.read_bytes() == before[0] and not result.already
     assert (src.read_bytes(), src.stat().st_mtime_ns) == before
-    assert store.import_file(src) == copy and len(store.files()) == 1   # not copied twice
     bad = tmp_path / "bad.kvckpt"
     bad.write_bytes(corrupt.flip(before[0], [8 * (len(before[0]) - 200)]))
-    with pytest.raises(CheckpointError):
-        store.import_file(bad)
+    (refused,) = transfer.import_files([bad], store)
+    assert refused.imported is None and refused.status == transfer.CORRUPT
     assert len(store.files()) == 1 and store.temp_files() == []
 
 

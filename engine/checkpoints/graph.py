@@ -15,11 +15,13 @@ CRC match the reference; a delta whose parent is missing or replaced is *broken*
 
 Lines and heads.  A line is one line of a conversation's history (the metadata's
 ``"line"``; files written before lines existed belong to their conversation's line).
-Each line's *head* is its newest node whose chain is complete.  A conversation has one
-head per line: one today, one per branch when branches come.  The chain of a head
-(the head and its ancestors) is what restoring it needs.
+Each line's *tip* is its newest node whose chain is complete, and it is the line's
+*head* unless another line's chain contains it (a fork point whose own line was
+deleted holds nothing of its own).  A conversation has one head per line: one today,
+one per branch when branches come.  The chain of a head (the head and its ancestors)
+is what restoring it needs.
 
-Superseded.  A node older than its line's head and in no head's chain holds an earlier
+Superseded.  A node older than its line's tip and in no tip's chain holds an earlier
 state of a history that has moved on: it is *superseded*.  That is the only kind of
 file this module ever deletes on its own:
 
@@ -204,17 +206,25 @@ class Graph:
         self.lines: dict[str, list[Node]] = {}
         for node in sorted(self.nodes.values(), key=_newest_first):
             self.lines.setdefault(node.line, []).append(node)
-        self.head_of_line: dict[str, Node] = {}
+        # each line's tip: its newest node whose chain is whole
+        self.tip_of_line: dict[str, Node] = {}
         for line, members in self.lines.items():
-            head = next((n for n in members if n.name not in self._rejected
-                         and self.chain_problem(n) is None), None)
-            if head is not None:
-                self.head_of_line[line] = head
+            tip = next((n for n in members if n.name not in self._rejected
+                        and self.chain_problem(n) is None), None)
+            if tip is not None:
+                self.tip_of_line[line] = tip
+        self._reachable: set[str] = set()
+        ancestors: set[str] = set()
+        for tip in self.tip_of_line.values():
+            chain = self.chain(tip)
+            self._reachable.update(n.name for n in chain)
+            ancestors.update(n.name for n in chain[:-1])
+        # a tip that another line's history contains holds nothing of its own (a fork
+        # point whose own line was deleted, say): it is not a head
+        self.head_of_line: dict[str, Node] = {
+            line: tip for line, tip in self.tip_of_line.items() if tip.name not in ancestors}
         self.heads: list[Node] = sorted(self.head_of_line.values(), key=_newest_first)
         self._head_names = {h.name for h in self.heads}
-        self._reachable: set[str] = set()
-        for head in self.heads:
-            self._reachable.update(n.name for n in self.chain(head))
 
     @classmethod
     def scan(cls, folder: str | os.PathLike | Store, *, rejected: Iterable[str] = ()) -> "Graph":
@@ -304,11 +314,11 @@ class Graph:
         for name, members in self.lines.items():
             if line is not None and name != line:
                 continue
-            head = self.head_of_line.get(name)
-            if head is None:
+            tip = self.tip_of_line.get(name)
+            if tip is None:
                 continue   # no restorable node at all: keep everything for the user
             out += [n for n in members if n.name not in self._reachable
-                    and _newest_first(n) > _newest_first(head)]
+                    and _newest_first(n) > _newest_first(tip)]
         return sorted(out, key=lambda n: (n.created_ns, n.name))
 
     def by_id(self, checkpoint_id: str, payload_crc: int) -> Node | None:
@@ -366,7 +376,7 @@ def _classify(graph: Graph, report: PruneReport, candidates: set[str]) -> None:
             report.keep(KEPT_HEAD, node)
         elif graph.reachable(node):
             report.keep(KEPT_CHAIN, node)
-        elif node.line not in graph.head_of_line:
+        elif node.line not in graph.tip_of_line:
             report.keep(KEPT_NO_HEAD, node)
         else:
             report.keep(KEPT_NEWER, node)
@@ -380,12 +390,12 @@ def _verified_graph(store: Store, lines: set[str] | None) -> Graph:
     while True:
         graph = Graph.scan(store, rejected=rejected)
         bad = set()
-        for line, head in graph.head_of_line.items():
+        for line, tip in graph.tip_of_line.items():
             if lines is not None and line not in lines:
                 continue
             if not graph.superseded(line):
                 continue
-            bad.update(n.name for n in graph.chain(head) if not verified(n))
+            bad.update(n.name for n in graph.chain(tip) if not verified(n))
         if not bad:
             return graph
         log.warning("damaged checkpoint(s) found while pruning, set aside: %s", ", ".join(sorted(bad)))

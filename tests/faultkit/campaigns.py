@@ -96,7 +96,7 @@ def _check_after_kill(store: Store, convs, allowed, manual_acked, stats: KillSta
     found = []
     for c, conv in enumerate(convs):
         previous, in_flight = allowed[c]
-        path = store.autosave_path(conv)
+        path = synthetic.fixed_path(store, conv)
         try:
             seq = synthetic.load_fully(path).meta["seq"]
         except FileNotFoundError:
@@ -187,6 +187,12 @@ def _check_after_concurrency(store, n_writers, owns, shared, work, stats) -> Non
     for w in range(n_writers):
         acks = _read_acks(work / f"w{w}.ack")
         stats.saves += len(acks)
+        history = [parts for parts in acks if parts[0] == "H"]
+        if history:   # the newest file of a line is its head: no prune may delete it
+            try:
+                synthetic.load_fully(store.folder / history[-1][1])
+            except (OSError, CheckpointError) as exc:
+                stats.problems.append(f"writer {w}: the head of its history line is gone: {exc}")
         for parts in acks:
             if parts[0] == "M":   # every manual save survives, unchanged: no overwrite
                 name, seq = parts[1], int(parts[3])
@@ -201,7 +207,7 @@ def _check_after_concurrency(store, n_writers, owns, shared, work, stats) -> Non
                 last_shared[w] = int(parts[2])
         newest = acks[-1] if acks else None   # the writer's newest save of its own conversation
         if newest and newest[0] == "A":
-            path = store.autosave_path(owns[w])
+            path = synthetic.fixed_path(store, owns[w])
         elif newest and newest[0] == "M":
             path = store.folder / newest[1]
         else:
@@ -212,7 +218,7 @@ def _check_after_concurrency(store, n_writers, owns, shared, work, stats) -> Non
             except (OSError, CheckpointError) as exc:
                 stats.problems.append(f"writer {w}: the newest checkpoint is gone: {exc}")
     try:
-        meta = synthetic.load_fully(store.autosave_path(shared)).meta
+        meta = synthetic.load_fully(synthetic.fixed_path(store, shared)).meta
         if last_shared.get(meta["writer"]) != meta["seq"]:
             stats.problems.append(f"shared autosave holds {meta}, not a writer's last save")
     except (OSError, CheckpointError) as exc:

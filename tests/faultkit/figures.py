@@ -70,7 +70,7 @@ def killed_model_writer(work: Path, n_kills: int, zygote: Zygote) -> Row:
         store.remove_stale_temps(min_age_s=0)
         if acked or store.files():
             try:
-                fmt.verify_file(store.autosave_path(conv))
+                fmt.verify_file(synthetic.fixed_path(store, conv))
             except (OSError, CheckpointError) as exc:
                 row.lost += 1
                 row.problems.append(f"model kill {k}: autosave lost: {exc}")

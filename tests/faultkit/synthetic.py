@@ -56,15 +56,28 @@ def header(conv_id: uuid.UUID, n_tokens: int, kind: int, title: str = "synthetic
         title=title, kind=kind)
 
 
+def fixed_path(store, conv_id: uuid.UUID) -> Path:
+    """One file per conversation, rewritten in place by every save (as ``run
+    --checkpoint-save P`` rewrites P): what the atomic-replacement tests hammer."""
+    store._mark()
+    return store.folder / f"autosave-{conv_id.hex[:12]}{fmt.EXTENSION}"
+
+
 def write(path: Path, conv_id: uuid.UUID, seq: int, *, kind: int = fmt.KIND_AUTOSAVE,
           n_tokens: int | None = None, writer: int = 0, title: str = "synthetic",
-          durable: bool = True) -> Path:
-    """Atomically save save number ``seq`` of conversation ``conv_id`` to ``path``."""
+          durable: bool = True, line: str | None = None) -> Path:
+    """Atomically save save number ``seq`` of conversation ``conv_id`` to ``path``.
+
+    ``line`` puts the file on a line of history of its own (engine.checkpoints.graph):
+    by default it shares its conversation's line.
+    """
     if n_tokens is None:   # vary the size so that kills land in every phase of a save
         n_tokens = 16 + (seq * 7919 + writer * 104729) % 1000
     h = header(conv_id, n_tokens, kind, title, n_generated=min(seq, n_tokens))
-    meta = fmt.encode_metadata({"conversation": str(conv_id), "seq": seq, "writer": writer,
-                                "title": title})
+    fields = {"conversation": str(conv_id), "seq": seq, "writer": writer, "title": title}
+    if line is not None:
+        fields["line"] = line
+    meta = fmt.encode_metadata(fields)
     tokens = (np.arange(n_tokens, dtype=np.int32) * 31 + seq) % N_VOCAB
     logits = np.linspace(-5, 5, N_VOCAB, dtype=np.float32)
     with atomic_write(path, durable=durable) as f:
@@ -97,3 +110,58 @@ def load_fully(path: str | os.PathLike) -> Checked:
     if data.header.n_tokens:
         check_state_for(data.header, data.state)
     return Checked(data.header, data.meta)
+
+
+def delta_state_blob(p0: int, n_tokens: int, seed: int) -> bytes:
+    """A delta's state: positions ``p0..n_tokens-1`` of scratch sequence 1 (f16, V transposed)."""
+    rng = np.random.default_rng(seed)
+    cells = np.zeros((n_tokens - p0, 3), dtype="<i4")
+    cells[:, 0] = np.arange(p0, n_tokens)
+    cells[:, 1] = 1
+    cells[:, 2] = 1                                    # sequence 1
+    n = n_tokens - p0
+    row = 2 * N_HEAD_KV * HEAD_DIM
+    parts = [struct.pack("<IiII", STATE_MAGIC, 1, 1, n), cells.tobytes(), struct.pack("<II", 1, N_LAYER)]
+    for _ in range(N_LAYER):
+        parts += [struct.pack("<iQ", F16, row), rng.bytes(row * n)]
+    for _ in range(N_LAYER):
+        parts += [struct.pack("<iII", F16, 2, N_HEAD_KV * HEAD_DIM), rng.bytes(row * n)]
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class Written:
+    """A synthetic node as a child needs to name it."""
+    path: Path
+    checkpoint_id: str
+    payload_crc: int
+    n_tokens: int
+
+
+def write_node(path: Path, conv_id: uuid.UUID, n_tokens: int, *, parent: Written | None = None,
+               kind: int = fmt.KIND_AUTOSAVE, line: str | None = None, title: str = "synthetic",
+               created_ns: int | None = None) -> Written:
+    """A full checkpoint, or a delta on ``parent``, laid out as the app writes them.
+
+    The token ids depend only on the position, so any two nodes of a conversation share
+    their prefixes, as a real history does.
+    """
+    h = header(conv_id, n_tokens, kind, title)
+    if created_ns is not None:
+        h = fmt.replace(h, created_unix_ns=created_ns)
+    cid = uuid.uuid4().hex
+    meta = {"conversation": str(conv_id), "title": title, "checkpoint_id": cid}
+    if line is not None:
+        meta["line"] = line
+    if parent is not None:
+        h = fmt.replace(h, flags=fmt.FLAG_DELTA, parent_n_tokens=parent.n_tokens)
+        meta["parent"] = {"file": parent.path.name, "checkpoint_id": parent.checkpoint_id,
+                          "payload_crc": parent.payload_crc, "n_tokens": parent.n_tokens}
+        state = delta_state_blob(parent.n_tokens, n_tokens, seed=n_tokens)
+    else:
+        state = state_blob(n_tokens, seed=n_tokens)
+    tokens = np.arange(n_tokens, dtype=np.int32) % N_VOCAB
+    with atomic_write(path) as f:
+        _, crc = fmt.write_sections(f, h, fmt.encode_metadata(meta), tokens,
+                                    np.zeros(N_VOCAB, np.float32), state)
+    return Written(path, cid, crc, n_tokens)

@@ -42,11 +42,12 @@ def kill_writer(spec: dict) -> None:
     i = spec.get("start", 0)
     while True:
         c = i % len(convs)
-        synthetic.write(store.autosave_path(convs[c]), convs[c], seqs[c])
+        synthetic.write(synthetic.fixed_path(store, convs[c]), convs[c], seqs[c])
         ack(f"A {c} {seqs[c]}")
         if i % 3 == 2:
             path = store.new_path(f"manual 保存 {c}")
-            synthetic.write(path, convs[c], seqs[c], kind=fmt.KIND_MANUAL, title=f"manual {c}")
+            synthetic.write(path, convs[c], seqs[c], kind=fmt.KIND_MANUAL, title=f"manual {c}",
+                            line=uuid.uuid4().hex)   # a head of its own: kept by any prune
             ack(f"M {path.name} {c} {seqs[c]}")
         seqs[c] += 1
         i += 1
@@ -68,30 +69,37 @@ def model_writer(spec: dict) -> None:
     seq = spec["next_seq"]
     while True:
         conv.answer.n_generated = seq % 8   # makes each version tell-apart in the header
-        rt.save(store.autosave_path(conv.id), conv, fmt.KIND_AUTOSAVE)
+        rt.save(synthetic.fixed_path(store, conv.id), conv, fmt.KIND_AUTOSAVE)
         ack(f"A 0 {seq}")
         seq += 1
 
 
 def writer(spec: dict) -> None:
-    """``n_saves`` saves: own autosave, a shared autosave, and uniquely named manual saves."""
+    """``n_saves`` saves: own autosave, a shared autosave, uniquely named manual saves (each
+    a line of its own), and a line of history whose older files the pruner may delete."""
     store = Store(spec["folder"])
     w = spec["writer"]
     own, shared = uuid.UUID(spec["own"]), uuid.UUID(spec["shared"])
     ack = Acks(spec["ack"])
     for seq in range(1, spec["n_saves"] + 1):
         if seq % 4 == 0:
-            synthetic.write(store.autosave_path(shared), shared, seq, writer=w,
+            synthetic.write(synthetic.fixed_path(store, shared), shared, seq, writer=w,
                             n_tokens=16 + seq % 64, durable=False)
             ack(f"S {w} {seq}")
         elif seq % 4 == 2:
             # the same title from every writer in the same second: names must still differ
             path = store.new_path("same title")
             synthetic.write(path, own, seq, kind=fmt.KIND_MANUAL, writer=w,
-                            n_tokens=16 + seq % 64, durable=False)
+                            n_tokens=16 + seq % 64, durable=False, line=uuid.uuid4().hex)
             ack(f"M {path.name} {w} {seq}")
+        elif seq % 4 == 3:
+            # a line whose every save is a new file: each supersedes the one before
+            path = store.new_autosave_path(own)
+            synthetic.write(path, own, seq, writer=w, n_tokens=16 + seq % 64, durable=False,
+                            line=f"history-{w}")
+            ack(f"H {path.name} {w} {seq}")
         else:
-            synthetic.write(store.autosave_path(own), own, seq, writer=w,
+            synthetic.write(synthetic.fixed_path(store, own), own, seq, writer=w,
                             n_tokens=16 + seq % 64, durable=False)
             ack(f"A {w} {seq}")
 
@@ -125,12 +133,13 @@ def reader(spec: dict) -> None:
 
 
 def pruner(spec: dict) -> None:
-    """Prune autosaves to a small budget until the stop file appears."""
+    """Prune the store to a small budget until the stop file appears."""
+    from engine.checkpoints import graph
     store = Store(spec["folder"])
     stop = Path(spec["stop"])
     stats = {"prunes": 0, "deleted": 0, "skipped_changed": 0}
     while not stop.exists():
-        report = store.prune_autosaves(budget_bytes=spec["budget"], stale_temp_age_s=3600)
+        report = graph.prune(store, spec["budget"], stale_temp_age_s=3600)
         stats["prunes"] += 1
         stats["deleted"] += len(report.deleted)
         stats["skipped_changed"] += report.skipped_changed

@@ -1,0 +1,186 @@
+"""The store as a graph (engine.checkpoints.graph): heads, chains, and what may be deleted.
+
+Synthetic files (faultkit.synthetic: the real writer, well-formed states) make the
+shapes; the compositions with the real model are in test_store_cases.py and
+test_store_properties.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from conftest import run_cli
+from engine.checkpoints import graph, transfer
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.store import Store
+from engine.errors import CheckpointError
+from faultkit import synthetic
+
+A, M, P = KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE
+
+
+def _chain(store: Store, conv, lengths, *, kind_last=A, line=None, first_parent=None):
+    """A base (or a delta on ``first_parent``) and deltas of the given token counts."""
+    store.ensure()
+    out, parent = [], first_parent
+    for i, n in enumerate(lengths):
+        kind = kind_last if i == len(lengths) - 1 else A
+        path = store.new_autosave_path(conv) if kind == A else store.new_path(f"head {n}")
+        parent = synthetic.write_node(path, conv, n, parent=parent, kind=kind, line=line)
+        out.append(parent)
+        time.sleep(0.001)
+    return out
+
+
+def test_heads_are_the_newest_whole_chain_of_each_line(tmp_path):
+    store = Store(tmp_path / "store")
+    a, b = uuid.uuid4(), uuid.uuid4()
+    a_chain = _chain(store, a, [40, 48, 56], kind_last=P)
+    b_old = _chain(store, b, [30, 38])
+    b_new = _chain(store, b, [70])                 # a compaction: a new chain on b's line
+    branch = _chain(store, b, [44], line="branch-1", first_parent=b_old[1])
+    g = Graph.scan(store)
+    assert [h.path for h in g.heads] == [branch[0].path, b_new[0].path, a_chain[-1].path]
+    head_a = g.nodes[a_chain[-1].path.name]
+    assert [n.path for n in g.chain(head_a)] == [w.path for w in a_chain]
+    assert g.chain_size(head_a) == sum(w.path.stat().st_size for w in a_chain)
+    assert g.is_head(head_a) and not g.is_head(g.nodes[a_chain[0].path.name])
+    # b's old chain is superseded on its own line, but the branch still needs both files
+    assert g.reachable(g.nodes[b_old[0].path.name]) and g.superseded() == []
+    assert [h.line for h in g.heads_of(b)] == ["branch-1", b.hex]
+
+
+def test_a_newest_file_with_a_missing_parent_is_kept_but_not_the_head(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    base, middle, last = _chain(store, conv, [40, 48, 56])
+    middle.path.unlink()                          # as the first round's pruner did
+    g = Graph.scan(store)
+    (head,) = g.heads
+    assert head.path == base.path
+    assert "missing" in g.chain_problem(g.nodes[last.path.name])
+    report = graph.prune(store, 0)
+    assert report.deleted == [] and last.path.exists()
+    assert report.kept[graph.KEPT_NEWER][0] == 1
+
+
+def test_prune_never_deletes_a_live_chain_and_spends_the_budget_on_superseded_chains(tmp_path):
+    """Issue case 1 in miniature: a store over budget keeps every file a head needs."""
+    store = Store(tmp_path / "store")
+    live = _chain(store, uuid.uuid4(), [400, 416, 432, 448])       # an answer being autosaved
+    other = uuid.uuid4()
+    old = _chain(store, other, [100, 116])                         # superseded by a compaction
+    newer = _chain(store, other, [132])
+    report = graph.prune(store, budget_bytes=1)
+    assert sorted(report.deleted) == sorted(w.path for w in old)   # the whole old chain
+    assert all(w.path.exists() for w in live + newer)
+    assert report.kept[graph.KEPT_CHAIN][0] == 3 and report.kept[graph.KEPT_HEAD][0] == 2
+    for w in live:   # the live chain still restores in full, every file linked
+        assert len(load_chain(w.path)) == live.index(w) + 1
+
+
+def test_retire_deletes_what_a_new_head_supersedes_after_it_is_written(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    first = _chain(store, conv, [40, 48, 56])
+    trimmed = _chain(store, conv, [52], first_parent=first[0])     # a Regenerate cut the tail
+    report = graph.retire(store, conv.hex)
+    assert sorted(report.deleted) == sorted([first[1].path, first[2].path])
+    assert first[0].path.exists() and trimmed[0].path.exists()
+    assert graph.retire(store, conv.hex).deleted == []
+
+
+def test_a_damaged_head_is_set_aside_before_anything_is_retired(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    old = _chain(store, conv, [40])
+    new = _chain(store, conv, [80])
+    data = bytearray(new[0].path.read_bytes())
+    data[-100] ^= 1
+    new[0].path.write_bytes(bytes(data))
+    assert graph.retire(store, conv.hex).deleted == []
+    assert old[0].path.exists()
+
+
+def test_delete_conversation_keeps_what_another_conversation_needs(tmp_path):
+    store = Store(tmp_path / "store")
+    c, d = uuid.uuid4(), uuid.uuid4()
+    c_files = _chain(store, c, [40, 48])
+    stray = _chain(store, c, [20], line="old")                      # another line of c
+    d_files = _chain(store, d, [60], first_parent=c_files[0])       # a fork on c's base
+    report = graph.delete_conversation(store, c)
+    assert sorted(report.deleted) == sorted([c_files[1].path, stray[0].path])
+    assert c_files[0].path.exists() and d_files[0].path.exists()
+    assert [h.conversation_id for h in Graph.scan(store).heads] == [d]
+
+
+def test_delete_node_follows_the_graph(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    chain = _chain(store, conv, [40, 48, 56], kind_last=P)
+    with pytest.raises(CheckpointError, match="part of the chain"):
+        graph.delete_node(store, chain[1].path)
+    report = graph.delete_node(store, chain[-1].path)
+    assert sorted(report.deleted) == sorted(w.path for w in chain)
+    assert store.files() == []
+
+
+def test_import_links_files_dropped_together_and_refuses_an_orphan(tmp_path):
+    """Issue case 5: a delta alone is refused with the reason; with its parents it links."""
+    outside = Store(tmp_path / "elsewhere")
+    conv = uuid.uuid4()
+    base, middle, last = _chain(outside, conv, [40, 48, 56], kind_last=P)
+    store = Store(tmp_path / "store")
+    (alone,) = transfer.import_files([last.path], store)
+    assert alone.status == transfer.MISSING_PARENT and alone.imported is None
+    assert middle.path.name in alone.reason and alone.chain_folder == outside.folder
+    assert store.files() == []
+    # "Import its chain" brings the chain files from that folder, in any order
+    results = transfer.import_files(list(reversed(transfer.chain_paths(last.path))), store)
+    assert all(r.ok and r.imported is not None for r in results)
+    (head,) = Graph.scan(store).heads
+    assert head.name == last.path.name and len(load_chain(head.path)) == 3
+    # the same files again, and one twice in one drop: nothing is copied twice
+    again = transfer.import_files([last.path, last.path, base.path], store)
+    assert [r.already for r in again] == [True, True, True]
+    assert len(store.files()) == 3
+
+
+def test_import_relinks_a_delta_whose_parent_had_to_take_another_name(tmp_path):
+    outside = Store(tmp_path / "elsewhere")
+    conv = uuid.uuid4()
+    base, last = _chain(outside, conv, [40, 48])
+    store = Store(tmp_path / "store")
+    store.ensure()
+    (store.folder / base.path.name).write_bytes(synthetic.file_bytes())   # the name is taken
+    results = transfer.import_files([base.path, last.path], store)
+    assert all(r.ok for r in results)
+    new_base, new_last = (r.imported for r in results)
+    assert new_base.name != base.path.name and new_last.name == last.path.name
+    chain = load_chain(new_last)                 # linked by the rewritten reference
+    assert [d.path for d in chain] == [new_base, new_last]
+    assert chain[-1].meta["origin_crc"] == last.payload_crc
+    # the untouched original is still recognised as already imported
+    assert transfer.import_files([last.path], store)[0].already
+
+
+def test_list_and_inspect_show_the_graph(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    chain = _chain(store, conv, [40, 48, 56], kind_last=P)
+    listing = json.loads(run_cli("list", "--dir", str(store.folder), "--json", check=True).stdout)
+    by_name = {e["path"].rsplit("/", 1)[-1]: e for e in listing}
+    head = by_name[chain[-1].path.name]
+    assert head["head"] is True and head["parent"] == chain[1].path.name
+    assert head["conversation"] == str(conv) and head["id"] == chain[-1].checkpoint_id
+    assert by_name[chain[0].path.name]["parent"] is None and not by_name[chain[0].path.name]["head"]
+    text = run_cli("list", "--dir", str(store.folder), check=True).stdout
+    assert "(3 files," in text and text.count("└") == 2
+    shown = run_cli("inspect", str(chain[-1].path), check=True).stdout
+    assert "head of its line" in shown and all(w.path.name in shown for w in chain)
