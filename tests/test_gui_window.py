@@ -284,3 +284,61 @@ def test_pause_during_prefill_stops_at_once_and_resumes(qtbot, make_window):
     assert fin.args[0].finish_reason in ("length", "stop") and fin.args[0].n_generated > 0
     assert fin.args[0].n_reused_tokens == header.n_tokens   # kept what the pause had decoded
     assert w.chat_view.answer_text()
+
+
+def _files_of(store, conv_id) -> list[Path]:
+    return [p for p in store.files() if read_header(p).conversation_id == conv_id]
+
+
+def test_deleting_a_conversation_deletes_its_whole_history(qtbot, make_window):
+    """Issue 9, case 3: a deleted conversation's chain files went nowhere, so it came back."""
+    w = make_window(n_predict=24, autosave_every=4, temperature=0.0)
+    run_to_end(qtbot, w, "Name five trees.")
+    conv = w.current
+    assert len(_files_of(w.store, conv)) >= 2            # the head and the autosaves it builds on
+    # and an older autosave of it, as a crash leaves one behind
+    from dataclasses import replace
+    from engine.checkpoints import format as fmt
+    raw = bytearray(Path(w.snapshots[conv].checkpoint).read_bytes())
+    h = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
+    raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(h, kind=fmt.KIND_AUTOSAVE, created_unix_ns=1))
+    (w.store.folder / f"autosave-{conv.hex[:12]}-00000000000000000001.kvckpt").write_bytes(bytes(raw))
+    keep = w.conversation_list.count()
+    w.new_conversation()
+    run_to_end(qtbot, w, "Name two birds.")
+    other = w.current
+    w._delete(conv)                                      # what Delete… does after the question
+    qtbot.waitUntil(lambda: _files_of(w.store, conv) == [], timeout=30_000)
+    assert _files_of(w.store, other)                     # another conversation is untouched
+    with qtbot.waitSignal(w.store_listed, timeout=30_000):
+        w.refresh_store()
+    ids = [w.conversation_list.item(i).data(Qt.ItemDataRole.UserRole)
+           for i in range(w.conversation_list.count())]
+    assert conv not in ids and other in ids and len(ids) == keep
+
+
+def test_dropping_a_delta_without_its_parents_offers_its_chain(qtbot, make_window, tmp_path):
+    """Issue 9, case 5, in the window: refused with the reason, then "Import its chain"."""
+    from engine.checkpoints import graph
+    w = make_window(n_predict=20, autosave_every=4, temperature=0.0)
+    run_to_end(qtbot, w, "Count to ten.")
+    head = Path(w.snapshots[w.current].checkpoint)
+    chain = graph.Graph.scan(w.store)
+    files = [n.path for n in chain.chain(chain.nodes[head.name])]
+    assert len(files) >= 2 and read_header(head).is_delta
+    elsewhere = tmp_path / "usb stick"
+    elsewhere.mkdir()
+    for p in files:
+        shutil.copy2(p, elsewhere / p.name)
+    w._delete(w.current)
+    qtbot.waitUntil(lambda: w.store.files() == [], timeout=30_000)
+
+    with qtbot.waitSignal(w.message_shown, timeout=60_000) as shown:
+        _drop(w, [elsewhere / head.name])
+    assert "parent" in shown.args[1] and "Import its chain" in [b.text() for b in w.chain_offer.buttons()]
+    assert w.store.files() == []
+    with qtbot.waitSignal(w.imports_finished, timeout=60_000) as done:
+        w.chain_offer.buttons()[0].click()
+    assert all(r.ok for r in done.args[0]) and len(done.args[0]) == len(files)
+    assert sorted(p.name for p in w.store.files()) == sorted(p.name for p in files)
+    assert graph.Graph.scan(w.store).heads[0].name == head.name
