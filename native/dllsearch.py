@@ -8,18 +8,27 @@ edits leak into every child process and let a stray ggml.dll elsewhere on PATH w
 What we do instead, before ``llama_cpp`` is imported:
 
 1. ``os.add_dll_directory`` for the library folder and CUDA's bin folders; the handles
-   are kept for the life of the process (closing one removes the folder again).
-2. Load llama.dll ourselves with ``LOAD_LIBRARY_SEARCH_DEFAULT_DIRS |
+   are kept for the life of the process (closing one removes the folder again).  Both
+   ``AddDllDirectory`` and ``LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR`` need absolute paths
+   (a relative one fails with WinError 87), so every path is made absolute first.
+2. Preload the CUDA runtime (cudart64_N, cublasLt64_N, cublas64_N: dependencies first)
+   by full path, from the place :func:`native.libfile.locate_cuda_runtime` found it.
+   ggml loads its plug-in backends (ggml-cuda.dll of an official release) with a plain
+   ``LoadLibraryW``, whose search ignores the folders of step 1 and reads PATH, which
+   step 4 restores before the plug-ins load: without this step a CUDA folder whose
+   runtime sits beside llama.dll would load no CUDA backend and run on the CPU.  A
+   module already loaded is matched by name, so the plug-in's imports resolve to these.
+3. Load llama.dll ourselves with ``LOAD_LIBRARY_SEARCH_DEFAULT_DIRS |
    LOAD_LIBRARY_SEARCH_DLL_LOAD_DIR`` (Python's own default for ctypes): its
-   dependencies (ggml*.dll, cudart64_12.dll, cublas64_12.dll) resolve from its own
-   folder, the added folders and System32 only.
-3. When ``llama_cpp`` then loads the same full path, Windows returns the module that is
+   dependencies (ggml*.dll and, for a linked-in CUDA backend, the runtime) resolve from
+   its own folder, the added folders and System32 only.
+4. When ``llama_cpp`` then loads the same full path, Windows returns the module that is
    already loaded, so its legacy search never runs; the PATH it prepended is put back
    (:class:`PathGuard`) right after the import.
 
 Every OS call is a parameter (``add_dll_directory``, ``loader``), so the whole sequence
-runs on Linux in tests with fakes.  Only Windows can prove step 3's "already loaded"
-behaviour: see tests/test_library.py's docstring.
+runs on Linux in tests with fakes.  Only Windows can prove that step 2 makes the plug-in
+find its runtime and step 4's "already loaded" behaviour: see installer/README.md.
 """
 
 from __future__ import annotations
@@ -27,10 +36,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping
 
-from native.libfile import cuda_bin_dirs
+from native.libfile import cuda_bin_dirs, locate_cuda_runtime
 
 log = logging.getLogger("native")
 
@@ -63,28 +73,49 @@ def default_loader(path: str, winmode: int | None = None):
     return ctypes.CDLL(path, winmode=winmode)
 
 
+@dataclass
+class WindowsSearch:
+    """What :func:`prepare_windows_search` did: folders added, files preloaded, llama.dll."""
+    folders: list[Path] = field(default_factory=list)
+    preloaded: list[Path] = field(default_factory=list)
+    library: Any = None
+
+
+def absolute(path: Path | str) -> Path:
+    """``path`` made absolute against the current folder, ``..`` folded (WinError 87 otherwise)."""
+    return Path(os.path.abspath(os.fspath(path)))
+
+
 def prepare_windows_search(library: Path, *, environ: Mapping[str, str] | None = None,
                            platform: str = sys.platform,
                            add_dll_directory: Callable[[str], Any] | None = None,
-                           loader: Loader = default_loader) -> list[Path]:
-    """Steps 1 and 2 above; returns the folders added.  Does nothing off Windows.
+                           loader: Loader = default_loader) -> WindowsSearch:
+    """Steps 1 to 3 above; returns what was done.  Does nothing off Windows.
 
     Raises OSError from the loader unchanged: the caller explains it
     (:func:`native.libfile.explain_load_failure`).
     """
     if platform != "win32":
-        return []
+        return WindowsSearch()
+    environ = os.environ if environ is None else environ
     add = add_dll_directory or getattr(os, "add_dll_directory")
-    dirs = dll_directories(library.parent, environ, platform)
-    for d in dirs:
+    library = absolute(library)
+    done = WindowsSearch(folders=dll_directories(library.parent, environ, platform))
+    for d in done.folders:
         _kept.append(add(str(d)))
-    _kept.append(loader(str(library), winmode=SAFE_WINMODE))
-    log.info("DLL search folders: %s", ", ".join(map(str, dirs)))
-    return dirs
+    runtime = locate_cuda_runtime(library.parent, platform, environ)
+    for path in runtime.found if runtime else ():
+        _kept.append(loader(str(path), winmode=SAFE_WINMODE))
+        done.preloaded.append(path)
+    done.library = loader(str(library), winmode=SAFE_WINMODE)
+    _kept.append(done.library)
+    log.info("DLL search folders: %s; preloaded: %s", ", ".join(map(str, done.folders)),
+             ", ".join(map(str, done.preloaded)) or "nothing")
+    return done
 
 
 class PathGuard:
-    """Puts PATH back as it was when the block exits (step 3 above).
+    """Puts PATH back as it was when the block exits (step 4 above).
 
     Only PATH is restored, and only if something changed it inside the block.
     """

@@ -136,13 +136,99 @@ def check_binary(path: Path, platform: str = sys.platform, machine: str | None =
     return kind
 
 
+# -- PE import table -----------------------------------------------------------------------
+
+#: Bounds on what the import-table reader accepts, checked before reading further: a
+#: damaged or hostile file costs a few KiB of reads at most.
+_MAX_SECTIONS = 96
+_MAX_DESCRIPTORS = 4096
+_MAX_NAME = 260
+_IMPORT_DIR, _DELAY_IMPORT_DIR = 1, 13
+
+
+def pe_imports(path: Path) -> list[str]:
+    """The DLL names a PE file imports (import and delay-import tables), in file order.
+
+    Reads only the headers, the section table, the descriptors and the name strings, a
+    few KiB with seeks: a multi-architecture ggml-cuda.dll is hundreds of MB, and reading
+    it whole on every start (and again in the probe child) was the old way.  Returns []
+    for anything that is not a well-formed PE file.
+    """
+    try:
+        with open(path, "rb") as f:
+            return _read_pe_imports(f)
+    except (OSError, ValueError, struct.error):
+        return []
+
+
+def _read_at(f, offset: int, size: int) -> bytes:
+    f.seek(offset)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("truncated")
+    return data
+
+
+def _read_pe_imports(f) -> list[str]:
+    if _read_at(f, 0, 2) != b"MZ":
+        raise ValueError("no MZ header")
+    (pe,) = struct.unpack("<I", _read_at(f, 0x3C, 4))
+    if _read_at(f, pe, 4) != b"PE\0\0":
+        raise ValueError("no PE signature")
+    _machine, n_sections, _t, _s, _n, opt_size, _c = struct.unpack("<HHIIIHH", _read_at(f, pe + 4, 20))
+    if n_sections > _MAX_SECTIONS:
+        raise ValueError("too many sections")
+    opt = pe + 24
+    (magic,) = struct.unpack("<H", _read_at(f, opt, 2))
+    if magic not in (0x10B, 0x20B):             # PE32, PE32+
+        raise ValueError("unknown optional header")
+    count_at, dirs_at = (opt + 92, opt + 96) if magic == 0x10B else (opt + 108, opt + 112)
+    (n_dirs,) = struct.unpack("<I", _read_at(f, count_at, 4))
+    sections = [struct.unpack_from("<IIII", _read_at(f, opt + opt_size + 40 * i + 8, 16))
+                for i in range(n_sections)]     # VirtualSize, VirtualAddress, SizeOfRawData, PointerToRawData
+
+    def offset_of(rva: int) -> int:
+        for vsize, va, raw_size, raw_ptr in sections:
+            if va <= rva < va + max(vsize, raw_size):
+                return rva - va + raw_ptr
+        raise ValueError(f"RVA 0x{rva:x} outside every section")
+
+    def name_at(rva: int) -> str:
+        f.seek(offset_of(rva))
+        raw = f.read(_MAX_NAME)
+        end = raw.find(b"\0")
+        if end <= 0:
+            raise ValueError("bad name")
+        return raw[:end].decode("ascii")
+
+    names: list[str] = []
+    # IMAGE_IMPORT_DESCRIPTOR (20 bytes, Name at 12); ImgDelayDescr (32 bytes: Attributes,
+    # then DllNameRVA; Attributes bit 0 clear means the old VA-based form, not read here)
+    for index, size, name_field in ((_IMPORT_DIR, 20, 12), (_DELAY_IMPORT_DIR, 32, 4)):
+        if index >= n_dirs:
+            continue
+        rva, length = struct.unpack("<II", _read_at(f, dirs_at + 8 * index, 8))
+        if not rva or not length:
+            continue
+        at = offset_of(rva)
+        for i in range(_MAX_DESCRIPTORS):
+            entry = _read_at(f, at + i * size, size)
+            if not any(entry):
+                break
+            if index == _DELAY_IMPORT_DIR and not entry[0] & 1:
+                break
+            (name_rva,) = struct.unpack_from("<I", entry, name_field)
+            if name_rva:
+                names.append(name_at(name_rva))
+    return names
+
+
 # -- CUDA runtime --------------------------------------------------------------------------
 
 _CUDA_BACKEND = {"win32": ("ggml-cuda.dll",), "darwin": ()}
-_RUNTIME_NAME = {"win32": re.compile(rb"(?:cudart|cublas|cublasLt)64_\d+\.dll", re.I),
-                 "linux": re.compile(rb"lib(?:cudart|cublas|cublasLt)\.so\.\d+")}
-_DEFAULT_RUNTIME = {"win32": ("cudart64_12.dll", "cublas64_12.dll", "cublasLt64_12.dll"),
-                    "linux": ("libcudart.so.12", "libcublas.so.12", "libcublasLt.so.12")}
+_RUNTIME_NAME = re.compile(r"(?:cudart|cublas|cublasLt)64_\d+\.dll", re.I)
+_DEFAULT_RUNTIME = {"win32": ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll"),
+                    "linux": ("libcudart.so.12", "libcublasLt.so.12", "libcublas.so.12")}
 
 
 def cuda_backend_file(folder: Path, platform: str = sys.platform) -> Path | None:
@@ -154,18 +240,29 @@ def cuda_backend_file(folder: Path, platform: str = sys.platform) -> Path | None
     return None
 
 
-def cuda_runtime_names(backend: Path, platform: str = sys.platform) -> tuple[str, ...]:
-    """The CUDA runtime libraries the backend imports, read from its import strings.
+def _load_order(name: str) -> tuple[int, str]:
+    low = name.lower()
+    rank = 0 if "cudart" in low else 1 if "cublaslt" in low else 2
+    return rank, low
 
-    The import table stores dependency names as plain ASCII, so a byte search finds
-    them without a PE/ELF parser; a CUDA 12 build names cudart64_12.dll, a CUDA 13 one
-    cudart64_13.dll.  Falls back to CUDA 12's names.
+
+def cuda_runtime_names(backend: Path, platform: str = sys.platform) -> tuple[str, ...]:
+    """The CUDA runtime libraries the backend needs, in the order they must be loaded.
+
+    Read from the backend's PE import table (a CUDA 12 build names cudart64_12.dll, a
+    CUDA 13 one cudart64_13.dll).  cublas64_N.dll in turn needs cublasLt64_N.dll, which
+    the backend does not name itself: it is added, so a folder lacking only cublasLt is
+    refused here instead of by the loader.  Falls back to CUDA 12's names off Windows or
+    when the table cannot be read.
     """
     key = "win32" if platform == "win32" else "linux"
-    data = backend.read_bytes()
-    found = sorted({m.group(0).decode("ascii") for m in _RUNTIME_NAME[key].finditer(data)},
-                   key=lambda n: ("cudart" not in n.lower(), n.lower()))  # the runtime first
-    return tuple(found) or _DEFAULT_RUNTIME[key]
+    imports = pe_imports(backend) if key == "win32" else []
+    found = {n for n in imports if _RUNTIME_NAME.fullmatch(n)}
+    for name in list(found):
+        major = re.fullmatch(r"cublas64_(\d+)\.dll", name, re.I)
+        if major:
+            found.add(f"cublasLt64_{major.group(1)}.dll")
+    return tuple(sorted(found, key=_load_order)) or _DEFAULT_RUNTIME[key]
 
 
 def cuda_bin_dirs(environ: Mapping[str, str], platform: str = sys.platform) -> list[Path]:
@@ -191,6 +288,50 @@ def cuda_bin_dirs(environ: Mapping[str, str], platform: str = sys.platform) -> l
     return dirs
 
 
+@dataclass(frozen=True)
+class CudaRuntime:
+    """Where a CUDA build's runtime libraries are, for checking, preloading and bundling."""
+    backend: Path
+    places: tuple[Path, ...]     # searched in this order: the library folder first
+    found: tuple[Path, ...]      # full paths, in load order
+    missing: tuple[str, ...]
+
+
+def locate_cuda_runtime(folder: Path, platform: str = sys.platform,
+                        environ: Mapping[str, str] | None = None) -> CudaRuntime | None:
+    """The CUDA runtime of the build in ``folder`` (None: not a CUDA build, or not Windows).
+
+    Beside llama.dll first, then the CUDA bin folders: the same order
+    :mod:`native.dllsearch` adds them in, so what is checked is what gets loaded.
+    """
+    if platform != "win32":
+        return None
+    environ = os.environ if environ is None else environ
+    backend = cuda_backend_file(folder, platform)
+    if backend is None:
+        return None
+    places = tuple([folder] + [d for d in cuda_bin_dirs(environ, platform) if d.is_dir()])
+    found, missing = [], []
+    for name in cuda_runtime_names(backend, platform):
+        hit = next((p / name for p in places if (p / name).is_file()), None)
+        if hit is None:
+            missing.append(name)
+        else:
+            found.append(hit)
+    return CudaRuntime(backend, places, tuple(found), tuple(missing))
+
+
+def _runtime_refusal(folder: Path, runtime: CudaRuntime) -> str:
+    missing = runtime.missing
+    major = re.search(r"_(\d+)\.dll", missing[0])
+    version = major.group(1) if major else "12"
+    return (f"the llama library in {folder} was built with CUDA ({runtime.backend.name}) but "
+            f"{', '.join(missing)} {'was' if len(missing) == 1 else 'were'} not found "
+            f"(looked in {', '.join(str(p) for p in runtime.places)}); install the CUDA {version} "
+            f"runtime: the CUDA Toolkit {version}.x, or unzip llama.cpp's matching "
+            f"cudart-llama-bin-win-cuda-{version}.x-x64.zip into {folder}")
+
+
 def missing_cuda_runtime(folder: Path, platform: str, environ: Mapping[str, str]) -> str | None:
     """Why a CUDA build in ``folder`` would fail to load, or None when it looks complete.
 
@@ -198,27 +339,45 @@ def missing_cuda_runtime(folder: Path, platform: str, environ: Mapping[str, str]
     or in a CUDA bin folder.  On Linux the dynamic linker's own error is explained
     after the fact (see :func:`explain_load_failure`).
     """
-    if platform != "win32":
+    runtime = locate_cuda_runtime(folder, platform, environ)
+    if runtime is None:
         return None
-    backend = cuda_backend_file(folder, platform)
-    if backend is None:
-        return None
-    places = [folder] + [d for d in cuda_bin_dirs(environ, platform) if d.is_dir()]
-    missing = [name for name in cuda_runtime_names(backend, platform)
-               if not any((p / name).is_file() for p in places)]
+    if runtime.missing:
+        return _runtime_refusal(folder, runtime)
     system32 = Path(environ.get("SystemRoot", r"C:\Windows")) / "System32"
-    if missing:
-        major = re.search(r"_(\d+)\.dll", missing[0])
-        version = major.group(1) if major else "12"
-        return (f"the llama library in {folder} was built with CUDA ({backend.name}) but "
-                f"{', '.join(missing)} {'was' if len(missing) == 1 else 'were'} not found "
-                f"(looked in {', '.join(str(p) for p in places)}); install the CUDA {version} "
-                f"runtime: the CUDA Toolkit {version}.x, or unzip llama.cpp's matching "
-                f"cudart-llama-bin-win-cuda-{version}.x-x64.zip into {folder}")
     if system32.is_dir() and not (system32 / "nvcuda.dll").is_file():
         return (f"the llama library in {folder} was built with CUDA but no NVIDIA driver was "
                 f"found (nvcuda.dll is not in {system32}); install a recent NVIDIA driver")
     return None
+
+
+def cuda_runtime_to_bundle(folder: Path, platform: str = sys.platform,
+                           environ: Mapping[str, str] | None = None) -> list[Path]:
+    """The CUDA runtime files a frozen app must ship beside llama.dll (installer's spec).
+
+    Raises LibraryError naming what is missing: a frozen CUDA build without its runtime
+    would only work on machines that happen to have the toolkit on PATH.  [] for a CPU
+    build, and off Windows (there the runtime comes with the CUDA or driver packages).
+    """
+    runtime = locate_cuda_runtime(folder, platform, environ)
+    if runtime is None:
+        return []
+    if runtime.missing:
+        raise LibraryError(_runtime_refusal(folder, runtime))
+    return list(runtime.found)
+
+
+def cuda_device_problem(folder: Path, device_kinds: list[str],
+                        platform: str = sys.platform) -> str | None:
+    """Why a CUDA build would silently run on the CPU: its backend is there, no GPU came up."""
+    backend = cuda_backend_file(folder, platform)
+    if backend is None or any(kind in ("GPU", "iGPU") for kind in device_kinds):
+        return None
+    return (f"the llama library in {folder} was built with CUDA ({backend.name}) but llama.cpp "
+            f"found no CUDA device (devices: {', '.join(device_kinds) or 'none'}), so it would "
+            "run on the CPU only; check that the NVIDIA driver sees the GPU (nvidia-smi lists "
+            "it), or choose a CPU build of llama.cpp (Settings, --llama-lib or "
+            "CHECKPOINT_CHAT_LLAMA_LIB)")
 
 
 # -- the loader's error, explained -------------------------------------------------------

@@ -17,6 +17,12 @@ parameters read back, backend init), so a crash there costs nothing but an error
 message.  The bundled library, built together with the bindings, is only
 sanity-checked in process.  On Windows the DLL search is set up by
 :mod:`native.dllsearch` (``os.add_dll_directory``, never PATH).
+
+Loading is one sequence of stages (:data:`LOAD_STAGES`, :func:`load_sequence`) that
+this process and the probe child both run, the child announcing each stage: what the
+probe accepts is what the app then loads, in the same order, with the same DLL search.
+The last stage refuses a CUDA build that came up without a GPU device: never a silent
+CPU fallback.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
-from native.dllsearch import PathGuard, dll_directories, prepare_windows_search  # noqa: F401
+from native.dllsearch import (PathGuard, absolute, default_loader, dll_directories,  # noqa: F401
+                              prepare_windows_search)
 from native.errors import LibraryError
 from native.libfile import (BINDINGS_VERSION, REQUIRED_LLAMA_CPP_COMMIT,  # noqa: F401
-                            check_binary, explain_load_failure, find_library_file,
-                            library_filenames, missing_cuda_runtime)
+                            check_binary, cuda_device_problem, explain_load_failure,
+                            find_library_file, library_filenames, missing_cuda_runtime)
 
 log = logging.getLogger("native")
 
@@ -117,12 +124,16 @@ class LibraryChoice:
 def choose_library(cli_dir: str | os.PathLike | None = None,
                    settings_dir: str | os.PathLike | None = None,
                    environ: Mapping[str, str] | None = None) -> LibraryChoice | None:
-    """The CLI flag, else Settings, else the environment; None means the bundled one."""
+    """The CLI flag, else Settings, else the environment; None means the bundled one.
+
+    The folder is made absolute here, against the current folder: Windows' DLL search
+    calls refuse relative paths (WinError 87), and the probe child must see the same one.
+    """
     environ = os.environ if environ is None else environ
     for candidate, source in ((cli_dir, "--llama-lib"), (settings_dir, "Settings"),
                               (environ.get(APP_ENV_VAR), APP_ENV_VAR)):
         if candidate is not None and str(candidate).strip():
-            return LibraryChoice(Path(str(candidate).strip()).expanduser(), source)
+            return LibraryChoice(absolute(Path(str(candidate).strip()).expanduser()), source)
     return None
 
 
@@ -156,6 +167,7 @@ class LoadedLibrary:
     bundled: bool
     version: str
     source: str = "bundled"
+    devices: tuple = ()          # native.sysinfo.Device, as listed right after loading
 
     @property
     def identity(self) -> str:
@@ -167,16 +179,35 @@ _lock = threading.Lock()
 _loaded: LoadedLibrary | None = None
 _bindings: ModuleType | None = None
 
+#: The stages of :func:`load_sequence`, in order, and what each does (for messages).
+LOAD_STAGES = {
+    "open": "opening the library",
+    "symbols": "looking up its functions",
+    "import": "importing llama-cpp-python's bindings",
+    "abi": "reading the default parameters back (ABI check)",
+    "backends": "loading ggml's backends",
+    "backend_init": "llama_backend_init",
+    "devices": "listing devices",
+}
 
-def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True) -> ModuleType:
+Stage = Callable[[str], Any]
+
+
+def _no_stage(_name: str) -> None:
+    return None
+
+
+def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True,
+             stage: Stage = _no_stage) -> ModuleType:
     """Import ``llama_cpp.llama_cpp`` with the chosen library and return it.
 
     The first call decides the library for the life of the process; a later call that
-    asks for another folder fails rather than silently using the first one.
+    asks for another folder fails rather than silently using the first one.  ``stage``
+    is called before each stage of :func:`load_sequence` (the probe child prints them).
     """
     global _loaded, _bindings
     choice = lib_dir if isinstance(lib_dir, LibraryChoice) or lib_dir is None \
-        else LibraryChoice(Path(lib_dir), "the chosen folder")
+        else LibraryChoice(absolute(lib_dir), "the chosen folder")
     with _lock:
         if _bindings is not None:
             if choice is not None and _loaded and choice.folder.resolve() != _loaded.folder.resolve():
@@ -184,7 +215,7 @@ def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True)
                     f"the llama library from {_loaded.folder} is already loaded; "
                     "restart the app to use another one")
             return _bindings
-        folder = bundled_library_dir() if choice is None else choice.folder
+        folder = bundled_library_dir() if choice is None else absolute(choice.folder)
         if folder is None:
             raise LibraryError(
                 f"llama-cpp-python is not installed; install llama-cpp-python=={BINDINGS_VERSION}")
@@ -195,26 +226,57 @@ def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True)
             report = probe_library(folder)
             if not report.ok:
                 raise LibraryError(report.reason)
-        try:
-            prepare_windows_search(path)
-            if choice is not None:
-                os.environ[BINDINGS_ENV_VAR] = str(folder)
-            with PathGuard():
-                import llama_cpp.llama_cpp as ll
-        except (OSError, RuntimeError, AttributeError) as exc:
-            raise LibraryError(explain_load_failure(folder, exc)) from exc
-        check_abi(ll, path)
-        from native.logs import install_log_router
-        install_log_router(ll)
-        from native.sysinfo import load_dynamic_backends
-        load_dynamic_backends(folder)
-        ll.llama_backend_init()
+        ll, devices = load_sequence(folder, path, chosen=choice is not None, stage=stage)
         version = library_version(ll)
         _loaded = LoadedLibrary(path=path, folder=folder, bundled=choice is None,
-                                version=version, source=source)
+                                version=version, source=source, devices=tuple(devices))
         _bindings = ll
         log.info("loaded %s (%s, from %s)", path, version, source)
         return ll
+
+
+def load_sequence(folder: Path, path: Path, *, chosen: bool,
+                  stage: Stage = _no_stage) -> tuple[ModuleType, list]:
+    """Load ``path`` into this process, stage by stage; returns the bindings and devices.
+
+    The app and the probe child (``python -m native.probe``) both run exactly this, so
+    a library the child accepted is loaded the same way, with the same DLL search, here.
+    """
+    from native.logs import install_log_router
+    from native.sysinfo import list_devices, load_dynamic_backends
+
+    stage("open")
+    try:
+        search = prepare_windows_search(path)
+        handle = search.library if search.library is not None else default_loader(str(path))
+    except OSError as exc:
+        raise LibraryError(explain_load_failure(folder, exc)) from exc
+    stage("symbols")
+    wanted = tuple(dict.fromkeys(REQUIRED_SYMBOLS + bound_symbols()))
+    missing = missing_symbols(handle, wanted)
+    if missing:
+        raise LibraryError(symbols_refusal(path, missing, len(wanted)))
+    stage("import")
+    try:
+        if chosen:
+            os.environ[BINDINGS_ENV_VAR] = str(folder)
+        with PathGuard():
+            import llama_cpp.llama_cpp as ll
+    except (OSError, RuntimeError, AttributeError) as exc:
+        raise LibraryError(explain_load_failure(folder, exc)) from exc
+    stage("abi")
+    check_abi(ll, path)
+    install_log_router(ll)
+    stage("backends")
+    load_dynamic_backends(folder)
+    stage("backend_init")
+    ll.llama_backend_init()
+    stage("devices")
+    devices = list_devices(folder)
+    problem = cuda_device_problem(folder, [d.kind for d in devices])
+    if problem:
+        raise LibraryError(problem)
+    return ll, devices
 
 
 def library_version(ll: ModuleType) -> str:

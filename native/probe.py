@@ -7,9 +7,17 @@ one JSON line ``{"stage": NAME}`` *before* each (flushed), and one final line
 where, so the parent can report "crashed (SIGSEGV) while reading the default
 parameters" instead of a bare exit code.
 
-Stages: open the file with the OS loader; look up every function the bindings bind;
-import the bindings; read the default parameter structs back (ABI); load plug-in
-backends; ``llama_backend_init``; list devices.
+The stages are :func:`native.library.load_sequence`'s, run by the very function the
+app loads with (:func:`native.library.bindings`): open the file with the OS loader (on
+Windows: DLL folders added, the CUDA runtime preloaded); look up every function the
+bindings bind; import the bindings; read the default parameter structs back (ABI);
+load plug-in backends; ``llama_backend_init``; list devices (a CUDA build without a
+GPU device is refused there).
+
+On Windows the child is started with ``CREATE_NO_WINDOW``: from the windowed app a
+console program would otherwise open a console window, and closing it killed the probe
+(0xC000013A), which then refused the library as crashed.  A child that dies with a
+Windows status is explained by :data:`NTSTATUS_CAUSES`.
 """
 
 from __future__ import annotations
@@ -21,22 +29,42 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
+
+from native.library import LOAD_STAGES
 
 PROBE_TIMEOUT_S = 60.0
+#: winbase.h: the child gets no console (and so no console window).
+CREATE_NO_WINDOW = 0x08000000
 #: In a frozen (PyInstaller) app there is no ``python -m``: the console executable
 #: runs the probe when its first argument is this (see installer/launch_cli.py).
 FROZEN_PROBE_ARG = "--probe-llama-library"
 
-STAGES = {
-    "open": "opening the library",
-    "symbols": "looking up its functions",
-    "import": "importing llama-cpp-python's bindings",
-    "abi": "reading the default parameters back (ABI check)",
-    "backends": "loading ggml's backends",
-    "backend_init": "llama_backend_init",
-    "devices": "listing devices",
+STAGES = LOAD_STAGES
+
+#: How a Windows child died (its exit status is the NTSTATUS), as (how, cause): the
+#: cause ends the one-line message.
+_MISMATCH = ("it is probably from another llama.cpp build, or its dependencies do not match")
+NTSTATUS_CAUSES = {
+    0xC0000005: ("crashed (access violation 0xC0000005)", _MISMATCH),
+    0xC000001D: ("crashed (illegal instruction 0xC000001D)",
+                 "it was built for processor features this CPU lacks (AVX2 or AVX-512, for "
+                 "example): use a build for this CPU, such as llama.cpp's plain x64 CPU build "
+                 "or one made with -DGGML_NATIVE=OFF"),
+    0xC0000409: ("stopped itself (abort or fast fail 0xC0000409)",
+                 "llama.cpp aborts on a failed check (GGML_ASSERT; its last message is shown "
+                 "in brackets when there was one), and a DLL built with a newer Visual C++ "
+                 "than the msvcp140.dll already loaded fails the same way: rebuild it with "
+                 "installer/build_cuda_llama.ps1"),
+    0xC0000135: ("could not start (a DLL was not found, 0xC0000135)",
+                 "a DLL the library or the probe needs is missing: keep every DLL of the "
+                 "llama.cpp release together, and install the Microsoft Visual C++ "
+                 "Redistributable (x64)"),
+    0xC000013A: ("was interrupted (its console was closed or Ctrl+C pressed, 0xC000013A)",
+                 "this is not a fault of the library: try again"),
 }
+
+Runner = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -57,11 +85,13 @@ def _signal_name(number: int) -> str:
 
 
 def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
-                  command: Sequence[str] | None = None) -> ProbeReport:
+                  command: Sequence[str] | None = None, *, platform: str = sys.platform,
+                  run: Runner = subprocess.run) -> ProbeReport:
     """Load ``folder``'s library in a child process and report whether it is safe.
 
     ``command`` replaces the child's command line (tests use it to run a child that
-    misbehaves in a chosen way).
+    misbehaves in a chosen way); ``platform`` and ``run`` let tests see how the child
+    would be started on Windows.
     """
     env = dict(os.environ)
     env.pop("LLAMA_CPP_LIB_PATH", None)
@@ -70,8 +100,10 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
     env["PYTHONFAULTHANDLER"] = "1"   # a crash leaves a Python traceback on stderr
     env["PYTHONIOENCODING"] = "utf-8"
     argv = list(command) if command else probe_command(folder)
+    extra = {"creationflags": CREATE_NO_WINDOW} if platform == "win32" else {}
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=timeout_s, env=env)
+        done = run(argv, capture_output=True, timeout=timeout_s, env=env,
+                   stdin=subprocess.DEVNULL, **extra)
     except subprocess.TimeoutExpired as exc:
         stage = _last_stage((exc.stdout or b"").decode("utf-8", "replace"))
         return ProbeReport(False, f"the llama library in {folder} did not answer within "
@@ -125,19 +157,20 @@ def interpret(folder: Path, returncode: int, stdout: str, stderr: str) -> ProbeR
         return ProbeReport(bool(answer.get("ok")), answer.get("reason", ""),
                            answer.get("version", ""), answer.get("system_info", ""),
                            stage=stage, devices=answer.get("devices", []))
-    if returncode < 0:
-        how = f"{_signal_name(-returncode)}"
-    elif returncode in (0xC0000005, -1073741819):   # Windows access violation
-        how = "access violation 0xC0000005"
-    else:
-        how = f"exit status {returncode}"
     where = STAGES.get(stage, "starting")
     detail = next((ln.strip() for ln in reversed(stderr.splitlines())
                    if ln.strip() and not ln.startswith(("  File", "Current thread", "Fatal Python"))), "")
-    return ProbeReport(False, f"the llama library in {folder} crashed ({how}) while {where}"
-                              + (f" [{detail[:200]}]" if detail else "")
-                              + "; it is probably from another llama.cpp build, or its "
-                                "dependencies do not match", stage=stage)
+    detail = f" [{detail[:200]}]" if detail else ""
+    if -255 <= returncode < 0:                       # POSIX: killed by a signal
+        how, cause = f"crashed ({_signal_name(-returncode)})", _MISMATCH
+    else:
+        status = returncode & 0xFFFFFFFF             # a signed NTSTATUS reads the same
+        how, cause = NTSTATUS_CAUSES.get(status, (None, _MISMATCH))
+        if how is None:
+            shown = f"0x{status:08X}" if status >= 0xC0000000 else str(returncode)
+            how = f"crashed (exit status {shown})"
+    return ProbeReport(False, f"the llama library in {folder} {how} while {where}{detail}; {cause}",
+                       stage=stage)
 
 
 # -- the child ---------------------------------------------------------------------------------
@@ -148,45 +181,14 @@ def _say(**fields) -> None:
 
 
 def _main(folder_arg: str) -> int:
-    from native import library, sysinfo
-    from native.dllsearch import SAFE_WINMODE, default_loader, prepare_windows_search
+    from native import library
     from native.errors import LibraryError
-    from native.libfile import explain_load_failure
 
-    folder = Path(folder_arg)
     try:
-        path = library.preflight(folder)
-        _say(stage="open")
-        try:
-            if sys.platform == "win32":
-                prepare_windows_search(path)
-                handle = default_loader(str(path), winmode=SAFE_WINMODE)
-            else:
-                handle = default_loader(str(path))
-        except OSError as exc:
-            raise LibraryError(explain_load_failure(folder, exc)) from exc
-        _say(stage="symbols")
-        wanted = tuple(dict.fromkeys(library.REQUIRED_SYMBOLS + library.bound_symbols()))
-        missing = library.missing_symbols(handle, wanted)
-        if missing:
-            raise LibraryError(library.symbols_refusal(path, missing, len(wanted)))
-        _say(stage="import")
-        # Each step bindings() takes, done one by one so a crash names its stage;
-        # bindings() then repeats them cheaply (all loaded) and calls llama_backend_init.
-        os.environ[library.BINDINGS_ENV_VAR] = str(folder)
-        try:
-            import llama_cpp.llama_cpp as ll
-        except (OSError, RuntimeError, AttributeError) as exc:
-            raise LibraryError(explain_load_failure(folder, exc)) from exc
-        _say(stage="abi")
-        library.check_abi(ll, path)
-        _say(stage="backends")
-        sysinfo.load_dynamic_backends(folder)
-        _say(stage="backend_init")
-        ll = library.bindings(library.LibraryChoice(folder, "probe"), probe=False)
-        _say(stage="devices")
-        devices = [d.__dict__ for d in sysinfo.list_devices(folder)]
-        _say(ok=True, version=library.loaded_library().version, devices=devices,
+        choice = library.LibraryChoice(library.absolute(Path(folder_arg)), "probe")
+        ll = library.bindings(choice, probe=False, stage=lambda name: _say(stage=name))
+        loaded = library.loaded_library()
+        _say(ok=True, version=loaded.version, devices=[d.__dict__ for d in loaded.devices],
              system_info=ll.llama_print_system_info().decode("utf-8", "replace"))
     except LibraryError as exc:
         _say(ok=False, reason=str(exc))

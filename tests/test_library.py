@@ -7,7 +7,7 @@ loader.  Real libraries run here too: fake libllama.so files compiled with gcc (
 lacking functions, one that crashes on its first call) are probed in a child process,
 and the bundled library must pass the same probe.
 
-Only Windows can prove (see the report): that LoadLibraryExW with the safe flags finds
+Only Windows can prove (installer/README.md, W3-W6): that LoadLibraryExW with the safe flags finds
 ggml*.dll / cudart64_12.dll through the added folders, that llama_cpp's later
 ``CDLL(path, winmode=0)`` returns the module already loaded, and that an official
 release folder's plug-in backends load from ``ggml_backend_load_all_from_path``.
@@ -34,6 +34,7 @@ from native.errors import LibraryError
 from native.libfile import (check_binary, cuda_bin_dirs, explain_load_failure, find_library_file,
                             missing_cuda_runtime, read_binary_kind)
 from native.sysinfo import list_devices_from, load_dynamic_backends
+from pecraft import pe_header, pe_image
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT = library.REQUIRED_LLAMA_CPP_COMMIT
@@ -46,21 +47,21 @@ def elf_header(bits: int = 64, machine: int = 62) -> bytes:
     return ident + struct.pack("<HHI", 3, machine, 1) + bytes(64 - 20)
 
 
-def pe_header(machine: int = 0x8664) -> bytes:
-    dos = bytearray(0x40)
-    dos[:2] = b"MZ"
-    struct.pack_into("<I", dos, 0x3C, 0x40)
-    return bytes(dos) + b"PE\0\0" + struct.pack("<H", machine) + bytes(64)
+CUDA12 = ("cudart64_12.dll", "cublas64_12.dll")
+RUNTIME12 = ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll")   # load order
 
 
-def windows_folder(tmp_path: Path, *, cuda_imports: bytes | None = b"cudart64_12.dll\0cublas64_12.dll\0",
+def windows_folder(tmp_path: Path, *, cuda_imports: tuple[str, ...] | None = CUDA12,
                    machine: int = 0x8664) -> Path:
+    """An official-release-like folder: llama.dll, ggml.dll and (for CUDA) ggml-cuda.dll
+    with a real import table naming ggml-base.dll, the CUDA runtime and the driver."""
     folder = tmp_path / "llama-b6000-bin-win-cuda-x64"
     folder.mkdir()
     (folder / "llama.dll").write_bytes(pe_header(machine))
     (folder / "ggml.dll").write_bytes(pe_header())
     if cuda_imports is not None:
-        (folder / "ggml-cuda.dll").write_bytes(pe_header() + b"\0KERNEL32.dll\0" + cuda_imports)
+        (folder / "ggml-cuda.dll").write_bytes(
+            pe_image(["KERNEL32.dll", "ggml-base.dll", *cuda_imports], ["nvcuda.dll"]))
     return folder
 
 
@@ -174,7 +175,7 @@ def test_cuda_runtime_missing_is_explained_before_loading(tmp_path):
         library.preflight(folder, platform="win32", environ=env, machine="x86_64")
     text = str(err.value)
     assert "built with CUDA (ggml-cuda.dll)" in text
-    assert "cudart64_12.dll, cublas64_12.dll were not found" in text
+    assert "cudart64_12.dll, cublasLt64_12.dll, cublas64_12.dll were not found" in text
     assert str(cuda / "bin") in text and str(folder) in text, "says where it looked"
     assert "install the CUDA 12 runtime" in text
 
@@ -183,7 +184,7 @@ def test_cuda_runtime_found_in_a_versioned_cuda_path(tmp_path):
     folder = windows_folder(tmp_path)
     cuda = tmp_path / "CUDA" / "v12.6"
     (cuda / "bin").mkdir(parents=True)
-    for name in ("cudart64_12.dll", "cublas64_12.dll"):
+    for name in RUNTIME12:
         (cuda / "bin" / name).write_bytes(pe_header())
     env = {"CUDA_PATH": str(tmp_path / "CUDA" / "v13.0"), "CUDA_PATH_V12_6": str(cuda),
            "SystemRoot": str(system_root(tmp_path))}
@@ -192,20 +193,20 @@ def test_cuda_runtime_found_in_a_versioned_cuda_path(tmp_path):
 
 def test_cuda_runtime_beside_llama_dll_is_enough(tmp_path):
     folder = windows_folder(tmp_path)
-    for name in ("cudart64_12.dll", "cublas64_12.dll"):
+    for name in RUNTIME12:
         (folder / name).write_bytes(pe_header())
     assert missing_cuda_runtime(folder, "win32", {"SystemRoot": str(system_root(tmp_path))}) is None
 
 
 def test_cuda_13_build_asks_for_cuda_13(tmp_path):
-    folder = windows_folder(tmp_path, cuda_imports=b"cudart64_13.dll\0")
+    folder = windows_folder(tmp_path, cuda_imports=("cudart64_13.dll",))
     text = missing_cuda_runtime(folder, "win32", {})
     assert "cudart64_13.dll was not found" in text and "CUDA 13 runtime" in text
 
 
 def test_missing_nvidia_driver_is_explained(tmp_path):
     folder = windows_folder(tmp_path)
-    for name in ("cudart64_12.dll", "cublas64_12.dll"):
+    for name in RUNTIME12:
         (folder / name).write_bytes(pe_header())
     text = missing_cuda_runtime(folder, "win32", {"SystemRoot": str(system_root(tmp_path, driver=False))})
     assert "no NVIDIA driver" in text and "nvcuda.dll" in text
@@ -241,19 +242,20 @@ def test_windows_search_adds_folders_and_preloads_without_touching_path(tmp_path
     added, loaded = [], []
     env = {"CUDA_PATH": str(cuda), "PATH": "C:\\Windows"}
     before = dict(env)
-    dirs = prepare_windows_search(folder / "llama.dll", environ=env, platform="win32",
+    done = prepare_windows_search(folder / "llama.dll", environ=env, platform="win32",
                                   add_dll_directory=added.append,
                                   loader=lambda path, winmode: loaded.append((path, winmode)))
-    assert added == [str(folder), str(cuda / "bin")] == [str(d) for d in dirs]
-    assert loaded == [(str(folder / "llama.dll"), SAFE_WINMODE)]
+    assert added == [str(folder), str(cuda / "bin")] == [str(d) for d in done.folders]
+    assert loaded == [(str(folder / "llama.dll"), SAFE_WINMODE)], "no runtime found: nothing preloaded"
     assert SAFE_WINMODE == 0x1100
     assert env == before, "PATH is never rewritten"
 
 
 def test_windows_search_is_a_no_op_elsewhere(tmp_path):
     calls = []
-    assert prepare_windows_search(tmp_path / "libllama.so", platform="linux",
-                                  add_dll_directory=calls.append, loader=calls.append) == []
+    done = prepare_windows_search(tmp_path / "libllama.so", platform="linux",
+                                  add_dll_directory=calls.append, loader=calls.append)
+    assert done.folders == [] and done.library is None
     assert calls == []
 
 
