@@ -1,7 +1,7 @@
 """engine/shutdown.py: every end-of-process event reaches one pause-and-save request.
 
-Windows' console handler is exercised with a fake kernel32 (it records the routine
-that SetConsoleCtrlHandler received) and CFUNCTYPE standing in for WINFUNCTYPE; the
+Windows' console handler is exercised with a fake kernel32 (tests/winfakes.py: it records
+the routine that SetConsoleCtrlHandler received) and CFUNCTYPE standing in for WINFUNCTYPE; the
 routine is then called through ctypes from a thread of its own, as Windows does.
 What only Windows can prove: that the real CTRL_CLOSE_EVENT arrives on such a thread
 and that the process lives until the routine returns (about 5 s).
@@ -22,20 +22,7 @@ import pytest
 
 from engine.shutdown import (CTRL_BREAK_EVENT, CTRL_C_EVENT, CTRL_CLOSE_EVENT, CTRL_LOGOFF_EVENT,
                              CTRL_SHUTDOWN_EVENT, ShutdownGuard)
-
-
-class FakeKernel32:
-    def __init__(self, ok: bool = True) -> None:
-        self.ok = ok
-        self.calls: list[tuple[object, int]] = []
-
-    def SetConsoleCtrlHandler(self, routine, add):  # noqa: N802 - Windows' name
-        self.calls.append((routine, add))
-        return 1 if self.ok else 0
-
-    @property
-    def routine(self):
-        return self.calls[-1][0]
+from winfakes import FakeKernel32, FakeUser32
 
 
 class FakeSignals:
@@ -53,8 +40,8 @@ class FakeSignals:
 
 def windows_guard(callback, **kw):
     k32, sigs = FakeKernel32(), FakeSignals()
-    guard = ShutdownGuard(callback, platform="win32", kernel32=k32, signals=sigs,
-                          functype=ctypes.CFUNCTYPE, **kw)
+    guard = ShutdownGuard(callback, platform="win32", kernel32=k32, user32=FakeUser32(),
+                          signals=sigs, functype=ctypes.CFUNCTYPE, **kw)
     return guard, k32, sigs
 
 
@@ -186,8 +173,8 @@ def test_failing_callback_does_not_kill_the_handler():
 
 def test_failed_registration_is_survivable():
     k32 = FakeKernel32(ok=False)
-    guard = ShutdownGuard(lambda r: None, platform="win32", kernel32=k32, signals=FakeSignals(),
-                          functype=ctypes.CFUNCTYPE)
+    guard = ShutdownGuard(lambda r: None, platform="win32", kernel32=k32, user32=FakeUser32(),
+                          signals=FakeSignals(), functype=ctypes.CFUNCTYPE)
     guard.install()
     assert guard._routine is None
     guard.uninstall()
