@@ -1,8 +1,11 @@
 """Desktop app entry point: ``checkpoint-chat-gui`` / ``checkpoint-chat gui``.
 
 Sets up logging and the crash trace (engine.crashlog: a crash inside llama.cpp leaves
-a trace, and the next start tells the user and offers the newest autosave), creates the QApplication with qasync as the asyncio event loop, and shows the
-main window, which starts loading the default model at once.
+a trace, and the next start tells the user and offers the newest autosave), creates the
+QApplication with qasync as the asyncio event loop, gives it the app's icon (every
+window inherits it), and shows the main window, which starts loading the default model
+at once.  A session end (sign-out, shutdown, an installer's Restart Manager) pauses and
+saves through gui.session_end, since no closeEvent runs then.
 """
 
 from __future__ import annotations
@@ -15,6 +18,36 @@ from pathlib import Path
 from engine import crashlog, paths
 
 log = logging.getLogger("gui")
+
+#: resources/icons/checkpoint-chat-N.png, generated from resources/checkpoint-chat.svg
+#: by resources/make_icons.py.
+ICON_SIZES = (16, 24, 32, 48, 64, 128, 256)
+
+
+def icon_files() -> list[Path]:
+    """The icon's PNG files that exist, smallest first (a frozen app has them too)."""
+    import resources
+    folder = Path(resources.__file__).resolve().parent / "icons"
+    return [p for p in (folder / f"checkpoint-chat-{n}.png" for n in ICON_SIZES) if p.is_file()]
+
+
+def app_icon():
+    """Checkpoint Chat's icon, every size, for the application and its windows."""
+    from PySide6.QtGui import QIcon
+    icon = QIcon()
+    for path in icon_files():
+        icon.addFile(str(path))
+    if icon.isNull():
+        log.warning("the app's icon files are missing; run resources/make_icons.py")
+    return icon
+
+
+def configure_application(app) -> None:
+    """Names (settings, the Linux desktop entry) and the icon every window inherits."""
+    app.setApplicationName("Checkpoint Chat")
+    app.setOrganizationName("CheckpointChat")
+    app.setDesktopFileName("checkpoint-chat")
+    app.setWindowIcon(app_icon())
 
 
 def _setup_logging() -> None:
@@ -42,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from gui.main_window import MainWindow
+    from gui.session_end import SessionEndSaver
     from gui.settings import AppSettings
 
     _setup_logging()
@@ -49,15 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     crashlog.install()                     # a crash inside llama.cpp leaves a trace
     _warn_about_known_bad_qt()
     app = QApplication.instance() or QApplication([sys.argv[0]])
-    app.setApplicationName("Checkpoint Chat")
-    app.setOrganizationName("CheckpointChat")
-    app.setDesktopFileName("checkpoint-chat")
+    configure_application(app)
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
 
     window = MainWindow(AppSettings())
+    session_end = SessionEndSaver(window, parent=window)     # sign-out, shutdown, upgrade
+    session_end.connect_to(app)
     window.show()
     window.start()
     # a double-clicked .kvckpt arrives as an argument: import it and offer to resume
