@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 SIZES = {   # suite-sized, soak
     "kills": (220, 2000), "model_kills": (4, 20), "flips": (2000, 20000),
     "disk": (200, 2000), "windows": (60, 300), "writers": (3, 4), "saves": (160, 500),
-    "fuzz": (2000, 50000),
+    "fuzz": (2000, 50000), "compositions": (4, 40),
 }
 
 
@@ -52,13 +52,30 @@ def main(argv=None) -> int:
             rows += [figures.disk_trouble(work, n["disk"]), figures.windows_replace(work, n["windows"]),
                      figures.concurrency(work, n["writers"], n["saves"], zygote),
                      figures.fuzz(work, n["fuzz"])]
+        composed = None if args.no_models else figures.composition(work, n["compositions"])
         elapsed = time.monotonic() - started
 
     print_table(rows, "soak" if args.soak else "suite-sized", elapsed)
-    for row in rows:
+    if composed is not None:
+        print_compositions(composed)
+    for row in rows + ([composed] if composed else []):
         for problem in row.problems[:5]:
             print(f"{row.case}: {problem}", file=sys.stderr)
-    return 0 if all(r.lost == 0 and r.crashes == 0 for r in rows) else 1
+    ok = all(r.lost == 0 and r.crashes == 0 for r in rows)
+    ok = ok and (composed is None or (composed.heads_lost == 0 and composed.orphans == 0
+                                      and not composed.problems))
+    return 0 if ok else 1
+
+
+def print_compositions(row) -> None:
+    """The store's graph under random user sequences (heads lost and orphans must be 0)."""
+    head = ("Case", "Sequences", "Actions", "Kills", "Heads checked", "Heads lost", "Orphans left")
+    cells = (row.case, row.sequences, row.actions, row.kills, row.heads_checked, row.heads_lost,
+             row.orphans)
+    print()
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+    print("| " + " | ".join(str(c) for c in cells) + " |")
 
 
 def print_table(rows, mode: str, elapsed: float) -> None:

@@ -562,18 +562,33 @@ class EngineWorker:
             return   # the cache already holds all the head has (and the writer knows its files)
         try:
             chain = load_chain(head)
-            data = chain[-1]
-            n = data.header.n_tokens
-            if [int(t) for t in data.tokens[:n]] != conv.tokens[:n]:
-                raise CheckpointError(f"{head.name} no longer matches the conversation")
-            if n > in_cache:
-                started = time.perf_counter()
-                rt.restore_chain(chain)
-                log.info("restored %d tokens from %s (%d file(s)) in %.2f s", n, head.name,
-                         len(chain), time.perf_counter() - started)
+            self._restore_prefix(chain, conv, in_cache)
             if writer is None:
                 self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
         except CheckpointError as exc:
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is
                 self._writers[conv.id] = LineWriter(rt, self.store, uuid.uuid4().hex)
+
+    def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
+        """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.
+
+        The head may hold more than the conversation (Regenerate cut the answer): the
+        chain is restored and the tail trimmed; a memory that cannot trim (sliding-window
+        layers) takes the deepest file of the chain that is wholly a prefix instead.
+        """
+        from engine.checkpoints.chain import common_prefix
+        rt = self.runtime
+        last = chain[-1]
+        common = common_prefix(last.tokens[:last.header.n_tokens], conv.tokens)
+        if common <= in_cache:
+            return
+        started = time.perf_counter()
+        rt.restore_chain(chain)
+        if rt.trim(common) < common:
+            prefix = [d for d in chain if d.header.n_tokens <= common]
+            if prefix and prefix[-1].header.n_tokens > in_cache:
+                rt.restore_chain(chain[:len(prefix)])
+        log.info("restored %d of %d tokens from %s (%d file(s)) in %.2f s", len(rt.kv_tokens),
+                 len(conv.tokens), last.path.name if last.path else "a chain", len(chain),
+                 time.perf_counter() - started)

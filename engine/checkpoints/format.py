@@ -66,6 +66,17 @@ applies the chain's base to sequence 0 and each delta through sequence 1 (copy t
 then drop 1), which gives exactly the cache a full checkpoint would.  Every file of a
 chain is verified, and linked by id and CRC, before anything reaches llama.cpp.
 
+Metadata keys the store relies on
+---------------------------------
+``checkpoint_id`` (32 hex digits, unique per file written) and the trailer's payload
+CRC identify a file; ``parent`` (deltas) names the parent as above; ``line`` (optional,
+at most 64 characters) is the line of history the file belongs to, by default its
+conversation's id in hex (see engine.checkpoints.graph); ``origin_crc`` (optional) is the
+payload CRC a file had before an import rewrote its parent reference.  ``conversation``
+and ``transcript`` hold the chat itself, ``model`` names the model.  A reader treats
+every key as untrusted: a missing or mistyped key is a refusal with the reason, never
+an exception.
+
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is not bit-exact for sliding-window models (the result depends
 on batch boundaries).  Sampling the next token from the stored logits makes a resumed
@@ -454,7 +465,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
                     limits: Limits = LIMITS, progress=None) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
-    Compatibility with a model is not checked here (see engine.compat); this only
+    Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
     establishes that the file is intact and well-formed.  ``progress(done, total)`` is
     called while the state streams in.
     """

@@ -295,3 +295,43 @@ def fuzz(work: Path, n_cases: int) -> Row:
         _judge(row, data, path, must_refuse=False)
     row.runs = row.corrupt
     return row
+
+
+@dataclass
+class CompositionRow:
+    case: str
+    sequences: int = 0
+    actions: int = 0
+    kills: int = 0
+    heads_checked: int = 0
+    heads_lost: int = 0
+    orphans: int = 0
+    problems: list[str] = field(default_factory=list)
+
+
+def composition(work: Path, n_sequences: int, seed: int = 5) -> CompositionRow:
+    """Random user action sequences on the store, with kills and budgets (real SmolLM2)."""
+    from engine.models import default_model_path
+    from engine.runtime import Runtime
+    from faultkit.compositions import random_actions, run_sequence
+    from native.context import ContextSettings
+    row = CompositionRow("10 compositions: answer/pause/resume/regenerate/switch/prune/delete/"
+                         "import/kill -9")
+    rng = random.Random(seed)
+    model = default_model_path()
+    checker = Runtime(model, ContextSettings(n_ctx=1024, n_threads=2))
+    try:
+        for i in range(n_sequences):
+            actions = random_actions(rng, rng.randint(4, 10))
+            driver, outcome = run_sequence(model, work / f"composition-{i}", actions, checker)
+            row.sequences += 1
+            row.actions += len(actions)
+            row.kills += driver.kills
+            row.heads_checked += outcome.heads_checked
+            row.heads_lost += len(outcome.heads_lost)
+            row.orphans += len(outcome.orphans)
+            row.problems += [f"sequence {i} {actions}: {p}"
+                             for p in outcome.heads_lost + outcome.orphans + outcome.problems]
+    finally:
+        checker.close()
+    return row

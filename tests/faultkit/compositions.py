@@ -1,0 +1,259 @@
+"""Random compositions of what users do to a store, and the invariants after them.
+
+Used by tests/test_store_properties.py (hypothesis draws the sequences) and by
+benchmarks/reliability.py (the composition row: many seeded sequences, counted).
+A :class:`Driver` runs the app's engine thread (engine.worker) on a fresh store and
+performs the actions; :func:`check` verifies the invariants after a clean exit and
+returns what it found instead of stopping at the first problem.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from faultkit.zygote import ROOT
+
+PROMPTS = ["Name three rivers.", "Write a line about snow.", "Count to five.", "Say something kind."]
+#: action name -> the range of its integer argument
+ACTIONS = {"answer": (4, 24), "pause": (2, 12), "resume": (4, 16), "regenerate": (4, 16),
+           "prune": (0, 3), "delete": (0, 0), "reimport": (0, 0), "kill": (1, 3)}
+BUDGETS = [0, 1, 50_000, 10**9]
+
+
+def random_actions(rng: random.Random, n: int) -> list[tuple[str, int, int]]:
+    out = []
+    for _ in range(n):
+        kind = rng.choice(list(ACTIONS))
+        lo, hi = ACTIONS[kind]
+        arg = rng.randint(lo, hi)
+        out.append((kind, rng.randint(0, 2), BUDGETS[arg] if kind == "prune" else arg))
+    return out
+
+
+class Driver:
+    """The worker, a store, and the conversations the app has (up to three)."""
+
+    def __init__(self, model: Path, home: Path) -> None:
+        from engine.checkpoints.store import Store
+        from engine.worker import EngineWorker, ModelOptions, WorkerListener
+        self.home = home
+        self.store = Store(home / "data" / "checkpoints")
+        driver = self
+        self.pause_after: int | None = None
+        self.texts = 0
+        self.errors: list[tuple] = []
+
+        class Listener(WorkerListener):
+            def on_text(self, conv_id, text):
+                driver.texts += 1
+                if driver.pause_after is not None and driver.texts >= driver.pause_after:
+                    driver.pause_after = None
+                    driver.worker.pause()   # on the engine thread: lands before the next token
+
+            def on_error(self, action, message):
+                driver.errors.append((action, message))
+
+        self.worker = EngineWorker(Listener(), self.store)
+        self.worker.autosave_every = 4
+        self.worker.autosave_budget = 10**12
+        self.worker.start()
+        self.worker.load_model(ModelOptions(model, n_ctx=1024, n_threads=2))
+        self.wait()
+        self.kills = 0
+        self.answered: set[uuid.UUID] = set()   # conversations with a message: they have files
+        self.convs: list[uuid.UUID | None] = [None, None, None]
+        self.deleted: set[uuid.UUID] = set()
+        self.model = model
+
+    def wait(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        time.sleep(0.01)
+        while not self.worker.idle:
+            assert time.monotonic() < deadline, "the engine thread did not finish"
+            time.sleep(0.01)
+
+    def conv(self, slot: int) -> uuid.UUID:
+        from engine.sampling import SamplerSettings
+        if self.convs[slot] is None:
+            self.convs[slot] = self.worker.new_conversation(
+                sampler=SamplerSettings(seed=100 + slot, temperature=0.7 if slot else 0.0))
+            self.wait()
+        return self.convs[slot]
+
+    def paused(self, conv_id) -> bool:
+        c = self.worker._convs.get(conv_id)   # read between commands only: the thread is idle
+        return c is not None and c.paused
+
+    def has_answer(self, conv_id) -> bool:
+        c = self.worker._convs.get(conv_id)
+        return c is not None and c.answer is not None
+
+    def run(self, kind: str, slot: int, n: int) -> None:
+        getattr(self, f"do_{kind}")(slot, n)
+        self.wait()
+
+    def do_answer(self, slot, n):
+        c = self.conv(slot)
+        self.answered.add(c)
+        self.worker.send(c, PROMPTS[(slot + n) % len(PROMPTS)], n_predict=n)
+
+    def do_pause(self, slot, n):
+        c = self.conv(slot)
+        self.answered.add(c)
+        self.texts, self.pause_after = 0, n
+        self.worker.send(c, PROMPTS[(slot + n + 1) % len(PROMPTS)], n_predict=200)
+        self.wait()
+        self.pause_after = None
+
+    def _answered(self, slot, paused: bool = False) -> uuid.UUID:
+        """The slot's conversation, given an answer first (a paused one if asked) when it
+        has none, so that every action does real work."""
+        c = self.conv(slot)
+        if c not in self.answered or (paused and not self.paused(c)):
+            (self.do_pause if paused else self.do_answer)(slot, 6)
+            self.wait()
+        return self.convs[slot]
+
+    def do_resume(self, slot, n):
+        c = self._answered(slot, paused=True)
+        if self.paused(c):
+            self.worker.resume(c, n_predict=self.worker._convs[c].answer.n_generated + n)
+
+    def do_regenerate(self, slot, n):
+        c = self._answered(slot)
+        if self.has_answer(c):
+            self.worker.regenerate(c)
+
+    def do_prune(self, slot, budget):
+        from engine.checkpoints import graph
+        graph.prune(self.store, budget)
+
+    def do_delete(self, slot, _n):
+        c = self.convs[slot]
+        if c is not None:
+            self.answered.discard(c)
+            self.worker.delete_conversation(c)
+            self.deleted.add(c)
+            self.convs[slot] = None
+
+    def do_reimport(self, slot, _n):
+        """Copy a conversation's head chain out, delete it, import the files, reopen it."""
+        from engine.checkpoints import transfer
+        from engine.checkpoints.graph import Graph
+        c = self._answered(slot)
+        heads = Graph.scan(self.store).heads_of(c) if c is not None else []
+        if not heads:
+            return
+        g = Graph.scan(self.store)
+        head = heads[0]
+        out = Path(tempfile.mkdtemp(dir=self.home))
+        for node in g.chain(head):
+            shutil.copy2(node.path, out / node.name)
+        self.worker.delete_conversation(c)
+        self.wait()
+        (alone,) = transfer.import_files([out / head.name], self.store)
+        assert alone.ok != head.is_delta, alone.message()   # a delta alone is refused
+        results = transfer.import_files(sorted(out.iterdir()), self.store)
+        assert all(r.ok for r in results), [r.message() for r in results]
+        self.worker.open_checkpoint(self.store.folder / head.name)
+
+    def do_kill(self, slot, n_autosaves):
+        """The CLI continues the conversation's head in a child, killed mid-answer."""
+        from engine.checkpoints.graph import Graph
+        c = self._answered(slot)
+        heads = Graph.scan(self.store).heads_of(c)
+        if not heads:
+            return
+        head = heads[0]
+        args = [sys.executable, "-m", "engine.cli", "run", "--checkpoint-load", str(head.path),
+                "-n", "400", "--ignore-eos", "--checkpoint-save-interval", "4", "--threads", "1"]
+        if not self.paused(c):
+            args += ["-p", "Go on."]
+        before = {p.name for p in self.store.files()}
+        env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(self.home))
+        proc = subprocess.Popen(args, cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while len({p.name for p in self.store.files()} - before) < n_autosaves:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        self.kills += 1
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        assert self.worker.join(300)
+
+
+@dataclass
+class Outcome:
+    heads_checked: int = 0
+    heads_lost: list[str] = field(default_factory=list)   # a head that does not restore exactly
+    orphans: list[str] = field(default_factory=list)      # files no head needs, after a clean exit
+    problems: list[str] = field(default_factory=list)     # anything else
+
+
+def check(driver: Driver, runtime) -> Outcome:
+    """The invariants after a clean exit (see tests/test_store_properties.py)."""
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.graph import Graph
+    from engine.errors import AppError
+    from engine.generation import begin_answer, generate
+
+    out = Outcome()
+    g = Graph.scan(driver.store)
+    out.problems += [f"unreadable: {u.path.name}: {u.error}" for u in g.unreadable]
+    out.orphans = [n.name for n in g.nodes.values() if not g.reachable(n)]
+    live = {c for c in driver.convs if c is not None and c in driver.answered}
+    have = {h.conversation_id for h in g.heads}
+    if not live <= have:
+        out.problems.append("a conversation the app has lost its head")
+    if (driver.deleted - live) & have:
+        out.problems.append("a deleted conversation came back")
+    out.problems += [f"engine error: {a}: {m}" for a, m in driver.errors]
+    for head in g.heads:
+        out.heads_checked += 1
+        texts = []
+        try:
+            for restored in (True, False):
+                conv = runtime.restore_chain(load_chain(head.path))
+                if not restored:
+                    runtime.trim(0)             # the same tokens, decoded from scratch
+                conv.sampler = replace(conv.sampler, ignore_eos=True)
+                paused = conv.paused
+                if paused:
+                    conv.answer.n_predict = -1
+                else:
+                    begin_answer(conv, runtime, "And then?", n_predict=-1)
+                result = generate(runtime, conv, stop_after=5)
+                if restored and paused and result.n_reused_tokens != result.n_prompt_tokens:
+                    out.problems.append(f"{head.name}: the restore re-decoded the prompt")
+                texts.append(result.text)
+        except AppError as exc:
+            out.heads_lost.append(f"{head.name}: {exc}")
+            continue
+        if texts[0] != texts[1]:
+            out.heads_lost.append(f"{head.name}: continues otherwise than a recompute")
+    return out
+
+
+def run_sequence(model: Path, home: Path, actions, runtime) -> tuple[Driver, Outcome]:
+    driver = Driver(model, home)
+    try:
+        for kind, slot, n in actions:
+            driver.run(kind, slot, n)
+    finally:
+        driver.close()
+    return driver, check(driver, runtime)

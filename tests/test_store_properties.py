@@ -1,0 +1,60 @@
+"""The store under random compositions of what users do (hypothesis, real SmolLM2).
+
+Each example runs the app's engine thread (engine.worker) on a fresh store through a
+random sequence of: answer, autosave (every few tokens), pause, resume, regenerate,
+switch conversation (any action on another conversation), prune with a random budget,
+delete a conversation, export-delete-import a conversation's files, and a CLI child
+continuing a conversation killed with SIGKILL mid-answer (faultkit.compositions).
+After a clean exit:
+
+* every head restores through its chain and continues byte-identically to the same
+  tokens decoded from scratch (SmolLM2's kernels are batch-invariant, so a restored
+  cache and a recomputed one give the same logits);
+* no file is unreachable from a head (nothing left behind), none is unreadable;
+* every conversation the app still has keeps a head; deleted ones have none.
+
+``CHECKPOINT_CHAT_PROPERTY_EXAMPLES`` raises the number of examples for a soak; the
+reliability benchmark (benchmarks/reliability.py) reports the same invariants, counted.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from faultkit.compositions import ACTIONS, BUDGETS, run_sequence
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("CHECKPOINT_CHAT_PROPERTY_EXAMPLES", "10"))
+
+action = st.one_of(*[
+    st.tuples(st.just(kind), st.integers(0, 2),
+              st.sampled_from(BUDGETS) if kind == "prune" else st.integers(lo, hi))
+    for kind, (lo, hi) in ACTIONS.items()])
+
+
+@pytest.fixture(scope="module")
+def checker(smollm_path):
+    """A runtime shaped like the worker's (context 1024): every head must fit it."""
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
+    yield rt
+    rt.close()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=10))
+def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, checker,
+                                                        tmp_path_factory):
+    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("prop"), actions, checker)
+    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
