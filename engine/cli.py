@@ -184,8 +184,9 @@ def _report_previous_crash() -> None:
         return
     kept = crashlog.acknowledge(reports)
     autosave = crashlog.newest_autosave(Store())
-    print(f"note: Checkpoint Chat crashed in an earlier run ({reports[-1].excerpt}); "
-          f"details: {kept[-1] if kept else reports[-1].log}", file=sys.stderr)
+    last = reports[-1]
+    details = "" if last.killed else f" ({last.excerpt}); details: {kept[-1] if kept else last.log}"
+    print(f"note: Checkpoint Chat {last.what} in an earlier run{details}", file=sys.stderr)
     if autosave:
         print(f"note: its last autosave can be resumed with: checkpoint-chat run --checkpoint-load "
               f"{autosave}", file=sys.stderr)

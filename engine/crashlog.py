@@ -3,10 +3,12 @@
 A crash inside llama.dll kills the process before any Python ``except`` runs.
 ``faulthandler`` still writes the Python stack of every thread to a file, so each
 process writes to its own ``faulthandler-<pid>.log`` in the log folder; a normal exit
-deletes it (empty).  At the next start, a non-empty file of a process that is gone is a
-crash the user has not heard about: :func:`pending_crashes` finds it, the CLI and the
-window tell the user and offer the newest autosave, and :func:`acknowledge` keeps it as
-``crash-<time>.log`` (the last few are kept for bug reports).
+deletes it (empty).  At the next start, a file of a process that is gone is an end the
+user has not heard about: :func:`pending_crashes` finds it, the CLI and the window tell
+the user and offer the newest autosave, and :func:`acknowledge` keeps a non-empty one as
+``crash-<time>.log`` (the last few are kept for bug reports).  An empty file means the
+process was killed without a trace (SIGKILL, End task, power loss): no trace to keep,
+but the answer it was writing is in an autosave all the same, so it is reported too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ class CrashReport:
     log: Path
     when: float
     excerpt: str
+    killed: bool = False      # no trace: killed, or the machine went down
+
+    @property
+    def what(self) -> str:
+        """How the earlier run ended, for a sentence."""
+        return ("was stopped without closing (killed, or the machine went down)" if self.killed
+                else "crashed")
 
 
 def install(folder: Path | None = None) -> Path:
@@ -81,8 +90,8 @@ def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
             when = path.stat().st_mtime
         except OSError:
             continue
-        if not text.strip():
-            path.unlink(missing_ok=True)  # killed without a trace (SIGKILL, power loss)
+        if not text.strip():   # killed without a trace (SIGKILL, End task, power loss)
+            reports.append(CrashReport(path, when, "no trace", killed=True))
             continue
         first = next((line for line in text.splitlines() if line.startswith("Fatal")), text.splitlines()[0])
         reports.append(CrashReport(path, when, first.strip()))
@@ -93,6 +102,9 @@ def acknowledge(reports: list[CrashReport]) -> list[Path]:
     """Keep reported traces as crash-<time>.log (the newest few); returns their paths."""
     kept = []
     for report in reports:
+        if report.killed:
+            report.log.unlink(missing_ok=True)
+            continue
         target = report.log.with_name(time.strftime("crash-%Y%m%d-%H%M%S", time.localtime(report.when))
                                       + f"-{report.log.stem.split('-', 1)[1]}.log")
         try:

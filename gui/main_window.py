@@ -67,6 +67,7 @@ class MainWindow(StoreActions, QMainWindow):
         self.pause_clicked_at: float | None = None
         self.pause_latency_s: float | None = None
         self.resume_offer: QMessageBox | None = None
+        self.crash_offer: QMessageBox | None = None
         self._closing = False
         self._close_done = False
         self._engine_stopped = False
@@ -397,20 +398,25 @@ class MainWindow(StoreActions, QMainWindow):
         return self.show_message(title, text, error=True)
 
     def report_crash(self, reports, kept: list[Path], autosave: Path | None) -> None:
-        """Tell the user the previous run crashed; offer its newest autosave."""
+        """Tell the user how the previous run ended; offer its newest autosave."""
         trace = f"\n\nThe trace is kept in {kept[-1]}." if kept else ""
+        last = reports[-1]
+        what = last.what if last.killed else f"{last.what} ({last.excerpt})"
         if autosave is None:
-            self.show_error("Checkpoint Chat stopped unexpectedly",
-                            "The previous run crashed; no autosave was found." + trace)
+            if not reports[-1].killed:   # a kill with nothing autosaved has nothing to offer
+                self.show_error("Checkpoint Chat stopped unexpectedly",
+                                f"The previous run {what}; no autosave was found." + trace)
             return
         box = QMessageBox(QMessageBox.Icon.Warning, "Checkpoint Chat stopped unexpectedly",
-                          f"The previous run crashed. Resume its newest autosave ({autosave.name})?"
-                          + trace, QMessageBox.StandardButton.NoButton, self)
-        resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
+                          f"The previous run {what}. Its answer in progress was autosaved: "
+                          f"open it ({autosave.name}) to resume?" + trace,
+                          QMessageBox.StandardButton.NoButton, self)
+        resume = box.addButton("Open", QMessageBox.ButtonRole.AcceptRole)
         box.addButton("Not now", QMessageBox.ButtonRole.RejectRole)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(autosave))
         box.open()
+        self.crash_offer = box
 
     # -- engine events ---------------------------------------------------------------------------
     @Slot(float)

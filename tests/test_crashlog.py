@@ -61,3 +61,13 @@ def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
     assert f"--checkpoint-load {autosave}" in done.stderr
     again = run_cli("run", "-m", str(smollm_path), "-p", "Hello", "-n", "2", "--ctx-size", "512")
     assert "crashed" not in again.stderr
+
+
+def test_a_kill_without_trace_is_reported_as_such(app_home):
+    code = ("from engine import crashlog; crashlog.install(); import os, signal; "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=str(ROOT)).returncode < 0
+    (report,) = crashlog.pending_crashes()
+    assert report.killed and "without closing" in report.what
+    assert crashlog.acknowledge([report]) == [] and not report.log.exists()
+    assert crashlog.pending_crashes() == []
