@@ -167,6 +167,8 @@ class CheckpointTreeModel(QStandardItemModel):
         kind = KIND_NAMES.get(h.kind, "?") if h else ""
         if row.role == CONVERSATION:
             title, kind = f"{row.title} — {row.reason}", "branches"
+        elif row.role == CHAIN:
+            title = row.path.name        # the head above says what it is; here, which file
         else:
             title = row.title
         role_note = {HEAD: "", CHAIN: " · in the chain", LOOSE: "", UNREADABLE: "",

@@ -534,6 +534,12 @@ class MainWindow(StoreActions, QMainWindow):
             note = f"Paused · saved {file_size_text(snap.checkpoint_size)} — Resume continues it"
         self.chat_view.set_transcript(snap.transcript, paused=snap.paused, note=note)
         self._update_context_usage(snap.n_tokens, snap.n_ctx)
+        if snap.checkpoint is not None:
+            self.checkpoint_label.setText(f"Checkpoint · {file_size_text(snap.checkpoint_size)}")
+            self.checkpoint_label.setToolTip(str(snap.checkpoint))
+        else:
+            self.checkpoint_label.setText("No checkpoint yet")
+            self.checkpoint_label.setToolTip("")
 
     def _update_context_usage(self, used: int, n_ctx: int) -> None:
         self.context_usage.setRange(0, max(1, n_ctx))
