@@ -23,7 +23,7 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import autosave_cost, pause, restore, throughput

@@ -11,7 +11,6 @@ Runs are interleaved (bare, ours, Llama, bare, ...) and the best of each is repo
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import numpy as np
@@ -132,9 +131,9 @@ def measure(rt, key: str, path: Path, n_prompt: int, n_gen: int, repeats: int, o
         llm.close()
     kv = TYPE_NAMES.get(rt.settings.type_k, "?") + ("+FA" if rt.settings.flash_attn else "")
     for i, phase in enumerate(("prefill", "generate")):
-        b, o, l = (max(rows[e][i]) for e in ("bare", "ours", "llama"))
-        out.add(model=key, kv=kv, phase=phase, tokens=n_prompt if i == 0 else n_gen, bare=b, ours=o, llama=l,
-                ours_vs_bare=ratio(o, b), ours_vs_llama=ratio(o, l), llama_vs_bare=ratio(l, b))
+        b, o, lm = (max(rows[e][i]) for e in ("bare", "ours", "llama"))
+        out.add(model=key, kv=kv, phase=phase, tokens=n_prompt if i == 0 else n_gen, bare=b, ours=o, llama=lm,
+                ours_vs_bare=ratio(o, b), ours_vs_llama=ratio(o, lm), llama_vs_bare=ratio(lm, b))
     if not same:
         out.notes.append(f"{key} {kv}: our greedy tokens differ from the bare loop's")
     out.notes.append(f"{key} {kv}: best of {repeats} interleaved runs each, threads={rt.ctx.n_threads}, "

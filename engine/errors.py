@@ -3,7 +3,8 @@
 Every error a user can cause or meet derives from :class:`AppError`; its message is
 one sentence meant for a person (the CLI prints it on one line, the GUI shows it in a
 dialog).  Errors raised by the native layer derive from ``native.errors.NativeError``
-instead (native/ sits below engine/ and never imports it); both are user-facing.  Checkpoint problems have their own branch so callers can tell "this file is
+instead (native/ sits below engine/ and never imports it); both are user-facing.
+Checkpoint problems have their own branch so callers can tell "this file is
 damaged" from "this file belongs to another model" without parsing messages.
 """
 

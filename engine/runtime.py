@@ -32,7 +32,7 @@ from engine.conversation import Conversation
 from engine.errors import (BrokenChain, CorruptMetadata, GenerationError, RestoreFailed,
                            SaveFailed)
 from native.context import DECODE_ABORTED, Context, ContextSettings
-from native.errors import DecodeError, StateError
+from native.errors import StateError
 from native.library import loaded_library
 from native.model import Model, ProgressCallback
 from native.sampler import Candidates

@@ -210,7 +210,8 @@ class Context:
         self._abortable = abortable
         self._abort_source.check = should_abort if abortable else None
         if abortable:
-            # void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data)
+            # void llama_set_abort_callback(struct llama_context * ctx,
+            #                               ggml_abort_callback abort_callback, void * abort_callback_data)
             self._ll.llama_set_abort_callback(self.ptr, self._abort_cb, None)
         try:
             # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)

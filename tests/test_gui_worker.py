@@ -8,7 +8,6 @@ refused checkpoints leaving the current conversation usable.
 from __future__ import annotations
 
 import threading
-import uuid
 
 import pytest
 

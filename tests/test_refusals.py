@@ -36,7 +36,7 @@ def gemma_ckpt(tmp_path_factory, gemma_path):
 def _fails_cleanly(done, *needles: str) -> None:
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    lines = [l for l in done.stderr.strip().splitlines() if l]
+    lines = [line for line in done.stderr.strip().splitlines() if line]
     assert lines, "no error message"
     for needle in needles:
         assert needle in done.stderr, done.stderr

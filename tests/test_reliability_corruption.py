@@ -11,13 +11,12 @@ import json
 import random
 import struct
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.checkpoints import format as fmt
-from engine.errors import (CheckpointError, ChecksumMismatch, CorruptHeader, CorruptMetadata,
+from engine.errors import (CheckpointError, CorruptHeader, CorruptMetadata,
                            CorruptState, NotACheckpoint, TruncatedCheckpoint, UnsupportedVersion)
 from engine.checkpoints.kvstate import check_state_for
 from faultkit import corrupt, synthetic

@@ -12,7 +12,6 @@ import random
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 

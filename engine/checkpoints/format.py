@@ -88,7 +88,6 @@ anything is allocated; a reader never trusts a length it has not bounded.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re

@@ -1,0 +1,73 @@
+"""The ``checkpoint-chat`` command line: a front end, like the window.
+
+Subcommands: ``run`` (generate, pause, resume: engine.cli.run), the file commands
+``validate``, ``inspect``, ``list``, ``compact`` (engine.cli.files) and ``info``; with
+none, the desktop app starts.  Every user mistake is one line on stderr and a non-zero
+exit status, never a traceback.  Nothing else in engine/ imports this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from engine.errors import AppError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+def main(argv: list[str] | None = None, gui_main=None) -> int:
+    """Run one subcommand; with none (or a .kvckpt file, as a file manager passes it),
+    hand over to ``gui_main`` — the desktop app, which engine/ itself never imports."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].lower().endswith(".kvckpt"):
+        return _start_gui(gui_main, argv)
+    from engine.cli.parser import build_parser
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # llama.cpp's own log (including the error lines it prints when a pause aborts a
+    # prefill) is for -v; failures reach the user as one sentence of ours instead
+    logging.getLogger("native.llama").setLevel(logging.DEBUG if args.verbose else logging.CRITICAL)
+    if args.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    if args.command in (None, "gui"):
+        return _start_gui(gui_main, [])
+    from engine.cli import files, run
+    from native.errors import NativeError
+    if args.command == "run":
+        run.report_previous_crash()
+    handler = {"run": run.cmd_run, "validate": files.cmd_validate, "inspect": files.cmd_inspect,
+               "compact": files.cmd_compact, "list": files.cmd_list, "info": files.cmd_info}[args.command]
+    try:
+        return handler(args)
+    except (AppError, NativeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except FileNotFoundError as exc:
+        print(f"error: file not found: {exc.filename}", file=sys.stderr)
+        return EXIT_ERROR
+    except (IsADirectoryError, PermissionError) as exc:
+        print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _start_gui(gui_main, argv: list[str]) -> int:
+    if gui_main is None:
+        print("error: the desktop app starts with `checkpoint-chat` (no subcommand) or "
+              "`checkpoint-chat-gui`", file=sys.stderr)
+        return EXIT_USAGE
+    return gui_main(argv)

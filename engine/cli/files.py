@@ -1,0 +1,215 @@
+"""The file commands: ``validate``, ``compact``, ``inspect``, ``list`` — and ``info``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import APP_VERSION
+from engine.cli import EXIT_ERROR, EXIT_OK, human_size
+from engine.errors import AppError, CheckpointError
+
+
+def cmd_validate(args) -> int:
+    from engine.checkpoints import format as fmt
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.compat import ModelIdentity, Target
+    from engine.checkpoints.kvstate import check_state_for
+
+    path = Path(args.path)
+    try:
+        header = fmt.read_header(path)
+        print("Header OK")
+        # this file and every ancestor, CRCs verified and each linked to the next
+        chain = load_chain(path) if header.is_delta else [fmt.read_checkpoint(path)]
+        data = chain[-1]
+        print("CRC32 OK")
+        for item in chain:
+            if item.header.n_tokens:
+                check_state_for(item.header, item.state)
+        print("KV state OK")
+        if header.is_delta:
+            print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")
+        if args.model:
+            Target(ModelIdentity.from_gguf(args.model)).check(header, data.meta)
+            print("Dimensions match model")
+    except CheckpointError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def cmd_compact(args) -> int:
+    from engine.checkpoints.chain import load_chain
+    from engine.compaction import compact_into, runtime_for
+    from native.library import bindings, choose_library
+
+    chain = load_chain(args.path)
+    if not chain[-1].header.is_delta:
+        print(f"{args.path} is already a full checkpoint")
+        return EXIT_OK
+    bindings(choose_library(cli_dir=args.llama_lib))
+    runtime = runtime_for(chain, model=args.model, n_threads=args.threads or 0)
+    try:
+        out = Path(args.output) if args.output else Path(args.path).with_name(
+            Path(args.path).stem + "-full.kvckpt")
+        info = compact_into(runtime, chain, out)
+    finally:
+        runtime.close()
+    print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)}; "
+          f"merged {len(chain)} files)")
+    return EXIT_OK
+
+
+def _header_json(h) -> dict[str, Any]:
+    return {
+        "format_version": h.version, "title": h.title, "kind": h.kind_name,
+        "conversation_id": str(h.conversation_id),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.created_unix_ns / 1e9)),
+        "model_fingerprint": h.model_fingerprint.hex(), "model_size": h.model_size,
+        "n_vocab": h.n_vocab, "n_layer": h.n_layer, "n_head_kv": h.n_head_kv,
+        "n_embd_head_k": h.n_embd_head_k, "n_embd_head_v": h.n_embd_head_v, "n_swa": h.n_swa,
+        "n_ctx": h.n_ctx, "type_k": h.type_k, "type_v": h.type_v, "flash_attn": h.flash_attn,
+        "kv_unified": h.kv_unified, "n_seq_max": h.n_seq_max, "n_tokens": h.n_tokens,
+        "n_tokens_total": h.n_tokens_total, "n_generated": h.n_generated,
+        "has_logits": h.has_logits, "prefill_pending": h.prefill_pending, "library": h.library,
+        "sections": {"metadata": h.meta_len, "tokens": h.tokens_len, "logits": h.logits_len,
+                     "state": h.state_len},
+        "file_size": h.file_len,
+    }
+
+
+def _node_json(node, g) -> dict[str, Any]:
+    """A file's place in its folder's graph (engine.checkpoints.graph)."""
+    parent = g.parent(node)
+    problem = g.chain_problem(node)
+    return {
+        "id": node.checkpoint_id,
+        "parent": node.parent.file if node.parent else None,
+        "parent_found": parent is not None if node.is_delta else None,
+        "conversation": str(node.conversation_id), "line": node.line,
+        "head": g.is_head(node),
+        "needed_by_head": g.reachable(node),
+        "chain": [n.name for n in g.chain(node)], "chain_size": g.chain_size(node),
+        "chain_problem": problem,
+    }
+
+
+def _graph_of(path: Path):
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    g = Graph.scan(Store(path.parent))
+    return g, g.nodes.get(path.name)
+
+
+def cmd_inspect(args) -> int:
+    from engine.checkpoints import format as fmt
+    path = Path(args.path)
+    header, meta = fmt.read_metadata(path)
+    meta = dict(meta)
+    g, node = _graph_of(path)
+    place = _node_json(node, g) if node is not None else None
+    if args.json:
+        print(json.dumps({"header": _header_json(header), "metadata": meta, "graph": place},
+                         ensure_ascii=False, indent=2))
+        return EXIT_OK
+    for key, value in _header_json(header).items():
+        print(f"{key:18} {value}")
+    # the metadata's shape is not trusted: a field of another type shows as "?"
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
+    conv = meta.get("conversation") if isinstance(meta.get("conversation"), dict) else {}
+    print(f"{'sampler':18} {json.dumps(conv.get('sampler', '?'), ensure_ascii=False)}")
+    if place is not None:
+        role = "head of its line" if place["head"] else (
+            "part of a head's chain" if place["needed_by_head"] else "not needed by any head")
+        print(f"{'place':18} {role}")
+        print("chain:" + (f"  BROKEN: {place['chain_problem']}" if place["chain_problem"] else ""))
+        for name in place["chain"]:
+            member = g.nodes[name]
+            what = "delta" if member.is_delta else "full"
+            print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}")
+        print(f"  total {human_size(place['chain_size'])}")
+    print("transcript:")
+    transcript = meta.get("transcript")
+    for message in transcript if isinstance(transcript, list) else []:
+        if isinstance(message, dict):
+            content = str(message.get("content", ""))
+            more = "" if message.get("complete", True) else "  [paused]"
+            print(f"  {message.get('role', '?')}: {content[:200]}{'…' if len(content) > 200 else ''}{more}")
+    return EXIT_OK
+
+
+def cmd_list(args) -> int:
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    store = Store(args.dir)
+    g = Graph.scan(store)
+    nodes = sorted(g.nodes.values(), key=lambda n: n.created_ns, reverse=True)
+    if args.json:
+        out = [{"path": str(n.path), "size": n.size, "valid": True, "error": None,
+                "header": _header_json(n.header), **_node_json(n, g)} for n in nodes]
+        out += [{"path": str(u.path), "size": u.size, "valid": False, "error": u.error,
+                 "id": None, "parent": None, "conversation": None, "head": False}
+                for u in g.unreadable]
+        print(json.dumps(out, ensure_ascii=False, indent=2))
+        return EXIT_OK
+    if not nodes and not g.unreadable:
+        print("no checkpoints")
+        return EXIT_OK
+    # heads first, newest first, each with the files its chain needs folded under it
+    shown = set()
+    for head in g.heads:
+        chain = g.chain(head)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(head.created_ns / 1e9))
+        h = head.header
+        extra = f"  ({len(chain)} files, {human_size(g.chain_size(head))})" if len(chain) > 1 else ""
+        print(f"{when}  {h.kind_name:8} {h.n_tokens:6d} tok  {human_size(head.size):>9}  "
+              f"{h.title}  [{head.path}]{extra}")
+        for member in reversed(chain[:-1]):
+            if member.name not in shown:
+                print(f"{'':18}  └ {member.header.kind_name:8} {member.header.n_tokens:6d} tok  "
+                      f"{human_size(member.size):>9}  {member.name}")
+        shown.update(n.name for n in chain)
+    for n in nodes:
+        if n.name not in shown:
+            why = g.chain_problem(n) or "superseded by a newer head of its line"
+            print(f"{'':18}  {n.header.kind_name:8} {n.header.n_tokens:6d} tok  {human_size(n.size):>9}  "
+                  f"{n.name}  ({why})")
+    for u in g.unreadable:
+        print(f"{'':18}  CORRUPT  {u.error}  [{u.path}]")
+    return EXIT_OK
+
+
+def cmd_info(args) -> int:
+    from engine.models import default_model_path
+    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library
+    from native.sysinfo import system_info
+
+    bindings(choose_library(cli_dir=args.llama_lib))
+    info = system_info()
+    try:
+        model = str(default_model_path())
+    except AppError as exc:
+        model = f"not installed ({exc})"
+    if args.json:
+        print(json.dumps({"version": APP_VERSION, "library": info.library_path,
+                          "library_version": info.library_version, "bundled": info.bundled,
+                          "required_commit": REQUIRED_LLAMA_CPP_COMMIT,
+                          "gpu_offload": info.gpu_offload, "features": info.features,
+                          "devices": [d.__dict__ for d in info.devices], "default_model": model},
+                         indent=2))
+        return EXIT_OK
+    print(f"Checkpoint Chat {APP_VERSION}")
+    print(f"llama library   {info.library_path} ({'bundled' if info.bundled else 'user-chosen'}, "
+          f"{info.library_version}; needs llama.cpp commit {REQUIRED_LLAMA_CPP_COMMIT})")
+    print(f"GPU offload     {'yes' if info.gpu_offload else 'no'}")
+    print(f"CPU features    {info.features}")
+    for d in info.devices:
+        print(f"device          {d.kind} {d.name}: {d.description}, "
+              f"{human_size(d.memory_free)} free of {human_size(d.memory_total)}")
+    print(f"default model   {model}")
+    return EXIT_OK

@@ -1,0 +1,96 @@
+"""The command line's arguments: llama.cpp's familiar flag names, checked as they are parsed."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine import APP_VERSION
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {text}")
+    return value
+
+
+def _not_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="checkpoint-chat",
+                                description="Chat with local GGUF models; pause, save and resume "
+                                            "generation exactly.")
+    p.add_argument("--version", action="version", version=f"checkpoint-chat {APP_VERSION}")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    sub = p.add_subparsers(dest="command")
+
+    run = sub.add_parser("run", help="generate text (and pause/resume with checkpoints)")
+    run.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
+    prompt = run.add_mutually_exclusive_group()
+    prompt.add_argument("-p", "--prompt", help="user message")
+    prompt.add_argument("-f", "--prompt-file", help="read the user message from a file")
+    run.add_argument("--system", help="system prompt")
+    run.add_argument("-n", "--n-predict", type=int, default=None,
+                     help="answer length limit in tokens (-1: no limit; default -1)")
+    run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    run.add_argument("--temp", type=float, default=None, help="temperature (0: greedy; default 0.8)")
+    run.add_argument("--top-k", type=int, default=None)
+    run.add_argument("--top-p", type=float, default=None)
+    run.add_argument("--min-p", type=float, default=None)
+    run.add_argument("--repeat-penalty", type=float, default=None)
+    run.add_argument("--repeat-last-n", type=int, default=None)
+    run.add_argument("--ignore-eos", action="store_true", default=None,
+                     help="keep generating past end-of-generation tokens")
+    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="stop when this text appears (repeatable)")
+    run.add_argument("-c", "--ctx-size", type=_positive, default=None, help="context size (default 4096)")
+    run.add_argument("-b", "--batch-size", type=_positive, default=None, help="prefill chunk (default 512)")
+    run.add_argument("-t", "--threads", type=_not_negative, default=None)
+    run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                     help="layers to offload to the GPU (-1: all; default 0)")
+    run.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")
+    run.add_argument("-fa", "--flash-attn", choices=("on", "off"), default=None)
+    run.add_argument("-ctk", "--cache-type-k", default=None, help="K cache type (f16, q8_0, ...)")
+    run.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type (f16, q8_0, ...)")
+    run.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+    run.add_argument("--checkpoint-save", metavar="PATH", help="where pause / Ctrl+C / the end saves")
+    run.add_argument("--checkpoint-load", metavar="PATH", help="continue from this checkpoint")
+    run.add_argument("--checkpoint-save-interval", type=_not_negative, default=0, metavar="N",
+                     help="autosave every N generated tokens")
+    run.add_argument("--stop-after", type=_not_negative, default=None, metavar="N",
+                     help="pause after N generated tokens and save, as the Pause button does")
+    run.add_argument("--reuse-prefix", action="store_true",
+                     help="start from the stored checkpoint sharing the longest prefix with the prompt")
+    run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
+
+    val = sub.add_parser("validate", help="check a checkpoint file")
+    val.add_argument("path")
+    val.add_argument("--model", help="also check it fits this GGUF model")
+
+    comp = sub.add_parser("compact", help="merge a delta chain into one full checkpoint")
+    comp.add_argument("path")
+    comp.add_argument("-o", "--output", help="where to write it (default: beside, *-full.kvckpt)")
+    comp.add_argument("--model", help="GGUF model (default: the one the checkpoint names)")
+    comp.add_argument("--threads", type=int, default=None)
+    comp.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+
+    ins = sub.add_parser("inspect", help="show a checkpoint's header and metadata")
+    ins.add_argument("path")
+    ins.add_argument("--json", action="store_true")
+
+    lst = sub.add_parser("list", help="list the checkpoints in the store, newest first")
+    lst.add_argument("--dir", help="store folder (default: the app's data folder)")
+    lst.add_argument("--json", action="store_true")
+
+    info = sub.add_parser("info", help="show the llama library, backends and devices")
+    info.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+    info.add_argument("--json", action="store_true")
+
+    sub.add_parser("gui", help="start the desktop app (the default)")
+    return p

@@ -1,0 +1,278 @@
+"""``checkpoint-chat run``: generate, pause (Ctrl+C or ``--stop-after``), save, resume.
+
+:class:`RunSession` is one run: it chooses the library, reads the checkpoint to
+continue (a delta brings its chain), checks the context before loading the model,
+restores or starts the conversation, generates with autosave, and saves where the
+user asked.  With ``--progress`` it announces its stages on stderr, one line each
+(``[STAGE] loading``, ``[STAGE] prefill``, ``[STAGE] generating``, ``[STAGE] saving``),
+so that scripts and tests can wait for a stage instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.cli import EXIT_OK, human_size
+from engine.errors import AppError, CheckpointError
+
+
+def report_previous_crash() -> None:
+    """Install the crash trace for this run; tell about an earlier run that crashed."""
+    from engine import crashlog
+    from engine.checkpoints.store import Store
+    try:
+        reports = crashlog.pending_crashes()
+        crashlog.install()
+    except OSError:
+        return  # an unwritable log folder must not stop the chat
+    if not reports:
+        return
+    kept = crashlog.acknowledge(reports)
+    autosave = crashlog.newest_autosave(Store())
+    last = reports[-1]
+    details = "" if last.killed else f" ({last.excerpt}); details: {kept[-1] if kept else last.log}"
+    print(f"note: Checkpoint Chat {last.what} in an earlier run{details}", file=sys.stderr)
+    if autosave:
+        print(f"note: its last autosave can be resumed with: checkpoint-chat run --checkpoint-load "
+              f"{autosave}", file=sys.stderr)
+
+
+def cmd_run(args) -> int:
+    from engine.generation import Control
+    from engine.shutdown import ShutdownGuard
+
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text("utf-8")
+        except UnicodeDecodeError:
+            raise AppError(f"the prompt file {args.prompt_file} is not UTF-8 text") from None
+    if prompt is None and not args.checkpoint_load:
+        raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
+                       "(--checkpoint-load)")
+    control = Control()
+    # Ctrl+C, SIGTERM and (on Windows) closing the console all mean "pause and save";
+    # installed before the model loads, so an early Ctrl+C saves an empty-handed pause
+    # (the prompt, nothing decoded) instead of a traceback
+    guard = ShutdownGuard(lambda reason: control.request_pause())
+    with guard:
+        try:
+            outcome = RunSession(args, prompt, control, guard).run()
+        finally:
+            guard.save_finished()  # a waiting console-close handler may let the process go
+    if args.json:
+        print(json.dumps(outcome, ensure_ascii=False))
+    return guard.exit_status if guard.requested else EXIT_OK
+
+
+class RunSession:
+    """One ``run``: from the arguments to the JSON outcome."""
+
+    def __init__(self, args, prompt: str | None, control, guard) -> None:
+        self.args = args
+        self.prompt = prompt
+        self.control = control
+        self.guard = guard
+        self.chain = None        # the checkpoint continued, base first
+        self.runtime = None
+        self.writer = None       # engine.history.LineWriter, when saving into the store
+        self.reuse = None
+
+    def stage(self, name: str) -> None:
+        if self.args.progress:
+            print(f"[STAGE] {name}", file=sys.stderr, flush=True)
+
+    # -- the steps ------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from engine.checkpoints.compat import ContextShape, Target
+        from engine.checkpoints.chain import load_chain
+        from engine.runtime import Runtime
+        from native.library import bindings, choose_library
+
+        args = self.args
+        bindings(choose_library(cli_dir=args.llama_lib))
+        self.chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
+        data = self.chain[-1] if self.chain else None
+        settings = context_settings(args, data.header if data else None)
+        if data is not None:   # before spending time on loading the model
+            Target(context=ContextShape.of(settings)).check(data.header, data.meta)
+        self.stage("loading")
+        self.runtime = Runtime(model_path(args, data.meta if data else None), settings,
+                               n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
+        try:
+            conv = self.conversation()
+            self.prepare_store(conv)
+            result = self.generate(conv)
+            checkpoint = self.save(conv, result)
+            return self.outcome(conv, result, checkpoint)
+        finally:
+            self.runtime.close()
+
+    def conversation(self):
+        """The restored conversation (or a new one), with the new message if any."""
+        from engine.conversation import Conversation
+        from engine.generation import begin_answer
+        args, rt = self.args, self.runtime
+        if self.chain is not None:
+            conv = rt.restore_chain(self.chain)
+            conv.sampler = sampler_from_args(args, conv.sampler)
+            if args.stop:
+                conv.stop_strings = args.stop
+        else:
+            conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
+                                sampler=sampler_from_args(args, None))
+        if self.prompt is not None:
+            if conv.paused:
+                # a new message after a paused answer keeps what was generated so far
+                conv.answer.finish_reason = "interrupted"
+            begin_answer(conv, rt, self.prompt,
+                         n_predict=-1 if args.n_predict is None else args.n_predict)
+        elif not conv.paused:
+            raise AppError("this checkpoint's answer is complete; give --prompt to continue "
+                           "the conversation")
+        elif args.n_predict is not None:
+            conv.answer.n_predict = args.n_predict
+        return conv
+
+    def prepare_store(self, conv) -> None:
+        """Prefix reuse, and the writer of the conversation's line in the store."""
+        from engine.checkpoints.store import Store
+        from engine.history import LineWriter
+        store = self.store = Store()
+        if self.args.reuse_prefix and self.chain is None:
+            from engine.prefix_reuse import reuse_stored_prefix
+            self.reuse = reuse_stored_prefix(self.runtime, store.folder, conv.tokens)
+            if not self.args.json:
+                print(f"[PREFIX] {self.reuse.describe()}", file=sys.stderr)
+        # with --checkpoint-save, autosaves rewrite that file; otherwise the conversation's
+        # line in the store grows by deltas (on the loaded file when it is a store head)
+        if not self.args.checkpoint_save:
+            self.writer = (LineWriter.continuing(self.runtime, store, self.chain) if self.chain
+                           else LineWriter(self.runtime, store, conv.id.hex))
+
+    def generate(self, conv):
+        from engine.checkpoints.format import KIND_AUTOSAVE
+        from engine.generation import generate
+        args, runtime, session = self.args, self.runtime, self
+
+        def autosave(c) -> None:
+            try:
+                if session.writer is None:
+                    runtime.save(Path(args.checkpoint_save), c, KIND_AUTOSAVE)
+                else:
+                    session.writer.autosave(c)
+            except CheckpointError as exc:
+                print(f"warning: autosave failed: {exc}", file=sys.stderr)
+
+        class Printer:
+            started = False
+
+            def on_prefill_progress(self, done: int, total: int) -> None:
+                if args.progress:
+                    print(f"[PREFILL] {done}/{total}", file=sys.stderr, flush=True)
+
+            def on_text(self, delta: str) -> None:
+                if not self.started:
+                    self.started = True
+                    session.stage("generating")
+                if not args.json:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+
+        self.stage("prefill")
+        return generate(runtime, conv, control=self.control, listener=Printer(),
+                        stop_after=args.stop_after,
+                        autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
+
+    def save(self, conv, result):
+        """The pause / exit / end checkpoint, when one is due; returns its SaveInfo."""
+        from engine.checkpoints import graph
+        from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+        from engine.generation import commit_answer
+        args = self.args
+        checkpoint = None
+        autosaved = self.writer is not None and self.writer.saves > 0
+        if result.paused or args.checkpoint_save or autosaved:
+            self.stage("saving")
+            kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
+            commit_answer(conv)
+            checkpoint = (self.runtime.save(Path(args.checkpoint_save), conv, kind)
+                          if args.checkpoint_save else self.writer.save_head(conv, kind))
+            if not args.json and result.text and not result.text.endswith("\n"):
+                print()
+            print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
+                  file=sys.stderr)
+        elif not args.json:
+            print()
+        if self.store.folder.is_dir():
+            graph.prune(self.store, graph.DEFAULT_BUDGET_BYTES)
+        return checkpoint
+
+    def outcome(self, conv, result, checkpoint) -> dict[str, Any]:
+        reuse = self.reuse
+        return {
+            "text": result.text, "finish_reason": result.finish_reason,
+            "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
+            "n_generated": result.n_generated, "ttft_s": result.ttft_s,
+            "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,
+            "checkpoint": str(checkpoint.path) if checkpoint else None,
+            "confidence": result.confidence, "seed": conv.sampler.seed,
+            "prefix_reuse": reuse.how if reuse else None,
+            "prefix_source": str(reuse.source) if reuse and reuse.source else None,
+        }
+
+
+# -- turning arguments into settings ---------------------------------------------------------------
+
+def context_settings(args, header):
+    from native.context import KV_TYPES, ContextSettings
+    from native.errors import ContextError
+
+    def kv_type(name: str | None, fallback: int) -> int:
+        if name is None:
+            return fallback
+        if name not in KV_TYPES:
+            raise ContextError(f"unknown KV cache type {name!r} (choose from {', '.join(KV_TYPES)})")
+        return KV_TYPES[name]
+
+    base = ContextSettings()
+    n_ctx = args.ctx_size or (header.n_ctx if header else base.n_ctx)
+    return ContextSettings(
+        n_ctx=n_ctx, n_batch=args.batch_size or base.n_batch,
+        n_ubatch=args.batch_size or base.n_ubatch, n_threads=args.threads or 0,
+        flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else base.flash_attn),
+        type_k=kv_type(args.cache_type_k, header.type_k if header else base.type_k),
+        type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v),
+        n_seq_max=header.n_seq_max if header else base.n_seq_max,
+        kv_unified=header.kv_unified if header else base.kv_unified)
+
+
+def sampler_from_args(args, base):
+    from engine.sampling import SamplerSettings, random_seed
+    base = base or SamplerSettings(seed=random_seed())
+    if args.seed is None:
+        seed = base.seed          # a resumed answer keeps its seed
+    elif args.seed < 0:
+        seed = random_seed()      # llama.cpp's convention: -1 means random
+    else:
+        seed = args.seed
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return SamplerSettings(
+        temperature=pick(args.temp, base.temperature), top_k=pick(args.top_k, base.top_k),
+        top_p=pick(args.top_p, base.top_p), min_p=pick(args.min_p, base.min_p),
+        repeat_penalty=pick(args.repeat_penalty, base.repeat_penalty),
+        repeat_last_n=pick(args.repeat_last_n, base.repeat_last_n), seed=seed,
+        ignore_eos=pick(args.ignore_eos, base.ignore_eos))
+
+
+def model_path(args, meta: dict | None) -> Path:
+    from engine.models import default_model_path
+    if args.model:
+        return Path(args.model)
+    stored = ((meta or {}).get("model") or {}).get("path")
+    if stored and Path(stored).is_file():
+        return Path(stored)
+    return default_model_path()
