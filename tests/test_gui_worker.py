@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from engine.checkpoints.format import KIND_AUTOSAVE, read_header
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
 from engine.sampling import SamplerSettings
 from engine.checkpoints.store import Store
 from engine.worker import EngineWorker, ModelOptions, WorkerListener
@@ -177,3 +177,28 @@ def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
     finally:
         w.shutdown()
         assert w.join(60)
+
+
+def test_a_pause_before_the_first_token_stops_the_answer_there(worker):
+    """Pause is enabled as soon as Send is clicked: a pause while the answer is still
+    queued stops it before its first token, saved, and Resume loses nothing."""
+    w, rec = worker
+    gate = threading.Event()
+    w._submit("hold the engine thread", gate.wait)     # the answer below stays queued
+    conv = w.new_conversation(sampler=SamplerSettings(seed=11, ignore_eos=True))
+    w.send(conv, "Tell me about mountains.", n_predict=12)
+    w.pause()
+    gate.set()
+    summary = rec.wait("finished")[-1][1]
+    assert summary.finish_reason == "paused" and summary.n_generated == 0
+    saved = rec.wait("saved")[-1]
+    assert saved[3] == KIND_PAUSE and saved[1].paused
+    w.resume(conv)
+    resumed = rec.wait("finished", 2)[-1][1]
+    assert resumed.finish_reason == "length" and resumed.n_generated == 12, rec.events
+    # an idle pause (nothing queued) does not stop the next answer
+    w.pause()
+    other = w.new_conversation(sampler=SamplerSettings(seed=11, ignore_eos=True))
+    w.send(other, "Tell me about mountains.", n_predict=12)
+    fresh = rec.wait("finished", 3)[-1][1]
+    assert fresh.finish_reason == "length" and fresh.text == resumed.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,11 @@ class RunSession:
         self.runtime = None
         self.writer = None       # engine.history.LineWriter, when saving into the store
         self.reuse = None
+        # Timings as the user lives them (see outcome): the checkpoint's read + verify
+        # happens before the model loads, which time to first token does not count
+        self.read_s = 0.0
+        self.restore_s = 0.0     # read + verify + set state of the checkpoint started from
+        self.requested_at = None
 
     def stage(self, name: str) -> None:
         if self.args.progress:
@@ -94,7 +100,9 @@ class RunSession:
 
         args = self.args
         bindings(choose_library(cli_dir=args.llama_lib))
+        started = time.perf_counter()
         self.chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
+        self.read_s = time.perf_counter() - started if self.chain else 0.0
         data = self.chain[-1] if self.chain else None
         settings = context_settings(args, data.header if data else None)
         if data is not None:   # before spending time on loading the model
@@ -102,6 +110,8 @@ class RunSession:
         self.stage("loading")
         self.runtime = Runtime(model_path(args, data.meta if data else None), settings,
                                n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
+        # the request, for time to first token: now (model loaded) less the read above
+        self.requested_at = time.perf_counter() - self.read_s
         try:
             conv = self.conversation()
             self.prepare_store(conv)
@@ -118,6 +128,7 @@ class RunSession:
         args, rt = self.args, self.runtime
         if self.chain is not None:
             conv = rt.restore_chain(self.chain)
+            self.restore_s = self.read_s + rt.last_restore_s
             conv.sampler = sampler_from_args(args, conv.sampler)
             if args.stop:
                 conv.stop_strings = args.stop
@@ -130,6 +141,10 @@ class RunSession:
                 conv.answer.finish_reason = "interrupted"
             begin_answer(conv, rt, self.prompt,
                          n_predict=-1 if args.n_predict is None else args.n_predict)
+            from engine.chat_template import template_problem
+            problem = template_problem(rt.model)
+            if problem:
+                print(f"note: {problem}", file=sys.stderr)
         elif not conv.paused:
             raise AppError("this checkpoint's answer is complete; give --prompt to continue "
                            "the conversation")
@@ -144,7 +159,10 @@ class RunSession:
         store = self.store = Store()
         if self.args.reuse_prefix and self.chain is None:
             from engine.prefix_reuse import reuse_stored_prefix
+            started = time.perf_counter()
             self.reuse = reuse_stored_prefix(self.runtime, store.folder, conv.tokens)
+            if self.reuse.source is not None:
+                self.restore_s = time.perf_counter() - started
             if not self.args.json:
                 print(f"[PREFIX] {self.reuse.describe()}", file=sys.stderr)
         # with --checkpoint-save, autosaves rewrite that file; otherwise the conversation's
@@ -185,7 +203,8 @@ class RunSession:
         self.stage("prefill")
         return generate(runtime, conv, control=self.control, listener=Printer(),
                         stop_after=args.stop_after,
-                        autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave)
+                        autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave,
+                        confidence=bool(args.json), requested_at=self.requested_at)
 
     def save(self, conv, result):
         """The pause / exit / end checkpoint, when one is due; returns its SaveInfo."""
@@ -212,11 +231,16 @@ class RunSession:
         return checkpoint
 
     def outcome(self, conv, result, checkpoint) -> dict[str, Any]:
+        """The ``--json`` result.  ``ttft_s`` counts from the request once the model is
+        loaded and includes ``restore_s`` (reading, verifying and setting the state of
+        the checkpoint the run started from, 0 without one); ``prefill_s`` is decoding
+        only."""
         reuse = self.reuse
         return {
             "text": result.text, "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
             "n_generated": result.n_generated, "ttft_s": result.ttft_s,
+            "restore_s": self.restore_s,
             "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,
             "checkpoint": str(checkpoint.path) if checkpoint else None,
             "confidence": result.confidence, "seed": conv.sampler.seed,
