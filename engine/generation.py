@@ -64,10 +64,10 @@ class GenerationResult:
     n_reused_tokens: int = 0
     n_prefilled: int = 0
     n_generated: int = 0            # tokens generated during this run
-    ttft_s: float | None = None
-    prefill_s: float = 0.0
+    ttft_s: float | None = None     # from the request (see generate's requested_at) to the first token
+    prefill_s: float = 0.0          # decoding the prompt tokens the cache lacked, nothing else
     generation_s: float = 0.0
-    probabilities: list[float] = field(default_factory=list)
+    probabilities: list[float] = field(default_factory=list)   # only with confidence=True
 
     @property
     def paused(self) -> bool:
@@ -130,17 +130,23 @@ def _stop_hold(text: str, stops: list[str]) -> int:
 def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = None,
              listener: Listener | None = None, stop_after: int | None = None,
              autosave_every: int = 0,
-             autosave: Callable[[Conversation], None] | None = None) -> GenerationResult:
+             autosave: Callable[[Conversation], None] | None = None,
+             confidence: bool = False, requested_at: float | None = None) -> GenerationResult:
     """Continue ``conv.answer`` until it ends, pauses, or ``stop_after`` tokens were made.
 
     ``conv.tokens`` is brought into the KV cache first, decoding only what is missing.
+    ``confidence`` records the model's probability of every chosen token (a softmax
+    over the whole vocabulary per token: only for callers that show it).
+    ``requested_at`` (a ``time.perf_counter()`` value) is when the user asked, so that
+    ``ttft_s`` includes what the caller did before (reading and restoring a
+    checkpoint); by default it counts from this call.
     """
     control = control or Control()
     listener = listener or NullListener()
     answer = conv.answer
     if answer is None or answer.finished:
         raise GenerationError("there is no answer to continue")
-    started = time.perf_counter()
+    started = time.perf_counter() if requested_at is None else requested_at
     report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
                              on_progress=listener.on_prefill_progress)
     result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
@@ -181,7 +187,10 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
                 logits = _without_eog(runtime, logits)
             # greedy draws nothing at random: no per-position seed to derive
             token = chain.sample(candidates, logits, 0 if chain.greedy else seed_for(s.seed, pos))
-            result.probabilities.append(_probability(logits, token))
+            if confidence:
+                # plain greedy picked the argmax: its logit is the maximum the softmax needs
+                top = float(logits[token]) if chain.greedy and not chain.has_penalty else None
+                result.probabilities.append(_probability(logits, token, top))
             if result.ttft_s is None:
                 result.ttft_s = time.perf_counter() - started
             if model.is_eog(token):
@@ -234,8 +243,10 @@ def _without_eog(runtime: Runtime, logits: np.ndarray) -> np.ndarray:
     return masked
 
 
-def _probability(logits: np.ndarray, token: int) -> float:
-    """The model's own probability of ``token`` (softmax of the raw logits)."""
-    top = float(logits.max())
+def _probability(logits: np.ndarray, token: int, top: float | None = None) -> float:
+    """The model's own probability of ``token`` (softmax of the raw logits); ``top`` is
+    the largest logit when the caller knows it already."""
+    if top is None:
+        top = float(logits.max())
     total = float(np.exp(logits - top, dtype=np.float32).sum())
     return float(np.exp(float(logits[token]) - top) / total) if total > 0 else 0.0

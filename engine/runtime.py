@@ -82,8 +82,12 @@ class Runtime:
         # logits at the end of the last prefill, with the digest of the tokens they follow:
         # Regenerate trims back to there and samples again without re-decoding
         self._prompt_logits: tuple[int, str, np.ndarray] | None = None
+        self._state_buffer: np.ndarray | None = None  # reused by every save (_state_bytes)
+        #: seconds the last restore_chain took (structure checks + setting the state)
+        self.last_restore_s = 0.0
 
     def close(self) -> None:
+        self._state_buffer = None
         self.ctx.close()
         self.model.close()
 
@@ -288,7 +292,9 @@ class Runtime:
     def _state_bytes(self, p0: int) -> np.ndarray:
         """Sequence 0's state, or (p0 > 0) only its cells at positions >= p0.
 
-        The partial state is read through scratch sequence 1, which shares those cells
+        The bytes live in the runtime's state buffer, reused by every save (full or
+        delta) and overwritten by the next one: use them before saving again.  The
+        partial state is read through scratch sequence 1, which shares those cells
         (``seq_cp`` adds a sequence id to cells; nothing is copied) and is dropped after.
         """
         seq = 0
@@ -297,17 +303,34 @@ class Runtime:
             seq = 1
         try:
             size = self.ctx.state_size(seq)
-            # np.empty, not bytearray(size): zero-filling hundreds of MB holds the GIL
-            # (~55 ms per 88 MB here) and freezes the UI thread; llama.cpp overwrites it all.
-            state = np.empty(size, dtype=np.uint8)
+            buf = self._state_buffer_for(size)
             try:
-                written = self.ctx.state_get_into(state, size, seq)
+                written = self.ctx.state_get_into(buf, size, seq)
             except StateError as exc:
                 raise SaveFailed(str(exc)) from exc
-            return state[:written]
+            return buf[:written]
         finally:
             if p0:
                 self.ctx.seq_rm(1, -1, -1)
+
+    def _state_buffer_for(self, size: int) -> np.ndarray:
+        """The state buffer, grown when ``size`` no longer fits.
+
+        Reusing it spares every save the page faults of fresh memory.  It grows with an
+        eighth of headroom, so a conversation that keeps growing (autosaves) seldom
+        reallocates; pages never written are not resident.  np.empty, not
+        bytearray(size): zero-filling hundreds of MB holds the GIL (~55 ms per 88 MB
+        here) and freezes the UI thread; llama.cpp overwrites what it uses.
+        """
+        buf = self._state_buffer
+        if buf is None or len(buf) < size:
+            self._state_buffer = None   # the old one is freed before the new one is touched
+            buf = self._state_buffer = np.empty(size + size // 8, dtype=np.uint8)
+        return buf
+
+    def release_state_buffer(self) -> None:
+        """Give the save buffer's memory back (the next save allocates a new one)."""
+        self._state_buffer = None
 
     def restore(self, data: CheckpointData) -> Conversation:
         """Put a verified checkpoint's state into the cache; returns its conversation."""
@@ -322,6 +345,13 @@ class Runtime:
         refuses a state that passed every check is the cache emptied; the previous
         conversation then re-decodes its prompt the next time it is used.
         """
+        started = time.perf_counter()
+        try:
+            return self._restore_chain(chain)
+        finally:
+            self.last_restore_s = time.perf_counter() - started
+
+    def _restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         if not chain:
             raise BrokenChain("no checkpoint to restore")
         if chain[0].header.is_delta:
