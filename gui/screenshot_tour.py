@@ -90,8 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     damaged.write_bytes(bytes(data))
     truncated = w.store.folder / "truncated-copy.kvckpt"
     truncated.write_bytes(bytes(data[: len(data) // 3]))
-    from tests.test_gui_logic import _tiny_checkpoint
-    _tiny_checkpoint(w.store.folder / "gemma-notes.kvckpt", "Notes from another model")
+    # a checkpoint of another model: the same bytes under another fingerprint and title
+    from dataclasses import replace
+    from engine.checkpoints import format as fmt
+    header = fmt.unpack_header(bytes(data[:fmt.HEADER_LEN]))
+    foreign = bytearray(good.read_bytes())
+    foreign[:fmt.HEADER_LEN] = fmt.pack_header(replace(
+        header, model_fingerprint=b"another-model-01", title="Notes from another model"))
+    (w.store.folder / "gemma-notes.kvckpt").write_bytes(bytes(foreign))
     browser = w.show_browser()
     browser.resize(1200, 360)
     _wait(app, lambda: len(browser.model.rows) >= 5)

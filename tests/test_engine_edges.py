@@ -60,8 +60,9 @@ def test_bad_numbers_are_one_line_errors(tmp_path):
         ContextSettings(n_batch=0)
     for args in (["-b", "-1"], ["-c", "0"], ["--stop-after", "-2"]):
         done = run_cli("run", "-p", "hi", *args)
-        assert done.returncode == 2 and "Traceback" not in done.stderr and "positive" in done.stderr \
-            or "0 or more" in done.stderr, done.stderr
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        assert "positive" in done.stderr or "0 or more" in done.stderr, done.stderr
     bad = tmp_path / "latin1.txt"
     bad.write_bytes(b"caf\xe9")
     done = run_cli("run", "-f", str(bad))
