@@ -287,7 +287,14 @@ def test_pause_during_prefill_stops_at_once_and_resumes(qtbot, make_window):
 
 
 def _files_of(store, conv_id) -> list[Path]:
-    return [p for p in store.files() if read_header(p).conversation_id == conv_id]
+    out = []
+    for p in store.files():
+        try:
+            if read_header(p).conversation_id == conv_id:
+                out.append(p)
+        except FileNotFoundError:
+            continue   # deleted between the listing and the read
+    return out
 
 
 def test_deleting_a_conversation_deletes_its_whole_history(qtbot, make_window):

@@ -105,7 +105,9 @@ def test_console_close_and_session_end_make_one_request(guarded):
     k32_routine = guard._routine
     threading.Thread(target=k32_routine, args=(CTRL_CLOSE_EVENT,)).start()
     assert user32.send(WM_QUERYENDSESSION, 0, ENDSESSION_LOGOFF) == 1
-    assert calls == ["console-close"], "one request, whichever came first"
+    # the console-close thread and the session-end message race: exactly one request
+    # reaches the app, whichever came first
+    assert len(calls) == 1 and calls[0] in ("console-close", "logoff"), calls
 
 
 def test_a_failing_request_still_answers_windows(guarded):
