@@ -7,20 +7,21 @@ saves the cache as one full file.  The result restores exactly as the chain does
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import Sequence
 
 from engine.checkpoints.format import CheckpointData
-from engine.checkpoints.graph import line_of
 from engine.models import default_model_path
 from engine.runtime import Runtime, SaveInfo
 
 
 def compact_into(runtime: Runtime, chain: Sequence[CheckpointData], out: Path) -> SaveInfo:
     """Restore ``chain`` into ``runtime`` and save it as one full file at ``out``."""
-    last = chain[-1]
     conv = runtime.restore_chain(chain)
-    return runtime.save(out, conv, last.header.kind, line=line_of(last.meta, last.header))
+    # a line of its own: a compacted copy placed in a store never competes with the
+    # history it was made from (engine.checkpoints.graph)
+    return runtime.save(out, conv, chain[-1].header.kind, line=uuid.uuid4().hex, seq=1)
 
 
 def model_path_for(meta: dict, override: str | Path | None = None) -> Path:

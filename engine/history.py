@@ -7,18 +7,24 @@ of it:
 
 * a **delta** on the deepest file of the live chain that is still a prefix of the
   cache, so a save costs the tokens since that file, not the whole context; when the
-  cache was trimmed (Regenerate), the delta goes on the file before the trimmed part;
-* a **compaction** (one full file, a new chain) when the chain would grow past
-  :class:`ChainPolicy`'s limits, when nothing on disk is a prefix, or when the delta's
-  parent disappeared meanwhile.
+  cache was trimmed (Regenerate), the delta goes on the file before the trimmed part,
+  and when nothing new was decoded (a pause before the first token, a rename) the delta
+  holds no cells at all;
+* a **compaction** (one full file, a new chain) when the chain's deltas would outweigh
+  its base in bytes or the chain would pass :class:`ChainPolicy`'s file count, when
+  nothing on disk is a prefix, or when the delta's parent disappeared meanwhile.
 
-The file just written is the line's newest node and so its head (see
-engine.checkpoints.graph); whatever that supersedes (a chain replaced by a compaction,
-the tail cut by a trim, a crash's leftovers of the same line) is retired only after the
-new file is durable, so a crash at any moment leaves a restorable head.
+Each file gets the next sequence number of its line, so the file just written is the
+line's newest node and so its head (engine.checkpoints.graph) whatever the clock says;
+what that supersedes (a chain replaced by a compaction, the tail cut by a trim, a
+crash's leftovers of the same line) is retired only after the new file is durable, so a
+crash at any moment leaves a restorable head.
 
-Heads and autosaves differ only in their kind and their name (``autosave-…`` vs the
-title); the next autosave goes on top of a head as readily as on an autosave.
+One writer per line: a writer holds its line's lease (``Store.lease_line``) while it
+lives.  Continuing a chain whose line another writer holds — the window and a CLI run
+on one conversation, two windows — or continuing a file that is not its line's head,
+or a copy, starts a new line (a branch) instead, so no writer ever retires another's
+newer history.
 """
 
 from __future__ import annotations
@@ -43,13 +49,12 @@ log = logging.getLogger("engine")
 @dataclass(frozen=True)
 class ChainPolicy:
     """When a save starts a new chain instead of adding a delta."""
-    #: files in one chain (each is read and applied on restore)
-    max_files: int = 16
-    #: tokens held by the deltas of a chain, relative to its base: past this, one full
-    #: file is smaller to store and faster to restore than base plus deltas
+    #: files in one chain (each is read, verified and applied on restore)
+    max_files: int = 64
+    #: bytes of a chain's deltas relative to its base: past this, one full file is
+    #: smaller to store and faster to restore than base plus deltas (a small base is
+    #: soon compacted, cheaply; a large one carries many deltas)
     max_delta_ratio: float = 1.0
-    #: a base this small is cheaper to rewrite than to extend
-    min_base_tokens: int = 256
 
 
 def saved_info(data: CheckpointData) -> SaveInfo:
@@ -63,20 +68,17 @@ def saved_info(data: CheckpointData) -> SaveInfo:
                     line=line_of(data.meta, h))
 
 
-def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str:
-    """The line a restored chain's history continues on.
-
-    Its own line when its newest file is that line's head in ``store``; otherwise a new
-    line (a branch), so that continuing from an older file or from a copy never retires
-    the newer history of the line it came from.
-    """
+def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | None:
+    """The line a restored chain's history may continue on: its own when its newest
+    file is that line's head in ``store``; None when it must branch (an older file, a
+    copy, a file outside the store)."""
     last = chain[-1]
-    line = line_of(last.meta, last.header)
     if last.path is None or not store.contains(last.path):
-        return uuid.uuid4().hex
+        return None
+    line = line_of(last.meta, last.header)
     head = Graph.scan(store).head_of_line.get(line)
     if head is None or head.path.name != last.path.name or head.payload_crc != last.payload_crc:
-        return uuid.uuid4().hex
+        return None
     return line
 
 
@@ -84,27 +86,46 @@ class LineWriter:
     """Saves one line of a conversation from the Runtime that holds it."""
 
     def __init__(self, runtime: Runtime, store: Store, line: str,
-                 chain: Sequence[SaveInfo] = (), *, policy: ChainPolicy = ChainPolicy(),
-                 mode: str = "delta") -> None:
+                 chain: Sequence[SaveInfo] = (), *, seq: int = 1, lease=None,
+                 policy: ChainPolicy = ChainPolicy(), mode: str = "delta") -> None:
         if mode not in ("delta", "full"):
             raise ValueError(f"unknown save mode {mode!r}")
         self.runtime = runtime
         self.store = store
         self.line = line
+        self.next_seq = seq
         self.policy = policy
         self.mode = mode
         self.chain: list[SaveInfo] = list(chain)
+        self._lease = lease
         self.saves = 0
         self.bytes_written = 0
 
     @classmethod
+    def starting(cls, runtime: Runtime, store: Store, line: str, chain: Sequence[SaveInfo] = (),
+                 **kwargs) -> "LineWriter":
+        """A writer on ``line`` if its lease is free, else on a new line (a branch)."""
+        lease = store.lease_line(line)
+        if lease is None:
+            line = uuid.uuid4().hex
+            lease = store.lease_line(line)
+        seq = Graph.scan(store).next_seq(line)
+        return cls(runtime, store, line, chain, seq=seq, lease=lease, **kwargs)
+
+    @classmethod
     def continuing(cls, runtime: Runtime, store: Store, chain: Sequence[CheckpointData],
                    **kwargs) -> "LineWriter":
-        """A writer for a conversation restored from ``chain`` (files of ``store``)."""
-        line = line_to_continue(store, chain)
-        # a branch (a new line) still builds on the files it came from
+        """A writer for a conversation restored from ``chain`` (files of ``store``, or not)."""
+        line = line_to_continue(store, chain) or uuid.uuid4().hex
+        # a branch still builds on the files it came from, when they are in this store
         infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
-        return cls(runtime, store, line, infos, **kwargs)
+        return cls.starting(runtime, store, line, infos, **kwargs)
+
+    def close(self) -> None:
+        """Let go of the line (another writer may continue it)."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     @property
     def head(self) -> SaveInfo | None:
@@ -125,12 +146,11 @@ class LineWriter:
         base = self.chain[0]
         for i in range(len(self.chain) - 1, -1, -1):
             info = self.chain[i]
-            if not info.checkpoint_id or not 0 < info.n_tokens < len(kv) \
+            if not info.checkpoint_id or not 0 < info.n_tokens <= len(kv) \
                     or tokens_digest(kv[:info.n_tokens]) != info.tokens_digest:
                 continue
             too_long = i + 2 > self.policy.max_files
-            too_big = len(kv) - base.n_tokens > self.policy.max_delta_ratio * max(
-                base.n_tokens, self.policy.min_base_tokens)
+            too_big = sum(c.size for c in self.chain[1:i + 1]) > self.policy.max_delta_ratio * base.size
             return None if too_long or too_big else i
         return None
 
@@ -149,37 +169,39 @@ class LineWriter:
 
     def _write(self, conv: Conversation, kind: int) -> SaveInfo:
         idx = self._parent_index()
-        parent = self.chain[idx] if idx is not None else None
-        superseding = parent is None or idx != len(self.chain) - 1 or self.saves == 0
-        path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
-                else self.store.new_path(conv.title))
-        self.store.ensure()
+        superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         try:
-            info = self.runtime.save(path, conv, kind, parent, line=self.line)
+            self.store.ensure()
+            info = self._save(conv, kind, self.chain[idx] if idx is not None else None)
         except SaveFailed:
-            if parent is None:
+            if idx is None:
                 raise
             # the parent went away meanwhile (another process pruned or deleted it)
-            log.info("delta parent %s is gone; writing a full checkpoint", parent.path.name)
-            parent, idx, superseding = None, None, True
-            info = self.runtime.save(path, conv, kind, None, line=self.line)
+            log.info("delta parent %s is gone; writing a full checkpoint", self.chain[idx].path.name)
+            idx, superseding = None, True
+            info = self._save(conv, kind, None)
+        except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
+            raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
         self.chain = (self.chain[:idx + 1] if idx is not None else []) + [info]
+        self.next_seq += 1
         self.saves += 1
         self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
             self.retire()
         return info
 
+    def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None) -> SaveInfo:
+        path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
+                else self.store.new_path(conv.title))
+        return self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
+                                 fresh=True)
+
     def retire(self) -> None:
         """Delete what this line's head supersedes (the head is durable)."""
         try:
             report = graph.retire(self.store, self.line)
-        except OSError as exc:
+        except OSError as exc:   # a lock timeout is an OSError too: the next save retires
             log.warning("could not retire superseded checkpoints: %s", exc)
             return
         if report.deleted:
             log.debug("retired %d superseded file(s) of line %s", len(report.deleted), self.line)
-
-    def forget(self) -> None:
-        """Stop extending the chain (its files stay: they are the line's history)."""
-        self.chain = []

@@ -24,6 +24,7 @@ from engine import APP_VERSION
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, check_link, common_prefix, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
+from engine.checkpoints.graph import default_line
 from engine.checkpoints.format import (FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
                                        Header, encode_metadata, write_sections)
 from engine.checkpoints.fingerprint import model_fingerprint
@@ -233,15 +234,18 @@ class Runtime:
         }
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
-             parent: "SaveInfo | None" = None, *, line: str | None = None) -> SaveInfo:
+             parent: "SaveInfo | None" = None, *, line: str | None = None, seq: int = 0,
+             fresh: bool = False) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
         prefix of the cache, in the same folder) only the cells after the parent's end
         are written: a delta.  It lands only if the parent is still there at the moment
-        of the rename (SaveFailed otherwise: write a full checkpoint instead).  ``line``
-        is the line of history the file continues (engine.checkpoints.graph); by default
-        the conversation's own.
+        of the rename (SaveFailed otherwise: write a full checkpoint instead); when the
+        parent already holds every cell, the delta holds none (metadata only).  ``line``
+        and ``seq`` place the file in its line of history (engine.checkpoints.graph; by
+        default the conversation's first line).  ``fresh``: ``path`` is a new name, and
+        the save fails rather than replace a file that appeared there meanwhile.
         """
         started = time.perf_counter()
         path = Path(path)
@@ -251,7 +255,7 @@ class Runtime:
         p0 = 0
         if parent is not None:
             p0 = parent.n_tokens
-            if not 0 < p0 < n or parent.tokens_digest != tokens_digest(self.kv_tokens[:p0]):
+            if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(self.kv_tokens[:p0]):
                 raise SaveFailed("the parent checkpoint is not a prefix of the cache")
             if not self.settings.supports_deltas:
                 raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
@@ -262,18 +266,23 @@ class Runtime:
             header = replace(header, flags=FLAG_DELTA, parent_n_tokens=p0)
         meta_json = self.metadata_for(conv)
         meta_json["checkpoint_id"] = checkpoint_id
-        line = line or conv.id.hex
+        line = line or default_line(conv.id)
         meta_json["line"] = line
-        precondition = None
+        if seq:
+            meta_json["seq"] = seq
+        checks = []
         if parent is not None:
             if parent.path.parent.resolve() != path.parent.resolve():
                 raise SaveFailed("a delta's parent must lie in the same folder")
             meta_json["parent"] = ParentRef(parent.path.name, parent.checkpoint_id,
                                             parent.payload_crc, p0).to_json()
-            precondition = functools.partial(_parent_still_there, parent)
+            checks.append(functools.partial(_parent_still_there, parent))
+        if fresh:
+            checks.append(functools.partial(_name_still_free, path))
         meta = encode_metadata(meta_json)
         logits = np.array(self.logits(), copy=True) if self.has_logits() else None
-        state = self._state_bytes(p0) if n else np.empty(0, dtype=np.uint8)
+        state = self._state_bytes(p0) if n > p0 else np.empty(0, dtype=np.uint8)
+        precondition = (lambda: [check() for check in checks]) if checks else None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(path, precondition=precondition) as f:
@@ -377,8 +386,8 @@ class Runtime:
         self._prompt_logits = None
         try:
             for i, data in enumerate(chain):
-                if not data.header.n_tokens:
-                    continue
+                if not len(data.state):
+                    continue   # no cells: an empty checkpoint, or a delta of metadata only
                 if i == 0:
                     self.ctx.state_set_from(data.state, len(data.state), 0)
                 else:
@@ -396,6 +405,12 @@ class Runtime:
             self._logits_len = h.n_tokens
             self._logits_copy = last.logits
         return conv
+
+
+def _name_still_free(path: Path) -> None:
+    """Cancel a rename onto a fresh name that another writer took meanwhile."""
+    if path.exists():
+        raise SaveFailed(f"{path.name} was written by another process meanwhile; nothing was saved")
 
 
 def _parent_still_there(parent: SaveInfo) -> None:

@@ -36,6 +36,8 @@ from typing import Any, Callable
 from engine.checkpoints import graph
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, Header
+from engine.checkpoints.chain import tokens_digest
+from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, GenerationError
@@ -310,10 +312,23 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001
             self._report_error("save before exit", exc)
         finally:
+            self._close_writers()
+            self._collect_superseded()
             if self.runtime is not None:
                 self.runtime.close()
                 self.runtime = None
             self.listener.on_stopped()
+
+    def _collect_superseded(self) -> None:
+        """Delete every superseded file (older states of histories that moved on, a killed
+        run's leftovers): at start and at a clean exit nothing no head needs stays."""
+        try:
+            report = graph.prune(self.store, None)
+        except OSError as exc:
+            log.warning("could not clean up superseded checkpoints: %s", exc)
+            return
+        if report.deleted:
+            log.info("cleaned up the store: %s", report.describe())
 
     def _report_error(self, action: str, exc: BaseException) -> None:
         from native.errors import NativeError
@@ -353,7 +368,8 @@ class EngineWorker:
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
-        self._writers = {}  # they wrote from the previous runtime's cache; heads stay in _paths
+        self._close_writers()  # they wrote from the previous runtime's cache; heads stay in _paths
+        self._collect_superseded()
         try:
             info = system_info()
             backend, lib_path, lib_version = info.backend_label, info.library_path, info.library_version
@@ -415,12 +431,18 @@ class EngineWorker:
     def _do_delete(self, conv_id: uuid.UUID) -> None:
         self._convs.pop(conv_id, None)
         self._paths.pop(conv_id, None)
-        self._writers.pop(conv_id, None)
+        writer = self._writers.pop(conv_id, None)
+        if writer is not None:
+            writer.close()
         if self._active == conv_id:
             self._active = None
         report = graph.delete_conversation(self.store, conv_id)
         log.info("deleted conversation %s: %s", conv_id, report.describe())
         self.listener.on_conversation_deleted(conv_id)
+        in_use = report.kept.get(graph.KEPT_IN_USE)
+        if in_use:
+            raise AppError(f"{in_use[0]} of its files could not be deleted now (another program "
+                           "has them open); they stay whole, and Delete can be tried again")
 
     def _do_open_checkpoint(self, path: Path) -> None:
         from engine.checkpoints.chain import load_chain
@@ -434,17 +456,23 @@ class EngineWorker:
         conv = rt.restore_chain(chain)
         self._active = conv.id
         self._convs[conv.id] = conv
+        old = self._writers.pop(conv.id, None)
+        if old is not None:
+            old.close()   # its lease: this writer may continue the same line
         writer = self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
         self._paths[conv.id] = writer.head.path if writer.head else Path(path)
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_export(self, source: Path, target: Path) -> None:
         from engine.checkpoints.chain import load_chain
-        from engine.checkpoints.transfer import copy_file
+        from engine.checkpoints.transfer import export_copy
         from engine.compaction import compact_into, runtime_for
         chain = load_chain(source)
+        problem = graph.overwrite_problem(target)
+        if problem:
+            raise AppError(problem)
         if len(chain) == 1:
-            copy_file(source, target)
+            export_copy(source, target)
         elif self.runtime is not None and self.runtime.target.problem(chain[-1].header) is None:
             self._save_active_if_dirty(KIND_MANUAL)
             self._active = None   # the cache will hold the exported chain, not a conversation
@@ -530,12 +558,18 @@ class EngineWorker:
         self._save(conv, kind)
 
     # -- checkpoints --------------------------------------------------------------------------
+    def _close_writers(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
     def _writer(self, conv: Conversation):
         """This conversation's line writer (a new line for a conversation with no files)."""
         from engine.history import LineWriter
         writer = self._writers.get(conv.id)
         if writer is None:
-            writer = self._writers[conv.id] = LineWriter(self._need_runtime(), self.store, conv.id.hex)
+            writer = self._writers[conv.id] = LineWriter.starting(
+                self._need_runtime(), self.store, default_line(conv.id))
         return writer
 
     def _save_after_failure(self, conv: Conversation) -> None:
@@ -577,16 +611,17 @@ class EngineWorker:
             log.warning("could not prune the store: %s", exc)
 
     def _save_active_if_dirty(self, kind: int) -> None:
-        """Save the conversation in the KV cache if its head holds fewer tokens."""
+        """Save the conversation in the KV cache unless its head holds exactly that cache."""
         if self.runtime is None or self._active is None:
             return
         conv = self._convs.get(self._active)
         writer = self._writers.get(self._active)
         if conv is None:
             return
-        n = len(self.runtime.kv_tokens)
-        saved = writer.head.n_tokens if writer is not None and writer.head else -1
-        if n and n != saved and conv.tokens[:n] == self.runtime.kv_tokens:
+        kv = self.runtime.kv_tokens
+        head = writer.head if writer is not None else None
+        saved = head is not None and head.n_tokens == len(kv) and head.tokens_digest == tokens_digest(kv)
+        if kv and not saved and conv.tokens[:len(kv)] == kv:
             self._save(conv, kind)
 
     def _activate(self, conv: Conversation) -> None:
@@ -620,7 +655,7 @@ class EngineWorker:
         except CheckpointError as exc:
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is
-                self._writers[conv.id] = LineWriter(rt, self.store, uuid.uuid4().hex)
+                self._writers[conv.id] = LineWriter.starting(rt, self.store, uuid.uuid4().hex)
 
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
         """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.

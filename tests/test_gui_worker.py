@@ -202,3 +202,27 @@ def test_a_pause_before_the_first_token_stops_the_answer_there(worker):
     w.send(other, "Tell me about mountains.", n_predict=12)
     fresh = rec.wait("finished", 3)[-1][1]
     assert fresh.finish_reason == "length" and fresh.text == resumed.text
+
+
+def test_a_rename_writes_a_delta_of_metadata_only(worker):
+    """Nothing new in the cache: the new head holds no cells, only the new title."""
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.graph import Graph
+    w, rec = worker
+    conv = w.new_conversation(sampler=SamplerSettings(seed=5))
+    w.send(conv, "Name three seas.", n_predict=16)
+    rec.wait("finished")
+    first = rec.wait("saved")[-1]
+    w.rename(conv, "Seas 🌊")
+    renamed = rec.wait("saved", len(rec.of("saved")) + 1)[-1]
+    head = read_header(renamed[2])
+    assert head.title == "Seas 🌊" and head.is_delta and head.parent_n_tokens == head.n_tokens
+    assert head.state_len == 0 and renamed[2].stat().st_size < first[2].stat().st_size
+    chain = load_chain(renamed[2])
+    assert chain[-2].path == first[2]                 # on the head it renames, which stays
+    g = Graph.scan(w.store)
+    assert [h.path for h in g.heads] == [renamed[2]]
+    # it restores like its parent, with the new title
+    w.send(conv, "And two lakes?", n_predict=4)
+    summary = rec.wait("finished", 2)[-1][1]
+    assert summary.n_reused_tokens >= head.n_tokens

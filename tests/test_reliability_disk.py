@@ -245,4 +245,5 @@ def test_store_round_trip_in_non_ascii_folders(tmp_path, smollm_runtime, smol_se
     imported = result.imported
     assert fmt.read_checkpoint(imported).header.conversation_id == conv.id
     assert smollm_runtime.restore(fmt.read_checkpoint(imported)).tokens == conv.tokens
-    assert store.delete(saved.path) and not saved.path.exists()
+    from engine.checkpoints.graph import delete_node
+    assert delete_node(store, saved.path).deleted == [saved.path] and not saved.path.exists()

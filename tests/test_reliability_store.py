@@ -144,7 +144,13 @@ def test_import_validates_copies_and_never_touches_the_source(tmp_path):
     store = Store(tmp_path / "store")
     (result,) = transfer.import_files([src], store)
     copy = result.imported
-    assert copy.parent == store.folder and copy.read_bytes() == before[0] and not result.already
+    assert copy.parent == store.folder and not result.already
+    # the same checkpoint (id, tokens, state), on a line of its own, its original CRC kept
+    original, copied = fmt.read_checkpoint(src), fmt.read_checkpoint(copy)
+    assert (copied.tokens == original.tokens).all() and (copied.state == original.state).all()
+    assert copied.meta.get("checkpoint_id") == original.meta.get("checkpoint_id")
+    assert copied.meta["origin_crc"] == original.payload_crc
+    assert {k: v for k, v in copied.meta.items() if k not in ("line", "origin_crc")} == original.meta
     assert (src.read_bytes(), src.stat().st_mtime_ns) == before
     bad = tmp_path / "bad.kvckpt"
     bad.write_bytes(corrupt.flip(before[0], [8 * (len(before[0]) - 200)]))
@@ -160,5 +166,6 @@ def test_delete_only_inside_the_store(tmp_path):
     outside = tmp_path / "elsewhere.kvckpt"
     outside.write_bytes(path.read_bytes())
     with pytest.raises(ValueError):
-        store.delete(outside)
-    assert store.delete(path) is True and store.delete(path) is False and outside.exists()
+        graph.delete_node(store, outside)
+    assert graph.delete_node(store, path).deleted == [path]
+    assert graph.delete_node(store, path).deleted == [] and outside.exists()

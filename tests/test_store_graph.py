@@ -108,16 +108,52 @@ def test_a_damaged_head_is_set_aside_before_anything_is_retired(tmp_path):
     assert old[0].path.exists()
 
 
-def test_delete_conversation_keeps_what_another_conversation_needs(tmp_path):
+def test_delete_conversation_deletes_every_line_of_it_and_nothing_else(tmp_path):
     store = Store(tmp_path / "store")
     c, d = uuid.uuid4(), uuid.uuid4()
     c_files = _chain(store, c, [40, 48])
     stray = _chain(store, c, [20], line="old")                      # another line of c
-    d_files = _chain(store, d, [60], first_parent=c_files[0])       # a fork on c's base
+    branch = _chain(store, c, [60], line="branch", first_parent=c_files[0])
+    d_files = _chain(store, d, [30, 38])
     report = graph.delete_conversation(store, c)
-    assert sorted(report.deleted) == sorted([c_files[1].path, stray[0].path])
-    assert c_files[0].path.exists() and d_files[0].path.exists()
+    assert sorted(report.deleted) == sorted(w.path for w in c_files + stray + branch)
+    assert all(w.path.exists() for w in d_files)
     assert [h.conversation_id for h in Graph.scan(store).heads] == [d]
+
+
+def test_a_file_that_cannot_go_keeps_the_files_it_needs(tmp_path, monkeypatch):
+    """Windows: a reader holds the head open; its chain must not be cut under it."""
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    chain = _chain(store, conv, [40, 48, 56], kind_last=P)
+    real_unlink = type(chain[0].path).unlink
+
+    def unlink(self, *args, **kwargs):
+        if self.name == chain[-1].path.name:
+            raise PermissionError(13, "in use")
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(chain[0].path), "unlink", unlink)
+    report = graph.delete_conversation(store, conv)
+    assert report.deleted == [] and all(w.path.exists() for w in chain)
+    assert report.kept[graph.KEPT_IN_USE][0] == 3
+    monkeypatch.undo()
+    assert len(load_chain(chain[-1].path)) == 3   # still whole
+
+
+def test_the_sequence_orders_a_line_not_the_clock(tmp_path):
+    """A clock that steps back (or one tick for two saves) never makes a new head look old."""
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    store.ensure()
+    late = synthetic.write_node(store.new_autosave_path(conv), conv, 40, created_ns=2_000_000_000_000_000_000)
+    early = synthetic.write_node(store.new_path("pause"), conv, 80, kind=P,
+                                 created_ns=1_000_000_000_000_000_000, seq=2)
+    _ = late
+    g = Graph.scan(store)
+    assert [h.path for h in g.heads] == [early.path]
+    report = graph.retire(store, conv.hex)
+    assert report.deleted == [late.path] and early.path.exists()
 
 
 def test_delete_node_follows_the_graph(tmp_path):
@@ -184,3 +220,12 @@ def test_list_and_inspect_show_the_graph(tmp_path):
     assert "(3 files," in text and text.count("└") == 2
     shown = run_cli("inspect", str(chain[-1].path), check=True).stdout
     assert "head of its line" in shown and all(w.path.name in shown for w in chain)
+
+
+def test_compact_refuses_to_write_over_a_parent(tmp_path):
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    base, last = _chain(store, conv, [40, 48])
+    done = run_cli("compact", str(last.path), "-o", str(base.path))
+    assert done.returncode == 1 and "parent of 1 delta" in done.stderr and "Traceback" not in done.stderr
+    assert len(load_chain(last.path)) == 2          # untouched

@@ -94,20 +94,58 @@ def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData
     return chain
 
 
+@dataclass(frozen=True)
+class LinkFacts:
+    """What the link rule needs to know of a file, whichever reader saw it: the graph
+    (header, metadata, tokens, trailer) or a full read (CheckpointData)."""
+    name: str
+    checkpoint_id: str | None
+    payload_crc: int
+    n_tokens: int
+    conversation_id: object
+    tokens_digest: str               # of the n_tokens tokens its KV state holds
+    parent: ParentRef | None = None  # a delta's reference
+    parent_n_tokens: int = 0
+    prefix_digest: str = ""          # a delta: digest of its first parent_n_tokens tokens
+
+
+def facts_of(data: CheckpointData) -> LinkFacts:
+    h = data.header
+    cid = data.meta.get("checkpoint_id")
+    name = data.path.name if data.path else "a checkpoint"
+    ref = parent_ref(data.meta, name) if h.is_delta else None
+    return LinkFacts(name, cid if isinstance(cid, str) else None, data.payload_crc, h.n_tokens,
+                     h.conversation_id, tokens_digest(data.tokens[:h.n_tokens]), ref,
+                     h.parent_n_tokens,
+                     tokens_digest(data.tokens[:h.parent_n_tokens]) if h.is_delta else "")
+
+
+def link_problem(parent: LinkFacts, child: LinkFacts) -> str | None:
+    """Why ``child`` is not a delta on exactly ``parent`` (one sentence), or None.
+
+    The one rule: the reference names the parent's checkpoint id and payload CRC, the
+    delta continues from the parent's last token, both belong to one conversation, and
+    the delta's first tokens are the parent's.  (Finding the parent by name is the
+    caller's business: an import may have renamed it.)
+    """
+    ref = child.parent
+    if ref is None:
+        return f"{child.name} is not a delta"
+    if ref.checkpoint_id != parent.checkpoint_id or ref.payload_crc != parent.payload_crc:
+        return f"{parent.name} is not the parent this delta was made on (it was replaced or altered since)"
+    if child.parent_n_tokens != parent.n_tokens or ref.n_tokens != child.parent_n_tokens:
+        return f"the delta continues from token {child.parent_n_tokens}, {parent.name} holds {parent.n_tokens}"
+    if child.conversation_id != parent.conversation_id:
+        return f"{parent.name} belongs to another conversation"
+    if child.prefix_digest != parent.tokens_digest:
+        return f"the delta's tokens do not continue those of {parent.name}"
+    return None
+
+
 def check_link(parent: CheckpointData, child: CheckpointData) -> None:
     """Raise BrokenChain unless ``child`` is a delta on exactly ``parent``."""
-    name = parent.path.name if parent.path else "the parent"
-    what = child.path.name if child.path else "a checkpoint"
     if not child.header.is_delta:
-        raise BrokenChain(f"{what} is not a delta")
-    ref = parent_ref(child.meta, what)
-    if ref.checkpoint_id != parent.meta.get("checkpoint_id") or ref.payload_crc != parent.payload_crc:
-        raise BrokenChain(f"{name} is not the parent this delta was made on (it was replaced "
-                          "or altered since)")
-    p0 = child.header.parent_n_tokens
-    if p0 != parent.header.n_tokens or ref.n_tokens != p0:
-        raise BrokenChain(f"the delta continues from token {p0}, {name} holds {parent.header.n_tokens}")
-    if child.header.conversation_id != parent.header.conversation_id:
-        raise BrokenChain(f"{name} belongs to another conversation")
-    if not np.array_equal(child.tokens[:p0], parent.tokens[:p0]):
-        raise BrokenChain(f"the delta's tokens do not continue those of {name}")
+        raise BrokenChain(f"{child.path.name if child.path else 'a checkpoint'} is not a delta")
+    problem = link_problem(facts_of(parent), facts_of(child))
+    if problem:
+        raise BrokenChain(problem)

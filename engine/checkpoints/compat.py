@@ -18,7 +18,7 @@ importer) asks the same question the engine thread asks, without waiting for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +99,14 @@ class Target:
 
     @property
     def key(self) -> str:
-        """A string equal for two targets exactly when the same checkpoints fit both."""
+        """A string equal for two targets exactly when the same checkpoints fit both:
+        every field the rule compares (the name is only for messages)."""
         m, c = self.model, self.context
         if m is None or c is None:
             raise ValueError("a key needs both the model and the context")
-        return (f"{m.fingerprint.hex()}:{m.n_vocab}:{m.n_layer}:{m.n_head_kv}:{m.n_embd_head_k}:"
-                f"{m.n_embd_head_v}:{c.n_ctx}:{c.type_k}:{c.type_v}:{int(c.flash_attn)}:"
-                f"{c.n_seq_max}:{int(c.kv_unified)}")
+        values = [getattr(m, f.name) for f in fields(m) if f.name != "name"]
+        values += [getattr(c, f.name) for f in fields(c)]
+        return ":".join(v.hex() if isinstance(v, bytes) else str(int(v)) for v in values)
 
     def problem(self, header: Header, meta: dict | None = None) -> CheckpointError | None:
         """The error restoring ``header`` here would raise, or None when it fits."""

@@ -52,7 +52,7 @@ Header (offsets in bytes)::
     144  8  state_len
     152 32  library          llama.cpp identity, UTF-8, NUL-padded
     184 64  title            UTF-8, NUL-padded (truncated at a character boundary)
-    248  4  parent_n_tokens  DELTA only: tokens held by the parent (0 otherwise)
+    248  4  parent_n_tokens  DELTA only: tokens held by the parent, 1..n_tokens (0 otherwise)
     252  4  header_crc32     CRC32 of bytes 0..251
 
 Delta checkpoints
@@ -61,7 +61,10 @@ With the DELTA flag the state section holds only the KV cells of positions
 ``parent_n_tokens..n_tokens-1``, saved from a scratch sequence (id 1) that shares those
 cells with sequence 0.  The metadata's ``"parent"`` object names the parent: its file
 name (in the same folder), its ``checkpoint_id`` and its payload CRC32; the token array
-is complete, so its first ``parent_n_tokens`` ids must equal the parent's.  Restoring
+is complete, so its first ``parent_n_tokens`` ids must equal the parent's.  A delta may
+hold no cells at all (``parent_n_tokens == n_tokens``, an empty state section): the same
+cache as its parent with another conversation state, e.g. a pause before the first
+token or a rename, written without copying the context again.  Restoring
 applies the chain's base to sequence 0 and each delta through sequence 1 (copy to 0,
 then drop 1), which gives exactly the cache a full checkpoint would.  Every file of a
 chain is verified, and linked by id and CRC, before anything reaches llama.cpp.
@@ -266,7 +269,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     if reserved0 or reserved1:
         problems.append("reserved fields are not zero")
     if flags & FLAG_DELTA:
-        if not 0 < parent_n_tokens < n_tokens:
+        if not 0 < parent_n_tokens <= n_tokens:
             problems.append(f"a delta on {parent_n_tokens} parent tokens cannot hold {n_tokens}")
     elif parent_n_tokens:
         problems.append("parent token count without the delta flag")
@@ -321,7 +324,8 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         version=version)
     if state_len > max_state_len(header):
         raise CorruptHeader(f"state length {state_len} is larger than any KV cache of this shape")
-    if (n_tokens > 0) != (state_len > 0):
+    new_cells = n_tokens - parent_n_tokens   # a full checkpoint: all of them
+    if (new_cells > 0) != (state_len > 0):
         raise CorruptHeader("state length disagrees with n_tokens")
     if file_size is not None and file_size != header.file_len:
         if file_size < header.file_len:

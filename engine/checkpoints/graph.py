@@ -56,7 +56,8 @@ from typing import Iterable
 
 import numpy as np
 
-from engine.checkpoints.chain import MAX_CHAIN, ParentRef, parent_ref, tokens_digest
+from engine.checkpoints.chain import (MAX_CHAIN, LinkFacts, ParentRef, link_problem, parent_ref,
+                                      tokens_digest)
 from engine.checkpoints.format import (HEADER_LEN, TRAILER_LEN, Header, decode_metadata,
                                        unpack_header, verify_file)
 from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
@@ -84,6 +85,23 @@ class Node:
     model_name: str = ""
     parent_error: str | None = None  # a delta whose metadata names no valid parent
     origin_crc: int | None = None    # an imported copy rewritten to relink it: its original CRC
+    seq: int = 0                     # its place in its line's history (0: written before lines)
+    prefix_digest: str = ""          # a delta: digest of its first parent_n_tokens tokens
+
+    @property
+    def order(self) -> tuple[int, int, str]:
+        """Oldest first within a line: the writer's sequence, then time, then name.
+
+        The sequence comes first so that a clock stepping back (or two saves in one
+        clock tick) can never make an older state look newer.
+        """
+        return (self.seq, self.created_ns, self.name)
+
+    @property
+    def facts(self) -> LinkFacts:
+        return LinkFacts(self.name, self.checkpoint_id, self.payload_crc, self.header.n_tokens,
+                         self.conversation_id, self.tokens_digest, self.parent,
+                         self.header.parent_n_tokens, self.prefix_digest)
 
     @property
     def name(self) -> str:
@@ -114,9 +132,19 @@ class Unreadable:
     error: str
 
 
+def default_line(conversation_id: uuid.UUID) -> str:
+    """A conversation's first line of history (and the line of files older than lines)."""
+    return conversation_id.hex
+
+
 def line_of(meta: dict, header: Header) -> str:
     line = meta.get("line")
-    return line if isinstance(line, str) and 0 < len(line) <= 64 else header.conversation_id.hex
+    return line if isinstance(line, str) and 0 < len(line) <= 64 else default_line(header.conversation_id)
+
+
+def seq_of(meta: dict) -> int:
+    seq = meta.get("seq")
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) and 0 <= seq < 1 << 62 else 0
 
 
 def read_node(path: Path) -> Node:
@@ -141,14 +169,17 @@ def read_node(path: Path) -> Node:
     cid = meta.get("checkpoint_id")
     model = meta.get("model")
     origin = meta.get("origin_crc")
+    token_ids = np.frombuffer(tokens, dtype="<i4")
     return Node(path=path, size=st.st_size, identity=file_identity(st), header=header,
                 checkpoint_id=cid if isinstance(cid, str) else None,
                 payload_crc=int.from_bytes(trailer[:4], "little"), parent=parent,
                 line=line_of(meta, header),
-                tokens_digest=tokens_digest(np.frombuffer(tokens, dtype="<i4")),
+                tokens_digest=tokens_digest(token_ids),
                 model_name=str(model.get("name", "")) if isinstance(model, dict) else "",
                 parent_error=parent_error,
-                origin_crc=origin if isinstance(origin, int) and not isinstance(origin, bool) else None)
+                origin_crc=origin if isinstance(origin, int) and not isinstance(origin, bool) else None,
+                seq=seq_of(meta),
+                prefix_digest=tokens_digest(token_ids[:header.parent_n_tokens]) if header.is_delta else "")
 
 
 # Nodes by path, valid while the file keeps its identity (files are never rewritten in
@@ -204,8 +235,8 @@ class Graph:
             if parent is not None:
                 self.children.setdefault(parent.name, []).append(node)
         self.lines: dict[str, list[Node]] = {}
-        for node in sorted(self.nodes.values(), key=_newest_first):
-            self.lines.setdefault(node.line, []).append(node)
+        for node in sorted(self.nodes.values(), key=lambda n: n.order, reverse=True):
+            self.lines.setdefault(node.line, []).append(node)   # newest first
         # each line's tip: its newest node whose chain is whole
         self.tip_of_line: dict[str, Node] = {}
         for line, members in self.lines.items():
@@ -223,7 +254,8 @@ class Graph:
         # point whose own line was deleted, say): it is not a head
         self.head_of_line: dict[str, Node] = {
             line: tip for line, tip in self.tip_of_line.items() if tip.name not in ancestors}
-        self.heads: list[Node] = sorted(self.head_of_line.values(), key=_newest_first)
+        self.heads: list[Node] = sorted(self.head_of_line.values(),
+                                        key=lambda n: (n.created_ns, n.name), reverse=True)
         self._head_names = {h.name for h in self.heads}
 
     @classmethod
@@ -254,17 +286,9 @@ class Graph:
         parent = self.nodes.get(node.parent.file)
         if parent is None:
             self._problem[node.name] = f"the parent checkpoint {node.parent.file} is missing"
-        elif (parent.checkpoint_id, parent.payload_crc) != (node.parent.checkpoint_id,
-                                                            node.parent.payload_crc):
-            self._problem[node.name] = (f"{parent.name} is not the parent this delta was made on "
-                                        "(it was replaced or altered since)")
-            parent = None
-        elif parent.header.n_tokens != node.header.parent_n_tokens:
-            self._problem[node.name] = f"{parent.name} holds another number of tokens than the delta continues"
-            parent = None
-        else:
-            self._problem[node.name] = None
-        return parent
+            return None
+        self._problem[node.name] = link_problem(parent.facts, node.facts)
+        return parent if self._problem[node.name] is None else None
 
     def parent(self, node: Node) -> Node | None:
         return self._parent.get(node.name)
@@ -317,23 +341,17 @@ class Graph:
             tip = self.tip_of_line.get(name)
             if tip is None:
                 continue   # no restorable node at all: keep everything for the user
-            out += [n for n in members if n.name not in self._reachable
-                    and _newest_first(n) > _newest_first(tip)]
+            out += [n for n in members if n.name not in self._reachable and n.order < tip.order]
         return sorted(out, key=lambda n: (n.created_ns, n.name))
+
+    def next_seq(self, line: str) -> int:
+        """The sequence number the next file of ``line`` gets."""
+        return max((n.seq for n in self.lines.get(line, ())), default=0) + 1
 
     def by_id(self, checkpoint_id: str, payload_crc: int) -> Node | None:
         """The node of that checkpoint (its CRC, or the CRC it had before a relinking import)."""
         return next((n for n in self.nodes.values() if n.checkpoint_id == checkpoint_id
                      and payload_crc in (n.payload_crc, n.origin_crc)), None)
-
-
-def _newest_first(node: Node) -> tuple[int, str]:
-    # sorting ascending by this puts the newest first; ties (same nanosecond) by name
-    return (-node.created_ns, _inverted(node.name))
-
-
-def _inverted(name: str) -> str:
-    return "".join(chr(0x10FFFF - ord(c)) for c in name)
 
 
 # -- operations that delete ----------------------------------------------------------------------
@@ -384,22 +402,33 @@ def _classify(graph: Graph, report: PruneReport, candidates: set[str]) -> None:
         report.keep(KEPT_UNREADABLE, bad.size)
 
 
-def _verified_graph(store: Store, lines: set[str] | None) -> Graph:
-    """Scan; then make sure every head that supersedes something is intact (full CRC)."""
+KEPT_IN_USE = "file(s) that could not be deleted now (in use), with the files they need"
+
+
+def _verify_tips(store: Store, lines: set[str] | None) -> set[str]:
+    """Full CRC of every tip chain that supersedes something, *outside* the store lock
+    (a 7B model's chain is gigabytes; saves only wait for renames).  Returns the names
+    of damaged files: set aside, they are no tips, and the next newest whole chain is."""
     rejected: set[str] = set()
     while True:
         graph = Graph.scan(store, rejected=rejected)
         bad = set()
         for line, tip in graph.tip_of_line.items():
-            if lines is not None and line not in lines:
-                continue
-            if not graph.superseded(line):
-                continue
-            bad.update(n.name for n in graph.chain(tip) if not verified(n))
+            if (lines is None or line in lines) and graph.superseded(line):
+                bad.update(n.name for n in graph.chain(tip) if not verified(n))
         if not bad:
-            return graph
+            return rejected
         log.warning("damaged checkpoint(s) found while pruning, set aside: %s", ", ".join(sorted(bad)))
         rejected |= bad
+
+
+def _locked_graph(store: Store, rejected: set[str]) -> tuple[Graph, set[str]]:
+    """Rescan under the lock; the lines whose tip chain was verified before (by identity:
+    a file that changed since is not trusted) may lose their superseded files."""
+    graph = Graph.scan(store, rejected=rejected)
+    trusted = {line for line, tip in graph.tip_of_line.items()
+               if all((str(n.path), n.identity) in _VERIFIED for n in graph.chain(tip))}
+    return graph, trusted
 
 
 def _delete(store: Store, node: Node, report: PruneReport) -> bool:
@@ -410,7 +439,7 @@ def _delete(store: Store, node: Node, report: PruneReport) -> bool:
             return False
         node.path.unlink()
     except FileNotFoundError:
-        return False
+        return True    # gone already: nothing depends on it being here
     except OSError as exc:   # Windows: held open by a reader; next time
         log.info("could not delete %s now: %s", node.name, exc)
         return False
@@ -419,13 +448,29 @@ def _delete(store: Store, node: Node, report: PruneReport) -> bool:
     return True
 
 
+def _delete_leaves_first(store: Store, graph: Graph, nodes: list[Node], report: PruneReport,
+                         keep=lambda node: False) -> None:
+    """Delete ``nodes`` children before parents; when a file cannot go, the files it
+    needs stay too (a chain is never cut in the middle)."""
+    blocked: set[str] = set()
+    for node in sorted(nodes, key=lambda n: n.order, reverse=True):
+        if node.name in blocked or keep(node):
+            blocked.update(n.name for n in graph.chain(node)[:-1])
+            if node.name in blocked:
+                report.keep(KEPT_IN_USE, node)
+            continue
+        if not _delete(store, node, report):
+            report.keep(KEPT_IN_USE, node)
+            blocked.update(n.name for n in graph.chain(node)[:-1])
+
+
 def _components(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
-    """Superseded nodes grouped into chains (parent links), each leaves-first, the groups
-    oldest first (by their newest member), so a budget removes whole old chains."""
+    """Superseded nodes grouped into chains (parent links), the groups oldest first (by
+    their newest member), so a budget removes whole old chains."""
     names = {n.name for n in nodes}
     group: dict[str, int] = {}
     groups: list[list[Node]] = []
-    for node in sorted(nodes, key=lambda n: (n.created_ns, n.name)):
+    for node in sorted(nodes, key=lambda n: n.order):
         parent = graph.parent(node)
         if parent is not None and parent.name in names and parent.name in group:
             idx = group[parent.name]
@@ -434,8 +479,7 @@ def _components(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
             groups.append([])
         group[node.name] = idx
         groups[idx].append(node)
-    ordered = [sorted(g, key=lambda n: (n.created_ns, n.name), reverse=True) for g in groups if g]
-    return sorted(ordered, key=lambda g: (g[0].created_ns, g[0].name))
+    return sorted((g for g in groups if g), key=lambda g: (g[-1].created_ns, g[-1].name))
 
 
 def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
@@ -445,19 +489,20 @@ def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
     report = PruneReport()
     if not store.folder.is_dir():
         return report
+    rejected = _verify_tips(store, None)
     with store.lock():
         report.stale_temps = store.remove_stale_temps(stale_temp_age_s)
-        graph = _verified_graph(store, None)
+        graph, trusted = _locked_graph(store, rejected)
         total = sum(n.size for n in graph.nodes.values()) + sum(u.size for u in graph.unreadable)
-        candidates = graph.superseded()
-        kept_in_budget: set[str] = set()
+        candidates = [n for n in graph.superseded() if n.line in trusted]
         for chain in _components(graph, candidates):
-            for node in chain:
-                if budget_bytes is not None and total <= budget_bytes:
-                    kept_in_budget.add(node.name)
+            if budget_bytes is not None and total <= budget_bytes:
+                for node in chain:
                     report.keep(KEPT_BUDGET, node)
-                elif _delete(store, node, report):
-                    total -= node.size
+                continue
+            before = report.freed_bytes
+            _delete_leaves_first(store, graph, chain, report)
+            total -= report.freed_bytes - before
         _classify(graph, report, {n.name for n in candidates})
         report.store_bytes = total
     return report
@@ -468,11 +513,11 @@ def retire(store: Store, line: str) -> PruneReport:
     report = PruneReport()
     if not store.folder.is_dir():
         return report
+    rejected = _verify_tips(store, {line})
     with store.lock():
-        graph = _verified_graph(store, {line})
-        for chain in _components(graph, graph.superseded(line)):
-            for node in chain:
-                _delete(store, node, report)
+        graph, trusted = _locked_graph(store, rejected)
+        if line in trusted:
+            _delete_leaves_first(store, graph, graph.superseded(line), report)
     return report
 
 
@@ -488,11 +533,10 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
             if head.conversation_id != conversation_id:
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
-        for node in sorted(mine, key=lambda n: (n.created_ns, n.name), reverse=True):
+        for node in mine:
             if node.name in needed:
                 report.keep("file(s) another conversation's head depends on", node)
-            else:
-                _delete(store, node, report)
+        _delete_leaves_first(store, graph, [n for n in mine if n.name not in needed], report)
     return report
 
 
@@ -524,15 +568,33 @@ def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
             raise CheckpointError(f"{node.name} is part of the chain of {head.name if head else 'a head'}; "
                                   "delete that checkpoint (or its conversation) instead")
         if not g.is_head(node):
-            _delete(store, node, report)
+            if not _delete(store, node, report):
+                report.keep(KEPT_IN_USE, node)
             return report
         needed = set()
         for other in g.heads:
             if other is not node:
                 needed.update(n.name for n in g.chain(other))
-        for member in reversed(g.chain(node)):
+        _delete_leaves_first(store, g, [n for n in g.chain(node) if n.name not in needed], report)
+        for member in g.chain(node):
             if member.name in needed:
                 report.keep(KEPT_CHAIN, member)
-            else:
-                _delete(store, member, report)
     return report
+
+
+def overwrite_problem(path: str | os.PathLike) -> str | None:
+    """Why writing a new file over ``path`` would break something, or None.
+
+    Deltas name their parent by file name and CRC: replacing a file that deltas build on
+    would orphan them.  (Names the app picks are fresh; this guards names users pick.)
+    """
+    path = Path(path)
+    if not path.is_file():
+        return None
+    g = Graph.scan(Store(path.parent))
+    node = g.nodes.get(path.name)
+    children = g.children.get(path.name, []) if node is not None else []
+    if children:
+        return (f"{path.name} is the parent of {len(children)} delta checkpoint(s) "
+                f"({children[0].name}…); writing over it would break them — choose another name")
+    return None

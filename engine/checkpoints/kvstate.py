@@ -143,7 +143,14 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
 
 
 def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayout:
-    """:func:`check_state` with the shape taken from a checkpoint header."""
+    """:func:`check_state` with the shape taken from a checkpoint header.
+
+    A delta that holds no cells (``parent_n_tokens == n_tokens``) has no state at all.
+    """
+    if header.is_delta and header.parent_n_tokens == header.n_tokens:
+        if len(state):
+            raise CorruptState("a delta without new cells carries a KV state")
+        return StateLayout(blocks=(), v_trans=not header.flash_attn)
     return check_state(state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
                        n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,

@@ -41,7 +41,7 @@ def block_hashes(tokens: Sequence[int]) -> list[str]:
     return out
 
 
-INDEX_VERSION = 2   # 2: keys are engine.checkpoints.compat.Target.key
+INDEX_VERSION = 3   # 3: keys are engine.checkpoints.compat.Target.key (every compared field)
 
 
 def context_key(header: Header) -> str:

@@ -23,6 +23,7 @@ engine.checkpoints.transfer.  Temp files left by killed writers are removed by
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -30,6 +31,8 @@ import time
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from engine import paths
 from engine.checkpoints.atomic import STORE_MARKER, is_stale_temp, is_temp_name, store_lock
@@ -108,12 +111,34 @@ class Store:
                 return path
 
     def new_autosave_path(self, conversation_id) -> Path:
-        """A fresh autosave name; they sort chronologically, newest last."""
+        """A fresh autosave name; they sort chronologically (to the clock's tick), and the
+        random part keeps two writers in one tick apart."""
         self._mark()
         while True:
-            path = self.folder / f"autosave-{conversation_id.hex[:12]}-{time.time_ns():020d}{EXTENSION}"
+            path = self.folder / (f"autosave-{conversation_id.hex[:12]}-{time.time_ns():020d}-"
+                                  f"{secrets.token_hex(4)}{EXTENSION}")
             if not path.exists():
                 return path
+
+    # -- leases ------------------------------------------------------------------------------
+    def lease_line(self, line: str) -> FileLock | None:
+        """Hold a line of history for one writer: the held lock, or None when another
+        writer (another process, or another writer in this one) holds it.
+
+        The operating system drops the lock with its process, so a killed writer never
+        leaves a line held.  Lock files live in ``.leases/``, named by a digest of the
+        line (a line is read from metadata: never a path).
+        """
+        self.ensure()
+        folder = self.folder / ".leases"
+        folder.mkdir(exist_ok=True)
+        name = hashlib.blake2b(line.encode("utf-8"), digest_size=12).hexdigest()
+        lock = FileLock(str(folder / f"{name}.lock"), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return None
+        return lock
 
     # -- listing ---------------------------------------------------------------------------
     def files(self) -> list[Path]:
@@ -166,17 +191,3 @@ class Store:
         except OSError:
             return False
 
-    def delete(self, path: str | os.PathLike) -> bool:
-        """Delete one file of this store, whatever depends on it; False if it was gone.
-
-        The primitive under engine.checkpoints.graph's deletes, which decide what may go.
-        """
-        path = Path(path)
-        if not self.contains(path):
-            raise ValueError(f"{path} is not a checkpoint of the store in {self.folder}")
-        with self.lock():
-            try:
-                path.unlink()
-                return True
-            except FileNotFoundError:
-                return False

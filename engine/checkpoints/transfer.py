@@ -12,11 +12,16 @@ all come here).  It never moves or alters a source file:
    when the parent lies beside it, the folder to import its chain from), and so is
    every file that depends on it;
 4. parents are copied before their children, each through a temp file that is
-   verified before it is renamed into place.  A file keeps its name unless the store
-   already holds another file by that name; a delta whose parent got another name (or
-   was itself rewritten) is rewritten with its parent reference updated — same
-   checkpoint id, same state bytes, its original CRC kept as ``origin_crc`` so a later
-   import of the untouched original is recognised.
+   verified before it is renamed into place (never over a file that appeared there
+   meanwhile).  A file keeps its name unless the store already holds another file by
+   that name.  Every copy is written with its metadata adjusted — same checkpoint id,
+   same state bytes — and its original CRC kept as ``origin_crc``, so a later import of
+   the untouched original is recognised:
+
+   * its line of history is a new one (one per line of the files given together), so a
+     copy never competes with the line it came from: an older copy cannot retire the
+     original's newer files, nor a newer one the original (engine.checkpoints.graph);
+   * a delta's parent reference names the parent's name and CRC in the store.
 
 Export of a single file is the caller's: a full checkpoint is copied as it is, a delta
 is compacted into one full file by the engine (engine.compaction), because only llama.cpp
@@ -25,20 +30,20 @@ can merge KV states.
 
 from __future__ import annotations
 
-import shutil
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable
 
 from engine.checkpoints.atomic import atomic_write
-from engine.checkpoints.chain import ParentRef, check_link, load_chain, parent_ref, tokens_digest
+from engine.checkpoints.chain import ParentRef, facts_of, link_problem, load_chain, parent_ref
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import (EXTENSION, KIND_AUTOSAVE, CheckpointData, Header,
                                        encode_metadata, read_checkpoint, write_sections)
-from engine.checkpoints.graph import Graph, Node
+from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.kvstate import check_state_for
 from engine.checkpoints.store import Store
-from engine.errors import BrokenChain, CheckpointError, NotACheckpoint
+from engine.errors import CheckpointError, NotACheckpoint
 
 VALID, INCOMPATIBLE, CORRUPT, NOT_CHECKPOINT, UNREADABLE, MISSING_PARENT = (
     "valid", "incompatible", "corrupt", "not a checkpoint", "unreadable", "missing parent")
@@ -162,10 +167,11 @@ def import_files(paths: Iterable[Path], store: Store, target: Target | None = No
 
     store.ensure()
     graph = Graph.scan(store)
+    lines: dict[str, str] = {}   # each line of the files given -> its new line in the store
     for item in _parents_first(items, by_key):
         if item.result is not None and item.result.already:
             continue   # a twin of another file in this batch
-        results[item.path] = _import_one(item, store, graph, by_key)
+        results[item.path] = _import_one(item, store, graph, by_key, lines)
     for item in items:   # twins take their original's outcome
         if item.path not in results:
             first = by_key[item.key].result
@@ -191,7 +197,8 @@ def _parents_first(items: list[_Item], by_key: dict) -> list[_Item]:
     return ordered
 
 
-def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict) -> FileCheck:
+def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict,
+                lines: dict[str, str]) -> FileCheck:
     data, path = item.data, item.path
     h = data.header
     cid = data.meta.get("checkpoint_id")
@@ -212,15 +219,15 @@ def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict) -> FileCh
             item.result = found
             return found
         parent_name, parent_crc = found
-        if (parent_name, parent_crc) != (item.ref.file, item.ref.payload_crc):
-            new_ref = replace(item.ref, file=parent_name, payload_crc=parent_crc)
+        new_ref = replace(item.ref, file=parent_name, payload_crc=parent_crc)
+    line = lines.setdefault(line_of(data.meta, h), uuid.uuid4().hex)
 
     dest = store.folder / path.name
     if dest.exists() or not path.name.endswith(EXTENSION) or path.name.startswith("."):
         dest = (store.new_autosave_path(h.conversation_id) if h.kind == KIND_AUTOSAVE
                 else store.new_path(h.title or path.stem, suffix="-imported"))
     try:
-        item.written_crc = _write_copy(path, dest, data, new_ref)
+        item.written_crc = _write_copy(path, dest, data, new_ref, line)
     except (OSError, CheckpointError) as exc:
         item.result = FileCheck(path, UNREADABLE, f"could not copy it into the store: {exc}", h)
         return item.result
@@ -237,20 +244,24 @@ def _find_parent(item: _Item, store: Store, graph: Graph, by_key: dict) -> tuple
         if sibling.dest is None:
             return FileCheck(item.path, MISSING_PARENT,
                              f"its parent {sibling.path.name} was not imported", data.header)
-        try:
-            check_link(sibling.data, data)
-        except BrokenChain as exc:
-            return FileCheck(item.path, CORRUPT, str(exc), data.header)
+        problem = link_problem(facts_of(sibling.data), facts_of(data))
+        if problem:
+            return FileCheck(item.path, CORRUPT, problem, data.header)
         return sibling.dest.name, sibling.written_crc
     node = graph.by_id(ref.checkpoint_id, ref.payload_crc)
     if node is not None:
-        problem = _link_problem(node, data)
+        facts = node.facts
+        if node.origin_crc == ref.payload_crc:   # a relinked copy: it was that file
+            facts = replace(facts, payload_crc=ref.payload_crc)
+        problem = link_problem(facts, facts_of(data)) or graph.chain_problem(node)
         if problem:
-            return FileCheck(item.path, CORRUPT, problem, data.header)
+            return FileCheck(item.path, MISSING_PARENT,
+                             f"its parent is in the store as {node.name}, but cannot be used: {problem}",
+                             data.header)
         return node.name, node.payload_crc
     beside = item.path.parent / ref.file
     folder = item.path.parent if beside.is_file() else None
-    hint = (f"; import its chain from {folder} (Import folder), or a compacted copy"
+    hint = (f"; import its chain from {folder} (Import its chain), or a compacted copy"
             if folder else "; import the folder it came from, or a compacted copy "
             "(checkpoint-chat compact, or Export in the app that made it)")
     return FileCheck(item.path, MISSING_PARENT,
@@ -258,37 +269,31 @@ def _find_parent(item: _Item, store: Store, graph: Graph, by_key: dict) -> tuple
                      f"files given nor in the store{hint}", data.header, chain_folder=folder)
 
 
-def _link_problem(parent: Node, child: CheckpointData) -> str | None:
-    p0 = child.header.parent_n_tokens
-    if parent.header.n_tokens != p0:
-        return f"the delta continues from token {p0}, {parent.name} holds {parent.header.n_tokens}"
-    if parent.conversation_id != child.header.conversation_id:
-        return f"{parent.name} belongs to another conversation"
-    if tokens_digest(child.tokens[:p0]) != parent.tokens_digest:
-        return f"the delta's tokens do not continue those of {parent.name}"
-    return None
+def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef | None,
+                line: str) -> int:
+    """Write ``src`` as ``dest`` with its store metadata (line, parent reference, origin
+    CRC); returns the copy's payload CRC.  The temp file is verified in full before it
+    becomes ``dest``, and it never replaces a file that took that name meanwhile."""
+    full = read_checkpoint(src)   # the state too, verified again
+    if full.payload_crc != data.payload_crc:
+        raise CheckpointError(f"{src} changed while it was being imported")
+    meta = dict(full.meta)
+    meta["line"] = line
+    meta.setdefault("origin_crc", full.payload_crc)
+    if new_ref is not None:
+        meta["parent"] = new_ref.to_json()
 
+    def name_still_free() -> None:
+        if dest.exists():
+            raise CheckpointError(f"{dest.name} was written by another process meanwhile")
 
-def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef | None) -> int:
-    """Copy ``src`` to ``dest`` (rewriting the parent reference when given); returns the
-    copy's payload CRC.  The temp file is verified before it becomes ``dest``."""
-    with atomic_write(dest) as out:
-        if new_ref is None:
-            with open(src, "rb") as f:
-                shutil.copyfileobj(f, out, 8 << 20)
-            crc = data.payload_crc
-        else:
-            full = read_checkpoint(src)   # the state too, verified again
-            meta = dict(full.meta)
-            meta["parent"] = new_ref.to_json()
-            meta.setdefault("origin_crc", full.payload_crc)
-            _, crc = write_sections(out, full.header, encode_metadata(meta), full.tokens,
-                                    full.logits, full.state)
+    with atomic_write(dest, precondition=name_still_free) as out:
+        _, crc = write_sections(out, full.header, encode_metadata(meta), full.tokens,
+                                full.logits, full.state)
         out.flush()
-        # the temp file, in full: what will be renamed into place is what was checked
         copy = read_checkpoint(out.name, load_state=False)
         if copy.payload_crc != crc or copy.meta.get("checkpoint_id") != data.meta.get("checkpoint_id"):
-            raise CheckpointError(f"{src} changed while it was being imported")
+            raise CheckpointError(f"{dest.name} did not read back as written")
     return crc
 
 
@@ -300,8 +305,17 @@ def chain_paths(path: Path) -> list[Path]:
         return [path]
 
 
-def copy_file(src: Path, dest: Path) -> Path:
-    """Copy a full checkpoint atomically (Export of a file that needs no compaction)."""
-    with open(src, "rb") as f, atomic_write(Path(dest)) as out:
-        shutil.copyfileobj(f, out, 8 << 20)
+def export_copy(src: Path, dest: Path) -> Path:
+    """Write a full checkpoint as ``dest`` (Export of a file that needs no compaction).
+
+    The copy is a line of its own (as an import is): placed in a store folder, it can
+    never compete with the history it came from."""
+    full = read_checkpoint(src)
+    if full.header.is_delta:
+        raise CheckpointError(f"{src.name} is a delta: it is exported compacted, with its chain")
+    meta = dict(full.meta)
+    meta["line"] = uuid.uuid4().hex
+    meta.pop("seq", None)
+    with atomic_write(Path(dest)) as out:
+        write_sections(out, full.header, encode_metadata(meta), full.tokens, full.logits, full.state)
     return Path(dest)

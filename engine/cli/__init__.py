@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_ERROR
+    except OSError as exc:   # a full disk, a store lock held too long (filelock's Timeout)...
+        print(f"error: {exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -44,6 +44,7 @@ def cmd_validate(args) -> int:
 
 def cmd_compact(args) -> int:
     from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.graph import overwrite_problem
     from engine.compaction import compact_into, runtime_for
     from native.library import bindings, choose_library
 
@@ -51,11 +52,14 @@ def cmd_compact(args) -> int:
     if not chain[-1].header.is_delta:
         print(f"{args.path} is already a full checkpoint")
         return EXIT_OK
+    out = Path(args.output) if args.output else Path(args.path).with_name(
+        Path(args.path).stem + "-full.kvckpt")
+    problem = overwrite_problem(out)
+    if problem:   # before loading the model
+        raise AppError(problem)
     bindings(choose_library(cli_dir=args.llama_lib))
     runtime = runtime_for(chain, model=args.model, n_threads=args.threads or 0)
     try:
-        out = Path(args.output) if args.output else Path(args.path).with_name(
-            Path(args.path).stem + "-full.kvckpt")
         info = compact_into(runtime, chain, out)
     finally:
         runtime.close()

@@ -119,6 +119,8 @@ class RunSession:
             checkpoint = self.save(conv, result)
             return self.outcome(conv, result, checkpoint)
         finally:
+            if self.writer is not None:
+                self.writer.close()
             self.runtime.close()
 
     def conversation(self):
@@ -154,6 +156,7 @@ class RunSession:
 
     def prepare_store(self, conv) -> None:
         """Prefix reuse, and the writer of the conversation's line in the store."""
+        from engine.checkpoints.graph import default_line
         from engine.checkpoints.store import Store
         from engine.history import LineWriter
         store = self.store = Store()
@@ -169,7 +172,7 @@ class RunSession:
         # line in the store grows by deltas (on the loaded file when it is a store head)
         if not self.args.checkpoint_save:
             self.writer = (LineWriter.continuing(self.runtime, store, self.chain) if self.chain
-                           else LineWriter(self.runtime, store, conv.id.hex))
+                           else LineWriter.starting(self.runtime, store, default_line(conv.id)))
 
     def generate(self, conv):
         from engine.checkpoints.format import KIND_AUTOSAVE
@@ -208,7 +211,6 @@ class RunSession:
 
     def save(self, conv, result):
         """The pause / exit / end checkpoint, when one is due; returns its SaveInfo."""
-        from engine.checkpoints import graph
         from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
         from engine.generation import commit_answer
         args = self.args
@@ -226,8 +228,8 @@ class RunSession:
                   file=sys.stderr)
         elif not args.json:
             print()
-        if self.store.folder.is_dir():
-            graph.prune(self.store, graph.DEFAULT_BUDGET_BYTES)
+        # no prune here: each save retires what it supersedes on its own line, and how
+        # much superseded history to keep is the window's setting, not this run's
         return checkpoint
 
     def outcome(self, conv, result, checkpoint) -> dict[str, Any]:

@@ -115,7 +115,7 @@ def _check_after_kill(store: Store, convs, allowed, manual_acked, stats: KillSta
             stats.lost += 1
             stats.problems.append(f"acknowledged manual save {name} is missing")
         else:
-            store.delete(store.folder / name)   # checked: keep the store small
+            (store.folder / name).unlink(missing_ok=True)   # checked: keep the store small
     temps = store.temp_files()
     stats.temps_left += len(temps)
     removed = store.remove_stale_temps(min_age_s=0)   # the writer is dead: all are stale

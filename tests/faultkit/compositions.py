@@ -223,6 +223,16 @@ def check(driver: Driver, runtime) -> Outcome:
     if (driver.deleted - live) & have:
         out.problems.append("a deleted conversation came back")
     out.problems += [f"engine error: {a}: {m}" for a, m in driver.errors]
+    # the app's newest state of each conversation is a head (not only some older one)
+    from engine.checkpoints.chain import tokens_digest
+    for c in live:
+        conv = driver.worker._convs.get(c)   # the engine thread has stopped: safe to read
+        if conv is None:
+            continue
+        if not any(h.header.n_tokens_total == len(conv.tokens)
+                   and h.tokens_digest == tokens_digest(conv.tokens[:h.header.n_tokens])
+                   for h in g.heads_of(c)):
+            out.heads_lost.append(f"conversation {c}: its newest state ({len(conv.tokens)} tokens) has no head")
     for head in g.heads:
         out.heads_checked += 1
         texts = []

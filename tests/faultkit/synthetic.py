@@ -140,7 +140,7 @@ class Written:
 
 def write_node(path: Path, conv_id: uuid.UUID, n_tokens: int, *, parent: Written | None = None,
                kind: int = fmt.KIND_AUTOSAVE, line: str | None = None, title: str = "synthetic",
-               created_ns: int | None = None) -> Written:
+               created_ns: int | None = None, seq: int | None = None) -> Written:
     """A full checkpoint, or a delta on ``parent``, laid out as the app writes them.
 
     The token ids depend only on the position, so any two nodes of a conversation share
@@ -153,6 +153,8 @@ def write_node(path: Path, conv_id: uuid.UUID, n_tokens: int, *, parent: Written
     meta = {"conversation": str(conv_id), "title": title, "checkpoint_id": cid}
     if line is not None:
         meta["line"] = line
+    if seq is not None:
+        meta["seq"] = seq
     if parent is not None:
         h = fmt.replace(h, flags=fmt.FLAG_DELTA, parent_n_tokens=parent.n_tokens)
         meta["parent"] = {"file": parent.path.name, "checkpoint_id": parent.checkpoint_id,
