@@ -104,6 +104,9 @@ class StoreActions:
         self.save_progress.show()
         try:
             results: list[FileCheck] = await in_thread(import_files, paths, self.store, self._target())
+        except Exception as exc:  # noqa: BLE001 - a store that cannot be written, say: tell the user
+            self.show_error("Not imported", f"Nothing was imported: {exc}")
+            return
         finally:
             self.save_progress.hide()
         refused = [r for r in results if r.imported is None]
