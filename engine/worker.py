@@ -71,6 +71,9 @@ class ModelInfo:
     #: what checkpoints must fit (engine.checkpoints.compat): the rule the Runtime uses,
     #: as a frozen value other threads may use without waiting for a generation
     target: Target | None = field(default=None, repr=False, compare=False)
+    #: the sampler this model starts with, and where that came from (engine.sampling)
+    sampling_defaults: SamplerSettings = field(default_factory=SamplerSettings)
+    sampling_source: str = ""
 
     def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
         """Why a checkpoint cannot be restored into this model, or None."""
@@ -377,10 +380,13 @@ class EngineWorker:
             log.warning("system info unavailable: %s", exc)
             lib = loaded_library()
             backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
+        from engine.sampling import defaults_for_model_file
+        sampling, source = defaults_for_model_file(opts.path)
         self.model_info = ModelInfo(
             name=rt.model.name, path=Path(opts.path), architecture=rt.model.architecture,
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
-            library_path=lib_path, library_version=lib_version, target=rt.target)
+            library_path=lib_path, library_version=lib_version, target=rt.target,
+            sampling_defaults=sampling, sampling_source=source)
         self.listener.on_model_loaded(self.model_info)
 
     def _need_runtime(self):

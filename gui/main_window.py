@@ -257,12 +257,16 @@ class MainWindow(StoreActions, QMainWindow):
         self.bridge.load_model(options)
 
     # -- user actions -------------------------------------------------------------------------------
+    def _model_sampling(self):
+        info = self.bridge.model_info
+        return info.sampling_defaults if info is not None else None
+
     @Slot()
     def new_conversation(self) -> None:
         if self.running is not None:
             return
         conv_id = self.worker.new_conversation(system_prompt=self.settings.system_prompt,
-                                               sampler=self.settings.sampler())
+                                               sampler=self.settings.sampler(self._model_sampling()))
         self.current = conv_id
         self.conversation_list.upsert(conv_id, "New conversation", top=True)
         self.conversation_list.select(conv_id)
@@ -432,6 +436,9 @@ class MainWindow(StoreActions, QMainWindow):
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
         snap = self.snapshots.get(self.current) if self.current else None
         self._update_context_usage(snap.n_tokens if snap else 0, info.n_ctx)
+        if self.current is not None and (snap is None or not snap.transcript):
+            # a conversation opened before the model was known starts with its defaults
+            self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
         self.refresh_store()
 
     @Slot(str)

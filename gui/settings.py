@@ -7,7 +7,7 @@ installs, and so a user can read and back it up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
@@ -30,11 +30,12 @@ _KEYS = {k.name: k for k in (
     _Key("n_gpu_layers", 0, int),
     _Key("n_ctx", 4096, int),
     _Key("n_threads", 0, int),
-    _Key("temperature", 0.8, float),
-    _Key("top_k", 40, int),
-    _Key("top_p", 0.95, float),
-    _Key("min_p", 0.05, float),
-    _Key("repeat_penalty", 1.0, float),
+    # the sampler: None (unset) means the loaded model's own default (engine.sampling)
+    _Key("temperature", None, float),
+    _Key("top_k", None, int),
+    _Key("top_p", None, float),
+    _Key("min_p", None, float),
+    _Key("repeat_penalty", None, float),
     _Key("seed", -1, int),               # -1: a fresh random seed per conversation
     _Key("n_predict", -1, int),          # answer length limit (-1: none)
     _Key("system_prompt", "", str),
@@ -44,6 +45,8 @@ _KEYS = {k.name: k for k in (
 )}
 
 MAX_RECENT_MODELS = 8
+#: Settings that default to the loaded model's own recommendation.
+SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 
 
 class AppSettings:
@@ -59,6 +62,8 @@ class AppSettings:
         if key is None:
             raise AttributeError(name)
         value = self.qsettings.value(name, key.default)
+        if value is None:
+            return None
         try:
             return key.kind(value)
         except (TypeError, ValueError):
@@ -66,7 +71,10 @@ class AppSettings:
 
     def __setattr__(self, name: str, value) -> None:
         if name in _KEYS:
-            self.qsettings.setValue(name, _KEYS[name].kind(value))
+            if value is None:
+                self.qsettings.remove(name)      # back to the default (the model's, for the sampler)
+            else:
+                self.qsettings.setValue(name, _KEYS[name].kind(value))
         else:
             super().__setattr__(name, value)
 
@@ -77,11 +85,13 @@ class AppSettings:
     def checkpoint_folder(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else paths.checkpoint_dir()
 
-    def sampler(self) -> SamplerSettings:
+    def sampler(self, defaults: SamplerSettings | None = None) -> SamplerSettings:
+        """The sampler for a new conversation: what the user set, else ``defaults`` (the
+        loaded model's, see engine.sampling)."""
+        base = defaults or SamplerSettings()
         seed = self.seed
-        return SamplerSettings(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                               min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-                               seed=random_seed() if seed < 0 else seed)
+        changes = {name: getattr(self, name) for name in SAMPLER_KEYS if getattr(self, name) is not None}
+        return replace(base, **changes, seed=random_seed() if seed < 0 else seed)
 
     def recent_models(self) -> list[str]:
         value = self.qsettings.value("recent_models", [])

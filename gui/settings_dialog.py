@@ -5,8 +5,9 @@ from __future__ import annotations
 from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QWidget)
 
+from engine.sampling import SamplerSettings
 from engine.worker import ModelInfo
-from gui.settings import AppSettings
+from gui.settings import SAMPLER_KEYS, AppSettings
 
 _MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers")
 
@@ -31,13 +32,17 @@ class SettingsDialog(QDialog):
             form.addRow(label, row)
             self.fields[key] = edit
 
+        defaults = model.sampling_defaults if model is not None else SamplerSettings()
+        self.sampling_defaults = defaults
+
         def spin(key: str, label: str, lo, hi, step=1, decimals=None, special: str = "") -> None:
             box = QDoubleSpinBox() if decimals is not None else QSpinBox()
             if decimals is not None:
                 box.setDecimals(decimals)
             box.setRange(lo, hi)
             box.setSingleStep(step)
-            box.setValue(getattr(settings, key))
+            value = getattr(settings, key)
+            box.setValue(getattr(defaults, key) if value is None else value)   # unset: the model's
             if special:
                 box.setSpecialValueText(special)
             form.addRow(label, box)
@@ -59,6 +64,18 @@ class SettingsDialog(QDialog):
         spin("top_p", "Top-p:", 0.0, 1.0, 0.01, 2)
         spin("min_p", "Min-p:", 0.0, 1.0, 0.01, 2)
         spin("repeat_penalty", "Repeat penalty:", 0.5, 3.0, 0.05, 2)
+        source = model.sampling_source if model is not None else "no model loaded"
+        reset = QPushButton("Use the model's defaults")
+        reset.setObjectName("samplingDefaults")
+        reset.clicked.connect(self._use_model_defaults)
+        note = QLabel(f"Model defaults: temperature {defaults.temperature:g}, top-k {defaults.top_k}, "
+                      f"top-p {defaults.top_p:g}, min-p {defaults.min_p:g}, repeat penalty "
+                      f"{defaults.repeat_penalty:g} ({source})")
+        note.setWordWrap(True)
+        row = QHBoxLayout()
+        row.addWidget(note, 1)
+        row.addWidget(reset)
+        form.addRow("", row)
         spin("seed", "Seed:", -1, 2**31 - 1, special="random")
         spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
         spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
@@ -77,11 +94,17 @@ class SettingsDialog(QDialog):
         if path:
             edit.setText(path)
 
+    def _use_model_defaults(self) -> None:
+        for key in SAMPLER_KEYS:
+            self.fields[key].setValue(getattr(self.sampling_defaults, key))
+
     def accept(self) -> None:
         for key, widget in self.fields.items():
             value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
             if key in _MODEL_KEYS and value != getattr(self.settings, key):
                 self.model_changed = True
+            if key in SAMPLER_KEYS and value == getattr(self.sampling_defaults, key):
+                value = None   # the model's own: follows the model when another one is loaded
             setattr(self.settings, key, value)
         self.settings.sync()
         super().accept()

@@ -154,3 +154,17 @@ def test_chat_view_appends_turns_without_losing_or_reordering_text(qtbot):
     incremental = text
     view.render()
     assert view.toPlainText().split() == incremental.split()
+
+
+def test_the_sampler_follows_the_model_unless_the_user_set_it(app_home):
+    from engine.sampling import BUNDLED_MODEL_DEFAULTS, GENERIC_DEFAULTS
+    from gui.settings import AppSettings
+    s = AppSettings()
+    assert s.temperature is None                                   # unset: the model's
+    got = s.sampler(BUNDLED_MODEL_DEFAULTS)
+    assert (got.temperature, got.top_p, got.repeat_penalty) == (0.7, 0.9, 1.1)
+    s.temperature = 0.25
+    got = s.sampler(GENERIC_DEFAULTS)
+    assert got.temperature == 0.25 and got.top_p == GENERIC_DEFAULTS.top_p
+    s.temperature = None                                           # "Use the model's defaults"
+    assert AppSettings().sampler(GENERIC_DEFAULTS).temperature == GENERIC_DEFAULTS.temperature

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--n-predict", type=int, default=None,
                      help="answer length limit in tokens (-1: no limit; default -1)")
     run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
-    run.add_argument("--temp", type=float, default=None, help="temperature (0: greedy; default 0.8)")
+    run.add_argument("--temp", type=float, default=None,
+                     help="temperature (0: greedy; default: the model's, see `info`)")
     run.add_argument("--top-k", type=int, default=None)
     run.add_argument("--top-p", type=float, default=None)
     run.add_argument("--min-p", type=float, default=None)

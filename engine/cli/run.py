@@ -135,8 +135,11 @@ class RunSession:
             if args.stop:
                 conv.stop_strings = args.stop
         else:
+            from dataclasses import replace
+            from engine.sampling import defaults_for_model_file, random_seed
+            defaults, _source = defaults_for_model_file(rt.model.path)   # the model's own
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
-                                sampler=sampler_from_args(args, None))
+                                sampler=sampler_from_args(args, replace(defaults, seed=random_seed())))
         if self.prompt is not None:
             if conv.paused:
                 # a new message after a paused answer keeps what was generated so far
@@ -277,8 +280,8 @@ def context_settings(args, header):
 
 
 def sampler_from_args(args, base):
+    """The flags given, over ``base``: a resumed answer's sampler, or the model's defaults."""
     from engine.sampling import SamplerSettings, random_seed
-    base = base or SamplerSettings(seed=random_seed())
     if args.seed is None:
         seed = base.seed          # a resumed answer keeps its seed
     elif args.seed < 0:
