@@ -131,12 +131,15 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
              listener: Listener | None = None, stop_after: int | None = None,
              autosave_every: int = 0,
              autosave: Callable[[Conversation], None] | None = None,
-             confidence: bool = False, requested_at: float | None = None) -> GenerationResult:
+             confidence: bool = False, requested_at: float | None = None,
+             skip_eog_once: bool = False) -> GenerationResult:
     """Continue ``conv.answer`` until it ends, pauses, or ``stop_after`` tokens were made.
 
     ``conv.tokens`` is brought into the KV cache first, decoding only what is missing.
     ``confidence`` records the model's probability of every chosen token (a softmax
     over the whole vocabulary per token: only for callers that show it).
+    ``skip_eog_once``: the first token may not end the answer (Continue on an answer the
+    model had ended: the same position and seed would choose the end again).
     ``requested_at`` (a ``time.perf_counter()`` value) is when the user asked, so that
     ``ttft_s`` includes what the caller did before (reading and restoring a
     checkpoint); by default it counts from this call.
@@ -183,7 +186,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
                 finish = "context_full"
                 break
             logits = runtime.logits()
-            if s.ignore_eos:
+            if s.ignore_eos or (skip_eog_once and generated_here == 0):
                 logits = _without_eog(runtime, logits)
             # greedy draws nothing at random: no per-position seed to derive
             token = chain.sample(candidates, logits, 0 if chain.greedy else seed_for(s.seed, pos))

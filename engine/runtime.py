@@ -36,6 +36,7 @@ from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
 from native.model import Model, ProgressCallback
+from native.rpc import Workers
 from native.sampler import Candidates
 
 log = logging.getLogger("engine")
@@ -68,8 +69,11 @@ class Runtime:
 
     def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
                  *, n_gpu_layers: int = 0, main_gpu: int = 0,
-                 progress: ProgressCallback | None = None) -> None:
-        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, progress=progress)
+                 progress: ProgressCallback | None = None, workers: Workers | None = None) -> None:
+        # workers (native.rpc): layers, and so KV cells, on remote machines; the state and
+        # checkpoints read the same whichever machine holds them
+        self.model = Model(model_path, n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, progress=progress,
+                           workers=workers)
         try:
             self.fingerprint = model_fingerprint(self.model.path)
             self.ctx = Context(self.model, settings)
@@ -348,17 +352,32 @@ class Runtime:
     def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         """Restore a full checkpoint followed by zero or more deltas on it.
 
-        Everything is checked before llama.cpp sees a byte — every file's compatibility
-        and state structure, and the links between them — so a refused file leaves the
-        cache (and the conversation it belongs to) as it was.  Only if llama.cpp itself
-        refuses a state that passed every check is the cache emptied; the previous
-        conversation then re-decodes its prompt the next time it is used.
+        Files whose tokens the cache already holds are not applied again (the cache is
+        trimmed to the last of them, where the memory can trim).  Everything is checked
+        before llama.cpp sees a byte — every file's compatibility and state structure,
+        and the links between them — so a refused file leaves the cache (and the
+        conversation it belongs to) as it was.  Only if llama.cpp itself refuses a state
+        that passed every check is the cache emptied; the previous conversation then
+        re-decodes its prompt the next time it is used.
         """
         started = time.perf_counter()
         try:
             return self._restore_chain(chain)
         finally:
             self.last_restore_s = time.perf_counter() - started
+
+    def _files_in_cache(self, chain: Sequence[CheckpointData]) -> int:
+        """How many leading files of ``chain`` the cache holds already, token for token.
+
+        Switching between branches of one conversation restores only what differs: the
+        shared files stay in the cache and only the rest of the chain is applied.
+        """
+        last = chain[-1]
+        shared = common_prefix(self.kv_tokens, last.tokens[:last.header.n_tokens])
+        for k in range(len(chain), 0, -1):
+            if 0 < chain[k - 1].header.n_tokens <= shared:
+                return k
+        return 0
 
     def _restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         if not chain:
@@ -380,14 +399,18 @@ class Runtime:
         except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
         conv.id = h.conversation_id
-        self.ctx.clear()
-        self.kv_tokens = []
+        keep = self._files_in_cache(chain)
+        if keep and self.trim(chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
+            keep = 0   # the memory cannot drop a tail (sliding window): restore it all
+        if not keep:
+            self.ctx.clear()
+            self.kv_tokens = []
         self._forget_logits()
         self._prompt_logits = None
         try:
             for i, data in enumerate(chain):
-                if not len(data.state):
-                    continue   # no cells: an empty checkpoint, or a delta of metadata only
+                if i < keep or not len(data.state):
+                    continue   # in the cache already; or no cells (empty, or metadata only)
                 if i == 0:
                     self.ctx.state_set_from(data.state, len(data.state), 0)
                 else:

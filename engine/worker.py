@@ -55,6 +55,8 @@ class ModelOptions:
     n_threads: int = 0
     n_gpu_layers: int = 0
     llama_lib: str | None = None
+    #: remote workers "host:port, ..." that take the n_gpu_layers (native.rpc); "": none
+    rpc_servers: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class ConversationSnapshot:
     seed: int
     checkpoint: Path | None
     checkpoint_size: int = 0
+    #: per transcript entry: its alternatives among the conversation's branches
+    #: (engine.branches.Alternatives), or None where there is only the one shown
+    alternatives: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -257,7 +262,32 @@ class EngineWorker:
         self._submit_answer("resume", self._do_resume, conv_id, n_predict)
 
     def regenerate(self, conv_id: uuid.UUID) -> None:
+        """A new answer to the same prompt, on a new branch: the old answer stays one of
+        its alternatives (engine.branches)."""
         self._submit_answer("regenerate", self._do_regenerate, conv_id)
+
+    def edit_message(self, conv_id: uuid.UUID, index: int, text: str, n_predict: int = -1) -> None:
+        """Replace user message ``index`` (of the transcript's messages, system prompt not
+        counted) and answer it, on a new branch; the turns after it stay on the old one."""
+        self._submit_answer("edit the message", self._do_edit_message, conv_id, index, text, n_predict)
+
+    def edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
+        """Start the conversation over with another system prompt, on a new branch."""
+        self._submit("edit the system prompt", self._do_edit_system_prompt, conv_id, text)
+
+    def continue_answer(self, conv_id: uuid.UUID, n_predict: int = -1) -> None:
+        """Generate more of a finished answer (past the end the model chose)."""
+        self._submit_answer("continue the answer", self._do_continue_answer, conv_id, n_predict)
+
+    def switch_branch(self, conv_id: uuid.UUID, head: str | Path) -> None:
+        """Show another branch of a conversation: restore only what differs from the cache."""
+        self._submit("switch branch", self._do_switch_branch, conv_id, Path(head))
+
+    def fork(self, conv_id: uuid.UUID, index: int) -> uuid.UUID:
+        """A new conversation holding this one's messages up to ``index`` (on its files)."""
+        new_id = uuid.uuid4()
+        self._submit("fork the conversation", self._do_fork, conv_id, index, new_id)
+        return new_id
 
     def open_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint into the cache and make its conversation known."""
@@ -364,8 +394,15 @@ class EngineWorker:
                     self.listener.on_model_loading(fraction)
                 return not self._stopping.is_set()
 
+            workers = None
+            if opts.rpc_servers:   # after the close above: a worker serves one client at a time
+                import os
+                from engine import paths
+                from native.rpc import Workers
+                workers = Workers.connect(opts.rpc_servers, message_prefix="Checkpoint Chat: ",
+                                          crash_note=paths.log_dir() / f"faulthandler-{os.getpid()}.log")
             rt = Runtime(opts.path, ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
-                         n_gpu_layers=opts.n_gpu_layers, progress=progress)
+                         n_gpu_layers=opts.n_gpu_layers, progress=progress, workers=workers)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
             self._report_error("load the model", exc)
             self.listener.on_model_failed(str(exc))
@@ -380,6 +417,8 @@ class EngineWorker:
             log.warning("system info unavailable: %s", exc)
             lib = loaded_library()
             backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
+        if rt.model.placement:   # remote workers: where the layers went, for the model bar
+            backend = f"{backend} · {rt.model.placement}"
         from engine.sampling import defaults_for_model_file
         sampling, source = defaults_for_model_file(opts.path)
         self.model_info = ModelInfo(
@@ -400,7 +439,9 @@ class EngineWorker:
             raise AppError("that conversation is not open")
         return conv
 
-    def snapshot(self, conv: Conversation) -> ConversationSnapshot:
+    def snapshot(self, conv: Conversation, *, branches: bool = True) -> ConversationSnapshot:
+        """A copy for display; ``branches`` adds the alternatives (reads the store's heads,
+        so the autosave path, every few tokens, goes without)."""
         path = self._paths.get(conv.id)
         size = 0
         if path is not None:
@@ -409,10 +450,19 @@ class EngineWorker:
             except OSError:
                 size = 0
         n_ctx = self.runtime.ctx.n_ctx if self.runtime is not None else 0
+        transcript = tuple(dict(m) for m in conv.transcript())
+        alternatives: tuple = ()
+        if branches:
+            from engine.branches import alternatives as alternatives_at, branches_of
+            try:
+                alternatives = tuple(alternatives_at([(m["role"], m["content"]) for m in transcript],
+                                                     branches_of(self.store, conv.id)))
+            except OSError as exc:
+                log.warning("could not list the branches of %s: %s", conv.title, exc)
         return ConversationSnapshot(
-            id=conv.id, title=conv.title, transcript=tuple(dict(m) for m in conv.transcript()),
+            id=conv.id, title=conv.title, transcript=transcript,
             paused=conv.paused, n_tokens=len(conv.tokens), n_ctx=n_ctx, seed=conv.sampler.seed,
-            checkpoint=path, checkpoint_size=size)
+            checkpoint=path, checkpoint_size=size, alternatives=alternatives)
 
     def _do_adopt(self, conv: Conversation) -> None:
         self._convs[conv.id] = conv
@@ -523,10 +573,139 @@ class EngineWorker:
         conv = self._conv(conv_id)
         if conv.answer is None:
             raise GenerationError("there is no answer to regenerate")
+        self._branch(conv)
         discard_answer(conv)
         self._generate(conv)
 
-    def _generate(self, conv: Conversation) -> None:
+    def _do_edit_message(self, conv_id: uuid.UUID, index: int, text: str, n_predict: int) -> None:
+        from engine.generation import begin_answer, commit_answer
+        conv = self._conv(conv_id)
+        commit_answer(conv)
+        if not 0 <= index < len(conv.messages) or conv.messages[index][0] != "user":
+            raise GenerationError(f"message {index + 1} is not a message of yours in this conversation")
+        self._branch(conv)
+        self._restore_turn_end(conv, conv.messages[:index])
+        conv.messages = conv.messages[:index]
+        conv.answer = None
+        begin_answer(conv, self._need_runtime(), text, n_predict=n_predict)
+        self._generate(conv)
+
+    def _restore_turn_end(self, conv: Conversation, messages) -> None:
+        """Put the state at the end of the turn before an edit into the cache, from the
+        chain's file of it (exact for every model), when the chain still has one."""
+        from engine.branches import turn_end
+        from engine.checkpoints.chain import load_chain
+        writer = self._writers.get(conv.id)
+        if writer is None or not writer.chain:
+            return
+        try:
+            chain = load_chain(writer.chain[-1].path)
+        except CheckpointError as exc:
+            log.info("no file to restore the edited turn from (%s): its prompt is decoded", exc)
+            return
+        k = turn_end(chain, messages)
+        if k:
+            self.runtime.restore_chain(chain[:k])
+
+    def _do_edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
+        conv = self._conv(conv_id)
+        self._branch(conv)
+        conv.system_prompt = text
+        conv.messages, conv.answer, conv.tokens = [], None, []
+        self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_continue_answer(self, conv_id: uuid.UUID, n_predict: int) -> None:
+        conv = self._conv(conv_id)
+        answer = conv.answer
+        if answer is None or not answer.finished:
+            raise GenerationError("there is no finished answer to continue")
+        if conv.messages and conv.messages[-1] == ("assistant", answer.text):
+            conv.messages.pop()   # the committed copy: the answer is open again
+        skip_eog = answer.finish_reason == "stop"
+        answer.finish_reason = None
+        answer.n_predict = -1 if n_predict < 0 else answer.n_generated + n_predict
+        self._generate(conv, skip_eog_once=skip_eog)
+
+    def _do_switch_branch(self, conv_id: uuid.UUID, head: Path) -> None:
+        from engine.checkpoints.chain import load_chain
+        from engine.history import LineWriter
+        rt = self._need_runtime()
+        chain = load_chain(head)
+        data = chain[-1]
+        if data.header.conversation_id != conv_id:
+            raise AppError(f"{head.name} is not a branch of this conversation")
+        rt.check_compatible(data.header, data.meta)
+        self._save_active_if_dirty(KIND_MANUAL)   # the branch shown so far keeps its state
+        self._active = None
+        conv = rt.restore_chain(chain)       # the shared files stay in the cache
+        self._active = conv.id
+        self._convs[conv.id] = conv
+        old = self._writers.pop(conv.id, None)
+        if old is not None:
+            old.close()
+        writer = self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
+        self._paths[conv.id] = writer.head.path if writer.head else head
+        self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _do_fork(self, conv_id: uuid.UUID, index: int, new_id: uuid.UUID) -> None:
+        from engine.checkpoints.format import read_metadata
+        from engine.conversation import Conversation
+        from engine.history import LineWriter
+        conv = self._conv(conv_id)
+        messages = conv.messages + ([("assistant", conv.answer.text)]
+                                    if conv.answer is not None and not conv._answer_committed() else [])
+        if not 0 <= index < len(messages):
+            raise GenerationError(f"there is no message {index + 1} to fork at")
+        kept = messages[:index + 1]
+        fork = Conversation(id=new_id, title=f"{conv.title} (fork)", system_prompt=conv.system_prompt,
+                            messages=list(kept), sampler=conv.sampler, stop_strings=list(conv.stop_strings))
+        # the newest file of this conversation's chain that holds exactly those messages
+        writer = self._writers.get(conv.id)
+        chain = list(writer.chain) if writer is not None else []
+        for k in range(len(chain), 0, -1):
+            try:
+                meta = read_metadata(chain[k - 1].path)[1]
+            except (CheckpointError, OSError):
+                continue
+            saved = Conversation.from_json(meta.get("conversation") or {}, [])
+            if saved.messages == kept and not saved.paused:
+                from engine.checkpoints.chain import load_chain
+                data = load_chain(chain[k - 1].path)[-1]
+                fork.tokens = [int(t) for t in data.tokens]
+                rt = self._need_runtime()
+                self._activate(conv)
+                self._save_active_if_dirty(KIND_MANUAL)
+                self._active = None
+                rt.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
+                self._active = fork.id
+                self._convs[fork.id] = fork
+                fork_writer = self._writers[fork.id] = LineWriter.starting(
+                    rt, self.store, default_line(fork.id), chain[:k])
+                info = fork_writer.save_head(fork, KIND_MANUAL)   # a delta of metadata only
+                self._paths[fork.id] = info.path
+                self.listener.on_conversation_changed(self.snapshot(fork))
+                return
+        # no file holds that point (compacted away): the fork decodes its prompt when used
+        self._convs[fork.id] = fork
+        self.listener.on_conversation_changed(self.snapshot(fork))
+
+    def _branch(self, conv: Conversation) -> None:
+        """Go on with ``conv`` on a new line of history; its current line keeps its head.
+
+        The conversation is saved first if its head lags, so the old line holds exactly
+        what was shown; the new line builds on the old line's files.
+        """
+        from engine.history import LineWriter
+        self._activate(conv)
+        self._save_active_if_dirty(KIND_MANUAL)
+        old = self._writers.pop(conv.id, None)
+        chain = list(old.chain) if old is not None else []
+        if old is not None:
+            old.close()
+        self._writers[conv.id] = LineWriter.starting(self._need_runtime(), self.store,
+                                                     uuid.uuid4().hex, chain)
+
+    def _generate(self, conv: Conversation, *, skip_eog_once: bool = False) -> None:
         from engine.generation import generate
         rt = self._need_runtime()
         if self._stopping.is_set():
@@ -540,10 +719,11 @@ class EngineWorker:
         else:
             self._pause_kind = KIND_PAUSE
         self._generating.set()
-        self.listener.on_generation_started(self.snapshot(conv))
+        self.listener.on_generation_started(self.snapshot(conv, branches=False))
         try:
             result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv),
-                              autosave_every=self.autosave_every, autosave=self._autosave)
+                              autosave_every=self.autosave_every, autosave=self._autosave,
+                              skip_eog_once=skip_eog_once)
         except Exception:
             # a failure mid-answer (a bug, a decode error): save what the cache holds, so the
             # tokens decoded so far are not lost and Resume can continue after a restart
@@ -607,8 +787,8 @@ class EngineWorker:
             self.listener.on_error("autosave", str(exc))
             return
         self._paths[conv.id] = info.path
-        self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds,
-                                          KIND_AUTOSAVE)
+        self.listener.on_checkpoint_saved(self.snapshot(conv, branches=False), info.path, info.size,
+                                          info.seconds, KIND_AUTOSAVE)
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:

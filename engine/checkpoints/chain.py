@@ -124,9 +124,10 @@ def link_problem(parent: LinkFacts, child: LinkFacts) -> str | None:
     """Why ``child`` is not a delta on exactly ``parent`` (one sentence), or None.
 
     The one rule: the reference names the parent's checkpoint id and payload CRC, the
-    delta continues from the parent's last token, both belong to one conversation, and
-    the delta's first tokens are the parent's.  (Finding the parent by name is the
-    caller's business: an import may have renamed it.)
+    delta continues from the parent's last token, and the delta's first tokens are the
+    parent's.  The conversation may differ: a fork starts a new conversation on another
+    one's files.  (Finding the parent by name is the caller's business: an import may
+    have renamed it.)
     """
     ref = child.parent
     if ref is None:
@@ -135,8 +136,6 @@ def link_problem(parent: LinkFacts, child: LinkFacts) -> str | None:
         return f"{parent.name} is not the parent this delta was made on (it was replaced or altered since)"
     if child.parent_n_tokens != parent.n_tokens or ref.n_tokens != child.parent_n_tokens:
         return f"the delta continues from token {child.parent_n_tokens}, {parent.name} holds {parent.n_tokens}"
-    if child.conversation_id != parent.conversation_id:
-        return f"{parent.name} belongs to another conversation"
     if child.prefix_digest != parent.tokens_digest:
         return f"the delta's tokens do not continue those of {parent.name}"
     return None

@@ -109,9 +109,40 @@ def _graph_of(path: Path):
     return g, g.nodes.get(path.name)
 
 
+def print_tree(path: Path) -> None:
+    """The branches of ``path``'s conversation (in its folder) as a tree of messages:
+    where they fork, and each branch's head with its token count."""
+    from engine.branches import branches_of
+    from engine.checkpoints.format import read_header
+    from engine.checkpoints.store import Store
+    header = read_header(path)
+    branches = branches_of(Store(path.parent), header.conversation_id)
+    print(f"{header.title} ({header.conversation_id}): {len(branches)} branch(es)")
+
+    def show(members, depth: int, indent: str) -> None:
+        groups: dict = {}
+        for b in members:
+            if len(b.messages) > depth:
+                groups.setdefault(b.messages[depth], []).append(b)
+        for b in members:
+            if len(b.messages) == depth:
+                print(f"{indent}└ head {b.head.name}: {b.n_tokens} tokens{'  (paused)' if b.paused else ''}")
+        fork = len(groups) > 1
+        for (role, content), group in groups.items():
+            text = " ".join(content.split())
+            text = text[:70] + ("…" if len(text) > 70 else "")
+            print(f"{indent}{'├ ' if fork else ''}{role}: {text}")
+            show(group, depth + 1, indent + ("│ " if fork else ""))
+
+    show(branches, 0, "")
+
+
 def cmd_inspect(args) -> int:
     from engine.checkpoints import format as fmt
     path = Path(args.path)
+    if args.tree:
+        print_tree(path)
+        return EXIT_OK
     header, meta = fmt.read_metadata(path)
     meta = dict(meta)
     g, node = _graph_of(path)
@@ -191,29 +222,42 @@ def cmd_list(args) -> int:
 def cmd_info(args) -> int:
     from engine.models import default_model_path
     from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library
+    from native.rpc import rpc_problem
     from native.sysinfo import system_info
 
     bindings(choose_library(cli_dir=args.llama_lib))
     info = system_info()
+    rpc_missing = rpc_problem()
+    remote: list[dict] = []
+    if args.rpc:
+        from engine.cli.rpc import connect_workers, print_remote_devices
+        workers = connect_workers(args.rpc, args.rpc_timeout)   # refuses with one sentence
     try:
         model = str(default_model_path())
     except AppError as exc:
         model = f"not installed ({exc})"
     if args.json:
+        if args.rpc:
+            remote = print_remote_devices(workers, as_json=True)
         print(json.dumps({"version": APP_VERSION, "library": info.library_path,
                           "library_version": info.library_version, "bundled": info.bundled,
                           "required_commit": REQUIRED_LLAMA_CPP_COMMIT,
                           "gpu_offload": info.gpu_offload, "features": info.features,
-                          "devices": [d.__dict__ for d in info.devices], "default_model": model},
+                          "devices": [d.__dict__ for d in info.devices], "default_model": model,
+                          "rpc": rpc_missing is None, "remote_devices": remote},
                          indent=2))
         return EXIT_OK
     print(f"Checkpoint Chat {APP_VERSION}")
     print(f"llama library   {info.library_path} ({'bundled' if info.bundled else 'user-chosen'}, "
           f"{info.library_version}; needs llama.cpp commit {REQUIRED_LLAMA_CPP_COMMIT})")
     print(f"GPU offload     {'yes' if info.gpu_offload else 'no'}")
+    rpc_line = "yes (remote workers: --rpc, rpc-worker)" if rpc_missing is None else f"no: {rpc_missing}"
+    print(f"RPC backend     {rpc_line}")
     print(f"CPU features    {info.features}")
     for d in info.devices:
         print(f"device          {d.kind} {d.name}: {d.description}, "
               f"{human_size(d.memory_free)} free of {human_size(d.memory_total)}")
+    if args.rpc:
+        print_remote_devices(workers)
     print(f"default model   {model}")
     return EXIT_OK

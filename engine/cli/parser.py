@@ -21,6 +21,28 @@ def _not_negative(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535, not {text}")
+    return value
+
+
+def _add_rpc(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                        help=f"remote workers (`checkpoint-chat rpc-worker`) {what}")
+    parser.add_argument("--rpc-timeout", type=_seconds, default=None, metavar="SECONDS",
+                        help="how long a worker may take to answer before it counts as hung "
+                             "(default 120)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="checkpoint-chat",
                                 description="Chat with local GGUF models; pause, save and resume "
@@ -55,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                      help="layers to offload to the GPU (-1: all; default 0)")
     run.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")
+    _add_rpc(run, "to put the -ngl layers on")
     run.add_argument("-fa", "--flash-attn", choices=("on", "off"), default=None)
     run.add_argument("-ctk", "--cache-type-k", default=None, help="K cache type (f16, q8_0, ...)")
     run.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type (f16, q8_0, ...)")
@@ -65,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="autosave every N generated tokens")
     run.add_argument("--stop-after", type=_not_negative, default=None, metavar="N",
                      help="pause after N generated tokens and save, as the Pause button does")
+    run.add_argument("--from-turn", type=_positive, default=None, metavar="K",
+                     help="with --checkpoint-load and -p: keep the turns before your turn K, replace "
+                          "turn K by the prompt and answer it (a new branch)")
     run.add_argument("--reuse-prefix", action="store_true",
                      help="start from the stored checkpoint sharing the longest prefix with the prompt")
     run.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -84,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="show a checkpoint's header and metadata")
     ins.add_argument("path")
     ins.add_argument("--json", action="store_true")
+    ins.add_argument("--tree", action="store_true", help="show the conversation's branches as a tree")
 
     lst = sub.add_parser("list", help="list the checkpoints in the store, newest first")
     lst.add_argument("--dir", help="store folder (default: the app's data folder)")
@@ -92,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show the llama library, backends and devices")
     info.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
     info.add_argument("--json", action="store_true")
+    _add_rpc(info, "whose devices to list")
+
+    worker = sub.add_parser("rpc-worker", help="serve this machine's CPU or GPU to other machines "
+                                               "(llama.cpp RPC)")
+    worker.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; the "
+                             "protocol has no authentication, see the README)")
+    worker.add_argument("--port", type=_port, default=50052, help="port (default 50052)")
+    worker.add_argument("--device", action="append", default=None, metavar="NAME",
+                        help="device to serve, e.g. CPU or CUDA0 (repeatable; default: every GPU, "
+                             "else the CPU)")
+    worker.add_argument("-t", "--threads", type=_positive, default=None,
+                        help="CPU threads (default: the physical cores)")
+    worker.add_argument("--cache", metavar="DIR", default=None,
+                        help="keep large weights here so a client's next load skips sending them")
+    worker.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
 
     sub.add_parser("gui", help="start the desktop app (the default)")
     return p

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import uuid
 import time
 from pathlib import Path
 from typing import Any
@@ -108,8 +109,14 @@ class RunSession:
         if data is not None:   # before spending time on loading the model
             Target(context=ContextShape.of(settings)).check(data.header, data.meta)
         self.stage("loading")
+        workers = None
+        if args.rpc:
+            from engine.cli.rpc import connect_workers
+            workers = connect_workers(args.rpc, args.rpc_timeout)
         self.runtime = Runtime(model_path(args, data.meta if data else None), settings,
-                               n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu)
+                               n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, workers=workers)
+        if workers is not None:
+            print(f"[RPC] {self.runtime.model.placement}", file=sys.stderr, flush=True)
         # the request, for time to first token: now (model loaded) less the read above
         self.requested_at = time.perf_counter() - self.read_s
         try:
@@ -128,8 +135,15 @@ class RunSession:
         from engine.conversation import Conversation
         from engine.generation import begin_answer
         args, rt = self.args, self.runtime
+        if args.from_turn is not None and (self.chain is None or self.prompt is None):
+            raise AppError("--from-turn K needs --checkpoint-load FILE and the new text of turn K (-p)")
         if self.chain is not None:
-            conv = rt.restore_chain(self.chain)
+            chain, kept = self.chain, None
+            if args.from_turn is not None:
+                chain, kept = self.chain_to_edit(args.from_turn)
+            conv = rt.restore_chain(chain)
+            if kept is not None:      # turn K and what followed it stay on the old branch
+                conv.messages, conv.answer = kept, None
             self.restore_s = self.read_s + rt.last_restore_s
             conv.sampler = sampler_from_args(args, conv.sampler)
             if args.stop:
@@ -157,6 +171,24 @@ class RunSession:
             conv.answer.n_predict = args.n_predict
         return conv
 
+    def chain_to_edit(self, turn: int):
+        """The files to restore for editing user turn ``turn`` (the state at the end of the
+        turn before it, when the chain still has that file), and the messages kept."""
+        from engine.branches import turn_end, user_turn_index
+        from engine.conversation import Conversation
+        from engine.generation import commit_answer
+        last = self.chain[-1]
+        saved = last.meta.get("conversation")
+        full = Conversation.from_json(saved if isinstance(saved, dict) else {}, [])
+        commit_answer(full)
+        try:
+            index = user_turn_index(full.messages, turn)
+        except ValueError as exc:
+            raise AppError(str(exc)) from None
+        kept = full.messages[:index]
+        k = turn_end(self.chain, kept)
+        return (self.chain[:k] if k else self.chain), kept
+
     def prepare_store(self, conv) -> None:
         """Prefix reuse, and the writer of the conversation's line in the store."""
         from engine.checkpoints.graph import default_line
@@ -174,8 +206,14 @@ class RunSession:
         # with --checkpoint-save, autosaves rewrite that file; otherwise the conversation's
         # line in the store grows by deltas (on the loaded file when it is a store head)
         if not self.args.checkpoint_save:
-            self.writer = (LineWriter.continuing(self.runtime, store, self.chain) if self.chain
-                           else LineWriter.starting(self.runtime, store, default_line(conv.id)))
+            if self.chain and self.args.from_turn is not None:   # an edit: a new branch
+                from engine.history import saved_info
+                infos = [saved_info(d) for d in self.chain] if store.contains(self.chain[-1].path) else []
+                self.writer = LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
+            elif self.chain:
+                self.writer = LineWriter.continuing(self.runtime, store, self.chain)
+            else:
+                self.writer = LineWriter.starting(self.runtime, store, default_line(conv.id))
 
     def generate(self, conv):
         from engine.checkpoints.format import KIND_AUTOSAVE
