@@ -240,7 +240,8 @@ class MainWindow(StoreActions, QMainWindow):
         s = self.settings
         path = Path(s.model_path) if s.model_path else default_model_path()
         return ModelOptions(path=path, n_ctx=s.n_ctx, n_threads=s.n_threads,
-                            n_gpu_layers=s.n_gpu_layers, llama_lib=s.llama_lib or None)
+                            n_gpu_layers=s.n_gpu_layers, llama_lib=s.llama_lib or None,
+                            rpc_servers=s.rpc_servers.strip())
 
     def load_model(self, path: Path | None = None) -> None:
         try:
@@ -249,8 +250,8 @@ class MainWindow(StoreActions, QMainWindow):
             self._on_bridge_model_failed(str(exc))
             return
         if path is not None:
-            options = ModelOptions(path=Path(path), n_ctx=options.n_ctx, n_threads=options.n_threads,
-                                   n_gpu_layers=options.n_gpu_layers, llama_lib=options.llama_lib)
+            from dataclasses import replace
+            options = replace(options, path=Path(path))
         self.model_status.setText(f"Loading {options.path.name}…")
         self.model_progress.setValue(0)
         self.model_progress.show()

@@ -28,6 +28,7 @@ _KEYS = {k.name: k for k in (
     _Key("model_path", "", str),
     _Key("llama_lib", "", str),
     _Key("n_gpu_layers", 0, int),
+    _Key("rpc_servers", "", str),        # remote workers "host:port, ..." (README: More than one machine)
     _Key("n_ctx", 4096, int),
     _Key("n_threads", 0, int),
     # the sampler: None (unset) means the loaded model's own default (engine.sampling)

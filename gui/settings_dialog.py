@@ -9,7 +9,7 @@ from engine.sampling import SamplerSettings
 from engine.worker import ModelInfo
 from gui.settings import SAMPLER_KEYS, AppSettings
 
-_MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers")
+_MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers")
 
 
 class SettingsDialog(QDialog):
@@ -57,6 +57,13 @@ class SettingsDialog(QDialog):
         info.setWordWrap(True)
         form.addRow("", info)
         spin("n_gpu_layers", "GPU layers:", 0, 999)
+        workers = QLineEdit(settings.rpc_servers)
+        workers.setObjectName("rpcServers")
+        workers.setPlaceholderText("host:port, host:port — empty: this machine only")
+        workers.setToolTip("Machines running `checkpoint-chat rpc-worker`: the GPU layers go to them "
+                           "(999: all). Unencrypted and unauthenticated: trusted networks only.")
+        form.addRow("Remote workers:", workers)
+        self.fields["rpc_servers"] = workers
         spin("n_ctx", "Context size (tokens):", 256, 1 << 20, 256)
         spin("n_threads", "Threads:", 0, 256, special="auto")
         spin("temperature", "Temperature:", 0.0, 5.0, 0.05, 2)

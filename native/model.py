@@ -11,10 +11,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from native.errors import ModelLoadError
 from native.library import bindings
+
+if TYPE_CHECKING:
+    from native.rpc import Workers
 
 log = logging.getLogger("native")
 
@@ -44,8 +47,14 @@ class Model:
     """One loaded llama.cpp model."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
-                 progress: ProgressCallback | None = None, vocab_only: bool = False) -> None:
+                 progress: ProgressCallback | None = None, vocab_only: bool = False,
+                 workers: "Workers | None" = None) -> None:
         self.path = Path(path)
+        self._ptr = None
+        self._guard = None
+        #: where the layers went ("layers: 31 on 127.0.0.1:50052"), with remote workers only
+        self.placement: str | None = None
+        self.workers = workers
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         with open(self.path, "rb") as f:
@@ -62,6 +71,10 @@ class Model:
                                      f"(this build supports up to {ll.llama_max_devices()})")
             params.main_gpu = main_gpu
             params.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: the whole model on that GPU
+        if workers is not None:
+            if main_gpu:
+                raise ModelLoadError("choose either a main GPU or remote workers, not both")
+            self._use_workers(params, workers, n_gpu_layers)
         params.vocab_only = vocab_only
         self._progress_cb = None  # referenced while llama.cpp may call it
         if progress is not None:
@@ -77,10 +90,15 @@ class Model:
         self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path) if os.name != "nt"
                                                   else str(self.path).encode("utf-8"), params)
         if not self._ptr:
+            self._stop_guard()
             raise ModelLoadError(f"llama.cpp could not load the model {self.path} "
                                  "(unsupported architecture, damaged file, or cancelled)")
         self._vocab = ll.llama_model_get_vocab(self._ptr)
         self.shape = self._read_shape()
+        if workers is not None:
+            from native.rpc import describe_plan, layer_plan
+            self.placement = describe_plan(layer_plan(self.shape.n_layer, n_gpu_layers, self._split),
+                                           self._devices)
         self.n_gpu_layers = n_gpu_layers
         self.main_gpu = main_gpu
         self._piece_cache: dict[int, bytes] = {}
@@ -92,11 +110,46 @@ class Model:
             raise ModelLoadError("the model was closed")
         return self._ptr
 
+    def _use_workers(self, params, workers: "Workers", n_gpu_layers: int) -> None:
+        """Layers on the workers' devices (and this machine's GPUs), split by free memory.
+
+        The split is passed explicitly (``tensor_split``) so that :attr:`placement` says
+        exactly where llama.cpp puts each layer (native.rpc.layer_plan, its rule).  The
+        socket guard runs from before the load until :meth:`close`: llama.cpp connects
+        while loading, and every later wait on a worker must be bounded.
+        """
+        from native.rpc import device_memory, local_devices
+        local = [d for d in local_devices() if d.kind in ("GPU", "iGPU")]
+        remote = workers.memory()
+        self._devices = [dev for dev, _free, _total in remote] + local
+        self._split = [float(free or total) for _dev, free, total in remote] + \
+                      [float(device_memory(d)[0]) for d in local]
+        if not any(self._split):
+            self._split = [1.0] * len(self._devices)
+        max_devices = self._ll.llama_max_devices()
+        if len(self._devices) > max_devices:
+            raise ModelLoadError(f"this llama.cpp build takes at most {max_devices} devices, "
+                                 f"not {len(self._devices)}")
+        # const ggml_backend_dev_t * devices: NULL-terminated, alive for the whole load
+        self._device_array = (ctypes.c_void_p * (len(self._devices) + 1))(
+            *[d.ptr for d in self._devices], None)
+        self._split_array = (ctypes.c_float * max_devices)(*self._split)
+        params.devices = ctypes.cast(self._device_array, ctypes.c_void_p)
+        params.tensor_split = self._split_array
+        params.n_gpu_layers = n_gpu_layers
+        self._guard = workers.guard().start()
+
+    def _stop_guard(self) -> None:
+        guard, self._guard = getattr(self, "_guard", None), None
+        if guard is not None:
+            guard.stop()
+
     def close(self) -> None:
         ptr, self._ptr = getattr(self, "_ptr", None), None
         if ptr:
             # void llama_model_free(struct llama_model * model)
             self._ll.llama_model_free(ptr)
+        self._stop_guard()
 
     def __enter__(self) -> "Model":
         return self

@@ -1,0 +1,776 @@
+"""Remote workers: llama.cpp's RPC backend (``ggml-rpc``) through ctypes.
+
+A *worker* is a process that serves one of its devices (CPU or a GPU) to other
+machines: :func:`serve` calls llama.cpp's ``ggml_backend_rpc_start_server``.  A
+*client* registers each worker with ``ggml_backend_rpc_add_server`` and passes the
+devices it gets in ``llama_model_params.devices``; ``n_gpu_layers`` then puts that many
+layers, and their KV cells, on the workers.  The wire format is llama.cpp's own; what
+travels is model weights, activations and KV cells, unauthenticated and unencrypted.
+
+Every function is reached through the backend registry (``ggml_backend_reg_by_name
+("RPC")`` and ``ggml_backend_reg_get_proc_address``), so a library built with the RPC
+backend linked in and one that loads it as a plug-in both work; one built without it is
+told in a plain sentence (:func:`rpc_problem`).
+
+What llama.cpp does on faults, and what this module adds (measured with this build,
+commit 0c1e57098, RPC protocol 7.0.0):
+
+- A malformed endpoint or a port nobody listens on: llama.cpp calls ``GGML_ABORT``
+  ("Failed to parse endpoint", "Failed to connect") and the process ends.  Here
+  :func:`parse_endpoint` and :func:`hello` refuse it first, in one sentence.
+- A worker of another protocol version: abort ("RPC handshake failed").  :func:`hello`
+  reads the version first and names both.
+- A host that drops packets: llama.cpp's ``connect`` waits as long as the OS does
+  (about two minutes).  :func:`hello` connects with ``connect_timeout``.
+- A worker busy with another client, or hung, before the model loads: llama.cpp waits
+  for ever in the handshake.  :func:`hello` gives up after ``connect_timeout``.
+- A worker that dies while in use (loading, prefill, generation, a save, freeing):
+  ``RPC_STATUS_ASSERT`` aborts on llama.cpp's dispatcher thread.
+  :func:`install_abort_handler` turns that into one sentence naming the worker (on
+  stderr, and as the first line of the crash trace the next start reads), then exit
+  status 1.
+- A worker that hangs while in use: llama.cpp waits for ever (its sockets have no
+  timeout).  :class:`SocketGuard` sets receive/send timeouts on llama.cpp's sockets to
+  the workers, so after ``io_timeout`` it is a transport error, reported as above.
+
+The abort cannot be turned into an exception: ggml calls ``abort()`` right after the
+callback returns, and the callback runs on llama.cpp's dispatcher thread while the
+caller waits for it.  What is lost is the answer since the last autosave; checkpoints
+are written atomically and never depend on where the KV cells lived.
+
+The pre-flight :func:`hello` speaks only the protocol's handshake (command 14: 24
+bytes of connection capabilities out, version and capabilities back) and its device
+count (command 15), then closes; llama.cpp makes its own connection afterwards.  A
+worker serves one client at a time, so a worker busy with another client answers the
+handshake only when that client leaves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Iterable, Sequence
+
+from native.errors import NativeError
+
+log = logging.getLogger("native")
+
+#: RPC_PROTO_{MAJOR,MINOR,PATCH}_VERSION in ggml-rpc.h of the llama.cpp this app needs.
+PROTOCOL = (7, 0, 0)
+DEFAULT_PORT = 50052
+#: Seconds for the pre-flight connect and handshake.
+CONNECT_TIMEOUT_S = 5.0
+#: Seconds llama.cpp may wait on one receive or send before the worker counts as hung.
+#: A worker computes a whole batch before answering: slow CPUs with big models need more.
+IO_TIMEOUT_S = 120.0
+
+_CMD_HELLO, _CMD_DEVICE_COUNT = 14, 15
+_CONN_CAPS = 24                         # RPC_CONN_CAPS_SIZE: zeros ask for plain TCP
+_MAX_SERVERS = 16                       # GGML_RPC_MAX_SERVERS
+_DEVICE_TYPE_CPU, _DEVICE_TYPE_GPU, _DEVICE_TYPE_IGPU = 0, 1, 2
+
+
+class RpcError(NativeError):
+    """A remote worker cannot be used: the sentence names it and says why."""
+
+
+# -- endpoints ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    """``HOST:PORT`` as llama.cpp reads it (the first colon splits), checked first."""
+    raw = text.strip()
+    example = f"e.g. 192.168.1.20:{DEFAULT_PORT}"
+    host, sep, port = raw.partition(":")
+    if not sep or not host or not port:
+        raise RpcError(f"malformed worker address '{raw}': expected HOST:PORT, {example}")
+    if ":" in port or host.startswith("["):
+        raise RpcError(f"malformed worker address '{raw}': llama.cpp's RPC takes a host name or "
+                       f"an IPv4 address, not IPv6 ({example})")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise RpcError(f"malformed worker address '{raw}': the port must be a number from 1 to "
+                       f"65535 ({example})")
+    if any(c.isspace() for c in host):
+        raise RpcError(f"malformed worker address '{raw}': a host name has no spaces ({example})")
+    return Endpoint(host, int(port))
+
+
+def parse_endpoints(spec: str | Iterable[str]) -> tuple[Endpoint, ...]:
+    """Worker addresses from ``"a:1,b:2"`` (commas or spaces) or a list; no duplicates."""
+    items = spec.replace(",", " ").split() if isinstance(spec, str) else [s for s in spec if s.strip()]
+    endpoints = tuple(parse_endpoint(item) for item in items)
+    seen = set()
+    for ep in endpoints:
+        if str(ep) in seen:
+            raise RpcError(f"the worker {ep} is listed twice")
+        seen.add(str(ep))
+    if len(endpoints) > _MAX_SERVERS:
+        raise RpcError(f"llama.cpp's RPC takes at most {_MAX_SERVERS} workers, not {len(endpoints)}")
+    return endpoints
+
+
+# -- the pre-flight handshake --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Hello:
+    endpoint: Endpoint
+    version: tuple[int, int, int]
+    n_devices: int
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionAbortedError("closed")
+        data += chunk
+    return data
+
+
+def _request(sock: socket.socket, cmd: int, payload: bytes) -> bytes:
+    sock.sendall(bytes([cmd]) + struct.pack("<Q", len(payload)) + payload)
+    (size,) = struct.unpack("<Q", _recv_exact(sock, 8))
+    if size > 4096:
+        raise ValueError(f"answer of {size} bytes")
+    return _recv_exact(sock, size)
+
+
+def version_problem(endpoint: Endpoint, version: tuple[int, int, int]) -> str | None:
+    """llama.cpp's own rule (client side of the handshake): same major, minor not newer."""
+    major, minor, _patch = version
+    if major == PROTOCOL[0] and minor <= PROTOCOL[1]:
+        return None
+    return (f"the worker {endpoint} speaks llama.cpp RPC protocol {'.'.join(map(str, version))}, "
+            f"this app's llama.cpp speaks {'.'.join(map(str, PROTOCOL))}: run a worker built from "
+            f"the same llama.cpp (`checkpoint-chat rpc-worker` of this app)")
+
+
+def hello(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> Hello:
+    """Connect, handshake and count devices within ``timeout`` seconds, or say why not."""
+    where = f"the worker {endpoint}"
+    try:
+        infos = socket.getaddrinfo(endpoint.host, endpoint.port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise RpcError(f"{where}: cannot resolve the host name '{endpoint.host}'") from None
+    try:
+        sock = socket.create_connection(infos[0][4], timeout=timeout)
+    except ConnectionRefusedError:
+        raise RpcError(f"nothing listens on {endpoint} (start `checkpoint-chat rpc-worker --port "
+                       f"{endpoint.port}` there, and check its --host)") from None
+    except (TimeoutError, socket.timeout):
+        raise RpcError(f"{where} did not accept a connection within {timeout:g} s (host down, "
+                       "or a firewall drops the port)") from None
+    except OSError as exc:
+        raise RpcError(f"{where} cannot be reached: {exc.strerror or exc}") from None
+    with sock:
+        try:
+            answer = _request(sock, _CMD_HELLO, bytes(_CONN_CAPS))
+            if len(answer) < 3:
+                raise ValueError("short answer")
+            version = (answer[0], answer[1], answer[2])
+            problem = version_problem(endpoint, version)
+            if problem:
+                raise RpcError(problem)
+            count = _request(sock, _CMD_DEVICE_COUNT, b"")
+            n_devices = struct.unpack("<I", count)[0] if len(count) == 4 else 0
+        except (TimeoutError, socket.timeout):
+            raise RpcError(f"{where} accepted the connection but did not answer within {timeout:g} s "
+                           "(it is serving another client, or it hangs)") from None
+        except (ConnectionError, ValueError, struct.error):
+            raise RpcError(f"{where} broke off the handshake: not a llama.cpp RPC worker of protocol "
+                           f"{'.'.join(map(str, PROTOCOL))} (a worker built from another llama.cpp, "
+                           "or another program on that port)") from None
+        except OSError as exc:
+            raise RpcError(f"{where} failed during the handshake: {exc.strerror or exc}") from None
+    if n_devices == 0:
+        raise RpcError(f"{where} offers no device")
+    return Hello(endpoint, version, n_devices)
+
+
+# -- llama.cpp's RPC functions ---------------------------------------------------------------------
+
+class _Backend:
+    """The registry and RPC entry points, bound from the library already in this process."""
+
+    def __init__(self, lib, reg: int) -> None:
+        self.reg = reg
+        get_proc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+            ("ggml_backend_reg_get_proc_address", lib))
+
+        def proc(name: str, proto):
+            # void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name)
+            address = get_proc(reg, name.encode())
+            return proto(address) if address else None
+
+        # ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint)
+        self.add_server = proc("ggml_backend_rpc_add_server",
+                               ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p))
+        # void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir,
+        #                                    size_t n_threads, size_t n_devices, ggml_backend_dev_t * devices)
+        self.start_server = proc("ggml_backend_rpc_start_server",
+                                 ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                                  ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)))
+
+        def fn(name: str, restype, *argtypes):
+            return ctypes.CFUNCTYPE(restype, *argtypes)((name, lib))
+
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        self.reg_dev_count = fn("ggml_backend_reg_dev_count", sz, vp)   # (ggml_backend_reg_t reg)
+        self.reg_dev_get = fn("ggml_backend_reg_dev_get", vp, vp, sz)    # (reg, size_t index)
+        self.dev_count = fn("ggml_backend_dev_count", sz)                # (void)
+        self.dev_get = fn("ggml_backend_dev_get", vp, sz)                # (size_t index)
+        self.dev_by_name = fn("ggml_backend_dev_by_name", vp, ctypes.c_char_p)
+        self.dev_name = fn("ggml_backend_dev_name", ctypes.c_char_p, vp)
+        self.dev_description = fn("ggml_backend_dev_description", ctypes.c_char_p, vp)
+        self.dev_type = fn("ggml_backend_dev_type", ctypes.c_int, vp)
+        # void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total)
+        self.dev_memory = fn("ggml_backend_dev_memory", None, vp, ctypes.POINTER(sz), ctypes.POINTER(sz))
+        # ggml_abort_callback_t ggml_set_abort_callback(ggml_abort_callback_t callback)
+        self.abort_callback_type = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+        self.set_abort_callback = fn("ggml_set_abort_callback", vp, self.abort_callback_type)
+
+    def memory(self, dev: int) -> tuple[int, int]:
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        self.dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        return free.value, total.value
+
+    def text(self, raw: bytes | None) -> str:
+        return (raw or b"").decode("utf-8", "replace")
+
+
+_backend: _Backend | None = None
+_backend_problem: str | None = None
+_backend_lock = threading.Lock()
+
+
+def _ggml_handles(ll: ModuleType, folder: Path) -> list:
+    """Where ggml's functions are: through libllama's own handle first (dlsym searches its
+    dependencies, so these are the very copies llama.cpp uses; the wheel's libggml.so and
+    libggml.so.0 are separate files, so opening one by file name could map a second copy
+    with its own registry), else the files beside it (Windows: the same DLL by name)."""
+    handles = [ll._lib]
+    names = {"win32": ("ggml.dll", "ggml-base.dll"), "darwin": ("libggml.dylib", "libggml-base.dylib")}
+    for name in names.get(sys.platform, ("libggml.so.0", "libggml-base.so.0")):
+        if (folder / name).is_file():
+            try:
+                handles.append(ctypes.CDLL(str(folder / name)))
+            except OSError:
+                pass
+    return handles
+
+
+def backend() -> _Backend:
+    """llama.cpp's RPC backend in the loaded library, or :class:`RpcError` saying plainly why not."""
+    global _backend, _backend_problem
+    from native.library import bindings, loaded_library
+    ll = bindings()
+    with _backend_lock:
+        if _backend is not None:
+            return _backend
+        if _backend_problem is None:
+            lib = loaded_library()
+            _backend_problem = _find_backend(ll, lib.folder, lib.path)
+        if _backend_problem:
+            raise RpcError(_backend_problem)
+        assert _backend is not None
+        return _backend
+
+
+def _find_backend(ll: ModuleType, folder: Path, path: Path) -> str | None:
+    global _backend
+    missing = (f"the llama library {path} was built without llama.cpp's RPC backend, so remote "
+               "workers cannot be used; rebuild llama-cpp-python with -DGGML_RPC=ON in CMAKE_ARGS "
+               "and pip's --no-cache-dir (its wheel cache ignores CMAKE_ARGS), see the README")
+    for lib in _ggml_handles(ll, folder):
+        try:
+            by_name = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(("ggml_backend_reg_by_name", lib))
+            reg = by_name(b"RPC")
+            if not reg:
+                return missing
+            found = _Backend(lib, reg)
+        except AttributeError:
+            continue
+        if found.add_server is None or found.start_server is None:
+            return missing
+        _backend = found
+        return None
+    return missing
+
+
+def rpc_problem() -> str | None:
+    """None when the loaded library has the RPC backend, else the sentence saying so."""
+    try:
+        backend()
+    except RpcError as exc:
+        return str(exc)
+    return None
+
+
+# -- devices --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Device:
+    """A device of this machine or of a worker, as llama.cpp names it."""
+    name: str               # "CPU", "CUDA0"; "RPC0" for a worker's
+    description: str        # a worker's is its endpoint
+    kind: str               # "CPU", "GPU", "iGPU", "accelerator"; a worker's always reads GPU
+    ptr: int = 0
+    endpoint: Endpoint | None = None
+
+
+_KINDS = {0: "CPU", 1: "GPU", 2: "iGPU", 3: "accelerator"}
+
+
+def local_devices() -> list[Device]:
+    """The devices of this machine (the registry holds no worker: they are never registered)."""
+    b = backend()
+    out = []
+    for i in range(b.dev_count()):
+        dev = b.dev_get(i)
+        out.append(Device(b.text(b.dev_name(dev)), b.text(b.dev_description(dev)),
+                          _KINDS.get(b.dev_type(dev), "other"), dev))
+    return out
+
+
+def device_memory(device: Device) -> tuple[int, int]:
+    """(free, total) bytes; a worker's is asked over the network (guard it: :class:`SocketGuard`)."""
+    return backend().memory(device.ptr)
+
+
+# -- remote workers ---------------------------------------------------------------------------------
+
+class Workers:
+    """The workers a model's layers go to: checked, registered with llama.cpp, guarded.
+
+    Build it with :meth:`connect` right before loading the model, after any model that
+    used the same workers was closed (a worker serves one client at a time: our own open
+    connection would make the handshake wait).
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint], devices: Sequence[Device], *,
+                 io_timeout: float = IO_TIMEOUT_S) -> None:
+        self.endpoints = tuple(endpoints)
+        self.devices = tuple(devices)
+        self.io_timeout = io_timeout
+
+    @classmethod
+    def connect(cls, spec: str | Iterable[str], *, io_timeout: float = IO_TIMEOUT_S,
+                connect_timeout: float = CONNECT_TIMEOUT_S,
+                crash_note: Path | None = None, message_prefix: str = "error: ") -> "Workers":
+        """Check every worker (bounded), then register them with llama.cpp.
+
+        Installs the abort handler (:func:`install_abort_handler`) with ``crash_note``:
+        from here on a worker lost in the middle of a llama.cpp call ends this process
+        with one sentence and exit status 1.
+        """
+        endpoints = parse_endpoints(spec)
+        if not endpoints:
+            raise RpcError("no worker address given")
+        if io_timeout <= 0:
+            raise RpcError(f"the worker timeout must be a positive number of seconds, not {io_timeout:g}")
+        b = backend()
+        hellos = [hello(ep, connect_timeout) for ep in endpoints]   # all of them before llama.cpp
+        install_abort_handler(endpoints, io_timeout=io_timeout, crash_note=crash_note,
+                              message_prefix=message_prefix)
+        devices: list[Device] = []
+        for h in hellos:
+            with SocketGuard([h.endpoint], io_timeout):
+                reg = b.add_server(str(h.endpoint).encode())
+            if not reg:
+                raise RpcError(f"the worker {h.endpoint} offers no device")
+            n = b.reg_dev_count(reg)
+            if n != h.n_devices:
+                raise RpcError(f"the worker {h.endpoint} now offers {h.n_devices} device(s), not the "
+                               f"{n} llama.cpp registered earlier in this process: restart the app")
+            for i in range(n):
+                dev = b.reg_dev_get(reg, i)
+                devices.append(Device(b.text(b.dev_name(dev)), str(h.endpoint), "GPU", dev, h.endpoint))
+        return cls(endpoints, devices, io_timeout=io_timeout)
+
+    def memory(self) -> list[tuple[Device, int, int]]:
+        """Each remote device with its free and total bytes (one short connection each)."""
+        out = []
+        with SocketGuard(self.endpoints, self.io_timeout):
+            for dev in self.devices:
+                out.append((dev, *device_memory(dev)))
+        return out
+
+    def guard(self) -> "SocketGuard":
+        return SocketGuard(self.endpoints, self.io_timeout)
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.endpoints))
+
+
+# -- where the layers go ---------------------------------------------------------------------------
+
+def layer_plan(n_layer: int, n_gpu_layers: int, weights: Sequence[float]) -> list[int]:
+    """Layers per device (``weights`` order) and, last, on this machine's CPU.
+
+    The same rule as llama.cpp's ``load_tensors`` with an explicit ``tensor_split``: the
+    last ``n_gpu_layers`` of the ``n_layer + 1`` slots (the output layer is the last one)
+    go to the devices, split by cumulative weight; negative means all.
+    """
+    slots = n_layer + 1
+    ngl = slots if n_gpu_layers < 0 else n_gpu_layers
+    counts = [0] * (len(weights) + 1)
+    if not weights or sum(weights) <= 0:
+        counts[-1] = slots
+        return counts
+    total, running, bounds = float(sum(weights)), 0.0, []
+    for w in weights:
+        running += w
+        bounds.append(ctypes.c_float(running / total).value)   # llama.cpp keeps them as float
+    start = max(slots - ngl, 0)
+    active = min(ngl, slots)
+    for il in range(slots):
+        if il < start or il - start >= active:
+            counts[-1] += 1
+            continue
+        x = ctypes.c_float((il - start) / active).value
+        index = next((i for i, b in enumerate(bounds) if b > x), len(bounds) - 1)   # upper_bound
+        counts[index] += 1
+    return counts
+
+
+def describe_plan(counts: Sequence[int], devices: Sequence[Device]) -> str:
+    """Where the layers are, for a status bar: "layers: 16 on 127.0.0.1:50052, 15 on
+    127.0.0.1:50053" or "layers: 10 on 127.0.0.1:50052, 21 on this machine"."""
+    parts = [f"{n} on {dev.description if dev.endpoint else dev.name}"
+             for n, dev in zip(counts, devices) if n]
+    if counts[-1]:
+        parts.append(f"{counts[-1]} on this machine")
+    return "layers: " + ", ".join(parts)
+
+
+# -- bounded waits on llama.cpp's own sockets ------------------------------------------------------
+
+def _own_fds() -> list[int]:
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return [int(name) for name in os.listdir(folder) if name.isdigit()]
+        except OSError:
+            continue
+    return []
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+#: descriptor -> worker, for each socket to a worker a guard has seen (read when llama.cpp aborts)
+_worker_fds: dict[int, "Endpoint"] = {}
+
+
+def _peer_sockets(peers: set[tuple[str, int]]):
+    """(fd, duplicate socket) for each socket of this process connected to one of ``peers``."""
+    for fd in _own_fds():
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            sock.close()
+            continue
+        if isinstance(peer, tuple) and (peer[0], peer[1]) in peers:
+            yield fd, sock
+        else:
+            sock.close()
+
+
+def _addresses(endpoints: Iterable[Endpoint]) -> set[tuple[str, int]]:
+    out = set()
+    for ep in endpoints:
+        try:
+            for info in socket.getaddrinfo(ep.host, ep.port, socket.AF_INET, socket.SOCK_STREAM):
+                out.add((info[4][0], ep.port))
+        except socket.gaierror:
+            pass
+    return out
+
+
+class SocketGuard:
+    """While active, gives llama.cpp's sockets to the workers receive/send timeouts.
+
+    llama.cpp's RPC client blocks in ``recv`` without a limit; a worker that hangs (a
+    stopped process, a machine that froze) would hang the model's thread for ever.  The
+    guard looks for this process's sockets connected to a worker (every ``interval``
+    seconds, so a connection made during loading is caught too) and sets
+    ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on them: the socket options belong to the socket, so
+    a duplicate descriptor reaches llama.cpp's.  A timed-out call is then a transport
+    error, which llama.cpp turns into the abort :func:`install_abort_handler` reports.
+    POSIX only (sockets are not file descriptors on Windows); elsewhere it does nothing.
+    """
+
+    def __init__(self, endpoints: Iterable[Endpoint], timeout: float, interval: float = 0.1) -> None:
+        self.endpoints = tuple(endpoints)
+        self.timeout = timeout
+        self.interval = interval
+        self._peers: dict[tuple[str, int], Endpoint] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.guarded = 0          # sockets given a timeout so far (for tests and the log)
+        self._fds: set[int] = set()
+
+    @property
+    def supported(self) -> bool:
+        return os.name == "posix"
+
+    def start(self) -> "SocketGuard":
+        if not self.supported or self._thread is not None:
+            return self
+        self._peers = {address: ep for ep in self.endpoints for address in _addresses([ep])}
+        self._thread = threading.Thread(target=self._run, name="rpc-socket-guard", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2)
+        for fd in self._fds:
+            _worker_fds.pop(fd, None)
+        self._fds.clear()
+
+    def __enter__(self) -> "SocketGuard":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def apply(self) -> int:
+        """Set the timeouts on every worker socket there is now; returns how many."""
+        n = 0
+        value = _timeval(self.timeout)
+        if not self._peers:
+            self._peers = {address: ep for ep in self.endpoints for address in _addresses([ep])}
+        for fd, sock in _peer_sockets(set(self._peers)):
+            with sock:
+                try:
+                    peer = sock.getpeername()
+                    _worker_fds[fd] = self._peers[(peer[0], peer[1])]
+                    self._fds.add(fd)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+                    n += 1
+                except OSError:
+                    pass
+        return n
+
+    def _run(self) -> None:
+        seen = 0
+        while not self._stop.is_set():
+            try:
+                n = self.apply()
+            except Exception:  # noqa: BLE001 - the guard must never take the process down
+                log.exception("worker socket guard failed")
+                return
+            if n != seen:
+                log.debug("worker sockets under a %g s timeout: %d", self.timeout, n)
+                seen = n
+            self.guarded = max(self.guarded, n)
+            self._stop.wait(self.interval)
+
+
+# -- when llama.cpp gives up --------------------------------------------------------------------------
+
+_abort_lock = threading.Lock()
+_abort_state: dict = {}
+
+
+def _closed_peers() -> list[Endpoint]:
+    """Workers whose connection from this process (as the guards last saw it) shows
+    end-of-file or a reset: after a reset the socket has no peer name any more, so the
+    descriptor the guard noted is what says which worker it was."""
+    closed = []
+    for fd, ep in list(_worker_fds.items()):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        with sock:
+            try:
+                sock.getpeername()
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    closed.append(ep)
+            except BlockingIOError:
+                pass
+            except OSError:       # not connected any more, reset, broken pipe
+                closed.append(ep)
+    return list(dict.fromkeys(closed))
+
+
+def lost_worker_sentence(message: str, endpoints: Sequence[Endpoint], io_timeout: float,
+                         closed: Sequence[Endpoint] = ()) -> str:
+    """What to tell the user about a llama.cpp RPC abort ``message``."""
+    named = [ep for ep in endpoints if str(ep) in message]
+    ending = ("; llama.cpp cannot continue without it and ends this process: the answer since "
+              "the last autosave is lost, checkpoints are kept")
+    if named:
+        what = ("could not be reached" if "connect" in message.lower()
+                else "refused the handshake" if "handshake" in message.lower() else "failed")
+        return f"the remote worker {named[0]} {what}{ending}"
+    if closed:
+        return f"the remote worker {', '.join(map(str, closed))} closed the connection (stopped or crashed){ending}"
+    who = (f"the remote worker {endpoints[0]}" if len(endpoints) == 1
+           else f"one of the remote workers {', '.join(map(str, endpoints))}")
+    return f"{who} stopped answering (no reply within {io_timeout:g} s, or a broken connection){ending}"
+
+
+def install_abort_handler(endpoints: Sequence[Endpoint], *, io_timeout: float = IO_TIMEOUT_S,
+                          crash_note: Path | None = None, message_prefix: str = "error: ") -> None:
+    """Turn llama.cpp's abort on a lost worker into one sentence and exit status 1.
+
+    ggml calls ``abort()`` right after this callback, from llama.cpp's dispatcher thread:
+    the process cannot continue.  For an RPC failure the callback writes the sentence to
+    stderr and as the first line of ``crash_note`` (the crash trace file the next start
+    reads, engine.crashlog), then ends the process with ``os._exit(1)``.  Any other
+    abort keeps llama.cpp's own behaviour (message on stderr, then ``abort()``).
+    Installed once per process; a later call updates the workers and the note file.
+    """
+    b = backend()
+    with _abort_lock:
+        _abort_state.update(endpoints=tuple(dict.fromkeys([*_abort_state.get("endpoints", ()),
+                                                            *endpoints])),
+                            io_timeout=io_timeout, crash_note=crash_note, prefix=message_prefix)
+        if "callback" in _abort_state:
+            return
+
+        def on_abort(raw: bytes | None) -> None:
+            message = (raw or b"").decode("utf-8", "replace").strip()
+            try:
+                if "ggml-rpc" not in message:
+                    os.write(2, (message + "\n").encode("utf-8", "replace"))
+                    return            # ggml aborts as it always did
+                with _abort_lock:     # a second failing worker waits for the first to exit
+                    state = dict(_abort_state)
+                    closed = _closed_peers()
+                    sentence = lost_worker_sentence(message, state["endpoints"], state["io_timeout"], closed)
+                    _leave(sentence, message, state)
+            except BaseException:      # noqa: BLE001 - nothing may cross back into C
+                os._exit(1)
+
+        callback = b.abort_callback_type(on_abort)
+        b.set_abort_callback(callback)
+        _abort_state["callback"] = callback       # referenced for as long as ggml may call it
+
+
+def _leave(sentence: str, message: str, state: dict) -> None:
+    note: Path | None = state.get("crash_note")
+    if note is not None and note.exists():
+        try:
+            with open(note, "r+", encoding="utf-8") as f:
+                f.seek(0)
+                f.write(f"Fatal: {sentence}\n(llama.cpp: {message})\n")
+                f.truncate()
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            pass
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    os.write(2, f"{state.get('prefix', '')}{sentence}\n".encode("utf-8", "replace"))
+    os._exit(1)
+
+
+# -- serving: the worker side -----------------------------------------------------------------------
+
+def pick_devices(names: Sequence[str] | None) -> list[Device]:
+    """The local devices a worker serves: those named, else every GPU, else the CPU."""
+    devices = local_devices()
+    if names:
+        chosen = []
+        for name in names:
+            match = next((d for d in devices if d.name.lower() == name.lower()), None)
+            if match is None:
+                listing = ", ".join(d.name for d in devices) or "none"
+                raise RpcError(f"no device named {name} here; this machine has: {listing}")
+            chosen.append(match)
+        return chosen
+    gpus = [d for d in devices if d.kind in ("GPU", "iGPU")]
+    cpus = [d for d in devices if d.kind == "CPU"]
+    if gpus or cpus:
+        return gpus or cpus[:1]
+    raise RpcError("llama.cpp sees no device on this machine to serve")
+
+
+def port_problem(endpoint: Endpoint) -> str | None:
+    """Why a worker could not listen on ``endpoint`` (tried with a socket of our own), or None."""
+    try:
+        infos = socket.getaddrinfo(endpoint.host, endpoint.port, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror:
+        return f"cannot resolve the host name '{endpoint.host}' to listen on"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if os.name == "nt":
+            sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_EXCLUSIVEADDRUSE", socket.SO_REUSEADDR), 1)
+        else:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as llama.cpp does
+        try:
+            sock.bind(infos[0][4])
+        except OSError as exc:
+            if exc.errno in (98, 48, 10048):     # EADDRINUSE on Linux, macOS, Windows
+                return (f"the port {endpoint.port} on {endpoint.host} is in use (another worker?); "
+                        "choose one with --port")
+            return f"cannot listen on {endpoint}: {exc.strerror or exc}"
+    return None
+
+
+def serve(endpoint: Endpoint, devices: Sequence[Device], *, threads: int,
+          cache_dir: Path | None = None) -> None:
+    """Serve ``devices`` on ``endpoint`` until the process ends (llama.cpp's loop).
+
+    Returns only when llama.cpp could not start serving (it printed why).
+    """
+    b = backend()
+    array = (ctypes.c_void_p * len(devices))(*[d.ptr for d in devices])
+    cache = os.fsencode(str(cache_dir)) if cache_dir is not None else None
+    b.start_server(str(endpoint).encode(), cache, threads, len(devices), array)
+
+
+def wait_until_serving(endpoint: Endpoint, timeout: float) -> bool:
+    """True once a worker answers the handshake on ``endpoint`` (polled), False at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            hello(endpoint, min(2.0, max(0.1, deadline - time.monotonic())))
+            return True
+        except RpcError:
+            time.sleep(0.05)
+    return False
