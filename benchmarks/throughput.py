@@ -1,6 +1,10 @@
 """Section d: prefill and generation tokens/s of our engine, llama-cpp-python's high-level
 ``Llama`` (``create_completion(stream=True)``) and a bare ctypes loop.
 
+``ours`` is ``generate()`` as the window calls it; ``ours_conf`` also computes the
+per-token confidence (a softmax over the vocabulary), as ``run --json`` asks for and as
+every token paid for before issue 13.
+
 All three use the same model file, threads, context size, batch sizes, KV cache type and
 flash-attention setting, the same prompt tokens and greedy decoding.  The bare loop is
 ``llama_batch_get_one`` + ``llama_decode`` + ``argmax`` over the logits and nothing else.
@@ -20,8 +24,8 @@ from benchmarks.common import TYPE_NAMES, Table, clock, greedy_conversation, pro
 
 def table() -> Table:
     return Table("d. Prefill and generation speed: ours vs llama-cpp-python Llama vs bare ctypes loop (tokens/s)",
-                 ["model", "kv", "phase", "tokens", "bare", "ours", "llama", "ours_vs_bare",
-                  "ours_vs_llama", "llama_vs_bare"])
+                 ["model", "kv", "phase", "tokens", "bare", "ours", "ours_conf", "llama", "ours_vs_bare",
+                  "ours_conf_vs_bare", "ours_vs_llama", "llama_vs_bare"])
 
 
 class BareLoop:
@@ -74,12 +78,12 @@ class BareLoop:
             self.ctx = None
 
 
-def _ours(rt, tokens: list[int], n_gen: int) -> tuple[float, float, int, list[int]]:
+def _ours(rt, tokens: list[int], n_gen: int, confidence: bool = False) -> tuple[float, float, int, list[int]]:
     from engine.generation import generate
     rt.trim(0)
     rt.ctx.clear()
     conv = greedy_conversation(tokens, n_predict=n_gen, ignore_eos=False)
-    res = generate(rt, conv)
+    res = generate(rt, conv, confidence=confidence)
     return res.prefill_s, res.generation_s, res.n_generated, conv.tokens[len(tokens):]
 
 
@@ -108,7 +112,7 @@ def measure(rt, key: str, path: Path, n_prompt: int, n_gen: int, repeats: int, o
     tokens = prompt_tokens(rt.model, n_prompt)
     bare = BareLoop(rt)
     llm = _llama_open(path, rt)
-    rows = {"bare": ([], []), "ours": ([], []), "llama": ([], [])}
+    rows = {"bare": ([], []), "ours": ([], []), "ours_conf": ([], []), "llama": ([], [])}
     same = True
     try:
         warm = tokens[:min(len(tokens), 16)]   # first-call costs (thread pools, buffers) out of the way
@@ -123,6 +127,10 @@ def measure(rt, key: str, path: Path, n_prompt: int, n_gen: int, repeats: int, o
             rows["ours"][0].append(n_prompt / pf)
             rows["ours"][1].append(n / gen if gen > 0 else float("nan"))
             same = same and our_tokens == bare_tokens[:len(our_tokens)]
+            pf, gen, n, conf_tokens = _ours(rt, tokens, n_gen, confidence=True)
+            rows["ours_conf"][0].append(n_prompt / pf)
+            rows["ours_conf"][1].append(n / gen if gen > 0 else float("nan"))
+            same = same and conf_tokens == our_tokens
             pf, gen, n = _llama(llm, tokens, n_gen)
             rows["llama"][0].append(n_prompt / pf)
             rows["llama"][1].append(n / gen if gen > 0 else float("nan"))
@@ -131,9 +139,10 @@ def measure(rt, key: str, path: Path, n_prompt: int, n_gen: int, repeats: int, o
         llm.close()
     kv = TYPE_NAMES.get(rt.settings.type_k, "?") + ("+FA" if rt.settings.flash_attn else "")
     for i, phase in enumerate(("prefill", "generate")):
-        b, o, lm = (max(rows[e][i]) for e in ("bare", "ours", "llama"))
-        out.add(model=key, kv=kv, phase=phase, tokens=n_prompt if i == 0 else n_gen, bare=b, ours=o, llama=lm,
-                ours_vs_bare=ratio(o, b), ours_vs_llama=ratio(o, lm), llama_vs_bare=ratio(lm, b))
+        b, o, oc, lm = (max(rows[e][i]) for e in ("bare", "ours", "ours_conf", "llama"))
+        out.add(model=key, kv=kv, phase=phase, tokens=n_prompt if i == 0 else n_gen, bare=b, ours=o,
+                ours_conf=oc, llama=lm, ours_vs_bare=ratio(o, b), ours_conf_vs_bare=ratio(oc, b),
+                ours_vs_llama=ratio(o, lm), llama_vs_bare=ratio(lm, b))
     if not same:
         out.notes.append(f"{key} {kv}: our greedy tokens differ from the bare loop's")
     out.notes.append(f"{key} {kv}: best of {repeats} interleaved runs each, threads={rt.ctx.n_threads}, "

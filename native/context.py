@@ -9,8 +9,12 @@ abort callback reads between graph nodes on the CPU backend.
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -26,6 +30,13 @@ DECODE_ABORTED = 2
 
 #: ggml_type ids for the KV cache types users may pick
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+#: How llama.cpp's compute threads are scheduled (ContextSettings.compute_priority):
+#: "normal" as llama.cpp does by default; "low" lets the rest of the process (a
+#: window's UI thread) run first whenever it wants a core (see ComputeThreads).
+COMPUTE_PRIORITIES = ("normal", "low")
+
+log = logging.getLogger("native")
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class ContextSettings:
     type_v: int = KV_TYPES["q8_0"]
     n_seq_max: int = 2          # sequence 1 is scratch space for delta checkpoints
     kv_unified: bool = True
+    #: scheduling only: no effect on results, not part of a checkpoint's context shape
+    compute_priority: str = "normal"
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
@@ -66,6 +79,9 @@ class ContextSettings:
                 raise ContextError(f"{name.replace('_', ' ')} must be positive, not {getattr(self, name)}")
         if self.n_threads < 0:
             raise ContextError(f"the thread count must be 0 (automatic) or more, not {self.n_threads}")
+        if self.compute_priority not in COMPUTE_PRIORITIES:
+            raise ContextError(f"unknown compute priority {self.compute_priority!r} "
+                               f"(choose from {', '.join(COMPUTE_PRIORITIES)})")
 
     @property
     def supports_deltas(self) -> bool:
@@ -86,6 +102,112 @@ class _AbortSource:
             return self.event.is_set() or bool(self.check is not None and self.check())
         except Exception:  # never let an exception cross into C
             return False
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    """struct ggml_threadpool_params (ggml.h)."""
+    _fields_ = [("cpumask", ctypes.c_bool * 512),       # GGML_MAX_N_THREADS
+                ("n_threads", ctypes.c_int),
+                ("prio", ctypes.c_int),                  # enum ggml_sched_priority
+                ("poll", ctypes.c_uint32),
+                ("strict_cpu", ctypes.c_bool),
+                ("paused", ctypes.c_bool)]
+
+
+GGML_SCHED_PRIO_LOW = -1
+
+
+def _ggml_library_names(stem: str, platform: str = sys.platform) -> tuple[str, ...]:
+    if platform == "win32":
+        return (f"{stem}.dll", f"lib{stem}.dll")
+    if platform == "darwin":
+        return (f"lib{stem}.dylib", f"lib{stem}.so")
+    return (f"lib{stem}.so",)
+
+
+class ComputeThreads:
+    """llama.cpp's compute threads for one context, at low priority.
+
+    By default each decode runs on a threadpool llama.cpp makes for it, at the caller's
+    priority: on a machine with as many cores as threads, the window's UI thread then
+    waits for a core like any other thread.  Here a ggml threadpool with
+    ``GGML_SCHED_PRIO_LOW`` is attached to the context: every thread that computes
+    (the caller included) applies that priority itself (Windows:
+    ``THREAD_PRIORITY_BELOW_NORMAL``; Linux: ``SCHED_BATCH``).  Linux's ``SCHED_BATCH``
+    alone barely changes who runs first, so on Linux the calling thread's nice value is
+    raised by :data:`LINUX_NICE` too, before its first decode: the OpenMP workers ggml
+    starts from it then inherit it.  Nice values are per thread on Linux, so only the
+    engine thread and its workers are affected, never the UI thread.  Raising a nice
+    value cannot be undone without privileges: use this on a thread that only computes.
+
+    When the library lacks what this needs (a CPU backend built as loadable variants,
+    another build), nothing is changed and the reason is logged.
+    """
+
+    #: how much lower (higher nice) the compute threads run on Linux; read at attach time
+    LINUX_NICE = 10
+
+    def __init__(self, ll, ctx_ptr, n_threads: int, folder: Path | None) -> None:
+        self._ll = ll
+        self._ctx = ctx_ptr
+        self._pool = None
+        self._free = None
+        self.applied: list[str] = []
+        try:
+            base, cpu = (_open_beside(folder, stem) for stem in ("ggml-base", "ggml-cpu"))
+            init = base.ggml_threadpool_params_init
+            init.argtypes, init.restype = [ctypes.POINTER(_ThreadpoolParams), ctypes.c_int], None
+            new = cpu.ggml_threadpool_new
+            new.argtypes, new.restype = [ctypes.POINTER(_ThreadpoolParams)], ctypes.c_void_p
+            free = cpu.ggml_threadpool_free
+            free.argtypes, free.restype = [ctypes.c_void_p], None
+            attach = ll._lib.llama_attach_threadpool
+            attach.argtypes, attach.restype = [ctypes.c_void_p] * 3, None
+            detach = ll._lib.llama_detach_threadpool
+            detach.argtypes, detach.restype = [ctypes.c_void_p], None
+        except (OSError, AttributeError) as exc:
+            log.warning("compute threads stay at normal priority: %s", exc)
+            return
+        # void ggml_threadpool_params_init(struct ggml_threadpool_params * p, int n_threads)
+        params = _ThreadpoolParams()
+        init(ctypes.byref(params), n_threads)
+        params.prio = GGML_SCHED_PRIO_LOW
+        # struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params)
+        pool = new(ctypes.byref(params))
+        if not pool:
+            log.warning("compute threads stay at normal priority: ggml_threadpool_new failed")
+            return
+        # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
+        #                              ggml_threadpool_t threadpool_batch)
+        attach(ctx_ptr, pool, pool)
+        self._pool, self._free, self._detach = pool, free, detach
+        self.applied.append("ggml threadpool priority low")
+        if sys.platform.startswith("linux") and self.LINUX_NICE > 0:
+            tid = threading.get_native_id()
+            try:
+                now = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, max(now, self.LINUX_NICE)))
+                self.applied.append(f"nice {os.getpriority(os.PRIO_PROCESS, tid)}")
+            except OSError as exc:
+                log.warning("could not lower the compute threads' priority: %s", exc)
+
+    def close(self) -> None:
+        """Detach and free the pool (before the context is freed)."""
+        pool, self._pool = self._pool, None
+        if pool:
+            # void llama_detach_threadpool(struct llama_context * ctx)
+            self._detach(self._ctx)
+            # void ggml_threadpool_free(struct ggml_threadpool * threadpool)
+            self._free(pool)
+
+
+def _open_beside(folder: Path | None, stem: str) -> ctypes.CDLL:
+    """One of ggml's libraries, from the folder libllama was loaded from."""
+    names = _ggml_library_names(stem)
+    for name in names:
+        if folder is not None and (folder / name).is_file():
+            return ctypes.CDLL(str(folder / name))
+    raise OSError(f"{' or '.join(names)} not found beside libllama in {folder}")
 
 
 class Context:
@@ -126,8 +248,12 @@ class Context:
             raise ContextError(
                 f"llama.cpp could not create a context of {settings.n_ctx} tokens "
                 "(not enough memory, or unsupported settings)")
+        self._threads: ComputeThreads | None = None
         try:
             self._init_batch(ll, model, settings, threads)
+            if settings.compute_priority == "low":
+                from native.library import loaded_library
+                self._threads = ComputeThreads(ll, self._ptr, threads, loaded_library().folder)
         except BaseException:
             self.close()  # never leave a half-built context for the garbage collector
             raise
@@ -161,6 +287,9 @@ class Context:
         if getattr(self, "_batch_owned", False):
             self._batch_owned = False
             self._ll.llama_batch_free(self._batch)
+        threads, self._threads = getattr(self, "_threads", None), None
+        if threads is not None:
+            threads.close()
         ptr, self._ptr = getattr(self, "_ptr", None), None
         if ptr:
             self._ll.llama_free(ptr)
