@@ -50,8 +50,12 @@ def render_jinja(template: str, messages: Sequence[Message], add_assistant: bool
 
 
 def render_plain(messages: Sequence[Message], add_assistant: bool) -> str:
+    """A plain transcript.  An answer follows "Assistant:" exactly as the model wrote it
+    (its leading space included), so the rendered conversation continues the text the
+    model saw token for token (engine.generation keeps the tokens, not a re-tokenising)."""
     names = {"system": "System", "user": "User", "assistant": "Assistant"}
-    text = "".join(f"{names.get(r, r.title())}: {c}\n\n" for r, c in messages)
+    text = "".join(f"Assistant:{c}\n\n" if r == "assistant" else f"{names.get(r, r.title())}: {c}\n\n"
+                   for r, c in messages)
     return text + ("Assistant:" if add_assistant else "")
 
 

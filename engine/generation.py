@@ -94,10 +94,30 @@ def begin_answer(conv: Conversation, runtime: Runtime, user_text: str, *, n_pred
         raise GenerationError("the previous answer is paused; resume or discard it first")
     if not conv.messages and conv.title in ("", "New conversation"):
         conv.title = title_from(user_text)
+    previous = _state_text(conv, runtime)
     conv.messages.append(("user", user_text))
     prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
-    conv.tokens = runtime.model.tokenize_prompt(prompt)
+    if previous is not None and prompt.startswith(previous):
+        # the tokens the model has seen stay as they were, the new turn follows them: the
+        # conversation's state stays a prefix of the next one (no tail decoded again, a
+        # delta checkpoint on the last one), whatever re-tokenising the answer would give
+        conv.tokens = conv.tokens + runtime.model.tokenize(prompt[len(previous):], add_special=False)
+    else:
+        conv.tokens = runtime.model.tokenize_prompt(prompt)
     conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict)
+
+
+def _state_text(conv: Conversation, runtime: Runtime) -> str | None:
+    """The text that ``conv.tokens`` stands for, when it ends with a committed answer the
+    model wrote token by token (not cut at a stop string, which the tokens still hold)."""
+    a = conv.answer
+    if not conv.tokens or a is None or a.finish_reason == "stop_string" or a.pending \
+            or not (conv.messages and conv.messages[-1] == ("assistant", a.text)):
+        return None
+    if len(conv.tokens) != a.n_prompt_tokens + a.n_generated:
+        return None
+    before = chat_template.render(runtime.model, conv.chat_messages()[:-1], add_assistant=True)
+    return before + a.text
 
 
 def commit_answer(conv: Conversation) -> None:
@@ -132,7 +152,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
              autosave_every: int = 0,
              autosave: Callable[[Conversation], None] | None = None,
              confidence: bool = False, requested_at: float | None = None,
-             skip_eog_once: bool = False) -> GenerationResult:
+             skip_eog_once: bool = False, checkpoint_prompt: int = 0) -> GenerationResult:
     """Continue ``conv.answer`` until it ends, pauses, or ``stop_after`` tokens were made.
 
     ``conv.tokens`` is brought into the KV cache first, decoding only what is missing.
@@ -140,6 +160,10 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     over the whole vocabulary per token: only for callers that show it).
     ``skip_eog_once``: the first token may not end the answer (Continue on an answer the
     model had ended: the same position and seed would choose the end again).
+    ``checkpoint_prompt``: when a prefill decoded at least this many tokens (0: never),
+    ``autosave`` is called right after it, before the first token: the prompt is then a
+    file of the chain, so a crash in the answer's first tokens keeps it, and a
+    regenerated answer (a branch) stores only its own cells on top of it.
     ``requested_at`` (a ``time.perf_counter()`` value) is when the user asked, so that
     ``ttft_s`` includes what the caller did before (reading and restoring a
     checkpoint); by default it counts from this call.
@@ -155,6 +179,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
                               n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
                               prefill_s=report.seconds)
+    if not report.aborted and autosave and checkpoint_prompt and report.n_decoded >= checkpoint_prompt:
+        autosave(conv)
     if report.aborted:
         return result
 

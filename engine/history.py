@@ -5,14 +5,15 @@ chain*: the files on disk, base first, whose KV states are prefixes of what the 
 holds now.  Every save, autosave or head (pause, exit, a finished answer), goes on top
 of it:
 
-* a **delta** on the deepest file of the live chain that is still a prefix of the
-  cache, so a save costs the tokens since that file, not the whole context; when the
+* a **delta** on the newest file of the live chain that is still a prefix of the
+  cache, so a save costs the tokens since that file, not the whole context, and every
+  turn's end stays a file of the chain (see :meth:`LineWriter._parent_index`); when the
   cache was trimmed (Regenerate), the delta goes on the file before the trimmed part,
   and when nothing new was decoded (a pause before the first token, a rename) the delta
   holds no cells at all;
-* a **compaction** (one full file, a new chain) when the chain's deltas would outweigh
-  its base in bytes or the chain would pass :class:`ChainPolicy`'s file count, when
-  nothing on disk is a prefix, or when the delta's parent disappeared meanwhile.
+* a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
+  :class:`ChainPolicy`'s number of files, or when the delta's parent disappeared
+  meanwhile.
 
 Each file gets the next sequence number of its line, so the file just written is the
 line's newest node and so its head (engine.checkpoints.graph) whatever the clock says;
@@ -48,13 +49,16 @@ log = logging.getLogger("engine")
 
 @dataclass(frozen=True)
 class ChainPolicy:
-    """When a save starts a new chain instead of adding a delta."""
-    #: files in one chain (each is read, verified and applied on restore)
-    max_files: int = 64
-    #: bytes of a chain's deltas relative to its base: past this, one full file is
-    #: smaller to store and faster to restore than base plus deltas (a small base is
-    #: soon compacted, cheaply; a large one carries many deltas)
-    max_delta_ratio: float = 1.0
+    """The shape of a line's chain: milestones, autosaves between them, and its length."""
+    #: autosaves after the last milestone before they are folded into one delta on it
+    max_tail: int = 16
+    #: files in one chain (each is read, verified and applied on restore); past this the
+    #: next save is one full file (the turn ends before it are then gone)
+    max_files: int = 128
+    #: a prefill of at least this many tokens is saved before the answer's first token
+    #: (engine.generation: checkpoint_prompt): a crash keeps it, and a regenerated answer
+    #: stores only its own cells on top of it
+    prompt_checkpoint: int = 256
 
 
 def saved_info(data: CheckpointData) -> SaveInfo:
@@ -65,7 +69,7 @@ def saved_info(data: CheckpointData) -> SaveInfo:
                     checkpoint_id=cid if isinstance(cid, str) else "",
                     payload_crc=data.payload_crc,
                     tokens_digest=tokens_digest(data.tokens[:h.n_tokens]), delta=h.is_delta,
-                    line=line_of(data.meta, h))
+                    line=line_of(data.meta, h), kind=h.kind)
 
 
 def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | None:
@@ -121,6 +125,12 @@ class LineWriter:
         infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
         return cls.starting(runtime, store, line, infos, **kwargs)
 
+    def _branch_off(self) -> None:
+        self.close()
+        self.line = uuid.uuid4().hex
+        self._lease = self.store.lease_line(self.line)
+        self.next_seq = 1
+
     def close(self) -> None:
         """Let go of the line (another writer may continue it)."""
         if self._lease is not None:
@@ -139,20 +149,28 @@ class LineWriter:
         return tip is not None and tip.n_tokens == len(kv) and tip.tokens_digest == tokens_digest(kv)
 
     def _parent_index(self) -> int | None:
-        """Index in the live chain of the file the next delta goes on, or None (full)."""
+        """Index in the live chain of the file the next delta goes on, or None (full).
+
+        A chain is *milestones* — its base and each head: a finished answer, a pause, a
+        rename — with autosaves between them.  Every save goes on the newest file the
+        cache still starts with, which keeps a pause as cheap as an autosave and every
+        turn's end a file of the chain (editing any turn restores its state exactly, see
+        engine.branches).  When more than ``max_tail`` autosaves follow the last milestone
+        the next save goes on the milestone instead, folding them into one delta (they
+        are retired).  A chain of ``max_files`` files gets a full file.
+        """
         if self.mode != "delta" or not self.runtime.settings.supports_deltas or not self.chain:
             return None
         kv = self.runtime.kv_tokens
-        base = self.chain[0]
-        for i in range(len(self.chain) - 1, -1, -1):
-            info = self.chain[i]
-            if not info.checkpoint_id or not 0 < info.n_tokens <= len(kv) \
-                    or tokens_digest(kv[:info.n_tokens]) != info.tokens_digest:
-                continue
-            too_long = i + 2 > self.policy.max_files
-            too_big = sum(c.size for c in self.chain[1:i + 1]) > self.policy.max_delta_ratio * base.size
-            return None if too_long or too_big else i
-        return None
+        usable = [i for i, info in enumerate(self.chain)
+                  if info.checkpoint_id and 0 < info.n_tokens <= len(kv)
+                  and tokens_digest(kv[:info.n_tokens]) == info.tokens_digest]
+        if not usable:
+            return None
+        tip = usable[-1]
+        milestone = max(i for i in usable if i == 0 or self.chain[i].kind != KIND_AUTOSAVE)
+        parent = milestone if tip - milestone >= self.policy.max_tail else tip
+        return None if parent + 2 > self.policy.max_files else parent
 
     # -- saving -------------------------------------------------------------------------------
     def autosave(self, conv: Conversation) -> SaveInfo:
@@ -169,6 +187,11 @@ class LineWriter:
 
     def _write(self, conv: Conversation, kind: int) -> SaveInfo:
         idx = self._parent_index()
+        if self.saves == 0 and self.chain and idx != len(self.chain) - 1:
+            # the first save does not build on the file this writer started from (the
+            # conversation was cut, or re-tokenised otherwise): go on as a branch, so that
+            # file — one a user may have been handed — stays a head of its own
+            self._branch_off()
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         try:
             self.store.ensure()

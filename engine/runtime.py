@@ -62,6 +62,7 @@ class SaveInfo:
     tokens_digest: str = ""
     delta: bool = False
     line: str = ""
+    kind: int = KIND_MANUAL
 
 
 class Runtime:
@@ -300,7 +301,7 @@ class Runtime:
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None,
-                        line=line)
+                        line=line, kind=kind)
 
     def _state_bytes(self, p0: int) -> np.ndarray:
         """Sequence 0's state, or (p0 > 0) only its cells at positions >= p0.

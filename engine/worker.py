@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,8 +40,8 @@ from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
-from engine.errors import AppError, CheckpointError, GenerationError
-from engine.sampling import SamplerSettings
+from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
+from engine.sampling import SamplerSettings, random_seed
 
 log = logging.getLogger("engine")
 
@@ -129,6 +129,7 @@ class WorkerListener:
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
     def on_exported(self, source: Path, target: Path) -> None: ...
     def on_notice(self, title: str, message: str) -> None: ...
+    def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None: ...
     def on_error(self, action: str, message: str) -> None: ...
     def on_stopped(self) -> None: ...
 
@@ -159,6 +160,8 @@ class _Relay:
 
 
 _STOP = object()
+#: Tokens a new message must leave free for its answer, or the window offers a new branch.
+ANSWER_ROOM = 128
 
 
 class EngineWorker:
@@ -548,9 +551,82 @@ class EngineWorker:
         if conv.paused:
             # a new message after a paused answer keeps what was generated so far
             conv.answer.finish_reason = "interrupted"
+        messages, answer, tokens = list(conv.messages), conv.answer, list(conv.tokens)
         begin_answer(conv, rt, text, n_predict=n_predict)
+        room = rt.ctx.n_ctx - len(conv.tokens)
+        if room < ANSWER_ROOM:
+            # said before anything is decoded; the conversation stays as it was, and the
+            # front end may offer send_in_new_branch
+            conv.messages, conv.answer, conv.tokens = messages, answer, tokens
+            self.listener.on_context_full(conv_id, text, (
+                f"The conversation is too long for this context ({len(tokens):,} of {rt.ctx.n_ctx:,} "
+                f"tokens; this message needs {ANSWER_ROOM - room:,} more to leave room for an answer). "
+                "It can go on in a new branch that keeps the system prompt and the most recent turns "
+                "that fit; the full conversation stays as it is."))
+            return
         self._notice_template_problem(rt)
         self._generate(conv)
+
+    def send_in_new_branch(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
+        """When the context is full: a new branch that keeps the system prompt and the most
+        recent turns that fit with ``text`` and room for an answer (decoded once, then
+        checkpointed like any other); the full conversation stays on its branch."""
+        self._submit_answer("continue in a new branch", self._do_send_in_new_branch, conv_id, text,
+                            n_predict)
+
+    def _do_send_in_new_branch(self, conv_id: uuid.UUID, text: str, n_predict: int) -> None:
+        from engine import chat_template
+        from engine.generation import begin_answer, commit_answer
+        rt = self._need_runtime()
+        conv = self._conv(conv_id)
+        if conv.paused:
+            conv.answer.finish_reason = "interrupted"
+        commit_answer(conv)
+        self._branch(conv)
+        turns = conv.messages
+        budget = rt.ctx.n_ctx - ANSWER_ROOM
+        for start in range(0, len(turns) + 1):
+            if start < len(turns) and turns[start][0] != "user":
+                continue   # a kept history starts with a turn of the user's
+            kept = turns[start:] + [("user", text)]
+            head = [("system", conv.system_prompt)] if conv.system_prompt else []
+            prompt = chat_template.render(rt.model, head + kept, add_assistant=True)
+            if len(rt.model.tokenize_prompt(prompt)) <= budget:
+                break
+        else:
+            raise ContextFull("even this message alone does not fit the context with room for an answer")
+        conv.messages, conv.answer = turns[start:], None
+        begin_answer(conv, rt, text, n_predict=n_predict)
+        self._generate(conv)
+
+    def continue_with_loaded_model(self, path: str | Path) -> uuid.UUID:
+        """A conversation made with another model, continued with the loaded one: its
+        transcript becomes a new branch, decoded once when it next answers."""
+        from engine.checkpoints.format import read_metadata
+        header, meta = read_metadata(path)
+        self._submit("continue with this model", self._do_continue_with_loaded_model, header.conversation_id,
+                     meta)
+        return header.conversation_id
+
+    def _do_continue_with_loaded_model(self, conv_id: uuid.UUID, meta: dict) -> None:
+        from engine.history import LineWriter
+        saved = meta.get("conversation")
+        try:
+            conv = Conversation.from_json(saved if isinstance(saved, dict) else {}, [])
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"the conversation in that checkpoint is malformed: {exc}") from None
+        conv.id = conv_id
+        if conv.paused:
+            conv.answer.finish_reason = "interrupted"   # its tokens belong to the other model
+        from engine.generation import commit_answer
+        commit_answer(conv)
+        old = self._writers.pop(conv_id, None)
+        if old is not None:
+            old.close()
+        self._convs[conv_id] = conv
+        self._paths.pop(conv_id, None)
+        self._writers[conv_id] = LineWriter.starting(self._need_runtime(), self.store, uuid.uuid4().hex)
+        self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _notice_template_problem(self, rt) -> None:
         """Tell the user once per loaded model when its chat template could not be used."""
@@ -575,6 +651,9 @@ class EngineWorker:
             raise GenerationError("there is no answer to regenerate")
         self._branch(conv)
         discard_answer(conv)
+        # the same seed would draw the same answer again: a new one (kept in the checkpoint,
+        # so this answer resumes exactly like any other)
+        conv.sampler = replace(conv.sampler, seed=random_seed())
         self._generate(conv)
 
     def _do_edit_message(self, conv_id: uuid.UUID, index: int, text: str, n_predict: int) -> None:
@@ -723,7 +802,8 @@ class EngineWorker:
         try:
             result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv),
                               autosave_every=self.autosave_every, autosave=self._autosave,
-                              skip_eog_once=skip_eog_once)
+                              skip_eog_once=skip_eog_once,
+                              checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint)
         except Exception:
             # a failure mid-answer (a bug, a decode error): save what the cache holds, so the
             # tokens decoded so far are not lost and Resume can continue after a restart

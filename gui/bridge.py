@@ -68,6 +68,9 @@ class _Listener(WorkerListener):
     def on_notice(self, title: str, message: str) -> None:
         self.b.notice_posted.emit(title, message)
 
+    def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None:
+        self.b.context_full.emit(conv_id, text, message)
+
     def on_exported(self, source: Path, target: Path) -> None:
         self.b.checkpoint_exported.emit(str(source), str(target))
 
@@ -97,6 +100,8 @@ class EngineBridge(QObject):
         conversation_deleted(UUID): its files are gone (all that no other head needs).
         checkpoint_exported(str, str): a checkpoint was written as one file (source, target).
         notice_posted(str, str): something the user should know once (title, sentence).
+        context_full(UUID, str, str): a message did not fit (its text, the explanation);
+            nothing was generated: offer EngineWorker.send_in_new_branch.
         engine_failed(str, str): what was being done, and why it failed.
         engine_stopped(): the engine thread saved what it had to and exited.
     """
@@ -115,6 +120,7 @@ class EngineBridge(QObject):
     conversation_deleted = Signal(object)
     checkpoint_exported = Signal(str, str)
     notice_posted = Signal(str, str)
+    context_full = Signal(object, str, str)
     engine_failed = Signal(str, str)
     engine_stopped = Signal()
 

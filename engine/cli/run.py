@@ -248,27 +248,26 @@ class RunSession:
         return generate(runtime, conv, control=self.control, listener=Printer(),
                         stop_after=args.stop_after,
                         autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave,
+                        checkpoint_prompt=self.writer.policy.prompt_checkpoint if self.writer else 0,
                         confidence=bool(args.json), requested_at=self.requested_at)
 
     def save(self, conv, result):
-        """The pause / exit / end checkpoint, when one is due; returns its SaveInfo."""
+        """The pause / exit / end checkpoint; returns its SaveInfo."""
         from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
         from engine.generation import commit_answer
         args = self.args
-        checkpoint = None
-        autosaved = self.writer is not None and self.writer.saves > 0
-        if result.paused or args.checkpoint_save or autosaved:
-            self.stage("saving")
-            kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
-            commit_answer(conv)
-            checkpoint = (self.runtime.save(Path(args.checkpoint_save), conv, kind)
-                          if args.checkpoint_save else self.writer.save_head(conv, kind))
-            if not args.json and result.text and not result.text.endswith("\n"):
-                print()
-            print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
-                  file=sys.stderr)
-        elif not args.json:
+        # every run ends with its conversation's head: in the store (a delta on what it
+        # continued, so the next run, an edit of any turn or a branch builds on it), or
+        # in the file --checkpoint-save names
+        self.stage("saving")
+        kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
+        commit_answer(conv)
+        checkpoint = (self.runtime.save(Path(args.checkpoint_save), conv, kind)
+                      if args.checkpoint_save else self.writer.save_head(conv, kind))
+        if not args.json and not result.text.endswith("\n"):
             print()
+        print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
+              file=sys.stderr)
         # no prune here: each save retires what it supersedes on its own line, and how
         # much superseded history to keep is the window's setting, not this run's
         return checkpoint

@@ -1,0 +1,175 @@
+"""Branches: edit a message, keep every alternative answer, fork — each branch keeps its
+KV state, so switching never recomputes (issue 10).  Real SmolLM2 and Gemma 3."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.format import read_header
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.store import Store
+from engine.sampling import SamplerSettings
+from engine.worker import EngineWorker, ModelOptions, WorkerListener
+
+
+class Recorder(WorkerListener):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.cond = threading.Condition()
+
+    def _add(self, *event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def on_model_loaded(self, info):
+        self._add("loaded", info)
+
+    def on_generation_finished(self, summary):
+        self._add("finished", summary)
+
+    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
+        self._add("saved", snap, path, kind)
+
+    def on_conversation_changed(self, snap):
+        self._add("changed", snap)
+
+    def on_error(self, action, message):
+        self._add("error", action, message)
+
+    def wait(self, kind: str, count: int = 1, timeout: float = 300) -> list[tuple]:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
+        assert ok, f"no {kind!r} event: {self.events}"
+        return self.of(kind)
+
+    def of(self, kind: str) -> list[tuple]:
+        return [e for e in self.events if e[0] == kind]
+
+    def next(self, kind: str, timeout: float = 300):
+        return self.wait(kind, len(self.of(kind)) + 1, timeout)[-1]
+
+
+@pytest.fixture
+def engine(smollm_path, tmp_path):
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+    rec.wait("loaded")
+    yield w, rec
+    w.shutdown()
+    assert w.join(60)
+
+
+def _answer(rec, w, action, *args) -> tuple:
+    """Run one answering command; returns (summary, snapshot saved after it)."""
+    n_finished, n_saved = len(rec.of("finished")), len(rec.of("saved"))
+    action(*args)
+    summary = rec.wait("finished", n_finished + 1)[-1][1]
+    saved = rec.wait("saved", n_saved + 1)[-1]
+    return summary, saved[1]
+
+
+def test_regenerate_keeps_the_old_answer_and_switching_back_restores_it(engine):
+    w, rec = engine
+    conv = w.new_conversation(sampler=SamplerSettings(seed=3, temperature=0.8))
+    _, first = _answer(rec, w, w.send, conv, "Name a colour.", 12)
+    old_answer = first.transcript[-1]["content"]
+    _, second = _answer(rec, w, w.regenerate, conv)
+    new_answer = second.transcript[-1]["content"]
+    assert new_answer != old_answer                       # Regenerate draws with a new seed
+    w.show(conv)
+    snap = rec.next("changed")[1]
+    alt = snap.alternatives[-1]
+    assert alt is not None and (alt.index, alt.count) == (2, 2)
+    # back to the first answer: its own head, restored without decoding anything again
+    w.switch_branch(conv, alt.heads[0])
+    back = rec.next("changed")[1]
+    assert back.transcript[-1]["content"] == old_answer
+    assert back.alternatives[-1].index == 1
+    # the next turn follows the alternative shown, and nothing of it is recomputed
+    summary, _ = _answer(rec, w, w.send, conv, "Another one?", 4)
+    assert summary.n_reused_tokens >= read_header(alt.heads[0]).n_tokens
+    assert not rec.of("error"), rec.of("error")
+
+
+def test_edit_keeps_the_old_turns_on_their_branch(engine):
+    w, rec = engine
+    conv = w.new_conversation(sampler=SamplerSettings(seed=4, temperature=0.0))
+    _answer(rec, w, w.send, conv, "Name a fruit.", 8)
+    _, two_turns = _answer(rec, w, w.send, conv, "Name a vegetable.", 8)
+    assert len(two_turns.transcript) == 4
+    _, edited = _answer(rec, w, w.edit_message, conv, 2, "Name a tree.", 8)   # message 2: turn 2
+    assert [m["content"] for m in edited.transcript[:3]] == [m["content"] for m in two_turns.transcript[:2]] \
+        + ["Name a tree."]
+    w.show(conv)
+    snap = rec.next("changed")[1]
+    assert (snap.alternatives[2].index, snap.alternatives[2].count) == (2, 2)
+    assert snap.alternatives[0] is None                      # turn 1 is shared
+    heads = Graph.scan(w.store).heads_of(conv)
+    assert len(heads) == 2                                    # both lines of history are kept
+
+
+def test_fork_is_a_new_conversation_on_the_same_files(engine):
+    w, rec = engine
+    conv = w.new_conversation(sampler=SamplerSettings(seed=5, temperature=0.0))
+    _answer(rec, w, w.send, conv, "Name a planet.", 8)
+    _answer(rec, w, w.send, conv, "And a moon?", 8)
+    fork = w.fork(conv, 1)                                    # up to the first answer
+    snap = rec.next("changed")[1]
+    assert snap.id == fork and len(snap.transcript) == 2
+    g = Graph.scan(w.store)
+    (head,) = g.heads_of(fork)
+    assert head.is_delta and head.header.state_len == 0      # no bytes of KV copied
+    assert g.parent(head).conversation_id == conv
+    # the fork outlives the conversation it came from
+    w.delete_conversation(conv)
+    w.send(fork, "Is it large?", 4)
+    summary = rec.next("finished")[1]
+    assert summary.conversation_id == fork and summary.n_reused_tokens >= head.header.n_tokens
+    assert len(load_chain(Graph.scan(w.store).heads_of(fork)[0].path)) >= 2
+
+
+def test_continue_generates_more_of_a_finished_answer(engine):
+    w, rec = engine
+    conv = w.new_conversation(sampler=SamplerSettings(seed=6, temperature=0.0))
+    first, snap = _answer(rec, w, w.send, conv, "Count from one.", 6)
+    assert first.finish_reason == "length"
+    more, after = _answer(rec, w, w.continue_answer, conv, 6)
+    assert more.n_generated == 6 and more.n_reused_tokens == more.n_prompt_tokens
+    assert after.transcript[-1]["content"].startswith(snap.transcript[-1]["content"])
+    assert len(after.transcript) == len(snap.transcript)
+
+
+@pytest.mark.parametrize("model", ["smollm", "gemma"])
+@pytest.mark.parametrize("temp", ["0", "0.8"])
+def test_from_turn_equals_continuing_that_history(model, temp, request, app_home):
+    """Edit turn 2 of a three-turn conversation: the same text as continuing a checkpoint
+    of turn 1 with the new message (for the sliding-window model too)."""
+    path = str(request.getfixturevalue(f"{model}_path"))
+    common = ["-m", path, "--ctx-size", "1024", "-n", "12", "--seed", "7", "--temp", temp, "--json",
+              "--ignore-eos"]
+
+    def run(*args):
+        return json.loads(run_cli("run", *common, *args, check=True).stdout.strip().splitlines()[-1])
+
+    one = run("-p", "Tell me about owls.")
+    two = run("--checkpoint-load", one["checkpoint"], "-p", "And about bats?")
+    three = run("--checkpoint-load", two["checkpoint"], "-p", "And about moths?")
+    edited = run("--checkpoint-load", three["checkpoint"], "--from-turn", "2", "-p", "And about crows?")
+    # the old turns are a branch of their own; the tree shows both
+    tree = run_cli("inspect", edited["checkpoint"], "--tree", check=True).stdout
+    assert "And about moths?" in tree and "And about crows?" in tree and "2 branch(es)" in tree
+    reference = run("--checkpoint-load", one["checkpoint"], "-p", "And about crows?")
+    assert edited["text"] == reference["text"]
+    assert edited["n_reused_tokens"] >= one["n_prompt_tokens"] + one["n_generated"]
+    bad = run_cli("run", *common, "--checkpoint-load", three["checkpoint"], "--from-turn", "9", "-p", "x")
+    assert bad.returncode == 1 and "no turn 9" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert Path(edited["checkpoint"]).exists()
