@@ -129,7 +129,8 @@ foreach ($tool in @("cmake", "ninja")) {
 # -- build ----------------------------------------------------------------------------------
 $env:CMAKE_GENERATOR = "Ninja"
 $env:CMAKE_BUILD_PARALLEL_LEVEL = "$Jobs"
-$env:CMAKE_ARGS = "-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON " +
+# -DGGML_RPC=ON: remote workers (README, "More than one machine")
+$env:CMAKE_ARGS = "-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_RPC=ON " +
                   "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_CUDA_ARCHITECTURES=$Arch"
 # CMake adds these to its default flags on the first configure (pip builds in a fresh folder)
 $env:CXXFLAGS = "/D_DISABLE_CONSTEXPR_MUTEX_CONSTRUCTOR"
@@ -163,6 +164,7 @@ if ($Venv) {
     $lib = Invoke-Native { & $python -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')" } | Select-Object -Last 1
     Get-ChildItem $lib | Format-Table Name, Length
     if (-not (Test-Path (Join-Path $lib "ggml-cuda.dll"))) { throw "no ggml-cuda.dll in ${lib}: not a CUDA build" }
+    if (-not (Test-Path (Join-Path $lib "ggml-rpc.dll"))) { throw "no ggml-rpc.dll in ${lib}: built without -DGGML_RPC=ON" }
     # The app's own check: child-process probe, then device list (CUDA device name, free VRAM)
     Push-Location $Repo   # the repository, for `-m engine.cli`
     try {

@@ -52,7 +52,8 @@ if [ -z "$ARCH" ]; then
     fi
 fi
 
-CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# -DGGML_RPC=ON: remote workers (README, "More than one machine"); a GPU machine is their usual host
+CMAKE_ARGS="-DGGML_CUDA=on -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_RPC=ON"
 CMAKE_ARGS="$CMAKE_ARGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 [ -n "$ARCH" ] && CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CUDA_ARCHITECTURES=$ARCH"
 export CMAKE_ARGS CMAKE_BUILD_PARALLEL_LEVEL="$JOBS"
@@ -70,6 +71,7 @@ if [ -n "$VENV" ]; then
     LIB="$("$VENV/bin/python" -c 'import llama_cpp, pathlib; print(pathlib.Path(llama_cpp.__file__).parent / "lib")')"
     ls "$LIB"
     [ -e "$LIB/libggml-cuda.so" ] || { echo "FAIL: no libggml-cuda.so in $LIB: not a CUDA build" >&2; exit 1; }
+    [ -e "$LIB/libggml-rpc.so" ] || { echo "FAIL: no libggml-rpc.so in $LIB: built without -DGGML_RPC=ON" >&2; exit 1; }
     "$VENV/bin/python" - <<'PY'
 import llama_cpp.llama_cpp as ll
 ok = ll.llama_supports_gpu_offload()

@@ -6,6 +6,7 @@ on leaving a ``with`` block, or when garbage-collected).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -77,18 +78,23 @@ class Model:
             self._use_workers(params, workers, n_gpu_layers)
         params.vocab_only = vocab_only
         self._progress_cb = None  # referenced while llama.cpp may call it
-        if progress is not None:
+        guard = self._guard
+        if progress is not None or guard is not None:
             def on_progress(fraction: float, _user: ctypes.c_void_p) -> bool:
+                if guard is not None:
+                    guard.tick()
                 try:
-                    return bool(progress(fraction))
+                    return bool(progress(fraction)) if progress is not None else True
                 except Exception:
                     log.exception("model load progress callback failed")
                     return True
             self._progress_cb = ll.llama_progress_callback(on_progress)
             params.progress_callback = self._progress_cb
-        # llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params)
-        self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path) if os.name != "nt"
-                                                  else str(self.path).encode("utf-8"), params)
+        # a worker that stops answering while the weights go out ends the load (bounded)
+        with guard.watching() if guard is not None else contextlib.nullcontext():
+            # llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params)
+            self._ptr = ll.llama_model_load_from_file(os.fsencode(self.path) if os.name != "nt"
+                                                      else str(self.path).encode("utf-8"), params)
         if not self._ptr:
             self._stop_guard()
             raise ModelLoadError(f"llama.cpp could not load the model {self.path} "

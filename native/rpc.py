@@ -26,12 +26,13 @@ commit 0c1e57098, RPC protocol 7.0.0):
   for ever in the handshake.  :func:`hello` gives up after ``connect_timeout``.
 - A worker that dies while in use (loading, prefill, generation, a save, freeing):
   ``RPC_STATUS_ASSERT`` aborts on llama.cpp's dispatcher thread.
-  :func:`install_abort_handler` turns that into one sentence naming the worker (on
-  stderr, and as the first line of the crash trace the next start reads), then exit
-  status 1.
+  :func:`native.rpc_guard.install_abort_handler` turns that into one sentence naming
+  the worker (on stderr, and as the first line of the crash trace the next start
+  reads), then exit status 1.
 - A worker that hangs while in use: llama.cpp waits for ever (its sockets have no
-  timeout).  :class:`SocketGuard` sets receive/send timeouts on llama.cpp's sockets to
-  the workers, so after ``io_timeout`` it is a transport error, reported as above.
+  timeout).  :class:`native.rpc_guard.SocketGuard` sets receive/send timeouts on
+  llama.cpp's sockets to the workers, so after ``io_timeout`` it is a transport
+  error, reported as above.
 
 The abort cannot be turned into an exception: ggml calls ``abort()`` right after the
 callback returns, and the callback runs on llama.cpp's dispatcher thread while the
@@ -52,7 +53,6 @@ import ipaddress
 import logging
 import os
 import socket
-import stat
 import struct
 import sys
 import threading
@@ -63,6 +63,7 @@ from types import ModuleType
 from typing import Iterable, Sequence
 
 from native.errors import NativeError
+from native.rpc_guard import IO_TIMEOUT_S, SocketGuard, install_abort_handler
 
 log = logging.getLogger("native")
 
@@ -71,9 +72,6 @@ PROTOCOL = (7, 0, 0)
 DEFAULT_PORT = 50052
 #: Seconds for the pre-flight connect and handshake.
 CONNECT_TIMEOUT_S = 5.0
-#: Seconds llama.cpp may wait on one receive or send before the worker counts as hung.
-#: A worker computes a whole batch before answering: slow CPUs with big models need more.
-IO_TIMEOUT_S = 120.0
 
 _CMD_HELLO, _CMD_DEVICE_COUNT = 14, 15
 _CONN_CAPS = 24                         # RPC_CONN_CAPS_SIZE: zeros ask for plain TCP
@@ -362,7 +360,7 @@ def local_devices() -> list[Device]:
 
 
 def device_memory(device: Device) -> tuple[int, int]:
-    """(free, total) bytes; a worker's is asked over the network (guard it: :class:`SocketGuard`)."""
+    """(free, total) bytes; a worker's is asked over the network (guard it: SocketGuard)."""
     return backend().memory(device.ptr)
 
 
@@ -403,7 +401,7 @@ class Workers:
                               message_prefix=message_prefix)
         devices: list[Device] = []
         for h in hellos:
-            with SocketGuard([h.endpoint], io_timeout):
+            with SocketGuard([h.endpoint], io_timeout) as guard, guard.watching():
                 reg = b.add_server(str(h.endpoint).encode())
             if not reg:
                 raise RpcError(f"the worker {h.endpoint} offers no device")
@@ -417,9 +415,9 @@ class Workers:
         return cls(endpoints, devices, io_timeout=io_timeout)
 
     def memory(self) -> list[tuple[Device, int, int]]:
-        """Each remote device with its free and total bytes (one short connection each)."""
+        """Each remote device with its free and total bytes (a short connection each)."""
         out = []
-        with SocketGuard(self.endpoints, self.io_timeout):
+        with SocketGuard(self.endpoints, self.io_timeout) as guard, guard.watching():
             for dev in self.devices:
                 out.append((dev, *device_memory(dev)))
         return out
@@ -470,244 +468,6 @@ def describe_plan(counts: Sequence[int], devices: Sequence[Device]) -> str:
     if counts[-1]:
         parts.append(f"{counts[-1]} on this machine")
     return "layers: " + ", ".join(parts)
-
-
-# -- bounded waits on llama.cpp's own sockets ------------------------------------------------------
-
-def _own_fds() -> list[int]:
-    for folder in ("/proc/self/fd", "/dev/fd"):
-        try:
-            return [int(name) for name in os.listdir(folder) if name.isdigit()]
-        except OSError:
-            continue
-    return []
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
-
-
-#: descriptor -> worker, for each socket to a worker a guard has seen (read when llama.cpp aborts)
-_worker_fds: dict[int, "Endpoint"] = {}
-
-
-def _peer_sockets(peers: set[tuple[str, int]]):
-    """(fd, duplicate socket) for each socket of this process connected to one of ``peers``."""
-    for fd in _own_fds():
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            peer = sock.getpeername()
-        except OSError:
-            sock.close()
-            continue
-        if isinstance(peer, tuple) and (peer[0], peer[1]) in peers:
-            yield fd, sock
-        else:
-            sock.close()
-
-
-def _addresses(endpoints: Iterable[Endpoint]) -> set[tuple[str, int]]:
-    out = set()
-    for ep in endpoints:
-        try:
-            for info in socket.getaddrinfo(ep.host, ep.port, socket.AF_INET, socket.SOCK_STREAM):
-                out.add((info[4][0], ep.port))
-        except socket.gaierror:
-            pass
-    return out
-
-
-class SocketGuard:
-    """While active, gives llama.cpp's sockets to the workers receive/send timeouts.
-
-    llama.cpp's RPC client blocks in ``recv`` without a limit; a worker that hangs (a
-    stopped process, a machine that froze) would hang the model's thread for ever.  The
-    guard looks for this process's sockets connected to a worker (every ``interval``
-    seconds, so a connection made during loading is caught too) and sets
-    ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on them: the socket options belong to the socket, so
-    a duplicate descriptor reaches llama.cpp's.  A timed-out call is then a transport
-    error, which llama.cpp turns into the abort :func:`install_abort_handler` reports.
-    POSIX only (sockets are not file descriptors on Windows); elsewhere it does nothing.
-    """
-
-    def __init__(self, endpoints: Iterable[Endpoint], timeout: float, interval: float = 0.1) -> None:
-        self.endpoints = tuple(endpoints)
-        self.timeout = timeout
-        self.interval = interval
-        self._peers: dict[tuple[str, int], Endpoint] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.guarded = 0          # sockets given a timeout so far (for tests and the log)
-        self._fds: set[int] = set()
-
-    @property
-    def supported(self) -> bool:
-        return os.name == "posix"
-
-    def start(self) -> "SocketGuard":
-        if not self.supported or self._thread is not None:
-            return self
-        self._peers = {address: ep for ep in self.endpoints for address in _addresses([ep])}
-        self._thread = threading.Thread(target=self._run, name="rpc-socket-guard", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=2)
-        for fd in self._fds:
-            _worker_fds.pop(fd, None)
-        self._fds.clear()
-
-    def __enter__(self) -> "SocketGuard":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def apply(self) -> int:
-        """Set the timeouts on every worker socket there is now; returns how many."""
-        n = 0
-        value = _timeval(self.timeout)
-        if not self._peers:
-            self._peers = {address: ep for ep in self.endpoints for address in _addresses([ep])}
-        for fd, sock in _peer_sockets(set(self._peers)):
-            with sock:
-                try:
-                    peer = sock.getpeername()
-                    _worker_fds[fd] = self._peers[(peer[0], peer[1])]
-                    self._fds.add(fd)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-                    n += 1
-                except OSError:
-                    pass
-        return n
-
-    def _run(self) -> None:
-        seen = 0
-        while not self._stop.is_set():
-            try:
-                n = self.apply()
-            except Exception:  # noqa: BLE001 - the guard must never take the process down
-                log.exception("worker socket guard failed")
-                return
-            if n != seen:
-                log.debug("worker sockets under a %g s timeout: %d", self.timeout, n)
-                seen = n
-            self.guarded = max(self.guarded, n)
-            self._stop.wait(self.interval)
-
-
-# -- when llama.cpp gives up --------------------------------------------------------------------------
-
-_abort_lock = threading.Lock()
-_abort_state: dict = {}
-
-
-def _closed_peers() -> list[Endpoint]:
-    """Workers whose connection from this process (as the guards last saw it) shows
-    end-of-file or a reset: after a reset the socket has no peer name any more, so the
-    descriptor the guard noted is what says which worker it was."""
-    closed = []
-    for fd, ep in list(_worker_fds.items()):
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        with sock:
-            try:
-                sock.getpeername()
-                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    closed.append(ep)
-            except BlockingIOError:
-                pass
-            except OSError:       # not connected any more, reset, broken pipe
-                closed.append(ep)
-    return list(dict.fromkeys(closed))
-
-
-def lost_worker_sentence(message: str, endpoints: Sequence[Endpoint], io_timeout: float,
-                         closed: Sequence[Endpoint] = ()) -> str:
-    """What to tell the user about a llama.cpp RPC abort ``message``."""
-    named = [ep for ep in endpoints if str(ep) in message]
-    ending = ("; llama.cpp cannot continue without it and ends this process: the answer since "
-              "the last autosave is lost, checkpoints are kept")
-    if named:
-        what = ("could not be reached" if "connect" in message.lower()
-                else "refused the handshake" if "handshake" in message.lower() else "failed")
-        return f"the remote worker {named[0]} {what}{ending}"
-    if closed:
-        return f"the remote worker {', '.join(map(str, closed))} closed the connection (stopped or crashed){ending}"
-    who = (f"the remote worker {endpoints[0]}" if len(endpoints) == 1
-           else f"one of the remote workers {', '.join(map(str, endpoints))}")
-    return f"{who} stopped answering (no reply within {io_timeout:g} s, or a broken connection){ending}"
-
-
-def install_abort_handler(endpoints: Sequence[Endpoint], *, io_timeout: float = IO_TIMEOUT_S,
-                          crash_note: Path | None = None, message_prefix: str = "error: ") -> None:
-    """Turn llama.cpp's abort on a lost worker into one sentence and exit status 1.
-
-    ggml calls ``abort()`` right after this callback, from llama.cpp's dispatcher thread:
-    the process cannot continue.  For an RPC failure the callback writes the sentence to
-    stderr and as the first line of ``crash_note`` (the crash trace file the next start
-    reads, engine.crashlog), then ends the process with ``os._exit(1)``.  Any other
-    abort keeps llama.cpp's own behaviour (message on stderr, then ``abort()``).
-    Installed once per process; a later call updates the workers and the note file.
-    """
-    b = backend()
-    with _abort_lock:
-        _abort_state.update(endpoints=tuple(dict.fromkeys([*_abort_state.get("endpoints", ()),
-                                                            *endpoints])),
-                            io_timeout=io_timeout, crash_note=crash_note, prefix=message_prefix)
-        if "callback" in _abort_state:
-            return
-
-        def on_abort(raw: bytes | None) -> None:
-            message = (raw or b"").decode("utf-8", "replace").strip()
-            try:
-                if "ggml-rpc" not in message:
-                    os.write(2, (message + "\n").encode("utf-8", "replace"))
-                    return            # ggml aborts as it always did
-                with _abort_lock:     # a second failing worker waits for the first to exit
-                    state = dict(_abort_state)
-                    closed = _closed_peers()
-                    sentence = lost_worker_sentence(message, state["endpoints"], state["io_timeout"], closed)
-                    _leave(sentence, message, state)
-            except BaseException:      # noqa: BLE001 - nothing may cross back into C
-                os._exit(1)
-
-        callback = b.abort_callback_type(on_abort)
-        b.set_abort_callback(callback)
-        _abort_state["callback"] = callback       # referenced for as long as ggml may call it
-
-
-def _leave(sentence: str, message: str, state: dict) -> None:
-    note: Path | None = state.get("crash_note")
-    if note is not None and note.exists():
-        try:
-            with open(note, "r+", encoding="utf-8") as f:
-                f.seek(0)
-                f.write(f"Fatal: {sentence}\n(llama.cpp: {message})\n")
-                f.truncate()
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError:
-            pass
-    try:
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    os.write(2, f"{state.get('prefix', '')}{sentence}\n".encode("utf-8", "replace"))
-    os._exit(1)
 
 
 # -- serving: the worker side -----------------------------------------------------------------------
@@ -774,3 +534,19 @@ def wait_until_serving(endpoint: Endpoint, timeout: float) -> bool:
         except RpcError:
             time.sleep(0.05)
     return False
+
+
+def main() -> int:
+    """``python -m native.rpc``: exit 0 when the llama library has the RPC backend (install
+    scripts rebuild llama-cpp-python when it does not), else say why and exit 1."""
+    from native.errors import NativeError
+    try:
+        problem = rpc_problem()
+    except NativeError as exc:
+        problem = str(exc)
+    print(f"llama.cpp RPC backend: {'yes' if problem is None else 'no: ' + problem}")
+    return 0 if problem is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

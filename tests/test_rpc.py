@@ -16,7 +16,7 @@ import types
 import pytest
 
 from conftest import run_cli
-from native import rpc
+from native import rpc, rpc_guard
 from native.rpc import Endpoint, RpcError
 
 
@@ -192,15 +192,15 @@ def test_placement_text_names_the_workers():
 def test_lost_worker_sentences():
     a, b = Endpoint("10.0.0.2", 50052), Endpoint("10.0.0.3", 50052)
     crashed = "ggml-rpc.cpp:566: Remote RPC server crashed or returned malformed response"
-    assert rpc.lost_worker_sentence(crashed, [a], 120, closed=[a]).startswith(
+    assert rpc_guard.lost_worker_sentence(crashed, [a], 120, closed=[a]).startswith(
         "the remote worker 10.0.0.2:50052 closed the connection (stopped or crashed); llama.cpp cannot")
-    assert rpc.lost_worker_sentence(crashed, [a], 120).startswith(
+    assert rpc_guard.lost_worker_sentence(crashed, [a], 120).startswith(
         "the remote worker 10.0.0.2:50052 stopped answering (no reply within 120 s")
-    assert rpc.lost_worker_sentence(crashed, [a, b], 3).startswith(
+    assert rpc_guard.lost_worker_sentence(crashed, [a, b], 3).startswith(
         "one of the remote workers 10.0.0.2:50052, 10.0.0.3:50052 stopped answering")
-    assert rpc.lost_worker_sentence("ggml-rpc.cpp:547: Failed to connect to 10.0.0.3:50052", [a, b], 3) \
+    assert rpc_guard.lost_worker_sentence("ggml-rpc.cpp:547: Failed to connect to 10.0.0.3:50052", [a, b], 3) \
         .startswith("the remote worker 10.0.0.3:50052 could not be reached")
-    for text in (rpc.lost_worker_sentence(crashed, [a], 1),):
+    for text in (rpc_guard.lost_worker_sentence(crashed, [a], 1),):
         assert "\n" not in text and "checkpoints are kept" in text
 
 
@@ -221,7 +221,7 @@ def test_the_socket_guard_times_out_a_silent_peer(fake):
     w = fake("silent")
     raw = socket.create_connection((w.endpoint.host, w.endpoint.port))   # "llama.cpp's" socket
     try:
-        guard = rpc.SocketGuard([w.endpoint], timeout=0.3)
+        guard = rpc_guard.SocketGuard([w.endpoint], timeout=0.3)
         assert guard.apply() == 1
         started = time.monotonic()
         with pytest.raises(OSError):        # EAGAIN: what llama.cpp's recv sees
