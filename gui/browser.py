@@ -4,7 +4,10 @@
 headers, metadata and trailers, never states) and returns one top-level row per head —
 what the user can resume — with the files its chain needs folded under it (a delta
 shows its own size, the head the chain's total).  A conversation with several heads
-(branches) gets a row of its own with its heads under it.  Files no head needs
+(branches) gets a row of its own with its heads under it, each showing its last message
+and its fork point: the first message where it differs from the conversation's other
+branches, and the tokens it shares with them on disk (engine.branches reads the
+transcripts).  Resume works on any row: a file, or a conversation's newest branch.  Files no head needs
 (superseded, broken chains) and unreadable files follow, each with the reason.  Status is
 "valid", "incompatible" (against the loaded model, with the reason), "corrupt" or
 "broken"; Validate runs the full CRC check of a file's whole chain with progress.
@@ -25,6 +28,7 @@ from PySide6.QtGui import QBrush, QDragEnterEvent, QDropEvent, QPalette, QStanda
 from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit,
                                QProgressBar, QPushButton, QTreeView, QVBoxLayout, QWidget)
 
+from engine.branches import branches_of
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import KIND_NAMES, Header
 from engine.checkpoints.graph import Graph, Node
@@ -47,6 +51,10 @@ class Row:
     chain_size: int = 0     # a head's chain, all files together
     chain_files: int = 1
     children: tuple["Row", ...] = ()
+    #: a branch: where it leaves the others ("message 3 (yours) · 120 tokens shared");
+    #: a file of a branch's chain: "shared" when other branches build on it too
+    fork: str = ""
+    last_message: str = ""  # a branch: its last message, "You: …" / "Assistant: …"
 
     @property
     def title(self) -> str:
@@ -89,13 +97,64 @@ def list_rows(store: Store, target: Target | None) -> list[Row]:
         newest = heads[0]
         rows.append(Row(None, sum(h.chain_size for h in heads), newest.created, newest.header,
                         newest.status, f"{len(heads)} branches", CONVERSATION, newest.model_name,
-                        children=tuple(heads)))
+                        children=tuple(_branch_rows(g, store, heads))))
     for node in sorted(g.nodes.values(), key=lambda n: n.created_ns, reverse=True):
         if node.name not in shown:
             rows.append(_node_row(g, node, target, LOOSE))
     for bad in g.unreadable:
         rows.append(Row(bad.path, bad.size, _mtime(bad.path), None, "corrupt", bad.error, UNREADABLE))
     return rows
+
+
+def _branch_rows(g: Graph, store: Store, heads: list[Row]) -> list[Row]:
+    """The heads of one conversation, each with its fork point and last message."""
+    transcripts = {b.head.name: b.messages for b in branches_of(store, heads[0].header.conversation_id, g)}
+    chains = {h.path.name: [n for n in g.chain(g.nodes[h.path.name])] for h in heads}
+    out = []
+    for h in heads:
+        mine = transcripts.get(h.path.name, ())
+        others = [o for o in heads if o is not h]
+        shared = max((_common(mine, transcripts.get(o.path.name, ())) for o in others), default=0)
+        on_others = {n.name for o in others for n in chains[o.path.name]}
+        fork_node = next((n for n in reversed(chains[h.path.name]) if n.name in on_others), None)
+        fork = _fork_text(mine, shared)
+        if fork_node is not None:
+            fork += f" · {fork_node.header.n_tokens:,} tokens shared"
+        last = ""
+        if mine:
+            role, content = mine[-1]
+            last = f"{_ROLE_NAMES.get(role, role)}: {' '.join(content.split())}"
+        # in its folded chain, the files it shares with other branches
+        members = tuple(replace(m, fork="the fork point (shared)" if fork_node is not None
+                                and m.path.name == fork_node.name else "shared")
+                        if m.path.name in on_others else m for m in h.children)
+        out.append(replace(h, fork=fork, last_message=last, children=members))
+    return out
+
+
+_ROLE_NAMES = {"system": "System prompt", "user": "You", "assistant": "Assistant"}
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fork_text(messages, shared: int) -> str:
+    """Where a branch with ``messages`` leaves the others: its first message of its own."""
+    if not messages:
+        return ""
+    if shared >= len(messages):
+        return "the start of another branch"
+    if messages[shared][0] == "system":
+        return "the system prompt"
+    number = shared + 1 - (1 if messages[0][0] == "system" else 0)
+    what = {"user": "yours", "assistant": "the answer"}.get(messages[shared][0], messages[shared][0])
+    return f"message {number} ({what})"
 
 
 def _mtime(path: Path) -> float:
@@ -113,7 +172,7 @@ def _flatten(rows) -> list[Row]:
     return out
 
 
-COLUMNS = ("Title", "Model", "Tokens", "Size", "Created", "Kind", "Status")
+COLUMNS = ("Title", "Fork point", "Model", "Tokens", "Size", "Created", "Kind", "Status")
 ROW_ROLE = Qt.ItemDataRole.UserRole + 1
 SORT_ROLE = Qt.ItemDataRole.UserRole
 
@@ -169,23 +228,30 @@ class CheckpointTreeModel(QStandardItemModel):
             title, kind = f"{row.title} — {row.reason}", "branches"
         elif row.role == CHAIN:
             title = row.path.name        # the head above says what it is; here, which file
+        elif row.last_message:
+            title = row.last_message     # a branch: the conversation's title is on the row above
         else:
             title = row.title
         role_note = {HEAD: "", CHAIN: " · in the chain", LOOSE: "", UNREADABLE: "",
                      CONVERSATION: ""}[row.role]
         status = (f"{row.status}{role_note}: {row.reason}" if row.reason and row.role != CONVERSATION
                   else f"{row.status}{role_note}")
-        texts = (title, self._model_name(row), f"{h.n_tokens_total:,}" if h else "", size,
+        texts = (title, row.fork, self._model_name(row), f"{h.n_tokens_total:,}" if h else "", size,
                  time.strftime("%Y-%m-%d %H:%M", time.localtime(row.created)), kind, status)
-        keys = (row.title.lower(), self._model_name(row), h.n_tokens_total if h else -1,
+        keys = (title.lower(), row.fork, self._model_name(row), h.n_tokens_total if h else -1,
                 row.chain_size or row.size, row.created, h.kind if h else -1, row.status)
+        tip = row.reason or (str(row.path) if row.path else "")
+        if row.last_message:
+            tip = (f"A branch of “{row.title}”\nFork point: {row.fork or '—'}\n"
+                   f"Last message: {_excerpt(row.last_message)}\n{row.path}"
+                   + (f"\n{row.reason}" if row.reason else ""))
         items = []
         for text, key in zip(texts, keys):
             item = QStandardItem(text)
             item.setEditable(False)
             item.setData(key, SORT_ROLE)
             item.setData(row, ROW_ROLE)
-            item.setToolTip(row.reason or (str(row.path) if row.path else ""))
+            item.setToolTip(tip)
             if row.role in (CHAIN, LOOSE) or row.status in ("incompatible", "corrupt", "broken"):
                 item.setForeground(QBrush(QPalette().color(QPalette.ColorGroup.Disabled,
                                                            QPalette.ColorRole.Text)))
@@ -220,6 +286,10 @@ class CheckpointTreeModel(QStandardItemModel):
                     return found
             return QModelIndex()
         return walk(self.invisibleRootItem())
+
+
+def _excerpt(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit - 1].rstrip() + "…"
 
 
 def _swap_keep_children(parent: QStandardItem, r: int, item: QStandardItem) -> None:
@@ -308,9 +378,10 @@ class CheckpointBrowser(QWidget):
         self.proxy.setFilterCaseSensitivity(Qt.CaseSensitivity.CaseInsensitive)
         self.table = CheckpointTable(self)
         self.table.setModel(self.proxy)
-        self.table.sortByColumn(4, Qt.SortOrder.DescendingOrder)
+        self.table.sortByColumn(COLUMNS.index("Created"), Qt.SortOrder.DescendingOrder)
         self.table.files_dropped.connect(self.files_dropped)
-        self.table.doubleClicked.connect(lambda _i: self._emit_for_selected(self.resume_requested))
+        self.table.doubleClicked.connect(self._on_double_clicked)
+        self.table.expanded.connect(self._fit_columns)
 
         self.filter_edit = QLineEdit(self)
         self.filter_edit.setObjectName("checkpointFilter")
@@ -345,7 +416,8 @@ class CheckpointBrowser(QWidget):
         layout.addLayout(top)
         layout.addWidget(self.table, 1)
         layout.addLayout(buttons)
-        hint = QLabel("Each row is a checkpoint you can resume; ▸ unfolds the files its chain needs. "
+        hint = QLabel("Each row is a checkpoint you can resume; ▸ unfolds a conversation's branches "
+                      "and the files a chain needs. "
                       "Drop .kvckpt files here to import them (the originals are not changed).", self)
         hint.setEnabled(False)
         hint.setWordWrap(True)
@@ -355,17 +427,29 @@ class CheckpointBrowser(QWidget):
 
     def set_rows(self, rows: list[Row], target: Target | None, seconds: float = 0.0) -> None:
         self.model.set_rows(rows, target)
-        for col in range(len(COLUMNS) - 1):
-            self.table.resizeColumnToContents(col)
-        for col, cap in ((0, 260), (1, 170), (3, 260)):
-            if self.table.columnWidth(col) > cap:
-                self.table.setColumnWidth(col, cap)
+        self.table.blockSignals(True)            # one fit below, not one per unfolded row
+        for r in range(self.proxy.rowCount()):   # a conversation's branches are what it shows
+            index = self.proxy.index(r, 0)
+            row = self.proxy.mapToSource(index).data(ROW_ROLE)
+            if row is not None and row.role == CONVERSATION:
+                self.table.expand(index)
+        self.table.blockSignals(False)
+        self._fit_columns()
         files = self.model.rows
         heads = sum(1 for r in files if r.role == HEAD)
         total = sum(r.size for r in files)
         self.summary.setText(f"{heads} resumable · {len(files)} files · {file_size_text(total)}"
                              + (f" · listed in {seconds * 1000:.0f} ms" if seconds else ""))
         self._update_buttons()
+
+    def _fit_columns(self, *_args) -> None:
+        """Columns as wide as what is unfolded, within caps (Status takes the rest)."""
+        for col in range(len(COLUMNS) - 1):
+            self.table.resizeColumnToContents(col)
+        for name, cap in (("Title", 300), ("Fork point", 260), ("Model", 150), ("Size", 240)):
+            col = COLUMNS.index(name)
+            if self.table.columnWidth(col) > cap:
+                self.table.setColumnWidth(col, cap)
 
     def selected_row(self) -> Row | None:
         indexes = self.table.selectionModel().selectedRows()
@@ -386,15 +470,30 @@ class CheckpointBrowser(QWidget):
 
     def _emit_for_selected(self, signal) -> None:
         row = self.selected_row()
+        if signal is self.resume_requested:
+            row = _resume_target(row)
         if row is not None and row.path is not None:
             signal.emit(row.path)
+
+    def _on_double_clicked(self, index: QModelIndex) -> None:
+        row = self.proxy.mapToSource(index).data(ROW_ROLE)
+        if row is not None and row.path is not None and row.resumable:   # a group row only unfolds
+            self.resume_requested.emit(row.path)
 
     def _update_buttons(self, *_args) -> None:
         row = self.selected_row()
         for name, b in self.buttons.items():
             enabled = row is not None and row.path is not None
             if name == "Resume":
-                enabled = row is not None and row.resumable
+                target = _resume_target(row)
+                enabled = target is not None and target.resumable
             elif name == "Rename…":
                 enabled = enabled and row.header is not None
             b.setEnabled(enabled)
+
+
+def _resume_target(row: Row | None) -> Row | None:
+    """What Resume opens for a row: the row's file, or a conversation's newest branch."""
+    if row is not None and row.path is None and row.children:
+        return row.children[0]
+    return row

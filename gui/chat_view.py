@@ -1,35 +1,46 @@
-"""The chat transcript view and the prompt editor.
+"""The chat transcript view, the prompt editor, the message editor and the offer bar.
 
 :class:`ChatView` keeps the messages as data (``messages``, the source of truth) and
 writes them into its document with :mod:`gui.markdown`: per message a heading line
-("You" / "Assistant" and a Copy link), the Markdown body, and under a paused answer a
-note.  Code blocks carry their own Copy link.
+("System prompt" / "You" / "Assistant", the ``‹ k/n ›`` switcher of a message that has
+alternatives, and its actions: Copy, Edit, Continue, Fork), the Markdown body, and under
+a paused answer a note.  Code blocks carry their own Copy link.  The view only reports
+a click on an action (its signals); the main window decides what it does.
 
 Only the last message is ever rewritten.  Its places in the document are kept in a
 :class:`_Tail`: streaming text into an answer, finishing, pausing, noting and resuming
 it remove and write again the part from ``_Tail.body`` to the end, which holds the
 answer's blocks that more text can still change (:func:`gui.markdown.stable_count`)
-and the note.  Everything above stays as laid out, so the cost of a token does not grow
-with the conversation or the answer.  :meth:`ChatView.render` writes everything again
-(opening a conversation).
+and the note; its heading's links (hidden while it streams) are rewritten in place.
+A message added below the last answer takes that answer's Continue away the same way.
+Everything above stays as laid out, so the cost of a token does not grow with the
+conversation or the answer.  :meth:`ChatView.render` writes everything again (opening a
+conversation, switching to another branch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
 from PySide6.QtGui import (QColor, QDesktopServices, QFont, QGuiApplication, QKeyEvent, QPalette,
                            QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFrameFormat)
-from PySide6.QtWidgets import QPlainTextEdit, QTextBrowser
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFrame, QHBoxLayout, QLabel,
+                               QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout)
 
 from gui.markdown import (LINK_SCHEMES, DocWriter, Theme, line_offset, parse, reset_block,
                           stable_count)
 
-ROLE_LABELS = {"user": "You", "assistant": "Assistant"}
+ROLE_LABELS = {"system": "System prompt", "user": "You", "assistant": "Assistant"}
 MESSAGE_LINK = "copy:"          # copy:<message>
 CODE_LINK = "copy-code:"        # copy-code:<message>:<code block>
+EDIT_LINK = "edit:"             # edit:<message>
+FORK_LINK = "fork:"             # fork:<message>
+CONTINUE_LINK = "continue:"     # continue:<message>
+ALTERNATIVE_LINK = "alt:"       # alt:<message>:<alternative, 1-based>
 COPY_GAP = "  "
+LINK_GAP = " · "
 
 
 @dataclass
@@ -38,6 +49,18 @@ class Message:
     text: str
     complete: bool = True
     note: str = ""          # e.g. "Paused · saved 1.2 MB"
+    #: engine.branches.Alternatives (alternative ``index`` of ``count``, ``heads``) when
+    #: the message has others; None when it is the only one
+    alternatives: Any = None
+
+
+def _shown(alternatives) -> Any:
+    """Alternatives worth a switcher (two or more), else None."""
+    return alternatives if alternatives is not None and alternatives.count > 1 else None
+
+
+def _numbers(alternatives) -> tuple[int, int] | None:
+    return (alternatives.index, alternatives.count) if alternatives is not None else None
 
 
 @dataclass
@@ -46,23 +69,35 @@ class _Tail:
 
     index: int
     message: Message
-    head_end: int           # where the heading line's Copy link starts
-    body: int = -1          # from here to the end is rewritten; -1: never (a user message)
+    head_end: int           # where the heading line's links start
+    body: int = -1          # from here to the end is rewritten; -1: never (not an answer)
     offset: int = 0         # index in message.text of what is written from ``body``
     code: list[str] = field(default_factory=list)   # code blocks written above ``body``
-    copy_len: int = 0       # characters of the heading's Copy link; 0 while it is hidden
+    links_len: int = 0      # characters of the heading's links; 0 while they are hidden
 
 
 class ChatView(QTextBrowser):
     """Read-only transcript.  ``messages`` is the source of truth; the document a view of it.
 
+    Message indexes are indexes into ``messages``, which hold the transcript's entries
+    one for one (the system prompt's too), so they are the transcript's indexes.
+
     Signals:
         copied(int): a message's text was put on the clipboard.
         code_copied(int, int): code block n of message i was put on the clipboard.
+        edit_requested(int): Edit was clicked on message i (a user message, the system prompt).
+        fork_requested(int): Fork was clicked on message i.
+        continue_requested(int): Continue was clicked on the last answer, message i.
+        alternative_requested(int, int): ‹ or › was clicked on message i: show alternative j
+            (1-based, of ``messages[i].alternatives``).
     """
 
     copied = Signal(int)
     code_copied = Signal(int, int)
+    edit_requested = Signal(int)
+    fork_requested = Signal(int)
+    continue_requested = Signal(int)
+    alternative_requested = Signal(int, int)
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
@@ -74,16 +109,65 @@ class ChatView(QTextBrowser):
         self.anchorClicked.connect(self._on_anchor_clicked)
         self.messages: list[Message] = []
         self.placeholder = "Type a message below and press Enter."
+        #: Edit, Fork, Continue and the switchers shown (False: a transcript read from a
+        #: file, of a conversation the engine does not have open)
+        self.actions = True
         self._streaming = False
         self._tail: _Tail | None = None
         self._code: dict[int, list[str]] = {}    # message index -> its code blocks
 
     # -- content ------------------------------------------------------------------------------
-    def set_transcript(self, transcript, *, paused: bool = False, note: str = "") -> None:
-        self.messages = [Message(m["role"], m["content"], bool(m.get("complete", True)))
-                         for m in transcript if m.get("role") in ROLE_LABELS]
+    def set_transcript(self, transcript, *, paused: bool = False, note: str = "",
+                       alternatives=(), actions: bool = True) -> None:
+        """Show ``transcript`` (dicts: role, content, complete); ``alternatives`` is aligned
+        with it (ConversationSnapshot.alternatives)."""
+        alternatives = tuple(alternatives)
+        self.messages = [Message(m["role"], m["content"], bool(m.get("complete", True)),
+                                 alternatives=_shown(alternatives[i] if i < len(alternatives) else None))
+                         for i, m in enumerate(transcript) if m.get("role") in ROLE_LABELS]
         if self.messages and not self.messages[-1].complete:
             self.messages[-1].note = note
+        self.actions = actions
+        self._streaming = False
+        self.render()
+
+    def set_alternatives(self, alternatives) -> bool:
+        """Take each message's alternatives (aligned with ``messages``); False, changing
+        nothing, when they do not align.  When only the last message's switcher changed
+        (an answer regenerated) only its heading is written again, else everything."""
+        alternatives = tuple(alternatives)
+        if len(alternatives) != len(self.messages):
+            return False
+        changed = [i for i, (m, a) in enumerate(zip(self.messages, alternatives))
+                   if _numbers(m.alternatives) != _numbers(_shown(a))]
+        for m, a in zip(self.messages, alternatives):
+            m.alternatives = _shown(a)       # the heads may differ where the numbers do not
+        t = self._tail
+        if not changed:
+            return True
+        if changed == [len(self.messages) - 1] and t is not None and t.message is self.messages[-1]:
+            if not (self._streaming and t.body >= 0):
+                self._set_head_links(True)   # while it streams its links are hidden anyway
+        else:
+            self.render(streaming=self._streaming)
+        return True
+
+    def shows(self, transcript, *, answer_open: bool = False) -> bool:
+        """Whether the view shows ``transcript`` (a paused answer's text may hold characters
+        not shown yet).  ``answer_open``: up to the answer being generated, which neither
+        side's last assistant entry is compared with."""
+        mine = [(m.role, m.text) for m in self.messages]
+        theirs = [(e["role"], e["content"]) for e in transcript]
+        if answer_open:
+            mine, theirs = (x[:-1] if x and x[-1][0] == "assistant" else x for x in (mine, theirs))
+        elif mine and theirs and mine[-1][0] == theirs[-1][0] == "assistant" \
+                and theirs[-1][1].startswith(mine[-1][1]):
+            mine, theirs = mine[:-1], theirs[:-1]
+        return mine == theirs
+
+    def truncate(self, count: int) -> None:
+        """Keep the first ``count`` messages (an edited message and what follows go)."""
+        del self.messages[count:]
         self._streaming = False
         self.render()
 
@@ -100,7 +184,7 @@ class ChatView(QTextBrowser):
             return
         last.note = ""
         if self._shows_tail(last) and not self._streaming:
-            self._set_head_copy(False)
+            self._set_head_links(False)
             self._streaming = True
             self._rewrite_tail()
         else:
@@ -127,7 +211,7 @@ class ChatView(QTextBrowser):
             last.note = note
             if self._shows_tail(last):
                 self._streaming = False
-                self._set_head_copy(True)
+                self._set_head_links(True)
                 self._rewrite_tail()
                 return
         self.render()
@@ -156,6 +240,7 @@ class ChatView(QTextBrowser):
         pal = self.palette()
         dark = pal.color(QPalette.ColorRole.Base).lightness() < 128
         return {"user_bg": QColor("#26323f" if dark else "#eef3fa"),
+                "system_bg": QColor("#2b2b2b" if dark else "#f6f6f4"),
                 "muted": pal.color(QPalette.ColorRole.PlaceholderText),
                 "accent": pal.color(QPalette.ColorRole.Link)}
 
@@ -199,6 +284,8 @@ class ChatView(QTextBrowser):
         if not up_to_date:
             self.render(streaming=streaming)
             return
+        if t.links_len and t.message.role == "assistant":
+            self._set_head_links(True)   # no longer the last answer: no Continue
         cursor = QTextCursor(self.document())
         cursor.beginEditBlock()
         cursor.movePosition(QTextCursor.MoveOperation.End)
@@ -221,7 +308,19 @@ class ChatView(QTextBrowser):
         cursor.insertText(ROLE_LABELS[m.role], bold)
         tail = _Tail(index, m, head_end=cursor.position())
         if not streaming:
-            tail.copy_len = self._insert_copy(cursor, f"{MESSAGE_LINK}{index}")
+            tail.links_len = self._insert_links(cursor, index)
+        if m.role == "system":
+            frame_fmt = QTextFrameFormat()
+            frame_fmt.setBackground(colors["system_bg"])
+            frame_fmt.setPadding(6)
+            frame = cursor.insertFrame(frame_fmt)
+            muted = QTextCharFormat()
+            muted.setForeground(colors["muted"])
+            muted.setFontItalic(True)
+            cursor.insertText(m.text, muted)
+            cursor.setPosition(frame.lastPosition() + 1)
+            reset_block(cursor)
+            return tail
         if m.role == "user":
             frame_fmt = QTextFrameFormat()
             frame_fmt.setBackground(colors["user_bg"])
@@ -279,30 +378,67 @@ class ChatView(QTextBrowser):
         self._write_body(cursor, t, streaming=self._streaming)
         cursor.endEditBlock()
 
-    def _insert_copy(self, cursor: QTextCursor, href: str) -> int:
-        """Insert a Copy link at the cursor; returns the characters it took."""
-        link = QTextCharFormat()
-        link.setAnchor(True)
-        link.setAnchorHref(href)
-        link.setForeground(self._colors()["accent"])
+    def _insert_links(self, cursor: QTextCursor, index: int) -> int:
+        """Insert message ``index``'s heading links at the cursor; returns the characters
+        they took.  The switcher ``‹ k/n ›`` first, then Copy and the actions."""
+        m = self.messages[index]
+        start = cursor.position()
+        muted = QTextCharFormat()
+        muted.setForeground(self._colors()["muted"])
+        alt = m.alternatives if self.actions else None
+        if alt is not None:
+            cursor.insertText(COPY_GAP, QTextCharFormat())
+            self._insert_link(cursor, "‹", f"{ALTERNATIVE_LINK}{index}:{alt.index - 1}"
+                              if alt.index > 1 else "", arrow=True)
+            cursor.insertText(f" {alt.index}/{alt.count} ", QTextCharFormat())
+            self._insert_link(cursor, "›", f"{ALTERNATIVE_LINK}{index}:{alt.index + 1}"
+                              if alt.index < alt.count else "", arrow=True)
+        actions = [("Copy", MESSAGE_LINK)]
+        if self.actions and m.complete:
+            if m.role in ("system", "user"):
+                actions.append(("Edit", EDIT_LINK))
+            if m.role == "assistant" and index == len(self.messages) - 1:
+                actions.append(("Continue", CONTINUE_LINK))
+            if m.role != "system":
+                actions.append(("Fork", FORK_LINK))
         cursor.insertText(COPY_GAP, QTextCharFormat())
-        cursor.insertText("Copy", link)
-        return len(COPY_GAP) + len("Copy")
+        for k, (label, prefix) in enumerate(actions):
+            if k:
+                cursor.insertText(LINK_GAP, muted)
+            self._insert_link(cursor, label, f"{prefix}{index}")
+        return cursor.position() - start
 
-    def _set_head_copy(self, shown: bool) -> None:
+    def _insert_link(self, cursor: QTextCursor, text: str, href: str, *, arrow: bool = False) -> None:
+        """A link at the cursor; without ``href`` the same text, muted (not clickable).
+        An ``arrow`` (the switcher's) is drawn larger: it is a small target otherwise."""
+        fmt = QTextCharFormat()
+        if arrow:
+            fmt.setFontWeight(QFont.Weight.Bold)
+            fmt.setFontPointSize(self.font().pointSizeF() * 1.3)
+        if href:
+            fmt.setAnchor(True)
+            fmt.setAnchorHref(href)
+            fmt.setForeground(self._colors()["accent"])
+        else:
+            fmt.setForeground(self._colors()["muted"])
+        cursor.insertText(text, fmt)
+
+    def _set_head_links(self, shown: bool) -> None:
+        """Write the last message's heading links again (``shown``) or remove them."""
         t = self._tail
-        if shown == bool(t.copy_len):
+        if not shown and not t.links_len:
             return
         cursor = QTextCursor(self.document())
+        cursor.beginEditBlock()
         cursor.setPosition(t.head_end)
-        if shown:
-            t.copy_len = self._insert_copy(cursor, f"{MESSAGE_LINK}{t.index}")
-            t.body += t.copy_len
-        else:
-            cursor.setPosition(t.head_end + t.copy_len, QTextCursor.MoveMode.KeepAnchor)
+        removed = t.links_len
+        if removed:
+            cursor.setPosition(t.head_end + removed, QTextCursor.MoveMode.KeepAnchor)
             cursor.removeSelectedText()
-            t.body -= t.copy_len
-            t.copy_len = 0
+        t.links_len = self._insert_links(cursor, t.index) if shown else 0
+        cursor.endEditBlock()
+        if t.body >= 0:
+            t.body += t.links_len - removed
 
     @Slot(QUrl)
     def _on_anchor_clicked(self, url: QUrl) -> None:
@@ -318,6 +454,16 @@ class ChatView(QTextBrowser):
             if 0 <= index < len(self.messages):
                 QGuiApplication.clipboard().setText(self.messages[index].text)
                 self.copied.emit(index)
+        elif target.startswith(ALTERNATIVE_LINK):
+            index, number = (int(x) for x in target[len(ALTERNATIVE_LINK):].split(":"))
+            if 0 <= index < len(self.messages):
+                self.alternative_requested.emit(index, number)
+        elif target.startswith((EDIT_LINK, FORK_LINK, CONTINUE_LINK)):
+            prefix, _, number = target.partition(":")
+            index = int(number)
+            if 0 <= index < len(self.messages):
+                {"edit": self.edit_requested, "fork": self.fork_requested,
+                 "continue": self.continue_requested}[prefix].emit(index)
         elif url.scheme().lower() in LINK_SCHEMES:
             QDesktopServices.openUrl(url)
 
@@ -352,3 +498,88 @@ class PromptEdit(QPlainTextEdit):
             self.submitted.emit()
             return
         super().keyPressEvent(event)
+
+
+class MessageEditor(QDialog):
+    """Edit a message of yours (or the system prompt); Send goes on from it as a new branch."""
+
+    def __init__(self, text: str, *, system: bool = False, parent=None) -> None:
+        super().__init__(parent)
+        self.setObjectName("messageEditor")
+        self.setWindowTitle("Edit the system prompt" if system else "Edit message")
+        self.resize(560, 300)
+        note = QLabel("The conversation starts over with this system prompt, as a new branch; the "
+                      "current one stays reachable." if system else
+                      "The conversation goes on from this message as a new branch; the turns after "
+                      "it stay reachable with ‹ › on this message.", self)
+        note.setWordWrap(True)
+        self.edit = QPlainTextEdit(text, self)
+        self.edit.setObjectName("messageEditorText")
+        self.edit.setAccessibleName("Edited message")
+        buttons = QDialogButtonBox(self)
+        self.send_button = buttons.addButton("Start over" if system else "Send",
+                                             QDialogButtonBox.ButtonRole.AcceptRole)
+        buttons.addButton(QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        layout = QVBoxLayout(self)
+        layout.addWidget(note)
+        layout.addWidget(self.edit, 1)
+        layout.addWidget(buttons)
+
+    def text(self) -> str:
+        return self.edit.toPlainText()
+
+
+class OfferBar(QFrame):
+    """A line between the transcript and the prompt: what happened, and what can be done
+    about it (buttons).  It belongs to one conversation (``conversation``) and one
+    occasion (``kind``), so the window can take back exactly the offers that went stale."""
+
+    def __init__(self, parent=None) -> None:
+        super().__init__(parent)
+        self.setObjectName("offerBar")
+        self.setAccessibleName("Notice")
+        self.setFrameShape(QFrame.Shape.StyledPanel)
+        self.setStyleSheet("#offerBar { background: palette(alternate-base); border: 1px solid "
+                           "palette(mid); border-radius: 4px; }")
+        self.label = QLabel(self)
+        self.label.setObjectName("offerText")
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self._row = QHBoxLayout(self)
+        self._row.setContentsMargins(8, 6, 8, 6)
+        self._row.addWidget(self.label, 1)
+        self._buttons: list[QPushButton] = []
+        self.conversation = None
+        self.kind = ""
+        self.hide()
+
+    def offer(self, conversation, kind: str, text: str,
+              actions: list[tuple[str, Callable[[], None]]] = ()) -> None:
+        self.withdraw()
+        self.conversation, self.kind = conversation, kind
+        self.label.setText(text)
+        for label, slot in actions:
+            b = QPushButton(label, self)
+            b.clicked.connect(slot)
+            self._row.addWidget(b)
+            self._buttons.append(b)
+        self.show()
+
+    def withdraw(self, kind: str | None = None) -> None:
+        """Hide the bar (only if it is of ``kind``, when given)."""
+        if kind is not None and kind != self.kind:
+            return
+        for b in self._buttons:
+            self._row.removeWidget(b)
+            b.deleteLater()
+        self._buttons = []
+        self.conversation, self.kind = None, ""
+        self.hide()
+
+    def buttons(self) -> list[QPushButton]:
+        return list(self._buttons)
+
+    def text(self) -> str:
+        return self.label.text()

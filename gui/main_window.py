@@ -25,7 +25,7 @@ from engine.checkpoints.store import Store
 from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser
-from gui.chat_view import ChatView, PromptEdit
+from gui.chat_view import ChatView, MessageEditor, OfferBar, PromptEdit
 from gui.conversations import PAUSED_MARK, ConversationList
 from gui.files import file_size_text
 from gui.settings import AppSettings
@@ -34,6 +34,9 @@ from gui.store_actions import StoreActions
 log = logging.getLogger("gui")
 
 CLOSE_WAIT_MS = 15000   # bounded wait for the exit checkpoint when closing mid-answer
+#: engine actions that generate an answer (EngineWorker._submit_answer): a failure ends it
+ANSWER_ACTIONS = ("generate", "resume", "regenerate", "edit the message", "continue the answer",
+                  "continue in a new branch")
 
 
 class MainWindow(StoreActions, QMainWindow):
@@ -68,6 +71,11 @@ class MainWindow(StoreActions, QMainWindow):
         self.pause_latency_s: float | None = None
         self.resume_offer: QMessageBox | None = None
         self.crash_offer: QMessageBox | None = None
+        self.message_editor: MessageEditor | None = None
+        self._opening: tuple[uuid.UUID, Path] | None = None   # open_checkpoint sent, not answered
+        self._unopened: dict[uuid.UUID, Path] = {}   # shown from its file; the engine lacks it
+        self._pending_fork: uuid.UUID | None = None  # selected when its snapshot comes
+        self._open_after_load: Path | None = None    # "Load <model>": open this once it is loaded
         self._closing = False
         self._close_done = False
         self._engine_stopped = False
@@ -109,6 +117,11 @@ class MainWindow(StoreActions, QMainWindow):
         model_bar.addWidget(self.model_progress)
 
         self.chat_view = ChatView(self)
+        self.chat_view.edit_requested.connect(self._on_chat_view_edit_requested)
+        self.chat_view.fork_requested.connect(self._on_chat_view_fork_requested)
+        self.chat_view.continue_requested.connect(self._on_chat_view_continue_requested)
+        self.chat_view.alternative_requested.connect(self._on_chat_view_alternative_requested)
+        self.offer_bar = OfferBar(self)
         self.prompt_edit = PromptEdit(self)
         self.prompt_edit.submitted.connect(self.send)
         self.send_button = self._button("Send", "sendButton", "Send message", self.send)
@@ -126,6 +139,7 @@ class MainWindow(StoreActions, QMainWindow):
         rv.setContentsMargins(0, 0, 0, 0)
         rv.addLayout(model_bar)
         rv.addWidget(self.chat_view, 1)
+        rv.addWidget(self.offer_bar)
         rv.addWidget(self.prompt_edit)
         rv.addLayout(buttons)
 
@@ -198,6 +212,8 @@ class MainWindow(StoreActions, QMainWindow):
         self.pause_action = action(c, "&Pause", self.pause, "Esc")
         action(c, "&Resume", self.resume, "Ctrl+R")
         action(c, "Re&generate", self.regenerate, "Ctrl+Shift+R")
+        action(c, "Con&tinue the Answer", self.continue_answer)
+        action(c, "Edit the S&ystem Prompt…", self._edit_system_prompt_dialog)
         c.addSeparator()
         action(c, "Re&name…", lambda: self.current and self.rename_conversation(self.current), "F2")
         action(c, "&Delete…", lambda: self.current and self.delete_conversation(self.current))
@@ -220,6 +236,7 @@ class MainWindow(StoreActions, QMainWindow):
         b.conversation_deleted.connect(self._on_bridge_conversation_deleted)
         b.checkpoint_exported.connect(self._on_bridge_checkpoint_exported)
         b.notice_posted.connect(self.show_message)
+        b.context_full.connect(self._on_bridge_context_full)
         b.engine_failed.connect(self._on_bridge_engine_failed)
         b.engine_stopped.connect(self._on_bridge_engine_stopped)
 
@@ -269,6 +286,7 @@ class MainWindow(StoreActions, QMainWindow):
         conv_id = self.worker.new_conversation(system_prompt=self.settings.system_prompt,
                                                sampler=self.settings.sampler(self._model_sampling()))
         self.current = conv_id
+        self.offer_bar.withdraw()
         self.conversation_list.upsert(conv_id, "New conversation", top=True)
         self.conversation_list.select(conv_id)
         self.chat_view.set_transcript([])
@@ -278,11 +296,16 @@ class MainWindow(StoreActions, QMainWindow):
     @Slot()
     def send(self) -> None:
         text = self.prompt_edit.toPlainText().strip()
+        if self.current in self._unopened and text:
+            self.statusBar().showMessage("This conversation is not open: choose above the message box "
+                                         "how to go on with it.", 8000)
+            return
         if not text or self.running is not None or self._closing:
             return
         if self.current is None:
             self.new_conversation()
         self.prompt_edit.clear()
+        self.offer_bar.withdraw("context full")
         snap = self.snapshots.get(self.current)
         if snap is None or snap.title in ("", "New conversation"):
             self.conversation_list.upsert(self.current, _title_from(text))
@@ -320,6 +343,108 @@ class MainWindow(StoreActions, QMainWindow):
         self.worker.regenerate(self.current)
         self._update_buttons()
 
+    # -- branches: edit, continue, fork, switch ---------------------------------------------------
+    def _branch_ready(self) -> bool:
+        """Whether the current conversation is open in the engine and nothing generates."""
+        if self.running is not None or self._closing:
+            self.statusBar().showMessage("Pause the answer first.", 5000)
+            return False
+        return self.current is not None and self.current in self.snapshots
+
+    def _conversation_index(self, index: int) -> int:
+        """The index in the conversation's messages (no system entry) of view message ``index``."""
+        messages = self.chat_view.messages
+        return index - (1 if messages and messages[0].role == "system" else 0)
+
+    @Slot(int)
+    def _on_chat_view_edit_requested(self, index: int) -> None:
+        if not self._branch_ready() or not 0 <= index < len(self.chat_view.messages):
+            return
+        message = self.chat_view.messages[index]
+        if message.role == "system":
+            self._edit_system_prompt_dialog()
+        elif message.role == "user":
+            self._open_editor(message.text, lambda text: self.edit_message(index, text))
+
+    def _edit_system_prompt_dialog(self) -> None:
+        if not self._branch_ready():
+            return
+        snap = self.snapshots[self.current]
+        current = snap.transcript[0]["content"] if snap.transcript and \
+            snap.transcript[0]["role"] == "system" else ""
+        self._open_editor(current, self.edit_system_prompt, system=True)
+
+    def _open_editor(self, text: str, accepted, *, system: bool = False) -> None:
+        editor = MessageEditor(text, system=system, parent=self)
+        editor.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        editor.accepted.connect(lambda: accepted(editor.text()))
+        editor.open()
+        self.message_editor = editor
+
+    def edit_message(self, index: int, text: str) -> None:
+        """Replace user message ``index`` (of the view) by ``text`` and answer it, as a new
+        branch: the turns after it stay reachable with ‹ › on that message."""
+        text = text.strip()
+        messages = self.chat_view.messages
+        if not text or not self._branch_ready() or not 0 <= index < len(messages) \
+                or messages[index].role != "user":
+            return
+        self.offer_bar.withdraw()
+        self.chat_view.truncate(index)
+        self.chat_view.begin_answer(text)
+        self.running = self.current
+        self.worker.edit_message(self.current, self._conversation_index(index), text, self.settings.n_predict)
+        self._update_buttons()
+
+    def edit_system_prompt(self, text: str) -> None:
+        """Start the conversation over with another system prompt, as a new branch."""
+        if self._branch_ready():
+            self.offer_bar.withdraw()
+            self.worker.edit_system_prompt(self.current, text.strip())
+
+    @Slot(int)
+    def _on_chat_view_continue_requested(self, _index: int) -> None:
+        self.continue_answer()
+
+    @Slot()
+    def continue_answer(self) -> None:
+        """Generate more of the last answer, which had finished."""
+        snap = self.snapshots.get(self.current) if self.current else None
+        if not self._branch_ready() or snap is None or not snap.transcript \
+                or snap.transcript[-1]["role"] != "assistant" or snap.paused:
+            return
+        self.offer_bar.withdraw()
+        self.chat_view.begin_answer(None)
+        self.running = self.current
+        self.worker.continue_answer(self.current, self.settings.n_predict)
+        self._update_buttons()
+
+    @Slot(int)
+    def _on_chat_view_fork_requested(self, index: int) -> None:
+        self.fork_at(index)
+
+    def fork_at(self, index: int) -> None:
+        """A new conversation holding the messages up to view message ``index``; it is
+        selected in the list as soon as the engine has it."""
+        if self._branch_ready() and 0 <= index < len(self.chat_view.messages):
+            self._pending_fork = self.worker.fork(self.current, self._conversation_index(index))
+
+    @Slot(int, int)
+    def _on_chat_view_alternative_requested(self, index: int, number: int) -> None:
+        self.show_alternative(index, number)
+
+    def show_alternative(self, index: int, number: int) -> None:
+        """Show alternative ``number`` (1-based) of view message ``index``: its branch is
+        restored (only what differs from the cache), and the view follows it."""
+        if not self._branch_ready() or not 0 <= index < len(self.chat_view.messages):
+            return
+        alternatives = self.chat_view.messages[index].alternatives
+        if alternatives is None or not 1 <= number <= alternatives.count or number == alternatives.index:
+            return
+        head = alternatives.heads[number - 1]
+        if head != Path():   # Path(): the one shown, not saved yet
+            self.worker.switch_branch(self.current, head)
+
     def rename_conversation(self, conv_id: uuid.UUID) -> None:
         item = self.conversation_list.item_for(conv_id)
         old = item.text().removeprefix(PAUSED_MARK) if item else ""
@@ -331,6 +456,10 @@ class MainWindow(StoreActions, QMainWindow):
         if conv_id not in self.snapshots:
             path = self.conversation_list.path_of(conv_id)
             if path is None:
+                return
+            problem = self.conversation_list.problem_of(conv_id)
+            if problem:   # the engine cannot open it to write the new title
+                self.show_message("Rename", f"This conversation cannot be renamed here: {problem}")
                 return
             self.worker.open_checkpoint(path)   # the queue keeps the order: open, then rename
         self.worker.rename(conv_id, title)
@@ -348,6 +477,7 @@ class MainWindow(StoreActions, QMainWindow):
         # the engine thread forgets it and deletes every file only it needs (its whole
         # history: heads, chains, autosaves), then reports conversation_deleted
         self.snapshots.pop(conv_id, None)
+        self._unopened.pop(conv_id, None)
         self.worker.delete_conversation(conv_id)
         self.conversation_list.remove(conv_id)
         if self.current == conv_id:
@@ -404,6 +534,13 @@ class MainWindow(StoreActions, QMainWindow):
     def show_error(self, title: str, text: str) -> QMessageBox:
         return self.show_message(title, text, error=True)
 
+    def show_offer(self, conv_id: uuid.UUID, kind: str, title: str, text: str, actions=()) -> None:
+        """Tell the user something about one conversation where it is shown, with what can
+        be done about it (the offer bar: (label, callable) buttons); also message_shown."""
+        log.info("%s: %s", title, text)
+        self.offer_bar.offer(conv_id, kind, text, list(actions))
+        self.message_shown.emit(title, text)
+
     def report_crash(self, reports, kept: list[Path], autosave: Path | None) -> None:
         """Tell the user how the previous run ended; offer its newest autosave."""
         trace = f"\n\nThe trace is kept in {kept[-1]}." if kept else ""
@@ -437,9 +574,17 @@ class MainWindow(StoreActions, QMainWindow):
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
         snap = self.snapshots.get(self.current) if self.current else None
         self._update_context_usage(snap.n_tokens if snap else 0, info.n_ctx)
-        if self.current is not None and (snap is None or not snap.transcript):
+        opening = self._opening is not None and self._opening[0] == self.current
+        if self.current is not None and (snap is None or not snap.transcript) \
+                and self.current not in self._unopened and not opening:
             # a conversation opened before the model was known starts with its defaults
             self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
+        self.conversation_list.set_target(info.target)
+        if self._open_after_load is not None:
+            path, self._open_after_load = self._open_after_load, None
+            self.open_checkpoint(path)
+        elif self.current in self._unopened:
+            self._open_listed(self.current)   # it may fit the model loaded now
         self.refresh_store()
 
     @Slot(str)
@@ -447,13 +592,29 @@ class MainWindow(StoreActions, QMainWindow):
         self.model_progress.hide()
         self.model_status.setText("No model loaded — File › Open Model…")
         self.running = None
+        if self._open_after_load is not None:
+            self._open_after_load = None
+            if self.current in self._unopened:   # its offer again, as it was before the click
+                self.show_unopened(self.current, self._unopened[self.current], failure=message)
         self._update_buttons()
 
     @Slot(object)
     def _on_bridge_conversation_changed(self, snap: ConversationSnapshot) -> None:
         self.snapshots[snap.id] = snap
-        self.conversation_list.upsert(snap.id, snap.title, path=snap.checkpoint, paused=snap.paused)
+        self._unopened.pop(snap.id, None)
+        if self._opening is not None and self._opening[0] == snap.id:
+            self._opening = None
+        fork = snap.id == self._pending_fork
+        self.conversation_list.upsert(snap.id, snap.title, path=snap.checkpoint, paused=snap.paused,
+                                      opened=True, top=fork)
+        if fork:
+            self._pending_fork = None
+            self.current = snap.id
+            self.conversation_list.select(snap.id)
+            self.offer_bar.withdraw()
         if snap.id == self.current and self.running != snap.id:
+            if self.offer_bar.conversation == snap.id:
+                self.offer_bar.withdraw("unopened")
             self._show_snapshot(snap)
         self._update_buttons()
 
@@ -461,6 +622,8 @@ class MainWindow(StoreActions, QMainWindow):
     def _on_bridge_generation_started(self, snap: ConversationSnapshot) -> None:
         self.snapshots[snap.id] = snap
         self.running = snap.id
+        if snap.id == self.current:
+            self._follow_started_answer(snap)
         self.speed_label.setText("Reading the prompt…")
         self._update_context_usage(snap.n_tokens, snap.n_ctx)
         self._update_buttons()
@@ -522,9 +685,10 @@ class MainWindow(StoreActions, QMainWindow):
         if kind == KIND_AUTOSAVE:
             return   # the conversation's own file is unchanged; nothing else to update
         self.snapshots[snap.id] = snap
-        self.conversation_list.upsert(snap.id, snap.title, path=Path(path), paused=snap.paused)
+        self.conversation_list.upsert(snap.id, snap.title, path=Path(path), paused=snap.paused, opened=True)
         if snap.id == self.current and self.running != snap.id:
             self._update_context_usage(snap.n_tokens, snap.n_ctx)
+            self._follow_saved(snap)
             if snap.paused:
                 self.chat_view.set_note(f"Paused · saved {file_size_text(size)} at {stamp} — Resume continues it")
         self._update_buttons()
@@ -536,13 +700,56 @@ class MainWindow(StoreActions, QMainWindow):
         self.conversation_deleted.emit(conv_id)
         self.refresh_store()
 
+    @Slot(object, str, str)
+    def _on_bridge_context_full(self, conv_id, text: str, message: str) -> None:
+        """The message did not fit: nothing was generated.  Say so, and offer a new branch
+        that keeps the system prompt and the most recent turns that fit."""
+        if self.running == conv_id:
+            self.running = None
+        self.speed_label.setText("")
+        if conv_id != self.current:
+            self.show_message("The context is full", message)
+            self._update_buttons()
+            return
+        snap = self.snapshots.get(conv_id)
+        if snap is not None:
+            self._show_snapshot(snap)        # the message shown as sent is taken back
+        if not self.prompt_edit.toPlainText().strip():
+            self.prompt_edit.setPlainText(text)
+        self.show_offer(conv_id, "context full", "The context is full", f"Not sent: {message}",
+                        [("Continue in a new branch", lambda: self.send_in_new_branch(conv_id, text))])
+        self._update_buttons()
+
+    def send_in_new_branch(self, conv_id: uuid.UUID, text: str) -> None:
+        """Send ``text`` on a new branch that keeps what fits of the conversation."""
+        if self.running is not None or self._closing or conv_id != self.current:
+            return
+        self.offer_bar.withdraw()
+        if self.prompt_edit.toPlainText().strip() == text:
+            self.prompt_edit.clear()
+        self.chat_view.begin_answer(text)
+        self.running = conv_id
+        self.worker.send_in_new_branch(conv_id, text, self.settings.n_predict)
+        self._update_buttons()
+
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:
-        if self.running is not None and action in ("generate", "resume", "regenerate"):
+        if self.running is not None and action in ANSWER_ACTIONS:
             self.running = None
             self.chat_view.finish_answer(complete=False, note="Stopped by an error")
         self.save_progress.hide()
         self._update_buttons()
+        if action == "fork the conversation":
+            self._pending_fork = None
+        if action == "continue with this model" and self.current in self._unopened:
+            self.show_unopened(self.current, self._unopened[self.current], failure=message)
+            return
+        if action == "open the checkpoint" and self._opening is not None:
+            conv_id, path = self._opening
+            self._opening = None
+            if conv_id == self.current:
+                self.show_unopened(conv_id, path, failure=message)   # said where it was asked for
+                return
         self.show_error(f"Could not {action}", message)
 
     @Slot()
@@ -556,7 +763,8 @@ class MainWindow(StoreActions, QMainWindow):
         note = ""
         if snap.paused and snap.checkpoint_size:
             note = f"Paused · saved {file_size_text(snap.checkpoint_size)} — Resume continues it"
-        self.chat_view.set_transcript(snap.transcript, paused=snap.paused, note=note)
+        self.chat_view.set_transcript(snap.transcript, paused=snap.paused, note=note,
+                                      alternatives=snap.alternatives)
         self._update_context_usage(snap.n_tokens, snap.n_ctx)
         if snap.checkpoint is not None:
             self.checkpoint_label.setText(f"Checkpoint · {file_size_text(snap.checkpoint_size)}")
@@ -565,6 +773,19 @@ class MainWindow(StoreActions, QMainWindow):
             self.checkpoint_label.setText("No checkpoint yet")
             self.checkpoint_label.setToolTip("")
 
+    def _follow_started_answer(self, snap: ConversationSnapshot) -> None:
+        """An answer started: if the engine's conversation is not what the view shows up to
+        it (a new branch kept only the recent turns), show the engine's, streaming."""
+        if not self.chat_view.shows(snap.transcript, answer_open=True):
+            self.chat_view.set_transcript(snap.transcript)
+            self.chat_view.begin_answer(None)
+
+    def _follow_saved(self, snap: ConversationSnapshot) -> None:
+        """A save after an answer (or a rename): the alternatives it brings; the whole
+        transcript again only if the view shows something else."""
+        if not (self.chat_view.shows(snap.transcript) and self.chat_view.set_alternatives(snap.alternatives)):
+            self._show_snapshot(snap)
+
     def _update_context_usage(self, used: int, n_ctx: int) -> None:
         self.context_usage.setRange(0, max(1, n_ctx))
         self.context_usage.setValue(min(used, max(1, n_ctx)))
@@ -572,7 +793,7 @@ class MainWindow(StoreActions, QMainWindow):
     def _update_buttons(self) -> None:
         busy = self.running is not None
         snap = self.snapshots.get(self.current) if self.current else None
-        self.send_button.setEnabled(not busy and not self._closing)
+        self.send_button.setEnabled(not busy and not self._closing and self.current not in self._unopened)
         self.pause_button.setEnabled(busy)
         self.pause_action.setEnabled(busy)
         self.resume_button.setEnabled(not busy and bool(snap and snap.paused))
@@ -587,18 +808,13 @@ class MainWindow(StoreActions, QMainWindow):
         if conv_id == self.current:
             return
         self.current = conv_id
+        self.offer_bar.withdraw()
         snap = self.snapshots.get(conv_id)
         if snap is not None:
             self._show_snapshot(snap)
             self.worker.show(conv_id)
         else:
-            path = self.conversation_list.path_of(conv_id)
-            self.chat_view.set_transcript([])
-            self.chat_view.placeholder = "Opening the conversation…"
-            self.chat_view.render()
-            self.chat_view.placeholder = "Type a message below and press Enter."
-            if path is not None:
-                self.worker.open_checkpoint(path)
+            self._open_listed(conv_id)
         self._update_buttons()
 
     def select_conversation(self, conv_id: uuid.UUID) -> None:

@@ -7,11 +7,18 @@ loop.  Importing is engine.checkpoints.transfer's (dropped or opened files are v
 in full, linked up and copied into the store before anything is restored from them;
 the originals are never touched); deleting is engine.checkpoints.graph's (nothing a
 head needs goes); exporting a chain compacts it on the engine thread.
+
+Opening a stored conversation asks the engine to restore its head, unless the list
+already knows that head cannot fit the loaded model (made with another model, another
+context): then, as when a restore fails, the window shows the conversation's transcript
+from the file's metadata and says why, in the window, with what can be done: load the
+model that made it and open it, or continue it with the loaded model as a new branch.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Slot
@@ -19,10 +26,11 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 
 from engine.checkpoints import graph
-from engine.checkpoints.format import read_header
+from engine.checkpoints.compat import made_with
+from engine.checkpoints.format import read_header, read_metadata
 from engine.checkpoints.transfer import (MISSING_PARENT, FileCheck, chain_paths, check_file,
                                          import_files)
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, IncompatibleModel
 from gui.browser import CheckpointBrowser, list_rows
 from gui.conversations import stored_conversations
 from gui.files import local_checkpoint_paths
@@ -43,9 +51,11 @@ class StoreActions:
         target = self._target()
         convs = await in_thread(stored_conversations, self.store)
         rows = await in_thread(list_rows, self.store, target) if self.browser is not None else None
+        self.conversation_list.set_target(target)
         for c in convs:
             if c.id not in self.snapshots:
-                self.conversation_list.upsert(c.id, c.title, path=c.path, paused=c.paused)
+                self.conversation_list.upsert(c.id, c.title, path=c.path, paused=c.paused,
+                                              header=c.header, model_name=c.model_name)
         if rows is not None:
             self.browser.set_rows(rows, target, time.perf_counter() - started)
         self.store_listed.emit()
@@ -85,11 +95,103 @@ class StoreActions:
         except Exception as exc:  # noqa: BLE001 - shown to the user
             self.show_error("Could not open the checkpoint", str(exc))
             return
-        self.conversation_list.upsert(header.conversation_id, header.title, path=path, top=True)
-        self.snapshots.pop(header.conversation_id, None)  # the file is the newer truth
-        self.current = header.conversation_id
-        self.conversation_list.select(header.conversation_id)
+        conv_id = header.conversation_id
+        self.conversation_list.upsert(conv_id, header.title, path=path, top=True)
+        self.snapshots.pop(conv_id, None)  # the file is the newer truth
+        self.current = conv_id
+        self.conversation_list.select(conv_id)
+        self._start_opening(conv_id, path)
+
+    def _open_listed(self, conv_id: uuid.UUID) -> None:
+        """Open a stored conversation from its newest head; one whose state cannot fit the
+        loaded model is shown from its file instead, with what can be done about it."""
+        path = self.conversation_list.path_of(conv_id)
+        if path is None:
+            self.chat_view.set_transcript([])
+        elif self.conversation_list.problem_of(conv_id):
+            self.show_unopened(conv_id, path)      # open_checkpoint would only fail
+        else:
+            self._start_opening(conv_id, path)
+
+    def _start_opening(self, conv_id: uuid.UUID, path: Path) -> None:
+        self._unopened.pop(conv_id, None)
+        self.offer_bar.withdraw()
+        self.chat_view.set_transcript([])
+        self.chat_view.placeholder = "Opening the conversation…"
+        self.chat_view.render()
+        self.chat_view.placeholder = "Type a message below and press Enter."
+        self._opening = (conv_id, path)     # a failure is said here (_on_bridge_engine_failed)
         self.worker.open_checkpoint(path)
+        self._update_buttons()
+
+    def show_unopened(self, conv_id: uuid.UUID, path: Path, *, failure: str = "") -> None:
+        """Show a conversation the engine does not have open from its file: its transcript
+        and, in the offer bar, why it is not open (``failure``, else the compatibility
+        rule's reason) and what can be done.  Sending is off until it is open."""
+        self._unopened[conv_id] = Path(path)
+        self.chat_view.set_transcript([], actions=False)
+        self.chat_view.placeholder = "Reading the conversation…"
+        self.chat_view.render()
+        self.chat_view.placeholder = "Type a message below and press Enter."
+        self._update_buttons()
+        spawn(self._show_unopened(conv_id, Path(path), failure))
+
+    async def _show_unopened(self, conv_id: uuid.UUID, path: Path, failure: str) -> None:
+        try:
+            header, meta, model_file = await in_thread(_read_for_offer, path)
+        except Exception as exc:  # noqa: BLE001 - said in the window
+            if self.current == conv_id and conv_id in self._unopened:
+                self.chat_view.placeholder = "The conversation could not be read."
+                self.chat_view.render()
+                self.chat_view.placeholder = "Type a message below and press Enter."
+                self.show_offer(conv_id, "unopened", "Not opened",
+                                f"This conversation cannot be opened: {failure or exc}")
+            return
+        if self.current != conv_id or conv_id not in self._unopened:
+            return   # the user went elsewhere, or it was opened meanwhile
+        transcript = [e for e in meta.get("transcript") or [] if isinstance(e, dict)
+                      and isinstance(e.get("role"), str) and isinstance(e.get("content"), str)]
+        self.chat_view.set_transcript(transcript, actions=False)
+        info = self.bridge.model_info
+        problem = info.target.problem(header, meta) if info is not None and info.target else None
+        theirs = made_with(meta)
+        actions = []
+        if isinstance(problem, IncompatibleModel):
+            text = (f"Made with {theirs}, not with the loaded model. Its saved state fits only {theirs}: "
+                    f"load it to go on exactly where it stopped, or continue with {info.name} as a new "
+                    "branch (it reads the transcript once).")
+            if model_file is not None:
+                actions.append((f"Load {theirs}", lambda: self._load_and_open(model_file, path, theirs)))
+            else:
+                text += f" ({theirs} is no longer where it was: {_recorded_model_path(meta) or '?'}.)"
+        else:
+            text = f"This conversation could not be opened: {failure or problem or 'no model is loaded'}."
+        if info is not None and transcript:
+            actions.append((f"Continue with {info.name}", lambda: self.continue_with_loaded_model(conv_id, path)))
+        self.show_offer(conv_id, "unopened", "Not opened", text, actions)
+
+    def _load_and_open(self, model_file: Path, path: Path, name: str) -> None:
+        """Load the model that made ``path``'s conversation, then open it."""
+        if self.running is not None:
+            self.show_message("Model", "Pause the answer before switching models.")
+            return
+        self.offer_bar.offer(self.offer_bar.conversation, "unopened", f"Loading {name}…", [])
+        self._open_after_load = path
+        self.switch_model(model_file)
+
+    def continue_with_loaded_model(self, conv_id: uuid.UUID, path: Path) -> None:
+        """Go on with another model's conversation with the loaded one, as a new branch
+        (its transcript is decoded once when it next answers)."""
+        self.offer_bar.offer(conv_id, "unopened", "Taking the conversation over…", [])
+        spawn(self._continue_with_loaded_model(conv_id, path))
+
+    async def _continue_with_loaded_model(self, conv_id: uuid.UUID, path: Path) -> None:
+        try:
+            # reads the file's metadata (on this executor thread), then queues the command
+            await in_thread(self.worker.continue_with_loaded_model, path)
+        except Exception as exc:  # noqa: BLE001 - said in the window
+            if self.current == conv_id and conv_id in self._unopened:
+                self.show_unopened(conv_id, path, failure=f"it could not be read ({exc})")
 
     def open_checkpoint_dialog(self) -> None:
         paths, _ = QFileDialog.getOpenFileNames(self, "Open checkpoint", str(self.store.folder),
@@ -234,3 +336,17 @@ class StoreActions:
             return
         event.acceptProposedAction()
         self.import_files(paths)
+
+
+def _recorded_model_path(meta: dict) -> str:
+    model = meta.get("model")
+    value = model.get("path") if isinstance(model, dict) else None
+    return value if isinstance(value, str) else ""
+
+
+def _read_for_offer(path: Path):
+    """Header, metadata and the recorded model file when it still exists (any thread)."""
+    header, meta = read_metadata(path)
+    recorded = _recorded_model_path(meta)
+    model_file = Path(recorded) if recorded and Path(recorded).is_file() else None
+    return header, meta, model_file

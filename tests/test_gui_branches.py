@@ -1,0 +1,325 @@
+"""Branches in the window (issue 10), against the real model, offscreen.
+
+The user's clicks go where a user clicks: the links in the chat view's message headings
+(‹ k/n ›, Edit, Continue, Fork), the editor's Send, the buttons of the offer bar.  What
+the engine does with them is tests/test_branches.py's; here: what the window shows, and
+that it never waits for something that cannot come (another model's conversation, a
+full context).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QTextCursor
+
+from engine.checkpoints.format import read_header
+from test_gui_window import SEED, _record_saves, run_to_end, wait_saved
+
+Messages = list[tuple[str, str]]
+
+
+@pytest.fixture
+def make_window(qtbot, qapp):
+    """Windows as tests/test_gui_window.py makes them: small context, short answers."""
+    from gui.main_window import MainWindow
+    from gui.settings import AppSettings
+    from gui.tasks import ensure_event_loop
+    ensure_event_loop(qapp)
+    windows = []
+
+    def make(n_predict: int, **overrides):
+        s = AppSettings()
+        s.n_ctx, s.n_threads, s.seed, s.n_predict = 1024, 2, SEED, n_predict
+        s.temperature, s.autosave_every = 0.8, 0
+        for key, value in overrides.items():
+            setattr(s, key, value)
+        w = MainWindow(s)
+        _record_saves(w)
+        windows.append(w)
+        w.show()
+        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
+            w.start()
+        return w
+
+    yield make
+    for w in windows:
+        if w.worker.alive:
+            w.worker.shutdown()
+            w.worker.join(60)
+        w._close_done = True
+        w.close()
+        w.deleteLater()
+
+
+def shown(w) -> Messages:
+    return [(m.role, m.text) for m in w.chat_view.messages]
+
+
+def click_href(qtbot, view, href: str) -> None:
+    """Click the link to ``href`` in the chat view where it is drawn, as a user would."""
+    doc = view.document()
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            if frag.charFormat().isAnchor() and frag.charFormat().anchorHref() == href:
+                start = QTextCursor(doc)
+                start.setPosition(frag.position())
+                end = QTextCursor(doc)
+                end.setPosition(frag.position() + frag.length())
+                view.setTextCursor(start)
+                view.ensureCursorVisible()
+                left, right = view.cursorRect(start), view.cursorRect(end)
+                point = left.center()
+                point.setX((left.left() + right.left()) // 2)
+                qtbot.mouseClick(view.viewport(), Qt.MouseButton.LeftButton, pos=point)
+                return
+            it += 1
+        block = block.next()
+    raise AssertionError(f"no link to {href} in {view.toPlainText()!r}")
+
+
+def send_text(qtbot, w, text: str) -> None:
+    w.prompt_edit.setPlainText(text)
+    qtbot.mouseClick(w.send_button, Qt.MouseButton.LeftButton)
+
+
+def _anchors(view) -> list[tuple[str, str]]:
+    out = []
+    block = view.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            if frag.charFormat().isAnchor():
+                out.append((frag.text(), frag.charFormat().anchorHref()))
+            it += 1
+        block = block.next()
+    return out
+
+
+def test_headings_follow_the_alternatives_and_the_last_answer(qtbot):
+    """The heading links written piece by piece (switchers, Continue moving to the newest
+    answer) equal a full render of the same messages."""
+    from engine.branches import Alternatives
+    from gui.chat_view import ChatView
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.set_transcript([{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+                        alternatives=(None, None, Alternatives(2, 3, (Path("a"), Path("b"), Path("c")))))
+    assert ("Continue", "continue:2") in _anchors(view) and ("‹", "alt:2:1") in _anchors(view)
+    assert "2/3" in view.toPlainText() and ("Edit", "edit:0") in _anchors(view)   # the system prompt
+    view.begin_answer("And you?")
+    view.append_text("Fine.")
+    view.finish_answer(complete=True)
+    assert [h for _, h in _anchors(view) if h.startswith("continue:")] == ["continue:4"]
+    two = Alternatives(1, 2, (Path("x"), Path("y")))
+    assert view.set_alternatives((None, None, view.messages[2].alternatives, None, two))
+    assert ("›", "alt:4:2") in _anchors(view) and "1/2" in view.toPlainText()
+    incremental = (_anchors(view), view.toPlainText().split())
+    view.render()
+    assert (_anchors(view), view.toPlainText().split()) == incremental
+    assert not view.set_alternatives((None,))                  # not aligned: nothing changes
+    view.set_transcript([{"role": "user", "content": "Hi"}], actions=False)
+    assert [t for t, _ in _anchors(view)] == ["Copy"]          # read from a file: no actions
+
+
+def test_regenerate_keeps_the_answer_and_switching_back_decodes_nothing(qtbot, make_window):
+    w = make_window(n_predict=8)
+    run_to_end(qtbot, w, "Name a colour.")
+    first = w.chat_view.answer_text()
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000):
+        qtbot.mouseClick(w.regenerate_button, Qt.MouseButton.LeftButton)
+    wait_saved(qtbot, w)
+    second = w.chat_view.answer_text()
+    assert second and second != first                       # a new seed, a new answer
+    alternatives = w.chat_view.messages[-1].alternatives
+    assert (alternatives.index, alternatives.count) == (2, 2)
+    assert "‹ 2/2 ›" in w.chat_view.toPlainText()
+
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=60_000) as changed:
+        click_href(qtbot, w.chat_view, "alt:1:1")            # ‹
+    back = changed.args[0]
+    assert back.transcript[-1]["content"] == first
+    assert w.chat_view.answer_text() == first and "‹ 1/2 ›" in w.chat_view.toPlainText()
+    # the next answer follows the alternative shown, and nothing of it is decoded again
+    summary = run_to_end(qtbot, w, "Another one?")
+    assert summary.n_reused_tokens >= back.n_tokens > 0
+    assert shown(w)[:2] == [("user", "Name a colour."), ("assistant", first)]
+
+    # the checkpoint browser: the conversation's two branches, each with its fork point
+    # and last message; Resume on the conversation's row opens its newest branch
+    browser = w.show_browser()
+    qtbot.waitUntil(lambda: any(r.role == "conversation" for r in browser.model.top_rows), timeout=30_000)
+    (group,) = [r for r in browser.model.top_rows if r.role == "conversation"]
+    assert len(group.children) == 2
+    assert all(b.fork.startswith("message 2 (the answer)") for b in group.children)
+    latest = w.chat_view.answer_text()
+    assert {b.last_message for b in group.children} == {f"Assistant: {' '.join(t.split())}"
+                                                        for t in (latest, second)}
+    browser.select_path(group.children[0].path)
+    assert browser.buttons["Resume"].isEnabled()
+
+
+def test_edit_a_message_branches_and_the_old_turns_stay_reachable(qtbot, make_window):
+    w = make_window(n_predict=6, temperature=0.0)
+    run_to_end(qtbot, w, "Name a fruit.")
+    run_to_end(qtbot, w, "Name a vegetable.")
+    before = shown(w)
+    assert len(before) == 4
+
+    click_href(qtbot, w.chat_view, "edit:2")
+    editor = w.message_editor
+    assert editor is not None and editor.isVisible() and editor.text() == "Name a vegetable."
+    editor.edit.setPlainText("Name a tree.")
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000):
+        qtbot.mouseClick(editor.send_button, Qt.MouseButton.LeftButton)
+    wait_saved(qtbot, w)
+    after = shown(w)
+    assert after[:3] == before[:2] + [("user", "Name a tree.")] and len(after) == 4
+    assert after[3][1] and w.chat_view.messages[3].complete
+    edited = w.chat_view.messages[2].alternatives
+    assert (edited.index, edited.count) == (2, 2)
+    assert w.chat_view.messages[0].alternatives is None        # the first turn is shared
+
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=60_000):
+        click_href(qtbot, w.chat_view, "alt:2:1")
+    assert shown(w) == before                                  # the old turns, as they were
+    assert w.chat_view.messages[2].alternatives.index == 1
+
+
+def test_continue_and_fork_into_a_new_selected_conversation(qtbot, make_window):
+    w = make_window(n_predict=6, temperature=0.0)
+    run_to_end(qtbot, w, "Count from one.")
+    answer = w.chat_view.answer_text()
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as fin:
+        click_href(qtbot, w.chat_view, "continue:1")
+    assert fin.args[0].n_reused_tokens == fin.args[0].n_prompt_tokens   # nothing read again
+    wait_saved(qtbot, w)
+    longer = w.chat_view.answer_text()
+    assert longer.startswith(answer) and len(longer) > len(answer) and len(w.chat_view.messages) == 2
+    run_to_end(qtbot, w, "And backwards?")
+    original = w.current
+    kept = shown(w)[:2]
+
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=60_000,
+                          check_params_cb=lambda snap: snap.id != original) as changed:
+        click_href(qtbot, w.chat_view, "fork:1")
+    fork = changed.args[0]
+    assert w.current == fork.id and fork.title.endswith("(fork)")
+    assert w.conversation_list.current_id() == fork.id
+    assert w.conversation_list.item(0).data(Qt.ItemDataRole.UserRole) == fork.id   # on top
+    assert w.conversation_list.item_for(original) is not None
+    assert shown(w) == kept
+    summary = run_to_end(qtbot, w, "Is that all?")
+    assert summary.conversation_id == fork.id and summary.n_reused_tokens >= fork.n_tokens > 0
+
+
+def _gemma_checkpoints(gemma_path: Path, folder: Path, prompts: list[str]) -> list[Path]:
+    """Real checkpoints made with Gemma 3 270M, one conversation per prompt."""
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    rt = Runtime(gemma_path, ContextSettings(n_ctx=1024, n_threads=2))
+    out = []
+    try:
+        for k, prompt in enumerate(prompts):
+            conv = Conversation(title=prompt)
+            begin_answer(conv, rt, prompt, n_predict=4)
+            generate(rt, conv)
+            out.append(rt.save(folder / f"gemma-{k}.kvckpt", conv).path)
+    finally:
+        rt.close()
+    return out
+
+
+def test_another_models_conversation_is_marked_and_offers_instead_of_hanging(qtbot, make_window, gemma_path):
+    w = make_window(n_predict=4)
+    ours = w.bridge.model_info.name
+    to_continue, to_load = _gemma_checkpoints(gemma_path, w.store.folder, ["Hello", "Good morning"])
+    ids: list[uuid.UUID] = [read_header(p).conversation_id for p in (to_continue, to_load)]
+    with qtbot.waitSignal(w.store_listed, timeout=30_000):
+        w.refresh_store()
+    theirs = w.conversation_list.other_model(ids[0])
+    assert theirs and "gemma" in theirs.lower() and w.conversation_list.other_model(ids[1]) == theirs
+
+    opened = []
+    real_open = w.worker.open_checkpoint
+    w.worker.open_checkpoint = lambda path: (opened.append(path), real_open(path))
+    with qtbot.waitSignal(w.message_shown, timeout=30_000):
+        w.select_conversation(ids[0])
+    assert opened == []                                        # it would only fail
+    text = w.chat_view.toPlainText()
+    assert "Hello" in text and "Opening the conversation" not in text
+    assert w.offer_bar.isVisible() and theirs in w.offer_bar.text()
+    assert [b.text() for b in w.offer_bar.buttons()] == [f"Load {theirs}", f"Continue with {ours}"]
+    assert not w.send_button.isEnabled()                       # a message would go nowhere
+
+    # opened by path all the same (as a crash offer or Resume would): the engine refuses,
+    # and the window says why where the conversation is, instead of "Opening…" forever
+    with qtbot.waitSignal(w.message_shown, timeout=30_000):
+        w.open_checkpoint(to_continue)
+    qtbot.waitUntil(lambda: opened == [to_continue], timeout=10_000)
+    qtbot.waitUntil(lambda: "Hello" in w.chat_view.toPlainText(), timeout=10_000)
+    assert "Opening the conversation" not in w.chat_view.toPlainText() and w.offer_bar.isVisible()
+
+    # Continue with the loaded model: a new branch of it, with SmolLM2
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
+                          check_params_cb=lambda snap: snap.id == ids[0]):
+        next(b for b in w.offer_bar.buttons() if b.text().startswith("Continue")).click()
+    assert not w.offer_bar.isVisible() and w.send_button.isEnabled()
+    assert w.conversation_list.other_model(ids[0]) == ""
+    summary = run_to_end(qtbot, w, "How are you?")
+    assert summary.conversation_id == ids[0] and summary.n_generated > 0
+    assert shown(w)[0] == ("user", "Hello") and shown(w)[-2] == ("user", "How are you?")
+
+    # Load Gemma: the model that made it is loaded, then the conversation is restored
+    with qtbot.waitSignal(w.message_shown, timeout=30_000):
+        w.select_conversation(ids[1])
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=120_000,
+                          check_params_cb=lambda snap: snap.id == ids[1]) as restored:
+        next(b for b in w.offer_bar.buttons() if b.text().startswith("Load")).click()
+    assert w.bridge.model_info.name == theirs
+    assert restored.args[0].n_tokens == read_header(to_load).n_tokens
+    assert shown(w)[0] == ("user", "Good morning") and not w.offer_bar.isVisible()
+    assert w.send_button.isEnabled()
+
+
+def test_a_full_context_offers_a_new_branch(qtbot, make_window):
+    w = make_window(n_predict=8, n_ctx=512, temperature=0.0)
+    n_ctx = w.bridge.model_info.n_ctx
+    notes = "The roses need water every morning. " * (n_ctx // 20)
+    first, second = f"My garden notes: {notes}Summarise.", f"More notes: {notes}What now?"
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000):
+        send_text(qtbot, w, first)
+    wait_saved(qtbot, w)
+    before = shown(w)
+
+    with qtbot.waitSignal(w.bridge.context_full, timeout=60_000):
+        send_text(qtbot, w, second)
+    qtbot.waitUntil(w.offer_bar.isVisible, timeout=10_000)
+    assert w.running is None and w.send_button.isEnabled() and not w.pause_button.isEnabled()
+    assert shown(w) == before                                  # the unsent message is taken back
+    assert w.prompt_edit.toPlainText() == second               # and kept for the user
+    assert "too long" in w.offer_bar.text()
+    (button,) = w.offer_bar.buttons()
+    assert button.text() == "Continue in a new branch"
+
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as fin:
+        button.click()
+    assert fin.args[0].finish_reason in ("length", "stop") and fin.args[0].n_generated > 0
+    wait_saved(qtbot, w)
+    after = shown(w)
+    assert after[-2] == ("user", second) and after[-1][0] == "assistant" and after[-1][1]
+    assert ("user", first) not in after                        # only what fits was kept
+    assert w.prompt_edit.toPlainText() == "" and not w.offer_bar.isVisible()
+    # the full conversation stays as it was, one ‹ › away
+    kept_first = w.chat_view.messages[0].alternatives
+    assert kept_first is not None and kept_first.count == 2
