@@ -108,6 +108,15 @@ class GenerationSummary:
     n_reused_tokens: int
     tokens_per_s: float
     text: str
+    #: seconds from the command starting on the engine thread to the first token, the
+    #: restore below included; None when the answer paused before its first token
+    ttft_s: float | None = None
+    #: bringing the conversation into the cache from its checkpoint chain first (read,
+    #: verify, set state; with a switch, saving the conversation the cache held when its
+    #: newest tokens were not on disk yet); 0.0 when the cache already held it
+    restore_s: float = 0.0
+    #: decoding the prompt tokens the cache lacked, nothing else
+    prefill_s: float = 0.0
 
 
 class WorkerListener:
@@ -789,7 +798,10 @@ class EngineWorker:
         rt = self._need_runtime()
         if self._stopping.is_set():
             return
+        requested = time.perf_counter()
+        rt.last_restore_s = 0.0
         self._activate(conv)
+        restore_s = time.perf_counter() - requested if rt.last_restore_s else 0.0
         self._control.reset()
         with self._busy_lock:
             pending = 0 < self._answer_running <= self._pause_upto
@@ -803,7 +815,8 @@ class EngineWorker:
             result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv),
                               autosave_every=self.autosave_every, autosave=self._autosave,
                               skip_eog_once=skip_eog_once,
-                              checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint)
+                              checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint,
+                              requested_at=requested)
         except Exception:
             # a failure mid-answer (a bug, a decode error): save what the cache holds, so the
             # tokens decoded so far are not lost and Resume can continue after a restart
@@ -816,7 +829,7 @@ class EngineWorker:
             conversation_id=conv.id, finish_reason=result.finish_reason,
             n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
             n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
-            text=result.text))
+            text=result.text, ttft_s=result.ttft_s, restore_s=restore_s, prefill_s=result.prefill_s))
         kind = self._pause_kind if result.paused else KIND_MANUAL
         if not result.paused:
             from engine.generation import commit_answer
