@@ -41,10 +41,11 @@ class Branch:
 @dataclass(frozen=True)
 class Alternatives:
     """At one message: which alternative is shown (1-based) of how many, and the head
-    that shows each one (in the same order)."""
+    that shows each one (in the same order; None for the one shown when no file holds it
+    yet, e.g. while it is being written)."""
     index: int
     count: int
-    heads: tuple[Path, ...]
+    heads: tuple[Path | None, ...]
 
 
 def _messages(meta: dict) -> tuple[Message, ...]:
@@ -95,7 +96,7 @@ def alternatives(current: Sequence[Message], branches: Sequence[Branch]) -> list
         if len(ordered) < 2:
             out.append(None)
             continue
-        heads = tuple(options[m].head if options[m] is not None else Path() for m in ordered)
+        heads = tuple(options[m].head if options[m] is not None else None for m in ordered)
         out.append(Alternatives(ordered.index(message) + 1, len(ordered), heads))
     return out
 

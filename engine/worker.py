@@ -296,7 +296,9 @@ class EngineWorker:
         self._submit("switch branch", self._do_switch_branch, conv_id, Path(head))
 
     def fork(self, conv_id: uuid.UUID, index: int) -> uuid.UUID:
-        """A new conversation holding this one's messages up to ``index`` (on its files)."""
+        """A new conversation on this one's files: up to and including answer ``index``, or,
+        at a message of the user's, everything before it (so the fork is ready for a new
+        message).  ``index`` counts the messages, the system prompt not included."""
         new_id = uuid.uuid4()
         self._submit("fork the conversation", self._do_fork, conv_id, index, new_id)
         return new_id
@@ -557,16 +559,19 @@ class EngineWorker:
         from engine.generation import begin_answer
         rt = self._need_runtime()
         conv = self._conv(conv_id)
+        messages, answer, tokens = list(conv.messages), conv.answer, list(conv.tokens)
+        finish = answer.finish_reason if answer is not None else None
         if conv.paused:
             # a new message after a paused answer keeps what was generated so far
             conv.answer.finish_reason = "interrupted"
-        messages, answer, tokens = list(conv.messages), conv.answer, list(conv.tokens)
         begin_answer(conv, rt, text, n_predict=n_predict)
         room = rt.ctx.n_ctx - len(conv.tokens)
         if room < ANSWER_ROOM:
             # said before anything is decoded; the conversation stays as it was, and the
             # front end may offer send_in_new_branch
             conv.messages, conv.answer, conv.tokens = messages, answer, tokens
+            if answer is not None:
+                answer.finish_reason = finish   # a paused answer stays resumable
             self.listener.on_context_full(conv_id, text, (
                 f"The conversation is too long for this context ({len(tokens):,} of {rt.ctx.n_ctx:,} "
                 f"tokens; this message needs {ANSWER_ROOM - room:,} more to leave room for an answer). "
@@ -611,14 +616,15 @@ class EngineWorker:
     def continue_with_loaded_model(self, path: str | Path) -> uuid.UUID:
         """A conversation made with another model, continued with the loaded one: its
         transcript becomes a new branch, decoded once when it next answers."""
-        from engine.checkpoints.format import read_metadata
-        header, meta = read_metadata(path)
-        self._submit("continue with this model", self._do_continue_with_loaded_model, header.conversation_id,
-                     meta)
-        return header.conversation_id
+        from engine.checkpoints.format import read_header
+        conv_id = read_header(path).conversation_id   # 256 bytes; the rest on the engine thread
+        self._submit("continue with this model", self._do_continue_with_loaded_model, conv_id, Path(path))
+        return conv_id
 
-    def _do_continue_with_loaded_model(self, conv_id: uuid.UUID, meta: dict) -> None:
+    def _do_continue_with_loaded_model(self, conv_id: uuid.UUID, path: Path) -> None:
+        from engine.checkpoints.format import read_metadata
         from engine.history import LineWriter
+        meta = read_metadata(path)[1]
         saved = meta.get("conversation")
         try:
             conv = Conversation.from_json(saved if isinstance(saved, dict) else {}, [])
@@ -744,7 +750,7 @@ class EngineWorker:
                                     if conv.answer is not None and not conv._answer_committed() else [])
         if not 0 <= index < len(messages):
             raise GenerationError(f"there is no message {index + 1} to fork at")
-        kept = messages[:index + 1]
+        kept = messages[:index] if messages[index][0] == "user" else messages[:index + 1]
         fork = Conversation(id=new_id, title=f"{conv.title} (fork)", system_prompt=conv.system_prompt,
                             messages=list(kept), sampler=conv.sampler, stop_strings=list(conv.stop_strings))
         # the newest file of this conversation's chain that holds exactly those messages

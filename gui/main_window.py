@@ -29,6 +29,7 @@ from gui.chat_view import ChatView, MessageEditor, OfferBar, PromptEdit
 from gui.conversations import PAUSED_MARK, ConversationList
 from gui.files import file_size_text
 from gui.settings import AppSettings
+from gui.branch_actions import BranchActions
 from gui.store_actions import StoreActions
 
 log = logging.getLogger("gui")
@@ -39,7 +40,7 @@ ANSWER_ACTIONS = ("generate", "resume", "regenerate", "edit the message", "conti
                   "continue in a new branch")
 
 
-class MainWindow(StoreActions, QMainWindow):
+class MainWindow(StoreActions, BranchActions, QMainWindow):
     """Checkpoint Chat's main window.
 
     Signals:
@@ -343,108 +344,6 @@ class MainWindow(StoreActions, QMainWindow):
         self.worker.regenerate(self.current)
         self._update_buttons()
 
-    # -- branches: edit, continue, fork, switch ---------------------------------------------------
-    def _branch_ready(self) -> bool:
-        """Whether the current conversation is open in the engine and nothing generates."""
-        if self.running is not None or self._closing:
-            self.statusBar().showMessage("Pause the answer first.", 5000)
-            return False
-        return self.current is not None and self.current in self.snapshots
-
-    def _conversation_index(self, index: int) -> int:
-        """The index in the conversation's messages (no system entry) of view message ``index``."""
-        messages = self.chat_view.messages
-        return index - (1 if messages and messages[0].role == "system" else 0)
-
-    @Slot(int)
-    def _on_chat_view_edit_requested(self, index: int) -> None:
-        if not self._branch_ready() or not 0 <= index < len(self.chat_view.messages):
-            return
-        message = self.chat_view.messages[index]
-        if message.role == "system":
-            self._edit_system_prompt_dialog()
-        elif message.role == "user":
-            self._open_editor(message.text, lambda text: self.edit_message(index, text))
-
-    def _edit_system_prompt_dialog(self) -> None:
-        if not self._branch_ready():
-            return
-        snap = self.snapshots[self.current]
-        current = snap.transcript[0]["content"] if snap.transcript and \
-            snap.transcript[0]["role"] == "system" else ""
-        self._open_editor(current, self.edit_system_prompt, system=True)
-
-    def _open_editor(self, text: str, accepted, *, system: bool = False) -> None:
-        editor = MessageEditor(text, system=system, parent=self)
-        editor.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        editor.accepted.connect(lambda: accepted(editor.text()))
-        editor.open()
-        self.message_editor = editor
-
-    def edit_message(self, index: int, text: str) -> None:
-        """Replace user message ``index`` (of the view) by ``text`` and answer it, as a new
-        branch: the turns after it stay reachable with ‹ › on that message."""
-        text = text.strip()
-        messages = self.chat_view.messages
-        if not text or not self._branch_ready() or not 0 <= index < len(messages) \
-                or messages[index].role != "user":
-            return
-        self.offer_bar.withdraw()
-        self.chat_view.truncate(index)
-        self.chat_view.begin_answer(text)
-        self.running = self.current
-        self.worker.edit_message(self.current, self._conversation_index(index), text, self.settings.n_predict)
-        self._update_buttons()
-
-    def edit_system_prompt(self, text: str) -> None:
-        """Start the conversation over with another system prompt, as a new branch."""
-        if self._branch_ready():
-            self.offer_bar.withdraw()
-            self.worker.edit_system_prompt(self.current, text.strip())
-
-    @Slot(int)
-    def _on_chat_view_continue_requested(self, _index: int) -> None:
-        self.continue_answer()
-
-    @Slot()
-    def continue_answer(self) -> None:
-        """Generate more of the last answer, which had finished."""
-        snap = self.snapshots.get(self.current) if self.current else None
-        if not self._branch_ready() or snap is None or not snap.transcript \
-                or snap.transcript[-1]["role"] != "assistant" or snap.paused:
-            return
-        self.offer_bar.withdraw()
-        self.chat_view.begin_answer(None)
-        self.running = self.current
-        self.worker.continue_answer(self.current, self.settings.n_predict)
-        self._update_buttons()
-
-    @Slot(int)
-    def _on_chat_view_fork_requested(self, index: int) -> None:
-        self.fork_at(index)
-
-    def fork_at(self, index: int) -> None:
-        """A new conversation holding the messages up to view message ``index``; it is
-        selected in the list as soon as the engine has it."""
-        if self._branch_ready() and 0 <= index < len(self.chat_view.messages):
-            self._pending_fork = self.worker.fork(self.current, self._conversation_index(index))
-
-    @Slot(int, int)
-    def _on_chat_view_alternative_requested(self, index: int, number: int) -> None:
-        self.show_alternative(index, number)
-
-    def show_alternative(self, index: int, number: int) -> None:
-        """Show alternative ``number`` (1-based) of view message ``index``: its branch is
-        restored (only what differs from the cache), and the view follows it."""
-        if not self._branch_ready() or not 0 <= index < len(self.chat_view.messages):
-            return
-        alternatives = self.chat_view.messages[index].alternatives
-        if alternatives is None or not 1 <= number <= alternatives.count or number == alternatives.index:
-            return
-        head = alternatives.heads[number - 1]
-        if head != Path():   # Path(): the one shown, not saved yet
-            self.worker.switch_branch(self.current, head)
-
     def rename_conversation(self, conv_id: uuid.UUID) -> None:
         item = self.conversation_list.item_for(conv_id)
         old = item.text().removeprefix(PAUSED_MARK) if item else ""
@@ -699,38 +598,6 @@ class MainWindow(StoreActions, QMainWindow):
     def _on_bridge_conversation_deleted(self, conv_id) -> None:
         self.conversation_deleted.emit(conv_id)
         self.refresh_store()
-
-    @Slot(object, str, str)
-    def _on_bridge_context_full(self, conv_id, text: str, message: str) -> None:
-        """The message did not fit: nothing was generated.  Say so, and offer a new branch
-        that keeps the system prompt and the most recent turns that fit."""
-        if self.running == conv_id:
-            self.running = None
-        self.speed_label.setText("")
-        if conv_id != self.current:
-            self.show_message("The context is full", message)
-            self._update_buttons()
-            return
-        snap = self.snapshots.get(conv_id)
-        if snap is not None:
-            self._show_snapshot(snap)        # the message shown as sent is taken back
-        if not self.prompt_edit.toPlainText().strip():
-            self.prompt_edit.setPlainText(text)
-        self.show_offer(conv_id, "context full", "The context is full", f"Not sent: {message}",
-                        [("Continue in a new branch", lambda: self.send_in_new_branch(conv_id, text))])
-        self._update_buttons()
-
-    def send_in_new_branch(self, conv_id: uuid.UUID, text: str) -> None:
-        """Send ``text`` on a new branch that keeps what fits of the conversation."""
-        if self.running is not None or self._closing or conv_id != self.current:
-            return
-        self.offer_bar.withdraw()
-        if self.prompt_edit.toPlainText().strip() == text:
-            self.prompt_edit.clear()
-        self.chat_view.begin_answer(text)
-        self.running = conv_id
-        self.worker.send_in_new_branch(conv_id, text, self.settings.n_predict)
-        self._update_buttons()
 
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:

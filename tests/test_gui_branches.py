@@ -245,8 +245,9 @@ def test_another_models_conversation_is_marked_and_offers_instead_of_hanging(qtb
     ours = w.bridge.model_info.name
     to_continue, to_load = _gemma_checkpoints(gemma_path, w.store.folder, ["Hello", "Good morning"])
     ids: list[uuid.UUID] = [read_header(p).conversation_id for p in (to_continue, to_load)]
-    with qtbot.waitSignal(w.store_listed, timeout=30_000):
-        w.refresh_store()
+    w.refresh_store()
+    # the window may be listing already (it does at start): wait for a listing that saw them
+    qtbot.waitUntil(lambda: all(w.conversation_list.other_model(i) for i in ids), timeout=30_000)
     theirs = w.conversation_list.other_model(ids[0])
     assert theirs and "gemma" in theirs.lower() and w.conversation_list.other_model(ids[1]) == theirs
 

@@ -26,7 +26,8 @@ from faultkit.zygote import ROOT
 PROMPTS = ["Name three rivers.", "Write a line about snow.", "Count to five.", "Say something kind."]
 #: action name -> the range of its integer argument
 ACTIONS = {"answer": (4, 24), "pause": (2, 12), "resume": (4, 16), "regenerate": (4, 16),
-           "prune": (0, 3), "delete": (0, 0), "reimport": (0, 0), "kill": (1, 3)}
+           "edit": (4, 16), "switch": (0, 3), "prune": (0, 3), "delete": (0, 0), "reimport": (0, 0),
+           "kill": (1, 3)}
 BUDGETS = [0, 1, 50_000, 10**9]
 
 
@@ -134,6 +135,23 @@ class Driver:
         if self.has_answer(c):
             self.worker.regenerate(c)
 
+    def do_edit(self, slot, n):
+        """Edit the conversation's first message: a new branch; the old turns stay."""
+        c = self._answered(slot)
+        conv = self.worker._convs.get(c)
+        if conv is not None and conv.messages and conv.messages[0][0] == "user":
+            self.worker.edit_message(c, 0, PROMPTS[(slot + n + 2) % len(PROMPTS)], n)
+
+    def do_switch(self, slot, pick):
+        """Show another branch of the conversation (restoring only what differs)."""
+        from engine.branches import branches_of
+        c = self._answered(slot)
+        others = [b for b in branches_of(self.store, c)
+                  if self.worker._writers.get(c) is None or self.worker._writers[c].head is None
+                  or b.head != self.worker._writers[c].head.path]
+        if others:
+            self.worker.switch_branch(c, others[pick % len(others)].head)
+
     def do_prune(self, slot, budget):
         from engine.checkpoints import graph
         graph.prune(self.store, budget)
@@ -223,15 +241,17 @@ def check(driver: Driver, runtime) -> Outcome:
     if (driver.deleted - live) & have:
         out.problems.append("a deleted conversation came back")
     out.problems += [f"engine error: {a}: {m}" for a, m in driver.errors]
-    # the app's newest state of each conversation is a head (not only some older one)
+    # the app's newest state of each conversation is in the store, restorable: a head, or
+    # a file some head builds on (a CLI run may have continued it on a branch of its own)
     from engine.checkpoints.chain import tokens_digest
     for c in live:
         conv = driver.worker._convs.get(c)   # the engine thread has stopped: safe to read
         if conv is None:
             continue
-        if not any(h.header.n_tokens_total == len(conv.tokens)
-                   and h.tokens_digest == tokens_digest(conv.tokens[:h.header.n_tokens])
-                   for h in g.heads_of(c)):
+        if not any(n.conversation_id == c and g.reachable(n) and g.chain_problem(n) is None
+                   and n.header.n_tokens_total == len(conv.tokens)
+                   and n.tokens_digest == tokens_digest(conv.tokens[:n.header.n_tokens])
+                   for n in g.nodes.values()):
             out.heads_lost.append(f"conversation {c}: its newest state ({len(conv.tokens)} tokens) has no head")
     for head in g.heads:
         out.heads_checked += 1
