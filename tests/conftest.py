@@ -58,3 +58,26 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300,
         raise AssertionError(f"checkpoint-chat {' '.join(args)} failed ({done.returncode}):\n"
                              f"{done.stderr}")
     return done
+
+
+@pytest.fixture
+def make_window(qtbot, qapp):
+    """``make(n_predict=40, **settings)``: a started window on SmolLM2 (context 1024,
+    seed 1234, temperature 0.8, no autosave unless asked), closed after the test."""
+    from enginekit import close_windows, record_saves, window_settings
+    from gui.main_window import MainWindow
+    from gui.tasks import ensure_event_loop
+    ensure_event_loop(qapp)
+    windows = []
+
+    def make(n_predict: int = 40, **overrides):
+        w = MainWindow(window_settings(n_predict=n_predict, **overrides))
+        record_saves(w)
+        windows.append(w)
+        w.show()
+        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
+            w.start()
+        return w
+
+    yield make
+    close_windows(windows)

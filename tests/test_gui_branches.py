@@ -12,47 +12,13 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
 
 from engine.checkpoints.format import read_header
-from test_gui_window import SEED, _record_saves, run_to_end, wait_saved
+from test_gui_window import run_to_end, wait_saved
 
 Messages = list[tuple[str, str]]
-
-
-@pytest.fixture
-def make_window(qtbot, qapp):
-    """Windows as tests/test_gui_window.py makes them: small context, short answers."""
-    from gui.main_window import MainWindow
-    from gui.settings import AppSettings
-    from gui.tasks import ensure_event_loop
-    ensure_event_loop(qapp)
-    windows = []
-
-    def make(n_predict: int, **overrides):
-        s = AppSettings()
-        s.n_ctx, s.n_threads, s.seed, s.n_predict = 1024, 2, SEED, n_predict
-        s.temperature, s.autosave_every = 0.8, 0
-        for key, value in overrides.items():
-            setattr(s, key, value)
-        w = MainWindow(s)
-        _record_saves(w)
-        windows.append(w)
-        w.show()
-        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
-            w.start()
-        return w
-
-    yield make
-    for w in windows:
-        if w.worker.alive:
-            w.worker.shutdown()
-            w.worker.join(60)
-        w._close_done = True
-        w.close()
-        w.deleteLater()
 
 
 def shown(w) -> Messages:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
 from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
@@ -19,39 +18,6 @@ from gui.conversations import PAUSED_MARK
 from engine.checkpoints.format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
 
 PROMPT = "Write a long story about a dragon who guards a library."
-SEED = 1234
-
-
-@pytest.fixture
-def make_window(qtbot, qapp):
-    from gui.main_window import MainWindow
-    from gui.settings import AppSettings
-    from gui.tasks import ensure_event_loop
-    ensure_event_loop(qapp)
-    windows = []
-
-    def make(n_predict: int = 40, **overrides):
-        s = AppSettings()
-        s.n_ctx, s.n_threads, s.seed, s.n_predict = 1024, 2, SEED, n_predict
-        s.temperature, s.autosave_every = 0.8, 0
-        for key, value in overrides.items():
-            setattr(s, key, value)
-        w = MainWindow(s)
-        _record_saves(w)
-        windows.append(w)
-        w.show()
-        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
-            w.start()
-        return w
-
-    yield make
-    for w in windows:
-        if w.worker.alive:
-            w.worker.shutdown()
-            w.worker.join(60)
-        w._close_done = True
-        w.close()
-        w.deleteLater()
 
 
 def type_and_send(qtbot, w, text: str) -> None:
@@ -71,11 +37,6 @@ def wait_saved(qtbot, w, timeout=60_000):
     w._test_seen_saves = len(w._test_saves)
     return w._test_saves[-1]
 
-
-def _record_saves(w) -> None:
-    w._test_saves, w._test_seen_saves = [], 0
-    w.bridge.checkpoint_saved.connect(
-        lambda *args: args[4] != 2 and w._test_saves.append(args))
 
 
 def run_to_end(qtbot, w, text: str):

@@ -14,45 +14,8 @@ import pytest
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
 from engine.sampling import SamplerSettings
 from engine.checkpoints.store import Store
-from engine.worker import EngineWorker, ModelOptions, WorkerListener
-
-
-class Recorder(WorkerListener):
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-        self.cond = threading.Condition()
-
-    def _add(self, *event) -> None:
-        with self.cond:
-            self.events.append(event)
-            self.cond.notify_all()
-
-    def on_model_loaded(self, info):
-        self._add("loaded", info)
-
-    def on_generation_finished(self, summary):
-        self._add("finished", summary)
-
-    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
-        self._add("saved", snap, path, kind)
-
-    def on_conversation_changed(self, snap):
-        self._add("changed", snap)
-
-    def on_error(self, action, message):
-        self._add("error", action, message)
-
-    def on_stopped(self):
-        self._add("stopped")
-
-    def wait(self, kind: str, count: int = 1, timeout: float = 120) -> list[tuple]:
-        with self.cond:
-            ok = self.cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
-        assert ok, f"no {kind!r} event: {self.events}"
-        return self.of(kind)
-
-    def of(self, kind: str) -> list[tuple]:
-        return [e for e in self.events if e[0] == kind]
+from engine.worker import EngineWorker, ModelOptions
+from enginekit import Recorder
 
 
 @pytest.fixture

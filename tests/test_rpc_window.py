@@ -9,6 +9,8 @@ import sys
 import time
 
 import pytest
+
+from enginekit import close_windows
 from PySide6.QtWidgets import QLineEdit
 
 from conftest import ROOT
@@ -50,13 +52,7 @@ def window(qtbot, qapp):
         return w
 
     yield make
-    for w in made:
-        if w.worker.alive:
-            w.worker.shutdown()
-            w.worker.join(60)
-        w._close_done = True
-        w.close()
-        w.deleteLater()
+    close_windows(made)
 
 
 @pytest.mark.parametrize("servers, says", [

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from conftest import ROOT, run_cli
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
 from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
-from engine.worker import EngineWorker, ModelOptions, WorkerListener
+from engine.worker import EngineWorker, ModelOptions
+from enginekit import Recorder
 
 RUN = ["-p", "Write a long poem about the moon.", "--seed", "3", "--temp", "0.8",
        "--ctx-size", "1024", "--ignore-eos", "--threads", "2"]
@@ -58,44 +58,6 @@ def _continue_uninterrupted(n_done: int, n_more: int) -> str:
     full = json.loads(run_cli("run", *RUN, "-n", str(n_done + n_more), "--json",
                               check=True).stdout.strip().splitlines()[-1])
     return full["text"]
-
-
-class Recorder(WorkerListener):
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-        self.cond = threading.Condition()
-
-    def _add(self, *event) -> None:
-        with self.cond:
-            self.events.append(event)
-            self.cond.notify_all()
-
-    def on_model_loaded(self, info):
-        self._add("loaded", info)
-
-    def on_generation_finished(self, summary):
-        self._add("finished", summary)
-
-    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
-        self._add("saved", snap, path, kind)
-
-    def on_conversation_changed(self, snap):
-        self._add("changed", snap)
-
-    def on_text(self, conv_id, text):
-        self._add("text", conv_id, text)
-
-    def on_error(self, action, message):
-        self._add("error", action, message)
-
-    def wait(self, kind: str, count: int = 1, timeout: float = 300) -> list[tuple]:
-        with self.cond:
-            ok = self.cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
-        assert ok, f"no {kind!r} event: {self.events}"
-        return self.of(kind)
-
-    def of(self, kind: str) -> list[tuple]:
-        return [e for e in self.events if e[0] == kind]
 
 
 @pytest.fixture

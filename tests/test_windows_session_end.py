@@ -118,25 +118,8 @@ def test_app_main_connects_the_saver():
 # -- the real window, the real model ---------------------------------------------------------------
 
 @pytest.fixture
-def real_window(qtbot, qapp):
-    from gui.main_window import MainWindow
-    from gui.settings import AppSettings
-    from gui.tasks import ensure_event_loop
-    ensure_event_loop(qapp)
-    s = AppSettings()
-    s.n_ctx, s.n_threads, s.seed, s.n_predict = 1024, 2, 1234, 200
-    s.temperature, s.autosave_every = 0.8, 0
-    w = MainWindow(s)
-    w.show()
-    with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000):
-        w.start()
-    yield w
-    if w.worker.alive:
-        w.worker.shutdown()
-        w.worker.join(60)
-    w._close_done = True
-    w.close()
-    w.deleteLater()
+def real_window(make_window):
+    return make_window(n_predict=200)
 
 
 def test_session_end_with_an_answer_streaming_saves_an_exit_checkpoint(qtbot, real_window):

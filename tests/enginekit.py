@@ -1,0 +1,86 @@
+"""What tests of the engine thread and of the window share: a recording listener, and
+windows made and closed the same way everywhere (real model, offscreen)."""
+
+from __future__ import annotations
+
+import threading
+
+from engine.worker import WorkerListener
+
+#: Settings of every test window: a small context, two threads, a fixed seed.
+WINDOW_SEED = 1234
+
+
+class Recorder(WorkerListener):
+    """Records the engine thread's callbacks as ("kind", ...) tuples; waits for them."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.cond = threading.Condition()
+
+    def _add(self, *event) -> None:
+        with self.cond:
+            self.events.append(event)
+            self.cond.notify_all()
+
+    def on_model_loaded(self, info):
+        self._add("loaded", info)
+
+    def on_generation_finished(self, summary):
+        self._add("finished", summary)
+
+    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
+        self._add("saved", snap, path, kind)
+
+    def on_conversation_changed(self, snap):
+        self._add("changed", snap)
+
+    def on_text(self, conv_id, text):
+        self._add("text", conv_id, text)
+
+    def on_error(self, action, message):
+        self._add("error", action, message)
+
+    def on_stopped(self):
+        self._add("stopped")
+
+    def wait(self, kind: str, count: int = 1, timeout: float = 300) -> list[tuple]:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
+        assert ok, f"no {kind!r} event: {self.events}"
+        return self.of(kind)
+
+    def next(self, kind: str, timeout: float = 300) -> tuple:
+        """The next event of ``kind`` after those already recorded."""
+        return self.wait(kind, len(self.of(kind)) + 1, timeout)[-1]
+
+    def of(self, kind: str) -> list[tuple]:
+        return [e for e in self.events if e[0] == kind]
+
+
+def window_settings(**overrides):
+    """AppSettings for a test window (overrides by attribute name)."""
+    from gui.settings import AppSettings
+    s = AppSettings()
+    s.n_ctx, s.n_threads, s.seed = 1024, 2, WINDOW_SEED
+    s.temperature, s.autosave_every = 0.8, 0
+    for key, value in overrides.items():
+        setattr(s, key, value)
+    return s
+
+
+def close_windows(windows) -> None:
+    """Stop each window's engine thread and close it without the save-on-close wait."""
+    for w in windows:
+        if w.worker.alive:
+            w.worker.shutdown()
+            w.worker.join(60)
+        w._close_done = True
+        w.close()
+        w.deleteLater()
+
+
+def record_saves(w) -> None:
+    """Keep every non-autosave checkpoint the window is told about (see wait_saved)."""
+    w._test_saves, w._test_seen_saves = [], 0
+    w.bridge.checkpoint_saved.connect(lambda *args: args[4] != 2 and w._test_saves.append(args))
