@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from engine.checkpoints.chain import load_chain
+from engine.checkpoints.format import read_header
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
 from engine.generation import begin_answer, generate
@@ -127,3 +128,41 @@ def test_crash_loses_at_most_the_autosave_interval(smollm_path, app_home, tmp_pa
     again = json.loads(run_cli("run", "--checkpoint-load", str(compacted), "-n", str(k + 10), "--json",
                                check=True).stdout.strip().splitlines()[-1])
     assert again["text"] == rest["text"]
+
+
+def test_autosave_to_a_named_file_writes_deltas_beside_it(smollm_path, app_home, tmp_path):
+    """--checkpoint-save P with an interval: small deltas in a hidden folder beside P while
+    generating, P written once, whole, at the end; killed midway, the newest autosave
+    beside P is named when P is loaded, and it continues the answer."""
+    target = tmp_path / "story.kvckpt"
+    common = ["-m", str(smollm_path), "-p", "Write a long poem about the sea.", "--seed", "5", "--temp", "0.8",
+              "--ctx-size", "1024", "--ignore-eos", "--threads", "2"]
+    done = run_cli("run", *common, "-n", "40", "--checkpoint-save", str(target),
+                   "--checkpoint-save-interval", "8", "--json", check=True)
+    assert json.loads(done.stdout.strip().splitlines()[-1])["checkpoint"] == str(target)
+    assert load_chain(target)[-1].header.n_generated == 40 and len(load_chain(target)) == 1
+    assert not (tmp_path / ".story.kvckpt.autosaves").exists()     # folded into P, then removed
+
+    killed = tmp_path / "killed.kvckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common, "-n", "400",
+                             "--checkpoint-save", str(killed), "--checkpoint-save-interval", "8"],
+                            cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ))
+    beside = tmp_path / ".killed.kvckpt.autosaves"
+    deadline = time.monotonic() + 600
+    while len(list(beside.glob("*.kvckpt"))) < 4:
+        assert time.monotonic() < deadline and proc.poll() is None, "no autosaves appeared beside it"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not killed.exists()                                       # never rewritten while generating
+    files = sorted(beside.glob("*.kvckpt"))
+    assert sum(read_header(p).is_delta for p in files) >= 3          # small deltas, not whole files
+    newest = max(files, key=lambda p: read_header(p).n_tokens)
+    k = read_header(newest).n_generated
+    rest = json.loads(run_cli("run", "--checkpoint-load", str(newest), "-n", str(k + 6), "--json",
+                              check=True).stdout.strip().splitlines()[-1])
+    assert rest["n_reused_tokens"] == rest["n_prompt_tokens"]
+    full = json.loads(run_cli("run", *common, "-n", str(k + 6), "--json", check=True).stdout.strip().splitlines()[-1])
+    meta = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["metadata"]
+    assert meta["transcript"][-1]["content"] + rest["text"] == full["text"]

@@ -11,6 +11,7 @@ so that scripts and tests can wait for a stage instead of sleeping.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import uuid
 import time
@@ -40,6 +41,22 @@ def report_previous_crash() -> None:
     if autosave:
         print(f"note: its last autosave can be resumed with: checkpoint-chat run --checkpoint-load "
               f"{autosave}", file=sys.stderr)
+
+
+def beside_folder(path: Path) -> Path:
+    """Where the autosaves of a run saving to ``path`` go: a hidden folder beside it."""
+    return path.with_name(f".{path.name}.autosaves")
+
+
+def newer_autosave_beside(path: Path) -> Path | None:
+    """The newest autosave beside ``path`` when a run saving to it ended before writing
+    it (a crash, a kill): it holds more than ``path`` does."""
+    from engine.checkpoints.graph import Graph
+    folder = beside_folder(path)
+    if not folder.is_dir():
+        return None
+    heads = Graph.scan(folder).heads
+    return heads[0].path if heads else None
 
 
 def cmd_run(args) -> int:
@@ -81,6 +98,7 @@ class RunSession:
         self.chain = None        # the checkpoint continued, base first
         self.runtime = None
         self.writer = None       # engine.history.LineWriter, when saving into the store
+        self.side_writer = None  # --checkpoint-save P with autosaves: deltas beside P
         self.reuse = None
         # Timings as the user lives them (see outcome): the checkpoint's read + verify
         # happens before the model loads, which time to first token does not count
@@ -101,6 +119,11 @@ class RunSession:
 
         args = self.args
         bindings(choose_library(cli_dir=args.llama_lib))
+        if args.checkpoint_load:
+            newer = newer_autosave_beside(Path(args.checkpoint_load))
+            if newer is not None:
+                print(f"note: a run saving to {args.checkpoint_load} stopped before writing it; its "
+                      f"newest autosave is {newer} (load that to continue from there)", file=sys.stderr)
         started = time.perf_counter()
         self.chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
         self.read_s = time.perf_counter() - started if self.chain else 0.0
@@ -128,6 +151,8 @@ class RunSession:
         finally:
             if self.writer is not None:
                 self.writer.close()
+            if self.side_writer is not None:   # a failure before the end: they hold the newest state
+                self.side_writer.close()
             self.runtime.close()
 
     def conversation(self):
@@ -203,8 +228,12 @@ class RunSession:
                 self.restore_s = time.perf_counter() - started
             if not self.args.json:
                 print(f"[PREFIX] {self.reuse.describe()}", file=sys.stderr)
-        # with --checkpoint-save, autosaves rewrite that file; otherwise the conversation's
-        # line in the store grows by deltas (on the loaded file when it is a store head)
+        # with --checkpoint-save P, autosaves are deltas in a hidden folder beside P, and P
+        # itself is written once, whole, at the end; otherwise the conversation's line in
+        # the store grows by deltas (on the loaded file when it is a store head)
+        if self.args.checkpoint_save and self.args.checkpoint_save_interval:
+            side = Store(beside_folder(Path(self.args.checkpoint_save)))
+            self.side_writer = LineWriter.starting(self.runtime, side, uuid.uuid4().hex)
         if not self.args.checkpoint_save:
             if self.chain and self.args.from_turn is not None:   # an edit: a new branch
                 from engine.history import saved_info
@@ -216,16 +245,12 @@ class RunSession:
                 self.writer = LineWriter.starting(self.runtime, store, default_line(conv.id))
 
     def generate(self, conv):
-        from engine.checkpoints.format import KIND_AUTOSAVE
         from engine.generation import generate
         args, runtime, session = self.args, self.runtime, self
 
         def autosave(c) -> None:
             try:
-                if session.writer is None:
-                    runtime.save(Path(args.checkpoint_save), c, KIND_AUTOSAVE)
-                else:
-                    session.writer.autosave(c)
+                (session.writer or session.side_writer).autosave(c)
             except CheckpointError as exc:
                 print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
@@ -262,8 +287,11 @@ class RunSession:
         self.stage("saving")
         kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
         commit_answer(conv)
-        checkpoint = (self.runtime.save(Path(args.checkpoint_save), conv, kind)
-                      if args.checkpoint_save else self.writer.save_head(conv, kind))
+        if args.checkpoint_save:
+            checkpoint = self.runtime.save(Path(args.checkpoint_save), conv, kind)
+            self.drop_side_autosaves()   # P, whole and durable, holds all they held
+        else:
+            checkpoint = self.writer.save_head(conv, kind)
         if not args.json and not result.text.endswith("\n"):
             print()
         print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
@@ -271,6 +299,13 @@ class RunSession:
         # no prune here: each save retires what it supersedes on its own line, and how
         # much superseded history to keep is the window's setting, not this run's
         return checkpoint
+
+    def drop_side_autosaves(self) -> None:
+        if self.side_writer is not None:
+            folder = self.side_writer.store.folder
+            self.side_writer.close()
+            self.side_writer = None
+            shutil.rmtree(folder, ignore_errors=True)
 
     def outcome(self, conv, result, checkpoint) -> dict[str, Any]:
         """The ``--json`` result.  ``ttft_s`` counts from the request once the model is
