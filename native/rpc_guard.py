@@ -100,7 +100,7 @@ class SocketGuard:
     llama.cpp's RPC client blocks in ``recv`` without a limit; a worker that hangs (a
     stopped process, a machine that froze) would hang the model's thread for ever.  The
     guard looks for this process's sockets connected to a worker (every ``interval``
-    seconds, so a connection made during loading is caught too) and sets
+    seconds while it watches a call, every ``idle_interval`` otherwise) and sets
     ``SO_RCVTIMEO``/``SO_SNDTIMEO`` on them: the socket options belong to the socket, so
     a duplicate descriptor reaches llama.cpp's.  A timed-out call is then a transport
     error, which llama.cpp turns into the abort :func:`install_abort_handler` reports.
@@ -114,15 +114,18 @@ class SocketGuard:
     POSIX only (sockets are not file descriptors on Windows); elsewhere it does nothing.
     """
 
-    def __init__(self, endpoints: Iterable[Endpoint], timeout: float, interval: float = 0.1) -> None:
+    def __init__(self, endpoints: Iterable[Endpoint], timeout: float, interval: float = 0.1,
+                 idle_interval: float = 1.0) -> None:
         self.endpoints = tuple(endpoints)
         self.timeout = timeout
-        self.interval = interval
+        self.interval = interval              # while watching a call that may connect
+        self.idle_interval = idle_interval    # otherwise: connections seldom appear then
         self._peers: dict[tuple[str, int], Endpoint] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.guarded = 0          # sockets given a timeout so far (for tests and the log)
         self._fds: set[int] = set()
+        self._configured: set[tuple[int, int]] = set()
         self._watching = False
         self._last_progress = 0.0
         self._traffic: tuple[int, int] | None = None
@@ -188,7 +191,9 @@ class SocketGuard:
         self.stop()
 
     def apply(self) -> int:
-        """Set the timeouts on every worker socket there is now; returns how many."""
+        """Set the timeouts on each worker socket not seen before; returns how many
+        worker sockets there are now.  A socket is set once (by descriptor and inode, as
+        descriptors are reused), so a timeout set on it later by someone else stays."""
         n = 0
         value = _timeval(self.timeout)
         if not self._peers:
@@ -196,11 +201,14 @@ class SocketGuard:
         for fd, sock in _peer_sockets(set(self._peers)):
             with sock:
                 try:
-                    peer = sock.getpeername()
-                    _worker_fds[fd] = self._peers[(peer[0], peer[1])]
-                    self._fds.add(fd)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+                    key = (fd, os.fstat(fd).st_ino)
+                    if key not in self._configured:
+                        peer = sock.getpeername()
+                        _worker_fds[fd] = self._peers[(peer[0], peer[1])]
+                        self._fds.add(fd)
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+                        self._configured.add(key)
                     n += 1
                 except OSError:
                     pass
@@ -220,7 +228,7 @@ class SocketGuard:
             self.guarded = max(self.guarded, n)
             if self._watching:
                 self._check_progress()
-            self._stop.wait(self.interval)
+            self._stop.wait(self.interval if self._watching else self.idle_interval)
 
 
 def worker_traffic(endpoints: Iterable[Endpoint]) -> tuple[int, int] | None:

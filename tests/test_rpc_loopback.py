@@ -197,16 +197,22 @@ from engine.generation import begin_answer, commit_answer, generate
 from engine.models import default_model_path
 from engine.runtime import Runtime
 from engine.sampling import defaults_for_model_file
+from native.rpc_guard import SocketGuard
 
 phase, rpc, timeout, ckpt, k, *cli = sys.argv[1:]
 k = int(k)
 args = build_parser().parse_args(["run", *cli])
 
 def gate(name):
+    if "rt" in globals():
+        rt.ctx.synchronize()   # no answer in flight: the fault lands between two steps
     print("PHASE " + name, flush=True)
     sys.stdin.readline()
+    # the short timeout only from here on: a loaded machine may stall a healthy worker
+    # for a second or two before the fault
+    SocketGuard(workers.endpoints, float(timeout)).apply()
 
-workers = connect_workers(rpc, float(timeout))
+workers = connect_workers(rpc, float(timeout) if phase == "load" else 60)
 if phase == "load":
     gate(phase)
 path = default_model_path()
@@ -256,8 +262,11 @@ def _fault(phase: str, how: str, worker: Worker, tmp_path: Path, io_timeout: flo
             raise AssertionError(f"the client never reached {phase}: {client.stderr.read()}")
         worker.kill() if how == "kill" else worker.stop()
         went_on = time.monotonic()
-        client.stdin.write("go\n")
-        client.stdin.flush()
+        try:
+            client.stdin.write("go\n")
+            client.stdin.flush()
+        except BrokenPipeError:     # it did not wait for the go: its stderr says why
+            pass
         out, err = client.communicate(timeout=60)
         waited = time.monotonic() - went_on
     finally:
@@ -288,11 +297,11 @@ def _assert_next_start_names(worker: Worker, app_home: Path) -> None:
     ("load", "kill", "could not be reached"),
     ("load", "stop", "stopped answering (no reply within 2 s"),
     ("prefill", "kill", "closed the connection"),
-    ("prefill", "stop", "stopped answering (no reply within 2 s"),
+    ("prefill", "stop", "stopped answering"),
     ("generation", "kill", "closed the connection"),
     ("save", "kill", "closed the connection"),
-    ("generation", "stop", "stopped answering (no reply within 2 s"),
-    ("save", "stop", "stopped answering (no reply within 2 s"),
+    ("generation", "stop", "stopped answering"),
+    ("save", "stop", "stopped answering"),
 ])
 def test_a_lost_worker_is_one_sentence_and_the_last_checkpoint_restores(
         phase, how, expect, doomed, tmp_path, app_home, uninterrupted):
@@ -343,7 +352,10 @@ def test_the_cli_loses_a_worker_mid_answer_and_resumes_its_autosave_locally(doom
         for line in client.stderr:
             if line.startswith("[STAGE] generating"):
                 break
-        time.sleep(1.0)                                   # a few autosaves
+        from engine.checkpoints.store import Store
+        deadline = time.monotonic() + 60                  # an autosave (every 8 tokens) first
+        while not list(Store().folder.glob("autosave-*.kvckpt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
         doomed.kill()
         out, rest = client.communicate(timeout=60)
     finally:

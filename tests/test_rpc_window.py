@@ -137,7 +137,9 @@ def test_the_window_losing_its_worker_mid_answer_ends_and_the_next_start_offers_
             if line.startswith(("GENERATING", "FAILED")):
                 break
         assert line.startswith("GENERATING"), line
-        time.sleep(1.5)                      # a few autosaves (every 8 tokens)
+        deadline = time.monotonic() + 60     # an autosave (every 8 tokens) before the kill
+        while not list(Store().folder.glob("autosave-*.kvckpt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
         worker.kill()
         out, err = app.communicate(timeout=60)
     finally:
