@@ -250,7 +250,10 @@ def cmd_info(args) -> int:
     print(f"Checkpoint Chat {APP_VERSION}")
     print(f"llama library   {info.library_path} ({'bundled' if info.bundled else 'user-chosen'}, "
           f"{info.library_version}; needs llama.cpp commit {REQUIRED_LLAMA_CPP_COMMIT})")
-    print(f"GPU offload     {'yes' if info.gpu_offload else 'no'}")
+    # llama.cpp reports offload support whenever the RPC backend is built in, GPU or not
+    local_gpu = any(d.kind in ("GPU", "iGPU") for d in info.devices)
+    offload = "yes" if local_gpu else ("to remote workers only (no GPU here)" if info.gpu_offload else "no")
+    print(f"GPU offload     {offload}")
     rpc_line = "yes (remote workers: --rpc, rpc-worker)" if rpc_missing is None else f"no: {rpc_missing}"
     print(f"RPC backend     {rpc_line}")
     print(f"CPU features    {info.features}")
