@@ -77,7 +77,9 @@ build() {
         .gpu/src/llama_cpp_python-0.3.36.tar.gz > "$STATE/build.log" 2>&1 \
         || { tail -40 "$STATE/build.log"; log "BUILD FAILED"; exit 1; }
     log "built in $((SECONDS - t0)) s"
-    "$VENV/bin/python" -c "import llama_cpp.llama_cpp as ll; assert ll.llama_supports_gpu_offload(), 'not a CUDA build'; print('GPU offload: yes')"
+    # llama_supports_gpu_offload() is true for any build with the RPC backend too: look for
+    # the CUDA backend itself
+    "$VENV/bin/python" -c "import llama_cpp, pathlib; lib = pathlib.Path(llama_cpp.__file__).parent / 'lib'; assert any(lib.glob('libggml-cuda*')), 'not a CUDA build (no libggml-cuda in ' + str(lib) + ')'; print('CUDA backend: yes')"
 }
 
 cublas_fallback() {
