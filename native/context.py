@@ -275,6 +275,8 @@ class Context:
             self._b_seq0[i][0] = 0
         self._b_nseq[:] = 1
         self.n_vocab = model.shape.n_vocab
+        self._logits_address = 0
+        self._logits_view: np.ndarray | None = None
 
     # -- ownership -------------------------------------------------------------------
     @property
@@ -331,11 +333,16 @@ class Context:
             raise DecodeError(f"cannot decode {n} tokens at once (batch holds {self.settings.n_batch})")
         b = self._batch
         b.n_tokens = n
-        self._b_token[:n] = tokens
-        self._b_pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
-        self._b_logits[:n] = 0
-        if logits_last:
-            self._b_logits[n - 1] = 1
+        if n == 1:   # one generated token: no temporary arrays
+            self._b_token[0] = tokens[0]
+            self._b_pos[0] = pos0
+            self._b_logits[0] = 1 if logits_last else 0
+        else:
+            self._b_token[:n] = tokens
+            self._b_pos[:n] = np.arange(pos0, pos0 + n, dtype=np.int32)
+            self._b_logits[:n] = 0
+            if logits_last:
+                self._b_logits[n - 1] = 1
         self._abortable = abortable
         self._abort_source.check = should_abort if abortable else None
         if abortable:
@@ -362,7 +369,13 @@ class Context:
         ptr = self._ll.llama_get_logits_ith(self.ptr, -1)
         if not ptr:
             raise DecodeError("no logits available for the last position")
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        # one generated token after another finds its logits at the same address: the
+        # view made for it is reused (making one costs more than the rest of the loop)
+        address = ctypes.addressof(ptr.contents)
+        if address != self._logits_address:
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            self._logits_address = address
+        return self._logits_view
 
     # -- KV memory ---------------------------------------------------------------------
     def pos_max(self, seq: int = 0) -> int:

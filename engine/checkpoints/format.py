@@ -441,10 +441,11 @@ class _CrcThread:
     ``zlib.crc32`` releases the GIL for buffers above a few kilobytes and so does a file
     write, so checksum and write run on two cores at once and the save takes about as
     long as the longer of the two instead of their sum.  The buffers must not change
-    until :meth:`result` or :meth:`cancel` has returned.
+    until :meth:`result` or :meth:`cancel` has returned.  Chunks as large as the writer's
+    keep the GIL hand-offs as few as theirs (a busy UI thread makes each one wait).
     """
 
-    def __init__(self, parts: tuple[memoryview, ...], chunk: int = 1 << 20) -> None:
+    def __init__(self, parts: tuple[memoryview, ...], chunk: int = 8 << 20) -> None:
         self._parts = parts
         self._chunk = chunk
         self._stop = threading.Event()
@@ -499,7 +500,7 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     parts = tuple(memoryview(p).cast("B") for p in (meta_bytes, tokens_bytes, logits_bytes)) + (state_view,)
     out.write(pack_header(header))
     if header.payload_len >= CRC_THREAD_MIN_BYTES:
-        job = _CrcThread(parts)
+        job = _CrcThread(parts, chunk)
         try:
             _write_parts(out, parts, chunk)
             crc = job.result()
