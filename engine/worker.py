@@ -6,7 +6,9 @@ starts one thread that owns the model, the context and every conversation object
 other threads call its public methods, which only put a command on a queue (or, for
 :meth:`EngineWorker.pause`, set a flag) and return at once.  Results come back through
 the plain callbacks of a :class:`WorkerListener`, called *on the engine thread*: a GUI
-turns them into queued Qt signals, a test can record them.  This module never imports
+turns them into queued Qt signals, a test can record them.  Several front ends may share
+one worker (``add_listener``: the window and its local server); the server's requests
+are commands of their own (engine.server.engine_commands).  This module never imports
 Qt, and it imports the native layer only on the engine thread (loading libllama is
 itself a native call the UI thread must not make).
 
@@ -42,6 +44,7 @@ from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
 from engine.sampling import SamplerSettings, random_seed
+from engine.server.engine_commands import RequestCommands, RequestRefusal
 
 log = logging.getLogger("engine")
 
@@ -57,6 +60,22 @@ class ModelOptions:
     llama_lib: str | None = None
     #: remote workers "host:port, ..." that take the n_gpu_layers (native.rpc); "": none
     rpc_servers: str = ""
+    #: the rest of the context settings (native.context.ContextSettings): None keeps the
+    #: default; the command line's flags (`serve`) set them, the window does not
+    n_batch: int | None = None
+    flash_attn: bool | None = None
+    type_k: int | None = None
+    type_v: int | None = None
+    main_gpu: int = 0
+    rpc_timeout: float | None = None     # seconds a remote worker may take (None: native.rpc's)
+
+    def context_overrides(self) -> dict:
+        """ContextSettings fields these options set beyond n_ctx and n_threads."""
+        out = {name: getattr(self, name) for name in ("flash_attn", "type_k", "type_v")
+               if getattr(self, name) is not None}
+        if self.n_batch:
+            out["n_batch"] = out["n_ubatch"] = self.n_batch
+        return out
 
 
 @dataclass(frozen=True)
@@ -141,6 +160,43 @@ class WorkerListener:
     def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None: ...
     def on_error(self, action: str, message: str) -> None: ...
     def on_stopped(self) -> None: ...
+    # requests of another front end (engine.server): each one is tagged with the id it
+    # was submitted with; its answer's own callbacks above carry its conversation's id
+    def on_request_started(self, request_id: str, snap: ConversationSnapshot) -> None: ...
+    def on_request_finished(self, request_id: str, conv_id: uuid.UUID, checkpoint: Path | None) -> None: ...
+    def on_request_failed(self, request_id: str, refusal: RequestRefusal) -> None: ...
+
+
+class _Listeners:
+    """Every listener of a worker, called in the order they were added.
+
+    The list is replaced, never changed in place, so the engine thread iterates a
+    consistent one while another thread adds or removes a listener.  The first
+    listener's exceptions reach the engine as they always did (a failing callback
+    stops the answer, which is saved); an added listener's are logged, so one front
+    end's bug never costs another its answer, and every listener is told each event.
+    """
+
+    def __init__(self, first: WorkerListener) -> None:
+        self.members: tuple[WorkerListener, ...] = (first,)
+
+    def __getattr__(self, name: str):
+        if not name.startswith("on_"):
+            raise AttributeError(name)
+
+        def call(*args) -> None:
+            failure = None
+            for index, listener in enumerate(self.members):
+                try:
+                    getattr(listener, name)(*args)
+                except Exception as exc:  # noqa: BLE001 - the others must still hear of it
+                    if index == 0:
+                        failure = exc
+                    else:
+                        log.exception("a listener failed in %s", name)
+            if failure is not None:
+                raise failure
+        return call
 
 
 class _Relay:
@@ -173,11 +229,15 @@ _STOP = object()
 ANSWER_ROOM = 128
 
 
-class EngineWorker:
-    """Owns the Runtime on a dedicated thread; every public method is thread-safe."""
+class EngineWorker(RequestCommands):
+    """Owns the Runtime on a dedicated thread; every public method is thread-safe.
+
+    More than one front end may share it (the window and the local server):
+    :meth:`add_listener` adds another listener, told everything the first one is.
+    """
 
     def __init__(self, listener: WorkerListener, store: Store | None = None) -> None:
-        self.listener = listener
+        self._listeners = _Listeners(listener)
         self.store = store or Store()
         self.autosave_every = 0
         self.autosave_budget = graph.DEFAULT_BUDGET_BYTES
@@ -203,6 +263,25 @@ class EngineWorker:
         self._writers: dict[uuid.UUID, Any] = {}     # engine.history.LineWriter, per runtime
         self._active: uuid.UUID | None = None
         self._template_noticed = None        # the runtime whose template problem was told
+        self._init_requests()
+
+    # -- listeners ------------------------------------------------------------------------------
+    @property
+    def listener(self):
+        """What the engine thread calls: every listener added, the first one first."""
+        return self._listeners
+
+    @listener.setter
+    def listener(self, listener: WorkerListener) -> None:
+        self._listeners.members = (listener,) + self._listeners.members[1:]
+
+    def add_listener(self, listener: WorkerListener) -> None:
+        """Tell ``listener`` too (on the engine thread) from the next callback on."""
+        if listener not in self._listeners.members:
+            self._listeners.members = self._listeners.members + (listener,)
+
+    def remove_listener(self, listener: WorkerListener) -> None:
+        self._listeners.members = tuple(m for m in self._listeners.members if m is not listener)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -413,10 +492,14 @@ class EngineWorker:
                 import os
                 from engine import paths
                 from native.rpc import Workers
+                timeout = {"io_timeout": opts.rpc_timeout} if opts.rpc_timeout else {}
                 workers = Workers.connect(opts.rpc_servers, message_prefix="Checkpoint Chat: ",
-                                          crash_note=paths.log_dir() / f"faulthandler-{os.getpid()}.log")
-            rt = Runtime(opts.path, ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
-                         n_gpu_layers=opts.n_gpu_layers, progress=progress, workers=workers)
+                                          crash_note=paths.log_dir() / f"faulthandler-{os.getpid()}.log",
+                                          **timeout)
+            settings = replace(ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
+                               **opts.context_overrides())
+            rt = Runtime(opts.path, settings, n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,
+                         progress=progress, workers=workers)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
             self._report_error("load the model", exc)
             self.listener.on_model_failed(str(exc))
@@ -810,7 +893,7 @@ class EngineWorker:
         restore_s = time.perf_counter() - requested if rt.last_restore_s else 0.0
         self._control.reset()
         with self._busy_lock:
-            pending = 0 < self._answer_running <= self._pause_upto
+            pending = 0 < self._answer_running <= self._pause_upto or self._request_cancelled()
         if pending:
             self._control.request_pause()   # asked for before this answer started
         else:

@@ -88,6 +88,8 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self._build_menus()
         self._connect_bridge()
         self._update_buttons()
+        from gui.local_server import LocalServerSwitch
+        self.local_server = LocalServerSwitch(self)   # Settings › Local server, on this worker
 
     # -- construction ---------------------------------------------------------------------------
     def _build_widgets(self) -> None:
@@ -253,6 +255,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.new_conversation()
         self.refresh_store()
         self.prompt_edit.setFocus()
+        self.local_server.apply()
 
     def model_options(self) -> ModelOptions:
         s = self.settings
@@ -409,6 +412,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         dialog = SettingsDialog(self.settings, self.bridge.model_info, self)
         if dialog.exec():
             self._apply_autosave_settings()
+            self.local_server.apply()
             if dialog.model_changed and self.running is None:
                 self.load_model()
 
@@ -706,6 +710,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.save_progress.show()
         self.prompt_edit.setEnabled(False)
         self._update_buttons()
+        self.local_server.stop()      # answers of its clients pause and are saved, as the window's
         self.bridge.shutdown()
         QTimer.singleShot(CLOSE_WAIT_MS, self._finish_close)
 

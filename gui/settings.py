@@ -43,6 +43,8 @@ _KEYS = {k.name: k for k in (
     _Key("autosave_every", 64, int),     # tokens; 0 turns autosave off
     _Key("checkpoint_dir", "", str),
     _Key("autosave_budget_mb", graph.DEFAULT_BUDGET_BYTES >> 20, int),   # superseded files (MB)
+    _Key("local_server", 0, int),        # 1: serve the OpenAI-compatible API (gui.local_server)
+    _Key("local_server_port", 8080, int),
 )}
 
 MAX_RECENT_MODELS = 8

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
-                               QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog,
+                               QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QWidget)
 
 from engine.sampling import SamplerSettings
 from engine.worker import ModelInfo
@@ -88,10 +88,30 @@ class SettingsDialog(QDialog):
         spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
         path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
         spin("autosave_budget_mb", "Disk budget for superseded checkpoints (MB):", 1, 1 << 20, 256)
+        self._server_row(form)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
+
+    def _server_row(self, form: QFormLayout) -> None:
+        """Local server: on/off and its port (127.0.0.1 only; gui.local_server)."""
+        switch = QCheckBox("Serve an OpenAI-compatible API on 127.0.0.1, port")
+        switch.setObjectName("localServerSwitch")
+        switch.setChecked(bool(self.settings.local_server))
+        switch.setToolTip("Editors, agents and scripts can use the loaded model with any OpenAI client; "
+                          "their conversations are checkpointed and appear in the list")
+        port = QSpinBox()
+        port.setObjectName("localServerPort")
+        port.setRange(1024, 65535)
+        port.setValue(min(65535, max(1024, self.settings.local_server_port)))
+        row = QHBoxLayout()
+        row.addWidget(switch)
+        row.addWidget(port)
+        row.addStretch(1)
+        form.addRow("Local server:", row)
+        self.fields["local_server"] = switch
+        self.fields["local_server_port"] = port
 
     def _browse(self, edit: QLineEdit, folder: bool) -> None:
         if folder:
@@ -107,7 +127,10 @@ class SettingsDialog(QDialog):
 
     def accept(self) -> None:
         for key, widget in self.fields.items():
-            value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
+            if isinstance(widget, QCheckBox):
+                value = int(widget.isChecked())
+            else:
+                value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
             if key in _MODEL_KEYS and value != getattr(self.settings, key):
                 self.model_changed = True
             if key in SAMPLER_KEYS and value == getattr(self.sampling_defaults, key):

@@ -1,10 +1,11 @@
 """The ``checkpoint-chat`` command line: a front end, like the window.
 
 Subcommands: ``run`` (generate, pause, resume: engine.cli.run), the file commands
-``validate``, ``inspect``, ``list``, ``compact`` (engine.cli.files), ``info``, and
-``rpc-worker`` (serve this machine's device to others: engine.cli.rpc); with
-none, the desktop app starts.  Every user mistake is one line on stderr and a non-zero
-exit status, never a traceback.  Nothing else in engine/ imports this package.
+``validate``, ``inspect``, ``list``, ``compact`` (engine.cli.files), ``info``,
+``rpc-worker`` (serve this machine's device to others: engine.cli.rpc), and ``serve``
+(the OpenAI-compatible server: engine.cli.serve); with none, the desktop app starts.
+Every user mistake is one line on stderr and a non-zero exit status, never a traceback.
+Nothing else in engine/ imports this package.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         logging.getLogger().setLevel(logging.DEBUG)
     if args.command in (None, "gui"):
         return _start_gui(gui_main, [])
-    from engine.cli import files, rpc, run
+    from engine.cli import files, rpc, run, serve
     from native.errors import NativeError
-    if args.command == "run":
+    if args.command in ("run", "serve"):
         run.report_previous_crash()
     handler = {"run": run.cmd_run, "validate": files.cmd_validate, "inspect": files.cmd_inspect,
                "compact": files.cmd_compact, "list": files.cmd_list, "info": files.cmd_info,
-               "rpc-worker": rpc.cmd_rpc_worker}[args.command]
+               "rpc-worker": rpc.cmd_rpc_worker, "serve": serve.cmd_serve}[args.command]
     try:
         return handler(args)
     except (AppError, NativeError) as exc:

@@ -43,6 +43,41 @@ def _add_rpc(parser: argparse.ArgumentParser, what: str) -> None:
                              "(default 120)")
 
 
+def _port_or_any(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535 (0: any free one), not {text}")
+    return value
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API; every "
+                                         "answer is checkpointed, every request restored from its "
+                                         "longest stored prefix")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; any other "
+                            "needs --api-key)")
+    serve.add_argument("--port", type=_port_or_any, default=8080, help="port (default 8080; 0: any free one)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' (or set CHECKPOINT_CHAT_API_KEY)")
+    serve.add_argument("--max-request-kb", type=_positive, default=1024, metavar="KB",
+                       help="largest request body accepted (default 1024 KB)")
+    serve.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("-c", "--ctx-size", type=_positive, default=None, help="context size (default 4096)")
+    serve.add_argument("-b", "--batch-size", type=_positive, default=None, help="prefill chunk (default 512)")
+    serve.add_argument("-t", "--threads", type=_not_negative, default=None)
+    serve.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                       help="layers to offload to the GPU (-1: all; default 0)")
+    serve.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")
+    _add_rpc(serve, "to put the -ngl layers on")
+    serve.add_argument("-fa", "--flash-attn", choices=("on", "off"), default=None)
+    serve.add_argument("-ctk", "--cache-type-k", default=None, help="K cache type (f16, q8_0, ...)")
+    serve.add_argument("-ctv", "--cache-type-v", default=None, help="V cache type (f16, q8_0, ...)")
+    serve.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
+    serve.add_argument("--checkpoint-save-interval", type=_not_negative, default=0, metavar="N",
+                       help="also autosave every N generated tokens (answers are saved when they end)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="checkpoint-chat",
                                 description="Chat with local GGUF models; pause, save and resume "
@@ -136,5 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="keep large weights here so a client's next load skips sending them")
     worker.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
 
+    _add_serve(sub)
     sub.add_parser("gui", help="start the desktop app (the default)")
     return p

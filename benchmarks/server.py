@@ -1,0 +1,213 @@
+"""The local server (issue 14): a long conversation after a restart, and concurrent clients.
+
+    python -m benchmarks.server [--tokens 4000] [--answer 32] [--threads 1] [--requests 4] [--quick]
+
+Part 1 — time to first token of turn 5 of a conversation of about ``--tokens`` tokens,
+right after the server restarted.  Four turns, each a long user message (prose) and an
+answer of ``--answer`` tokens, are sent to ``checkpoint-chat serve``; the server is
+stopped and started again (nothing in memory); turn 5, a short question, is sent
+streamed and timed from the request to its first token.  The same turn-5 request (the
+whole conversation) then goes to a server over an empty store, which must decode all
+of it: a full recompute, what every other local server does after a restart.  Reported:
+the prompt tokens, how many were restored (``cached_tokens``), time to first token of
+each, and whether both answers are the same text (seeded sampling).
+
+Part 2 — requests/s and tokens/s with 1, 2 and 4 concurrent clients, each sending
+``--requests`` short chat requests (``--answer`` tokens each, ``ignore_eos``) one after
+another.  The engine thread serves one request at a time, so more clients queue: the
+throughput stays that of one, the latency grows with the queue.
+
+Servers run as child processes on 127.0.0.1 and free ports, in temporary homes, with
+one model (SmolLM2) and one compute thread by default: on a small machine shared with
+other work, llama.cpp's threads spinning at their barriers turn every stolen slice into
+seconds (measured here: single requests stalling 25 s with two threads).  Exits 0
+whatever the numbers; a server that fails to start ends the run with its stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Table, ctx_size_for, prompt_text  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Server:
+    """``checkpoint-chat serve --port 0`` in a child process with its own home."""
+
+    def __init__(self, home: Path, n_ctx: int, threads: int) -> None:
+        env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(home))
+        self.err = open(home / "serve.err", "a", encoding="utf-8")
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0",
+                                      "-c", str(n_ctx), "-t", str(threads)],
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=str(ROOT), env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("Listening on "):
+            self.stop()
+            raise SystemExit(f"the server did not start:\n{(home / 'serve.err').read_text('utf-8')}")
+        self.url = line.split()[2]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.err.close()
+
+
+async def chat(session, url: str, messages: list[dict], *, max_tokens: int, seed: int,
+               stream: bool = True) -> dict:
+    """One chat request: text, usage, time to first token and total time (seconds)."""
+    body = {"model": "local", "messages": messages, "max_tokens": max_tokens, "seed": seed,
+            "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}}
+    body["model"] = await model_id(session, url)
+    started = time.perf_counter()
+    first = None
+    text, usage = [], None
+    async with session.post(f"{url}/chat/completions", json=body) as response:
+        if response.status != 200:
+            raise SystemExit(f"the server answered {response.status}: {await response.text()}")
+        if not stream:
+            data = await response.json()
+            return {"text": data["choices"][0]["message"]["content"], "usage": data["usage"],
+                    "ttft_s": None, "total_s": time.perf_counter() - started}
+        async for line in response.content:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+    return {"text": "".join(text), "usage": usage, "ttft_s": (first or time.perf_counter()) - started,
+            "total_s": time.perf_counter() - started}
+
+
+_MODEL_IDS: dict[str, str] = {}
+
+
+async def model_id(session, url: str) -> str:
+    if url not in _MODEL_IDS:
+        async with session.get(f"{url}/models") as response:
+            _MODEL_IDS[url] = (await response.json())["data"][0]["id"]
+    return _MODEL_IDS[url]
+
+
+def turn_text(tokens: int, k: int) -> str:
+    """About ``tokens`` tokens of prose for user turn ``k`` (some 35 tokens a paragraph)."""
+    return f"Part {k} of the archive's history follows. " + prompt_text(max(1, tokens // 35))
+
+
+async def restart_table(args, work: Path) -> Table:
+    import aiohttp
+    t = Table(f"Turn 5 of a ~{args.tokens:,}-token conversation right after a server restart: "
+              "restored from its checkpoints vs decoded in full", [
+                  "how", "prompt_tokens", "cached_tokens", "ttft_s", "speedup", "same_text"])
+    n_ctx = ctx_size_for(args.tokens + 8 * args.answer + 256)
+    per_turn = max(40, args.tokens // 4 - args.answer)
+    messages = [{"role": "system", "content": "You summarise archives."}]
+    home = work / "restored"
+    home.mkdir()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        server = Server(home, n_ctx, args.threads)
+        try:
+            for k in range(1, 5):
+                messages.append({"role": "user", "content": turn_text(per_turn, k)})
+                reply = await chat(session, server.url, messages, max_tokens=args.answer, seed=k)
+                messages.append({"role": "assistant", "content": reply["text"]})
+        finally:
+            server.stop()
+        messages.append({"role": "user", "content": "In one sentence: what is this archive about?"})
+        results = {}
+        for how, folder in (("restored", home), ("full recompute", work / "empty")):
+            folder.mkdir(exist_ok=True)
+            server = Server(folder, n_ctx, args.threads)
+            _MODEL_IDS.pop(server.url, None)
+            try:
+                results[how] = await chat(session, server.url, messages, max_tokens=args.answer, seed=5)
+            finally:
+                server.stop()
+    full = results["full recompute"]["ttft_s"]
+    for how, r in results.items():
+        t.add(how=how, prompt_tokens=r["usage"]["prompt_tokens"],
+              cached_tokens=r["usage"]["prompt_tokens_details"]["cached_tokens"], ttft_s=r["ttft_s"],
+              speedup=full / r["ttft_s"] if r["ttft_s"] else None,
+              same_text=r["text"] == results["restored"]["text"])
+    t.notes.append(f"SmolLM2, context {n_ctx}, {args.threads} thread(s); turns 1-4: ~{per_turn} tokens each "
+                   f"and {args.answer}-token answers; time to first token from the request, the "
+                   "restore (read, verify, set the state) included")
+    return t
+
+
+async def concurrency_table(args, work: Path) -> Table:
+    import aiohttp
+    t = Table("Concurrent clients (one engine thread: requests queue)", [
+        "clients", "requests", "wall_s", "requests_per_s", "tokens_per_s", "mean_latency_s", "max_latency_s"])
+    home = work / "concurrency"
+    home.mkdir()
+    server = Server(home, 1024, args.threads)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            await chat(session, server.url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
+            for clients in (1, 2, 4):
+                latencies, tokens = [], 0
+
+                async def client(c: int) -> None:
+                    nonlocal tokens
+                    for r in range(args.requests):
+                        question = f"Client {c}, question {r}: name a city and a river."
+                        reply = await chat(session, server.url, [{"role": "user", "content": question}],
+                                           max_tokens=args.answer, seed=c * 100 + r, stream=False)
+                        latencies.append(reply["total_s"])
+                        tokens += reply["usage"]["completion_tokens"]
+                started = time.perf_counter()
+                await asyncio.gather(*(client(c) for c in range(clients)))
+                wall = time.perf_counter() - started
+                n = clients * args.requests
+                t.add(clients=clients, requests=n, wall_s=wall, requests_per_s=n / wall,
+                      tokens_per_s=tokens / wall, mean_latency_s=sum(latencies) / n, max_latency_s=max(latencies))
+    finally:
+        server.stop()
+    t.notes.append(f"each request: a short question, {args.answer} tokens generated (ignore_eos), non-streaming")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4000, help="conversation length before turn 5")
+    p.add_argument("--answer", type=int, default=32, help="tokens per answer")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--requests", type=int, default=4, help="requests per client in part 2")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.answer, args.requests = 600, 8, 2
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
+        work = Path(tmp)
+        for make in (restart_table, concurrency_table):
+            print(asyncio.run(make(args, work)).render(), flush=True)
+            print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The engine thread's side of a server request: continue, restore, generate, save.
+
+:class:`RequestCommands` is a mixin of :class:`engine.worker.EngineWorker`; its public
+methods are thread-safe like the worker's, the ``_do_`` ones run on the engine thread.
+A request (:class:`CompletionRequest`) is served from its longest stored prefix:
+
+1. **By transcript.**  A chat request carries the whole conversation.  When a
+   conversation the worker knows (in memory, else a head in the store) holds exactly
+   the request's messages before its last one, every answer finished, and fits the
+   loaded model and context, the request continues it: the new message's tokens follow
+   the tokens the model has already seen (engine.generation keeps a conversation's
+   tokens a prefix of its next turn), so everything before is restored, not decoded.
+2. **By tokens.**  Otherwise the request is a new conversation, started from the
+   stored checkpoint that shares the longest token prefix with its prompt
+   (engine.prefix_reuse); its first save builds on that checkpoint's files when they
+   are a prefix of it.
+
+Either way the answer is generated and saved by the worker's own ``_generate`` (the
+window sees it like any other: a conversation in its list), and the listener hears
+``on_request_started`` / ``on_request_finished`` / ``on_request_failed`` with the
+request's id, and the answer's own callbacks with its conversation's id.
+
+A request whose client went away (:meth:`RequestCommands.cancel_request`) is skipped
+if it has not started, and paused like the Pause button if it has: the checkpoint is
+kept.  Requests are served one at a time, in order, with the window's commands.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoints.format import KIND_MANUAL
+from engine.conversation import Answer, Conversation, title_from
+from engine.errors import AppError, CheckpointError
+from engine.sampling import SamplerSettings, random_seed
+
+log = logging.getLogger("engine")
+
+#: Why a request was not answered (RequestRefusal.reason).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+MODEL_NOT_FOUND = "model_not_found"
+NOT_READY = "not_ready"
+CANCELLED = "cancelled"
+SHUTTING_DOWN = "shutting_down"
+INVALID = "invalid_request"
+FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """One request, as the engine thread serves it (validated by engine.server.schema)."""
+    request_id: str
+    #: the model the request was checked against; refused if another one is loaded by then
+    model_path: Path | None = None
+    #: a chat: the whole conversation, (role, content), the user's message last
+    messages: tuple[tuple[str, str], ...] = ()
+    #: a plain completion instead: this text, without the chat template
+    prompt: str | None = None
+    #: SamplerSettings fields set by the request, over the model's own defaults
+    sampling: tuple[tuple[str, Any], ...] = ()
+    seed: int | None = None          # None: a random one (reported in on_request_started)
+    n_predict: int = -1
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestRefusal:
+    reason: str       # one of the constants above
+    message: str      # one sentence for the client
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.refusal = RequestRefusal(reason, message)
+
+
+class RequestCommands:
+    """EngineWorker's commands for server requests (see the module docstring)."""
+
+    #: How many conversations served to requests stay open (in memory, their line leased)
+    #: besides the one in the cache; older ones are let go and reopened from the store
+    #: when a request continues them.  None keeps every one open: the window's way, whose
+    #: list refers to them; a server of its own (``serve``) sets a bound, or a long-running
+    #: one would hold a file descriptor per conversation it ever served.
+    request_conversations_kept: int | None = None
+
+    def _init_requests(self) -> None:
+        self._requests_pending: set[str] = set()      # submitted, not finished
+        self._requests_cancelled: set[str] = set()    # of those, the ones whose client left
+        self._request_running: str | None = None
+        self._served: dict[uuid.UUID, None] = {}      # conversations requests used, oldest first
+
+    # -- any thread -------------------------------------------------------------------------------
+    def complete(self, request: CompletionRequest) -> None:
+        """Answer ``request`` when its turn comes (the listener hears how it went)."""
+        with self._busy_lock:
+            self._requests_pending.add(request.request_id)
+        self._submit("answer a request", self._do_complete, request)
+
+    def cancel_request(self, request_id: str) -> None:
+        """The client went away: skip the request, or pause its answer (saved as a pause).
+
+        The pause is requested under the lock that ends the request, so it can never
+        reach the command after it.
+        """
+        with self._busy_lock:
+            if request_id not in self._requests_pending:
+                return
+            self._requests_cancelled.add(request_id)
+            if self._request_running == request_id and self._control_ready.is_set():
+                self._control.request_pause()
+
+    def _request_cancelled(self) -> bool:
+        """Whether the running request's client left (called with ``_busy_lock`` held)."""
+        return self._request_running is not None and self._request_running in self._requests_cancelled
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _do_complete(self, request: CompletionRequest) -> None:
+        rid = request.request_id
+        with self._busy_lock:
+            cancelled = rid in self._requests_cancelled
+            self._request_running = None if cancelled else rid
+        try:
+            if cancelled:
+                raise _Refused(CANCELLED, "the client went away before its request was served")
+            if self._stopping.is_set():
+                raise _Refused(SHUTTING_DOWN, "the server is shutting down")
+            rt = self.runtime
+            if rt is None or self.model_info is None:
+                raise _Refused(NOT_READY, "the model is still loading (or failed to load); try again")
+            if request.model_path is not None and Path(request.model_path) != self.model_info.path:
+                raise _Refused(MODEL_NOT_FOUND, f"the model was changed to {self.model_info.path.name} "
+                                                "while the request waited")
+            conv = self._request_conversation(request, rt)
+            self._served.pop(conv.id, None)
+            self._served[conv.id] = None
+            self.listener.on_request_started(rid, self.snapshot(conv, branches=False))
+            self._generate(conv)
+            self.listener.on_request_finished(rid, conv.id, self._paths.get(conv.id))
+            self._let_go_of_served()
+        except _Refused as exc:
+            self.listener.on_request_failed(rid, exc.refusal)
+        except Exception as exc:  # noqa: BLE001 - one request must not stop the engine thread
+            from native.errors import NativeError
+            if isinstance(exc, (AppError, NativeError, OSError)):
+                log.warning("could not answer request %s: %s", rid, exc)
+            else:
+                log.exception("unexpected failure while answering request %s", rid)
+            self.listener.on_request_failed(rid, RequestRefusal(FAILED, str(exc) or type(exc).__name__))
+        finally:
+            with self._busy_lock:
+                self._request_running = None
+                self._requests_pending.discard(rid)
+                self._requests_cancelled.discard(rid)
+
+    def _let_go_of_served(self) -> None:
+        """Close the oldest served conversations beyond ``request_conversations_kept``
+        (saved already: their heads are in the store, where a request finds them again)."""
+        keep = self.request_conversations_kept
+        if keep is None:
+            return
+        for conv_id in list(self._served)[:max(0, len(self._served) - keep)]:
+            if conv_id == self._active:
+                continue
+            del self._served[conv_id]
+            writer = self._writers.pop(conv_id, None)
+            if writer is not None:
+                writer.close()
+            self._convs.pop(conv_id, None)
+            self._paths.pop(conv_id, None)
+
+    def _request_sampler(self, request: CompletionRequest) -> SamplerSettings:
+        base = self.model_info.sampling_defaults if self.model_info is not None else SamplerSettings()
+        seed = random_seed() if request.seed is None else request.seed
+        return replace(base, **dict(request.sampling), seed=seed)
+
+    def _request_conversation(self, request: CompletionRequest, rt) -> Conversation:
+        """The conversation that answers ``request``, its prompt in ``tokens``, as much of
+        it in the cache as stored states allow; refused when the prompt cannot fit."""
+        from engine.generation import begin_answer
+        sampler = self._request_sampler(request)
+        if request.prompt is not None:
+            # a plain completion: the text is the prompt, token for token (it is only in the
+            # title and the tokens; its transcript is the answer)
+            conv = Conversation(title=f"Completion: {title_from(request.prompt, 36)}", sampler=sampler,
+                                stop_strings=list(request.stop))
+            conv.tokens = rt.model.tokenize_prompt(request.prompt)
+            conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=request.n_predict)
+            self._check_fits(conv, rt)
+            self._start_from_stored_prefix(conv, rt)
+            return conv
+        if not request.messages or request.messages[-1][0] != "user":
+            raise _Refused(INVALID, "the last message must be the user's")
+        history, text = [tuple(m) for m in request.messages[:-1]], request.messages[-1][1]
+        self._notice_template_problem(rt)
+        conv = self._continuable(history, rt)
+        if conv is not None:
+            before = (list(conv.messages), conv.answer, list(conv.tokens), conv.sampler, list(conv.stop_strings))
+            conv.sampler, conv.stop_strings = sampler, list(request.stop)
+            begin_answer(conv, rt, text, n_predict=request.n_predict)
+            try:
+                self._check_fits(conv, rt)
+            except _Refused:
+                conv.messages, conv.answer, conv.tokens, conv.sampler, conv.stop_strings = before
+                raise
+            return conv
+        system = history[0][1] if history and history[0][0] == "system" else ""
+        rest = history[1:] if history and history[0][0] == "system" else history
+        first = next((c for r, c in list(rest) + [("user", text)] if r == "user"), text)
+        conv = Conversation(title=title_from(first), system_prompt=system, messages=list(rest),
+                            sampler=sampler, stop_strings=list(request.stop))
+        begin_answer(conv, rt, text, n_predict=request.n_predict)
+        self._check_fits(conv, rt)
+        self._start_from_stored_prefix(conv, rt)
+        return conv
+
+    @staticmethod
+    def _check_fits(conv: Conversation, rt) -> None:
+        n_ctx = rt.ctx.n_ctx
+        if len(conv.tokens) >= n_ctx:
+            raise _Refused(CONTEXT_LENGTH_EXCEEDED,
+                           f"This model's maximum context length is {n_ctx} tokens; the prompt has "
+                           f"{len(conv.tokens)} tokens and must leave room for the answer. Shorten the "
+                           "messages or restart the server with a larger --ctx-size.")
+
+    def _continuable(self, history: list[tuple[str, str]], rt) -> Conversation | None:
+        """The conversation holding exactly ``history``, every answer finished, whose
+        tokens fit this model and context: in memory first (the cache may hold it), then
+        the store's heads, newest first (restored here, files verified).  None if none."""
+        from engine.branches import branches_of
+        from engine.checkpoints.graph import Graph
+        if not any(role == "assistant" for role, _ in history):
+            return None   # nothing answered yet: the token prefix does as well
+        for conv in list(self._convs.values()):
+            if conv.paused or conv.answer is None or not conv.tokens:
+                continue
+            if [tuple(m) for m in conv.chat_messages()] == history and self._fits_runtime(conv, rt):
+                return conv
+        graph = Graph.scan(self.store)
+        for conv_id in dict.fromkeys(h.conversation_id for h in graph.heads):
+            for branch in branches_of(self.store, conv_id, graph):
+                node = graph.nodes.get(branch.head.name)
+                if branch.paused or list(branch.messages) != history or node is None \
+                        or rt.target.problem(node.header) is not None:
+                    continue
+                try:
+                    self._do_open_checkpoint(branch.head)
+                except (CheckpointError, OSError) as exc:
+                    log.info("cannot continue %s for a request (%s)", branch.head.name, exc)
+                    continue
+                conv = self._convs.get(conv_id)
+                if conv is not None and [tuple(m) for m in conv.chat_messages()] == history:
+                    return conv
+        return None
+
+    def _fits_runtime(self, conv: Conversation, rt) -> bool:
+        """Whether ``conv``'s tokens were made by the loaded model and context."""
+        from engine.checkpoints.format import read_header
+        if conv.id == self._active:
+            return True
+        path = self._paths.get(conv.id)
+        if path is None:
+            return False
+        try:
+            return rt.target.problem(read_header(path)) is None
+        except (CheckpointError, OSError):
+            return False
+
+    def _start_from_stored_prefix(self, conv: Conversation, rt) -> None:
+        """Make ``conv`` the conversation in the cache, starting from the stored checkpoint
+        that shares the longest prefix with its tokens; the first save builds on that
+        checkpoint's files where they are a prefix of it."""
+        from engine.checkpoints.graph import default_line
+        from engine.history import LineWriter
+        from engine.prefix_reuse import reuse_stored_prefix
+        self._save_active_if_dirty(KIND_MANUAL)
+        self._active = None
+        source = None
+        try:
+            reuse = reuse_stored_prefix(rt, self.store.folder, conv.tokens)
+            source = reuse.source
+            log.info("request: %s", reuse.describe())
+        except (CheckpointError, OSError) as exc:
+            log.info("no stored prefix used (%s)", exc)
+        self._active = conv.id
+        self._convs[conv.id] = conv
+        self._writers[conv.id] = LineWriter.starting(rt, self.store, default_line(conv.id),
+                                                     self._chain_infos(source))
+        self.listener.on_conversation_changed(self.snapshot(conv))
+
+    def _chain_infos(self, source: Path | None) -> list:
+        """What a writer needs to know of ``source``'s chain (files of the store), or []."""
+        from engine.checkpoints.graph import Graph
+        from engine.runtime import SaveInfo
+        if source is None or not self.store.contains(source):
+            return []
+        graph = Graph.scan(self.store)
+        node = graph.nodes.get(Path(source).name)
+        if node is None or graph.chain_problem(node) is not None:
+            return []
+        return [SaveInfo(path=n.path, size=n.size, seconds=0.0, n_tokens=n.header.n_tokens,
+                         checkpoint_id=n.checkpoint_id or "", payload_crc=n.payload_crc,
+                         tokens_digest=n.tokens_digest, delta=n.is_delta, line=n.line, kind=n.header.kind)
+                for n in graph.chain(node)]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,314 @@
+"""The local server against the official `openai` client: `checkpoint-chat serve` in a child
+process on 127.0.0.1 and a free port, with the real SmolLM2 (context 1024, two threads,
+short answers).
+
+What users live: a conversation of five turns whose every turn is restored, not
+recomputed, across a restart of the server; the same seed giving the text `run` gives,
+streamed or not; a client that goes away leaving a paused, valid checkpoint; and every
+kind of bad request answered with OpenAI's error body, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("aiohttp")
+
+KEY = "test-key-123"
+
+
+class Served:
+    """`checkpoint-chat serve --port 0 ...` in a child process; its URL from its first line."""
+
+    def __init__(self, home: Path, *extra: str) -> None:
+        self.home = home
+        self.err_path = home / f"serve-{time.monotonic_ns()}.err"
+        self._err = open(self.err_path, "w", encoding="utf-8")
+        env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(home))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "-c", "1024", "-t", "2", *extra],
+            stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=str(ROOT), env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("Listening on "):
+            self.proc.wait(30)
+            raise AssertionError(f"serve did not start ({self.proc.returncode}): {line}{self.stderr()}")
+        self.base_url = line.split()[2]          # http://127.0.0.1:PORT/v1
+
+    def client(self, key: str = KEY):
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=300)
+
+    def stderr(self) -> str:
+        if not self._err.closed:
+            self._err.flush()
+        return self.err_path.read_text("utf-8")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._err.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def served():
+    started: list[Served] = []
+
+    def start(home: Path, *extra: str) -> Served:
+        server = Served(home, *extra)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def raw(server: Served, method: str, path: str, body: bytes | None = None, key: str | None = KEY):
+    """(status, JSON body) of a request made without the client (bodies it would never send)."""
+    request = urllib.request.Request(server.base_url.removesuffix("/v1") + path, data=body, method=method)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def heads():
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    return Graph.scan(Store()).heads
+
+
+def ask(client, model: str, messages: list[dict], *, stream: bool, **kwargs) -> tuple[str, object, dict]:
+    """One turn: (text, usage, checkpoint_chat extension), streamed or not."""
+    if not stream:
+        r = client.chat.completions.create(model=model, messages=messages, **kwargs)
+        return r.choices[0].message.content, r.usage, r.model_extra["checkpoint_chat"]
+    text, usage, ext = [], None, None
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **kwargs):
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            if chunk.choices[0].finish_reason:
+                ext = chunk.model_extra["checkpoint_chat"]
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return "".join(text), usage, ext
+
+
+def test_five_turns_each_restores_every_turn_before_it_across_a_restart(app_home, served):
+    server = served(app_home)
+    client = server.client()
+    model = client.models.list().data[0].id
+    messages = [{"role": "system", "content": "You answer in one short sentence."}]
+    questions = ["What is the capital of France?", "And of Italy?", "Which one is bigger?",
+                 "Name a river in one of them.", "Thank you. Say goodbye."]
+    usages, conversations = [], set()
+    for k, question in enumerate(questions, 1):
+        if k == 4:   # a new process: nothing of the conversation is in memory any more
+            assert server.stop() == 0
+            server = served(app_home)
+            client = server.client()
+        messages.append({"role": "user", "content": question})
+        text, usage, ext = ask(client, model, messages, stream=k % 2 == 0, max_tokens=24, seed=k)
+        assert text and usage.completion_tokens > 0
+        messages.append({"role": "assistant", "content": text})
+        usages.append(usage)
+        conversations.add(ext["conversation"])
+        # every answer is a head in the store (saved before the response was sent)
+        assert Path(ext["checkpoint"]).name in {h.path.name for h in heads()}
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    for before, usage in zip(usages, usages[1:]):
+        # turn k restores exactly all of turn k-1: its prompt and its answer
+        assert usage.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
+    assert len(conversations) == 1
+    assert server.stop() == 0
+
+
+def test_the_same_seed_gives_the_text_run_gives_streamed_or_not(app_home, served):
+    prompt = "Write one sentence about the sea."
+    done = run_cli("run", "-p", prompt, "-s", "7", "-n", "24", "-c", "1024", "-t", "2", "--temp", "0.9",
+                   "--top-p", "0.8", "--json", check=True)
+    expected = json.loads(done.stdout)["text"]
+    server = served(app_home)
+    client = server.client()
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": prompt}]
+    for stream in (False, True):
+        text, usage, _ = ask(client, model, messages, stream=stream, max_tokens=24, seed=7, temperature=0.9,
+                             top_p=0.8)
+        assert text == expected
+        assert usage.completion_tokens == 24 or len(text) < 200
+    # a plain completion (no chat template): the same text streamed or not
+    whole = client.completions.create(model=model, prompt="The sea is", max_tokens=12, seed=3)
+    parts = [c.choices[0].text for c in client.completions.create(model=model, prompt="The sea is", max_tokens=12,
+                                                                  seed=3, stream=True) if c.choices]
+    assert whole.object == "text_completion" and whole.choices[0].text == "".join(parts)
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens > 0
+    assert server.stop() == 0
+
+
+def test_a_client_that_goes_away_pauses_its_answer_and_leaves_a_valid_checkpoint(app_home, served):
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.format import KIND_PAUSE
+    server = served(app_home)
+    client = server.client()
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, stream=True, max_tokens=400,
+                                            messages=[{"role": "user", "content": "Count from one to a hundred."}],
+                                            extra_body={"ignore_eos": True})
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) >= 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    paused = []
+    while not paused and time.monotonic() < deadline:
+        paused = [h for h in heads() if h.header.kind == KIND_PAUSE]
+        time.sleep(0.2)
+    assert paused, server.stderr()
+    chain = load_chain(paused[0].path)          # every file of its chain verifies in full
+    answer = chain[-1].meta["conversation"]["answer"]
+    assert answer["finish_reason"] is None and 3 <= answer["n_generated"] < 400
+    assert answer["text"].startswith("".join(pieces))
+    # the server goes on serving
+    text, _, _ = ask(client, model, [{"role": "user", "content": "Hi"}], stream=False, max_tokens=4, seed=1)
+    assert text
+    assert server.stop() == 0
+    assert "Traceback" not in server.stderr()
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(app_home, served):
+    server = served(app_home, "--api-key", KEY, "--max-request-kb", "64")
+    client = server.client()
+    model = client.models.list().data[0].id
+    hi = [{"role": "user", "content": "Hi"}]
+
+    with pytest.raises(openai.AuthenticationError) as info:
+        server.client("wrong-key").models.list()
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    status, body = raw(server, "POST", "/v1/chat/completions", b"{}", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    assert raw(server, "GET", "/health", key=None) == (200, {"status": "ok", "model": model})
+
+    status, body = raw(server, "POST", "/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400 and "JSON" in body["error"]["message"]
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       json.dumps({"model": model, "messages": "hi"}).encode())
+    assert status == 400 and body["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=hi, max_tokens="ten")
+    assert info.value.param == "max_tokens" and info.value.code == "invalid_type"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=hi, temperature=True)
+    assert info.value.param == "temperature"
+
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=hi)
+    assert info.value.code == "model_not_found"
+
+    status, body = raw(server, "POST", "/v1/chat/completions", b"x" * (100 << 10))
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 1500}])
+    assert info.value.code == "context_length_exceeded" and "1024" in info.value.message
+
+    status, body = raw(server, "GET", "/v1/nowhere")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+
+    text, usage, _ = ask(client, model, hi, stream=True, max_tokens=4, seed=1)   # still serving
+    assert text and usage.completion_tokens > 0
+    assert server.stop() == 0
+    assert "Traceback" not in server.stderr()
+
+
+def test_only_loopback_goes_without_an_api_key(app_home, served):
+    done = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and "--api-key" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    server = served(app_home, "--host", "0.0.0.0", "--api-key", KEY)
+    assert "warning: listening on 0.0.0.0" in server.stderr()
+    port = server.base_url.rsplit(":", 1)[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}", api_key=KEY, max_retries=0)
+    assert client.models.list().data
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{port}", api_key="wrong", max_retries=0).models.list()
+    assert server.stop() == 0
+
+
+def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_store(smollm_path, tmp_path):
+    """The engine command alone (no HTTP): with one conversation kept open besides the one
+    in the cache, a third conversation closes the first (its line's lease too), and a
+    request continuing the first restores it from its head on disk."""
+    from enginekit import Recorder
+    from engine.checkpoints.store import Store
+    from engine.server.engine_commands import CompletionRequest
+    from engine.worker import EngineWorker, ModelOptions
+
+    class Requests(Recorder):
+        def on_request_finished(self, request_id, conv_id, checkpoint):
+            self._add("done", request_id, conv_id, checkpoint)
+
+        def on_request_failed(self, request_id, refusal):
+            self._add("refused", request_id, refusal)
+
+    rec = Requests()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.request_conversations_kept = 1
+    w.start()
+    try:
+        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+        rec.wait("loaded")
+
+        def complete(messages) -> tuple:
+            w.complete(CompletionRequest(request_id=f"r{len(rec.of('done'))}", messages=tuple(messages),
+                                         n_predict=6, seed=1))
+            done = rec.next("done")
+            return done[2], rec.of("finished")[-1][1]
+
+        first = [("user", "Name a color.")]
+        conv_a, answer_a = complete(first)
+        for question in ("Name a tree.", "Name a bird."):
+            complete([("user", question)])
+        assert conv_a not in w._convs and conv_a not in w._writers and len(w._writers) <= 2
+        conv, again = complete(first + [("assistant", answer_a.text), ("user", "Another one.")])
+        assert conv == conv_a and again.n_reused_tokens == answer_a.n_prompt_tokens + answer_a.n_generated
+        w.complete(CompletionRequest(request_id="long", messages=(("user", "word " * 1500),)))
+        refused = rec.next("refused")
+        assert refused[1] == "long" and refused[2].reason == "context_length_exceeded"
+    finally:
+        w.shutdown()
+        assert w.join(60)
+
+
+def test_the_benchmark_runs_and_prints_its_tables(capsys):
+    from benchmarks.server import main
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "right after a server restart" in out and "full recompute" in out
+    assert "Concurrent clients" in out and out.count("\n      4 ") == 1
