@@ -36,6 +36,8 @@ class StateLayout:
     """What the walk found: per cache block, its cell count and layer count."""
     blocks: tuple[tuple[int, int], ...]   # (cell_count, n_layer)
     v_trans: bool
+    #: byte offset of each non-empty block's cell table (see relabel_state)
+    cell_tables: tuple[int, ...] = ()
 
 
 class _Reader:
@@ -77,6 +79,7 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
     max_row_k = 4 * n_head_kv * n_embd_head_k + 64
     max_row_v = 4 * n_head_kv * n_embd_head_v + 64
     blocks: list[tuple[int, int]] = []
+    tables: list[int] = []
     v_trans_seen: bool | None = None
     while r.pos < len(r.data):
         if len(blocks) >= 2:
@@ -90,6 +93,7 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
         if cells == 0:
             blocks.append((0, 0))
             continue
+        tables.append(r.pos)
         meta = np.frombuffer(r.take(12 * cells, "cell table"), dtype="<i4").reshape(cells, 3)
         if not (meta[:, 1] == 1).all() or not (meta[:, 2] == seq_id).all():
             raise CorruptState("the KV state's cells belong to other sequences")
@@ -139,7 +143,23 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
         raise CorruptState("the KV state holds no cache")
     if sum(layers for _, layers in blocks) > n_layer:
         raise CorruptState("the KV state has more layers than the model")
-    return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen))
+    return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen), cell_tables=tuple(tables))
+
+
+def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
+    """Make a checked state blob name sequence ``seq_id``, in place.
+
+    ``llama_state_seq_get_data`` writes the id of the sequence it read (after the magic,
+    and in every cell); llama.cpp ignores both when setting a state (the destination is
+    the caller's choice), but a checkpoint's state names sequence 0 (1 for a delta).  A
+    state read from sequence k of a multi-sequence context becomes the bytes sequence 0
+    of a single-sequence one would have written.  ``layout`` is :func:`check_state`'s
+    result for ``state`` (a writable uint8 array), whose cells each name one sequence.
+    """
+    state[4:8] = np.frombuffer(struct.pack("<i", seq_id), dtype=np.uint8)
+    for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables):
+        table = state[offset:offset + 12 * cells].view("<i4").reshape(cells, 3)
+        table[:, 2] = seq_id
 
 
 def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayout:

@@ -1,0 +1,352 @@
+"""Several conversations in one context: each in its own sequence of a unified KV cache.
+
+A :class:`ParallelRuntime` owns a model and one context of ``sequences + 1`` sequences
+over one unified KV cache (``kv_unified``): sequences ``0 .. S-1`` hold conversations,
+sequence ``S`` is scratch space for applying delta checkpoints.  Which conversation is
+in which sequence is :class:`engine.sequences.SequenceTable`'s business; this module
+does what it decides to the cache, and knows, per sequence, exactly which tokens the
+cache holds and for which length it holds the next-token logits (as
+:class:`engine.runtime.Runtime` does for its single sequence).
+
+Decoding is one ``llama_decode`` per call for every sequence involved
+(:meth:`decode_chunks`: prompt chunks of several conversations; :meth:`decode_tokens`:
+one generated token per running answer); the logits of each sequence's last position
+are a row of that decode's output, kept as a view until the next decode and copied
+only for a sequence that does not take part in it.
+
+Files: :meth:`save` writes a sequence in the ordinary ``.kvckpt`` format, as a
+single-sequence context would have (the state names sequence 0, the header the
+single-sequence shape ``n_seq_max`` = :data:`FILE_SEQ_MAX`): with one unified cache a
+sequence's state has the same bytes whatever ``n_seq_max`` is, so
+``Runtime.restore_chain`` and ``checkpoint-chat run --checkpoint-load`` read the file
+as one of their own.  :meth:`restore` reads such a chain (deltas too) into any sequence.
+
+Like every native owner it belongs to one thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import numpy as np
+
+from engine.checkpoints.atomic import atomic_write
+from engine.checkpoints.chain import check_link, common_prefix, tokens_digest
+from engine.checkpoints.compat import ContextShape, Target
+from engine.checkpoints.format import KIND_MANUAL, CheckpointData, encode_metadata, write_sections
+from engine.checkpoints.graph import default_line
+from engine.checkpoints.kvstate import check_state, check_state_for, relabel_state
+from engine.conversation import Conversation
+from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, GenerationError,
+                           RestoreFailed, SaveFailed)
+from engine.runtime import Runtime, SaveInfo
+from engine.sequences import Placement, SequenceTable
+from native.batch import SeqBatch
+from native.context import ContextSettings
+from native.errors import StateError
+
+#: The sequence count a saved file declares: the single-sequence context's (its
+#: sequence 1 is the scratch space for deltas), so that context restores it.
+FILE_SEQ_MAX = ContextSettings.n_seq_max
+
+#: Sequences a parallel context holds by default.
+DEFAULT_SEQUENCES = 4
+
+
+@dataclass
+class _Held:
+    """What the cache holds for one sequence."""
+    tokens: list[int] = field(default_factory=list)
+    logits_len: int = -1             # the token count the logits belong to (-1: none)
+    logits: np.ndarray | None = None  # a copy; None while they are a row of the last decode
+    row: int = -1                    # that row (live logits)
+
+
+class ParallelRuntime:
+    """A model, one context of several sequences, and what each sequence holds."""
+
+    def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
+                 *, sequences: int = DEFAULT_SEQUENCES, n_gpu_layers: int = 0, main_gpu: int = 0,
+                 workers=None, progress=None) -> None:
+        if sequences < 1:
+            raise GenerationError(f"a context holds at least one conversation, not {sequences}")
+        # the Runtime is the model and context holder here; its own bookkeeping (sequence
+        # 0's tokens) is never used: every sequence's is in self._held
+        self._rt = Runtime(model_path, replace(settings, n_seq_max=sequences + 1, kv_unified=True),
+                           n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, progress=progress,
+                           workers=workers)
+        self.model = self._rt.model
+        self.ctx = self._rt.ctx
+        self.settings = settings
+        self.sequences = sequences
+        self.scratch = sequences
+        self.table = SequenceTable(sequences)
+        self.batch = SeqBatch(max(settings.n_batch, sequences))
+        self._held = [_Held() for _ in range(sequences)]
+        #: the shape saved files declare, and that restored files must have
+        self.file_settings = replace(settings, n_seq_max=FILE_SEQ_MAX, kv_unified=True)
+        self.target = Target(self._rt.target.model, ContextShape.of(self.file_settings, self.ctx.n_ctx))
+        #: decodes made (one per decode_chunks / decode_tokens call)
+        self.decodes = 0
+        #: seconds the last restore took (structure checks + setting the state)
+        self.last_restore_s = 0.0
+
+    def close(self) -> None:
+        self.batch.close()
+        self._rt.close()
+
+    @property
+    def fingerprint(self) -> bytes:
+        return self._rt.fingerprint
+
+    @property
+    def candidates(self):
+        return self._rt.candidates
+
+    @property
+    def eog_ids(self) -> np.ndarray:
+        return self._rt.eog_ids
+
+    # -- residency ------------------------------------------------------------------------
+    def place(self, key: Hashable, *, running: bool = False) -> Placement:
+        """A sequence for conversation ``key`` (engine.sequences); an evicted one's cells go."""
+        placement = self.table.activate(key, running=running)
+        if placement.evicted is not None:
+            self.drop(placement.seq)
+        return placement
+
+    def evict(self, key: Hashable) -> None:
+        seq = self.table.evict(key)
+        if seq is not None:
+            self.drop(seq)
+
+    def drop(self, seq: int) -> None:
+        """Empty sequence ``seq`` (its conversation's files are untouched)."""
+        self.ctx.seq_rm(seq, -1, -1)
+        self._held[seq] = _Held()
+
+    def tokens(self, seq: int) -> list[int]:
+        """The tokens sequence ``seq`` holds (do not modify)."""
+        return self._held[seq].tokens
+
+    def cells_used(self) -> int:
+        return sum(len(h.tokens) for h in self._held)
+
+    def make_room(self, n: int) -> bool:
+        """Evict idle conversations (least recently used first) until ``n`` more cells
+        fit; False when they cannot."""
+        while self.cells_used() + n > self.ctx.n_ctx:
+            victim = self.table.victim()
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
+
+    # -- logits ---------------------------------------------------------------------------
+    def has_logits(self, seq: int) -> bool:
+        held = self._held[seq]
+        return held.logits_len == len(held.tokens) > 0
+
+    def logits(self, seq: int) -> np.ndarray:
+        """Next-token logits after ``tokens(seq)`` (a view valid until the next decode)."""
+        held = self._held[seq]
+        if not self.has_logits(seq):
+            raise GenerationError("no logits for this sequence's current position")
+        if held.logits is not None:
+            return held.logits
+        return self.batch.rows(self.ctx)[held.row]
+
+    def _keep_logits(self, participants) -> None:
+        """Copy the live logits of every sequence the next decode leaves out."""
+        for seq, held in enumerate(self._held):
+            if held.logits is None and held.logits_len >= 0 and seq not in participants:
+                held.logits = np.array(self.batch.rows(self.ctx)[held.row], copy=True)
+                held.row = -1
+
+    def _forget_logits(self, seq: int) -> None:
+        held = self._held[seq]
+        held.logits_len, held.logits, held.row = -1, None, -1
+
+    # -- decoding -------------------------------------------------------------------------
+    def trim(self, seq: int, n: int) -> int:
+        """Keep only the first ``n`` tokens of ``seq``; returns how many were kept
+        (a memory that cannot drop a tail, sliding window or recurrent, is emptied)."""
+        held = self._held[seq]
+        if n >= len(held.tokens):
+            return len(held.tokens)
+        if n > 0 and self.ctx.seq_rm(seq, n, -1):
+            del held.tokens[n:]
+            self._forget_logits(seq)
+        else:
+            self.drop(seq)
+        return len(self._held[seq].tokens)
+
+    def reuse(self, seq: int, tokens: Sequence[int]) -> int:
+        """Trim ``seq`` to what it shares with ``tokens``; returns the tokens kept.  When
+        it holds all of them but no logits, the last one is given back to be decoded."""
+        total = len(tokens)
+        if total > self.ctx.n_ctx:
+            raise GenerationError(f"the prompt has {total} tokens; the context holds {self.ctx.n_ctx}")
+        keep = self.trim(seq, common_prefix(self._held[seq].tokens, tokens))
+        if keep == total and total > 0 and not self.has_logits(seq):
+            keep = self.trim(seq, total - 1)
+        return keep
+
+    def decode_chunks(self, chunks: Sequence[tuple[int, Sequence[int], bool]]) -> None:
+        """One decode of several sequences' next tokens: ``(seq, tokens, logits_last)``,
+        each run continuing what its sequence holds."""
+        self.batch.clear()
+        rows = []
+        for seq, tokens, logits_last in chunks:
+            held = self._held[seq]
+            rows.append(self.batch.add_run(tokens, len(held.tokens), seq, logits_last))
+        self._decode({seq for seq, _, _ in chunks})
+        for (seq, tokens, logits_last), row in zip(chunks, rows):
+            held = self._held[seq]
+            held.tokens.extend(tokens)
+            if logits_last:
+                held.logits_len, held.logits, held.row = len(held.tokens), None, row
+            else:
+                self._forget_logits(seq)
+
+    def decode_tokens(self, tokens: dict[int, int]) -> None:
+        """One decode of one token per sequence (``{seq: token}``), each with its logits."""
+        self.batch.clear()
+        rows = {seq: self.batch.add(token, len(self._held[seq].tokens), seq, True)
+                for seq, token in tokens.items()}
+        self._decode(tokens.keys())
+        for seq, token in tokens.items():
+            held = self._held[seq]
+            held.tokens.append(token)
+            held.logits_len, held.logits, held.row = len(held.tokens), None, rows[seq]
+
+    def _decode(self, participants) -> None:
+        if any(len(self._held[s].tokens) >= self.ctx.n_ctx for s in participants):
+            raise GenerationError("the context is full")
+        self._keep_logits(set(participants))
+        self.batch.decode(self.ctx)
+        self.decodes += 1
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, conv: Conversation, seq: int, kind: int = KIND_MANUAL,
+             *, line: str | None = None, seq_no: int = 0, fresh: bool = False) -> SaveInfo:
+        """Write ``conv``, held in sequence ``seq``, to ``path`` atomically, as a full
+        checkpoint a single-sequence context restores (see the module docstring)."""
+        started = time.perf_counter()
+        path = Path(path)
+        held = self._held[seq]
+        n = len(held.tokens)
+        if list(conv.tokens[:n]) != held.tokens:
+            raise SaveFailed("the sequence does not hold this conversation; nothing was saved")
+        header = replace(self._rt.header_for(conv, kind), n_tokens=n, n_seq_max=FILE_SEQ_MAX)
+        checkpoint_id = uuid.uuid4().hex
+        meta_json = self._rt.metadata_for(conv)
+        meta_json["checkpoint_id"] = checkpoint_id
+        meta_json["line"] = line = line or default_line(conv.id)
+        if seq_no:
+            meta_json["seq"] = seq_no
+        logits = np.array(self.logits(seq), copy=True) if self.has_logits(seq) else None
+        state = self._state_of(seq, header) if n else np.empty(0, dtype=np.uint8)
+        precondition = functools.partial(_name_still_free, path) if fresh else None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(path, precondition=precondition) as f:
+                _, crc = write_sections(f, header, encode_metadata(meta_json),
+                                        np.asarray(conv.tokens, dtype=np.int32), logits, state)
+        except OSError as exc:
+            raise SaveFailed(f"could not save the checkpoint to {path}: {exc.strerror or exc}; "
+                             "any earlier checkpoint there is untouched") from exc
+        return SaveInfo(path=path, size=path.stat().st_size, seconds=time.perf_counter() - started,
+                        n_tokens=n, checkpoint_id=checkpoint_id, payload_crc=crc,
+                        tokens_digest=tokens_digest(held.tokens), line=line, kind=kind)
+
+    def _state_of(self, seq: int, header) -> np.ndarray:
+        """Sequence ``seq``'s state, checked and relabelled as sequence 0's."""
+        size = self.ctx.state_size(seq)
+        buf = np.empty(size, dtype=np.uint8)
+        try:
+            written = self.ctx.state_get_into(buf, size, seq)
+        except StateError as exc:
+            raise SaveFailed(str(exc)) from exc
+        state = buf[:written]
+        try:
+            layout = check_state(state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
+                                 n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
+                                 flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
+                                 n_embd_head_k=header.n_embd_head_k,
+                                 n_embd_head_v=header.n_embd_head_v, seq_id=seq)
+        except CorruptState as exc:
+            raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {seq}: {exc}") from exc
+        relabel_state(state, layout, 0)
+        return state
+
+    def restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
+        """Put a verified chain (a full file, then deltas on it) into sequence ``seq``.
+
+        Every file is checked (compatibility, state structure, links) before llama.cpp
+        sees a byte, so a refused chain leaves the sequence as it was; if llama.cpp
+        itself refuses a state, the sequence is emptied (RestoreFailed).
+        """
+        started = time.perf_counter()
+        try:
+            return self._restore(chain, seq)
+        finally:
+            self.last_restore_s = time.perf_counter() - started
+
+    def _restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
+        if not chain:
+            raise BrokenChain("no checkpoint to restore")
+        if chain[0].header.is_delta:
+            raise BrokenChain("the chain does not start with a full checkpoint")
+        for data in chain:
+            self.target.check(data.header, data.meta)
+            if data.header.n_tokens:
+                check_state_for(data.header, data.state)
+        for prev, data in zip(chain, chain[1:]):
+            check_link(prev, data)
+        last = chain[-1]
+        h = last.header
+        conv_json = last.meta.get("conversation")
+        try:
+            conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
+                                          [int(t) for t in last.tokens])
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
+        conv.id = h.conversation_id
+        if self.cells_used() - len(self._held[seq].tokens) + h.n_tokens > self.ctx.n_ctx:
+            raise RestoreFailed(f"the context has no room for {h.n_tokens} more tokens; "
+                                "evict a conversation first")
+        self.drop(seq)
+        try:
+            for i, data in enumerate(chain):
+                if not len(data.state):
+                    continue
+                if i == 0:
+                    self.ctx.state_set_from(data.state, len(data.state), seq)
+                else:   # a delta: through the scratch sequence, which shares its cells
+                    self.ctx.state_set_from(data.state, len(data.state), self.scratch)
+                    self.ctx.seq_cp(self.scratch, seq, -1, -1)
+                    self.ctx.seq_rm(self.scratch, -1, -1)
+        except StateError as exc:
+            self.drop(seq)
+            self.ctx.seq_rm(self.scratch, -1, -1)
+            raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
+        if h.n_tokens and self.ctx.pos_max(seq) != h.n_tokens - 1:
+            self.drop(seq)
+            raise RestoreFailed("the restored state does not hold the promised tokens")
+        held = self._held[seq]
+        held.tokens = [int(t) for t in last.tokens[:h.n_tokens]]
+        if last.logits is not None:
+            held.logits_len, held.logits = h.n_tokens, np.array(last.logits, copy=True)
+        return conv
+
+
+def _name_still_free(path: Path) -> None:
+    if path.exists():
+        raise SaveFailed(f"{path.name} was written by another process meanwhile; nothing was saved")

@@ -1,0 +1,205 @@
+"""Several conversations in one unified KV cache, against the real models.
+
+The contract tested: with the default cache (q8_0 K/V, flash attention, unified), a
+conversation's answer generated together with others — prompts prefilled jointly,
+2 or 4 answers per decode, paused mid-way and resumed, evicted and restored into
+another sequence — is byte-identical to the same answer generated alone by
+``engine.generation.generate`` on a single-sequence Runtime.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.checkpoints.chain import load_chain
+from engine.concurrent import Batcher, Job
+from engine.conversation import Conversation
+from engine.generation import begin_answer, generate
+from engine.parallel import FILE_SEQ_MAX, ParallelRuntime
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+
+PROMPTS = ["Write a few lines about lighthouses.", "What is the capital of France? Explain.",
+           "Tell me a short story about a cat who learns to swim.", "List three fruits and their colours."]
+N = 32
+SETTINGS = ContextSettings(n_ctx=2048, n_threads=2)
+
+
+def new_conv(runtime, i: int, temp: float) -> Conversation:
+    conv = Conversation(sampler=SamplerSettings(temperature=temp, seed=1000 + i, ignore_eos=True))
+    begin_answer(conv, runtime, PROMPTS[i], n_predict=N)
+    return conv
+
+
+@pytest.fixture(scope="module")
+def alone(request):
+    """Each prompt's answer generated alone (by the single-sequence path), per model and temperature."""
+    cache: dict = {}
+
+    def get(model_path, temp: float) -> list[str]:
+        key = (str(model_path), temp)
+        if key not in cache:
+            rt = Runtime(model_path, SETTINGS)
+            try:
+                texts = []
+                for i in range(len(PROMPTS)):
+                    rt.trim(0)
+                    texts.append(generate(rt, new_conv(rt, i, temp)).text)
+            finally:
+                rt.close()
+            cache[key] = texts
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def smollm_parallel(smollm_path):
+    prt = ParallelRuntime(smollm_path, SETTINGS, sequences=4)
+    yield prt
+    prt.close()
+
+
+def reset(prt: ParallelRuntime) -> None:
+    for key in prt.table.residents():
+        prt.evict(key)
+
+
+def run_together(prt: ParallelRuntime, indices, temp: float, **batcher) -> dict[int, Job]:
+    reset(prt)
+    b = Batcher(prt, **batcher)
+    jobs = {}
+    for i in indices:
+        conv = new_conv(prt, i, temp)
+        jobs[i] = Job(conv, prt.place(conv.id, running=True).seq)
+        b.add(jobs[i])
+    b.run()
+    return jobs
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+@pytest.mark.parametrize("count", [2, 4])
+def test_answers_generated_together_equal_their_runs_alone(smollm_parallel, smollm_path, alone, temp, count):
+    prt = smollm_parallel
+    decodes = prt.decodes
+    jobs = run_together(prt, range(count), temp)
+    expected = alone(smollm_path, temp)
+    for i, job in jobs.items():
+        assert job.result.n_generated == N
+        assert job.result.text == expected[i], f"answer {i} differs when generated with {count - 1} others"
+    # one joint prefill (the prompts fit in one batch), then one decode per token for all
+    assert prt.decodes - decodes == 1 + N
+
+
+def test_a_paused_answer_resumes_in_place_and_after_eviction(smollm_parallel, smollm_path, alone, tmp_path):
+    """Answer 0 pauses after 9 tokens (saved at once while 1 keeps going); it resumes
+    from the sequence it never left, and again after being evicted and restored from
+    its file into another sequence; both equal the uninterrupted run."""
+    prt = smollm_parallel
+    expected = alone(smollm_path, 0.8)
+    saved = {}
+
+    def on_stopped(job):
+        if job.result.paused:
+            saved[job.seq] = prt.save(tmp_path / f"seq{job.seq}.kvckpt", job.conv, job.seq)
+            prt.table.finish(job.conv.id)
+
+    reset(prt)
+    b = Batcher(prt, on_stopped=on_stopped)
+    convs = [new_conv(prt, i, 0.8) for i in (0, 1)]
+    jobs = [Job(c, prt.place(c.id, running=True).seq) for c in convs]
+    jobs[0].stop_after = 9
+    for job in jobs:
+        b.add(job)
+    b.run()
+    first = jobs[0].result.text
+    assert jobs[0].result.paused and jobs[0].result.n_generated == 9
+    assert jobs[1].result.text == expected[1]
+    path = saved[jobs[0].seq].path
+
+    # resumed where it is: nothing restored, nothing prefilled
+    misses = prt.table.misses
+    placement = prt.place(convs[0].id, running=True)
+    assert placement.resident
+    resumed = Job(convs[0], placement.seq)
+    b = Batcher(prt)
+    b.add(resumed)
+    b.run()
+    assert resumed.result.n_prefilled == 0 and prt.table.misses == misses
+    assert first + resumed.result.text == expected[0]
+
+    # evicted, then restored from its file into another sequence
+    prt.evict(convs[0].id)
+    for key in ("x", "y"):          # take sequence 0 so the restore lands elsewhere
+        prt.place(key)
+    placement = prt.place("again", running=True)
+    conv = prt.restore(load_chain(path), placement.seq)
+    assert placement.seq != jobs[0].seq
+    again = Job(conv, placement.seq)
+    other = new_conv(prt, 2, 0.8)      # and a newcomer prefilled while it runs
+    newcomer = Job(other, prt.place(other.id, running=True).seq)
+    b = Batcher(prt)
+    b.add(again)
+    b.add(newcomer)
+    b.run()
+    assert again.result.n_prefilled == 0, "the restored sequence was prefilled again"
+    assert first + again.result.text == expected[0]
+    assert newcomer.result.text == expected[2]
+
+
+def test_a_sequence_saved_from_a_parallel_context_restores_in_a_single_sequence_one(
+        smollm_parallel, smollm_path, alone, tmp_path):
+    prt = smollm_parallel
+    expected = alone(smollm_path, 0.8)
+    reset(prt)
+    for key in ("a", "b"):
+        prt.place(key)
+    conv = new_conv(prt, 3, 0.8)
+    job = Job(conv, prt.place(conv.id, running=True).seq, stop_after=11)
+    assert job.seq == 2
+    b = Batcher(prt)
+    b.add(job)
+    b.run()
+    info = prt.save(tmp_path / "from-seq-2.kvckpt", conv, job.seq)
+    chain = load_chain(info.path)
+    assert chain[0].header.n_seq_max == FILE_SEQ_MAX and chain[0].header.n_tokens == len(conv.tokens)
+
+    rt = Runtime(smollm_path, SETTINGS)       # today's single-sequence restore
+    try:
+        restored = rt.restore_chain(chain)
+        rest = generate(rt, restored)
+    finally:
+        rt.close()
+    assert rest.n_prefilled == 0
+    assert job.result.text + rest.text == expected[3]
+
+
+def test_switching_among_resident_conversations_restores_nothing(smollm_parallel, tmp_path):
+    prt = smollm_parallel
+    reset(prt)
+    convs = {}
+    for i in range(4):
+        conv = new_conv(prt, i, 0.0)
+        seq = prt.place(conv.id).seq
+        prt.decode_chunks([(seq, conv.tokens, True)])
+        convs[conv.id] = (seq, list(conv.tokens))
+    misses, decodes = prt.table.misses, prt.decodes
+    for key in [*convs, *reversed(list(convs))]:
+        placement = prt.place(key)
+        assert placement.resident and placement.seq == convs[key][0]
+        assert prt.tokens(placement.seq) == convs[key][1] and prt.has_logits(placement.seq)
+    assert prt.table.misses == misses and prt.decodes == decodes
+    # a fifth conversation evicts the least recently used idle one: the last switched away from
+    fifth = prt.place("fifth")
+    assert fifth.evicted == list(convs)[-1] and prt.tokens(fifth.seq) == []
+
+
+def test_gemma_answers_together_equal_their_runs_alone(gemma_path, alone):
+    """Sliding-window attention: joint prefill and 2 answers per decode, as alone."""
+    expected = alone(gemma_path, 0.8)[:2]
+    prt = ParallelRuntime(gemma_path, SETTINGS, sequences=2)
+    try:
+        jobs = run_together(prt, range(2), 0.8)
+    finally:
+        prt.close()
+    assert [jobs[i].result.text for i in range(2)] == expected
