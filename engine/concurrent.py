@@ -176,6 +176,9 @@ class Batcher:
         self.prefill_steps = 0
         self.generation_steps = 0
         self.generated = 0
+        #: seconds spent in generation steps (choosing, decoding, accepting; not on_stopped)
+        self.generation_s = 0.0
+        self._callback_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -257,6 +260,13 @@ class Batcher:
 
     # -- generation -----------------------------------------------------------------------
     def _generation_step(self) -> None:
+        started, callbacks = time.perf_counter(), self._callback_s
+        try:
+            self._generate_one()
+        finally:
+            self.generation_s += time.perf_counter() - started - (self._callback_s - callbacks)
+
+    def _generate_one(self) -> None:
         if not self.prt.make_room(len(self._running)):
             for answer in list(self._running):
                 answer.finish = "context_full"
@@ -287,4 +297,8 @@ class Batcher:
     def _stopped(self, job: Job) -> None:
         self.done.append(job)
         if self.on_stopped is not None:
-            self.on_stopped(job)
+            started = time.perf_counter()
+            try:
+                self.on_stopped(job)
+            finally:
+                self._callback_s += time.perf_counter() - started

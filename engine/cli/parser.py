@@ -35,6 +35,14 @@ def _port(text: str) -> int:
     return value
 
 
+class _Prompts(argparse.Action):
+    """``-p`` may be repeated (``--parallel``): ``prompt`` is the first, ``prompts`` all."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.prompts = [*(getattr(namespace, "prompts", None) or []), values]
+        setattr(namespace, self.dest, namespace.prompts[0])
+
+
 def _add_rpc(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
                         help=f"remote workers (`checkpoint-chat rpc-worker`) {what}")
@@ -89,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate text (and pause/resume with checkpoints)")
     run.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
     prompt = run.add_mutually_exclusive_group()
-    prompt.add_argument("-p", "--prompt", help="user message")
+    prompt.add_argument("-p", "--prompt", action=_Prompts,
+                        help="user message (repeatable with --parallel: one conversation each)")
+    run.set_defaults(prompts=[])
     prompt.add_argument("-f", "--prompt-file", help="read the user message from a file")
     run.add_argument("--system", help="system prompt")
     run.add_argument("-n", "--n-predict", type=int, default=None,
@@ -128,7 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "turn K by the prompt and answer it (a new branch)")
     run.add_argument("--reuse-prefix", action="store_true",
                      help="start from the stored checkpoint sharing the longest prefix with the prompt")
-    run.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    run.add_argument("--parallel", action="store_true",
+                     help="one conversation per -p, generated concurrently in one context; "
+                          "--checkpoint-save names a folder")
+    run.add_argument("--sequences", type=_positive, default=None, metavar="S",
+                     help="with --parallel: conversations the context holds at once (default 4)")
+    run.add_argument("--json", action="store_true",
+                     help="print one JSON object at the end (--parallel: one per conversation, "
+                          "then a summary)")
     run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
 
     val = sub.add_parser("validate", help="check a checkpoint file")

@@ -63,7 +63,13 @@ def cmd_run(args) -> int:
     from engine.generation import Control
     from engine.shutdown import ShutdownGuard
 
-    prompt = args.prompt
+    prompts = args.prompts
+    if args.parallel and len(prompts) > 1:
+        from engine.cli.parallel import cmd_run_parallel
+        return cmd_run_parallel(args, prompts)
+    if len(prompts) > 1:
+        raise AppError("several prompts (-p) need --parallel")
+    prompt = prompts[0] if prompts else None
     if args.prompt_file:
         try:
             prompt = Path(args.prompt_file).read_text("utf-8")
