@@ -1,0 +1,287 @@
+"""Several conversations in one unified KV cache (issue 11): throughput, switching, exactness.
+
+    python -m benchmarks.parallel [--model smollm|gemma] [--threads 2] [--tokens 64]
+                                  [--switch-tokens 4000] [--exactness] [--quick]
+
+a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurrent's
+   Batcher on an engine.parallel context), against one answer alone
+   (engine.generation.generate on a single-sequence Runtime) and against a bare ctypes
+   loop decoding the same batches (one token per sequence per ``llama_decode``, argmax
+   over each row, nothing else): the bare loop's gain over one alone is this machine's
+   ceiling.  Greedy, same prompts, threads, context and cache for all; runs interleaved,
+   best of ``--repeats`` (a shared machine's noise only ever slows a run down).
+b. Switch latency at ``--switch-tokens`` tokens: until a conversation can sample its next
+   token, when it is resident (nothing to do) and when it was evicted (read, verify and
+   restore its file into a sequence); a full prefill of it for scale.
+c. (``--exactness``) max |logit difference|, teacher-forced, between each of 4 answers
+   generated together and the same answer alone, per model, KV cache type and prefill
+   mode (joint: the prompts in one decode; separate: one prompt per decode).
+
+Nothing is judged here; the table is printed and the exit status is 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import (MODEL_KEYS, Table, clock, ctx_size_for, greedy_conversation,
+                               model_path, prompt_tokens, ratio)
+
+COUNTS = (1, 2, 4)
+
+
+# -- a. throughput -------------------------------------------------------------------------
+class BareBatchLoop:
+    """A context on the same model, driven by raw llama.cpp calls: one batch of one token
+    per sequence per decode, argmax over each output row."""
+
+    def __init__(self, prt) -> None:
+        from native.context import Context
+        from native.library import bindings
+        self.ll = bindings()
+        self.ctx = Context(prt.model, prt.ctx.settings)   # owns the context; the loop is raw
+        self.n_vocab = prt.ctx.n_vocab
+        self.capacity = max(prt.settings.n_batch, prt.sequences)
+        self.batch = self.ll.llama_batch_init(self.capacity, 0, 1)
+
+    def _fill(self, tokens, positions, seqs, logits_all: bool) -> None:
+        b = self.batch
+        for i, (t, p, s) in enumerate(zip(tokens, positions, seqs)):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, 1 if logits_all else 0
+            b.seq_id[i][0] = s
+        b.n_tokens = len(tokens)
+
+    def run(self, prompts: list[list[int]], n_gen: int) -> float:
+        """Generation tokens/s for ``len(prompts)`` sequences (prefill not timed)."""
+        ll, ctx = self.ll, self.ctx.ptr
+        self.ctx.clear()
+        next_tokens = []
+        for seq, prompt in enumerate(prompts):
+            self._fill(prompt, range(len(prompt)), [seq] * len(prompt), False)
+            self.batch.logits[len(prompt) - 1] = 1
+            if ll.llama_decode(ctx, self.batch) != 0:
+                raise RuntimeError("bare prefill failed")
+            row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, -1), shape=(self.n_vocab,))
+            next_tokens.append(int(np.argmax(row)))
+        positions = [len(p) for p in prompts]
+        seqs = list(range(len(prompts)))
+        started = clock()
+        for _ in range(n_gen):
+            self._fill(next_tokens, positions, seqs, True)
+            if ll.llama_decode(ctx, self.batch) != 0:
+                raise RuntimeError("bare decode failed")
+            for i in seqs:
+                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
+                next_tokens[i] = int(np.argmax(row))
+                positions[i] += 1
+        return len(prompts) * n_gen / (clock() - started)
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.ll.llama_batch_free(self.batch)
+            self.batch = None
+        self.ctx.close()
+
+
+def _alone(rt, prompt: list[int], n_gen: int) -> float:
+    from engine.generation import generate
+    rt.trim(0)
+    result = generate(rt, greedy_conversation(prompt, n_predict=n_gen))
+    return result.tokens_per_s
+
+
+def _ours(prt, prompts: list[list[int]], n_gen: int) -> float:
+    from engine.concurrent import Batcher, Job
+    for key in prt.table.residents():
+        prt.evict(key)
+    batcher = Batcher(prt)
+    for k, prompt in enumerate(prompts):
+        conv = greedy_conversation(prompt, n_predict=n_gen)
+        batcher.add(Job(conv, prt.place(conv.id, running=True).seq))
+    batcher.run()
+    return batcher.generated / batcher.generation_s
+
+
+def throughput_table(key: str, args) -> Table:
+    from engine.parallel import ParallelRuntime
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    path = model_path(key)
+    t = Table(f"a. Aggregate generation tokens/s, {key}: n answers at once vs one alone vs a bare "
+              "ctypes loop on the same batches",
+              ["answers", "tokens", "alone", "ours", "bare", "ours_vs_alone", "bare_vs_alone", "ours_vs_bare"])
+    settings = ContextSettings(n_ctx=ctx_size_for(max(COUNTS) * (args.prompt + args.tokens)),
+                               n_threads=args.threads)
+    rt = Runtime(path, settings)
+    prt = ParallelRuntime(path, settings, sequences=max(COUNTS))
+    bare = BareBatchLoop(prt)
+    try:
+        base = prompt_tokens(prt.model, args.prompt + max(COUNTS))
+        prompts = [base[:args.prompt - k] + base[args.prompt:args.prompt + k] for k in range(max(COUNTS))]
+        _alone(rt, prompts[0], 4)          # warm-up: first decodes fault the weights in
+        _ours(prt, prompts[:2], 4)
+        bare.run(prompts[:2], 4)
+        alone = max(_alone(rt, prompts[0], args.tokens) for _ in range(args.repeats))
+        for n in COUNTS:
+            ours, bare_tps = 0.0, 0.0
+            for _ in range(args.repeats):       # interleaved
+                bare_tps = max(bare_tps, bare.run(prompts[:n], args.tokens))
+                ours = max(ours, _ours(prt, prompts[:n], args.tokens))
+            t.add(answers=n, tokens=n * args.tokens, alone=alone, ours=ours, bare=bare_tps,
+                  ours_vs_alone=ratio(ours, alone), bare_vs_alone=ratio(bare_tps, alone),
+                  ours_vs_bare=ratio(ours, bare_tps))
+    finally:
+        bare.close()
+        prt.close()
+        rt.close()
+    t.notes.append(f"greedy, {args.prompt}-token prompts, {args.tokens} tokens per answer, "
+                   f"{args.threads} threads, q8_0 KV + flash attention, best of {args.repeats}")
+    return t
+
+
+# -- b. switching --------------------------------------------------------------------------
+def switch_table(key: str, args, work: Path) -> Table:
+    from engine.checkpoints.chain import load_chain
+    from engine.parallel import ParallelRuntime
+    from native.context import ContextSettings
+    t = Table(f"b. Switching to a conversation of {args.switch_tokens:,} tokens, {key} (ms until it "
+              "can sample its next token)", ["how", "tokens", "ms", "vs_resident"])
+    n = args.switch_tokens
+    settings = ContextSettings(n_ctx=ctx_size_for(2 * n), n_threads=args.threads)
+    prt = ParallelRuntime(model_path(key), settings, sequences=2)
+    try:
+        base = prompt_tokens(prt.model, n + 1)
+        convs = [greedy_conversation(base[:n]), greedy_conversation(base[:n - 1] + base[n:n + 1])]
+        prefill_s = []
+        for conv in convs:
+            seq = prt.place(conv.id).seq
+            started = clock()
+            for pos in range(0, n, prt.settings.n_batch):
+                end = min(n, pos + prt.settings.n_batch)
+                prt.decode_chunks([(seq, conv.tokens[pos:end], end == n)])
+            prefill_s.append(clock() - started)
+        a = convs[0]
+        path = prt.save(work / "switch.kvckpt", a, prt.table.seq_of(a.id)).path
+        resident, restored = [], []
+        for _ in range(args.repeats):
+            prt.place(convs[1].id)                       # the other one is current
+            started = clock()
+            seq = prt.place(a.id).seq
+            prt.logits(seq)
+            resident.append(clock() - started)
+            prt.evict(a.id)
+            prt.place(convs[1].id)
+            started = clock()
+            seq = prt.place(a.id).seq
+            prt.restore(load_chain(path), seq)
+            prt.logits(seq)
+            restored.append(clock() - started)
+        r_ms, s_ms, p_ms = min(resident) * 1e3, min(restored) * 1e3, min(prefill_s) * 1e3
+        t.add(how="resident", tokens=n, ms=r_ms, vs_resident=1.0)
+        t.add(how="restored from its file", tokens=n, ms=s_ms, vs_resident=ratio(s_ms, r_ms))
+        t.add(how="prefilled again (for scale)", tokens=n, ms=p_ms, vs_resident=ratio(p_ms, r_ms))
+        t.notes.append(f"file {path.stat().st_size / 1e6:.1f} MB (page cache warm); best of {args.repeats}")
+    finally:
+        prt.close()
+    return t
+
+
+# -- c. exactness --------------------------------------------------------------------------
+def _forced_alone(model_file: str, settings, prompts, n_gen: int):
+    """Per prompt: the logits after its prefill and after each of its greedy tokens, alone."""
+    from engine.runtime import Runtime
+    rt = Runtime(model_file, settings)
+    try:
+        out = []
+        for prompt in prompts:
+            rt.trim(0)
+            rt.prefill(prompt)
+            rows, tokens = [np.array(rt.logits(), copy=True)], []
+            for _ in range(n_gen):
+                tokens.append(int(np.argmax(rows[-1])))
+                rt.decode_token(tokens[-1])
+                rows.append(np.array(rt.logits(), copy=True))
+            out.append((rows, tokens))
+        return out
+    finally:
+        rt.close()
+
+
+def _forced_together(model_file: str, settings, prompts, alone, joint: bool) -> float:
+    from engine.parallel import ParallelRuntime
+    prt = ParallelRuntime(model_file, settings, sequences=len(prompts))
+    try:
+        seqs = [prt.place(k).seq for k in range(len(prompts))]
+        chunks = [(s, p, True) for s, p in zip(seqs, prompts)]
+        for group in ([chunks] if joint else [[c] for c in chunks]):
+            prt.decode_chunks(group)
+        worst = max(float(np.abs(prt.logits(s) - rows[0]).max()) for s, (rows, _) in zip(seqs, alone))
+        for step in range(len(alone[0][1])):
+            prt.decode_tokens({s: tokens[step] for s, (_, tokens) in zip(seqs, alone)})
+            worst = max(worst, max(float(np.abs(prt.logits(s) - rows[step + 1]).max())
+                                   for s, (rows, _) in zip(seqs, alone)))
+        return worst
+    finally:
+        prt.close()
+
+
+def exactness_table(keys, args) -> Table:
+    from native.context import KV_TYPES, ContextSettings
+    from native.model import Model
+    t = Table("c. Answers together vs alone: max |logit difference| over prefill + generated tokens "
+              "(teacher-forced, 4 answers)", ["model", "kv_cache", "prefill", "max_diff", "exact"])
+    configs = {"q8_0 + flash attn": dict(flash_attn=True, type_k=KV_TYPES["q8_0"], type_v=KV_TYPES["q8_0"]),
+               "f16 + flash attn": dict(flash_attn=True, type_k=KV_TYPES["f16"], type_v=KV_TYPES["f16"]),
+               "f16, no flash attn": dict(flash_attn=False, type_k=KV_TYPES["f16"], type_v=KV_TYPES["f16"])}
+    if args.quick:
+        configs = dict(list(configs.items())[:1])
+    for key in keys:
+        path = str(model_path(key))
+        with Model(path) as model:
+            base = prompt_tokens(model, 4 * args.prompt)
+        prompts = [base[k * args.prompt // 2:(k + 2) * args.prompt // 2] for k in range(4)]
+        for name, kw in configs.items():
+            settings = ContextSettings(n_ctx=ctx_size_for(4 * (args.prompt + args.tokens)),
+                                       n_threads=args.threads, **kw)
+            alone = _forced_alone(path, settings, prompts, args.exact_tokens)
+            for joint in (True, False):
+                diff = _forced_together(path, settings, prompts, alone, joint)
+                t.add(model=key, kv_cache=name, prefill="joint" if joint else "separate",
+                      max_diff=diff, exact=diff == 0.0)
+    t.notes.append(f"{args.prompt}-token prompts, {args.exact_tokens} generated tokens each, "
+                   "each prompt prefilled in one decode alone")
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=MODEL_KEYS, default="smollm")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens per answer")
+    p.add_argument("--tokens", type=int, default=64, help="tokens generated per answer")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--switch-tokens", type=int, default=4000)
+    p.add_argument("--exactness", action="store_true", help="also table c (both models, three caches)")
+    p.add_argument("--exact-tokens", type=int, default=24)
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt, args.tokens, args.repeats, args.switch_tokens, args.exact_tokens = 32, 8, 1, 300, 4
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
+        print(throughput_table(args.model, args).render(), flush=True)
+        print()
+        print(switch_table(args.model, args, Path(tmp)).render(), flush=True)
+        if args.exactness or args.quick:
+            print()
+            keys = [args.model] if args.quick else list(MODEL_KEYS)
+            print(exactness_table(keys, args).render(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
