@@ -19,6 +19,8 @@ Answers join at any time (:meth:`Batcher.add`); the ones running wait for one pr
 step.  Each answer has its own :class:`engine.generation.Control`: a pause stops that
 answer alone at the next step, ``on_stopped`` is called with it at once (the caller
 saves its sequence there) and the others go on.  ``should_stop`` stops them all.
+``autosave`` is called with a job every ``job.autosave_every`` generated tokens, between
+two decodes.  The seconds spent in these callbacks are not counted as generation time.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Job:
     listener: Listener = field(default_factory=NullListener)
     stop_after: int | None = None
     confidence: bool = False
+    autosave_every: int = 0                   # Batcher's autosave every N generated tokens (0: never)
     result: GenerationResult | None = None    # set when the answer stops
 
 
@@ -127,6 +130,10 @@ class _Answer:
             a.emitted = show_upto
         return True
 
+    def sync_pending(self) -> None:
+        """Store the bytes of an incomplete character, so a save now can resume it."""
+        self.answer.pending = self.decoder.getstate()[0]
+
     def end(self) -> GenerationResult:
         a, result = self.answer, self.result
         self.chain.close()
@@ -162,12 +169,14 @@ class Batcher:
     """Runs the answers of one ParallelRuntime, one decode per step (see the module)."""
 
     def __init__(self, prt: ParallelRuntime, *, on_stopped: Callable[[Job], None] | None = None,
+                 autosave: Callable[[Job], None] | None = None,
                  should_stop: Callable[[], bool] = lambda: False, joint_prefill: bool | None = None) -> None:
         self.prt = prt
         #: prompt chunks of several conversations in one decode (None: where exact, see
         #: joint_prefill_exact)
         self.joint_prefill = joint_prefill_exact(prt) if joint_prefill is None else joint_prefill
         self.on_stopped = on_stopped
+        self.autosave = autosave
         self.should_stop = should_stop
         self._prefilling: dict[Job, tuple[PrefillReport, int, float]] = {}   # report, next pos, requested
         self._running: list[_Answer] = []
@@ -286,8 +295,15 @@ class Batcher:
         self.generated += len(chosen)
         for answer in list(self._running):
             token = chosen.get(answer.job.seq)
-            if token is not None and not answer.accepted(token):
+            if token is None:
+                continue
+            if not answer.accepted(token):
                 self._stop(answer)
+                continue
+            every = answer.job.autosave_every
+            if self.autosave is not None and every and answer.answer.n_generated % every == 0:
+                answer.sync_pending()
+                self._callback(self.autosave, answer.job)
 
     def _stop(self, answer: _Answer) -> None:
         self._running.remove(answer)
@@ -297,8 +313,12 @@ class Batcher:
     def _stopped(self, job: Job) -> None:
         self.done.append(job)
         if self.on_stopped is not None:
-            started = time.perf_counter()
-            try:
-                self.on_stopped(job)
-            finally:
-                self._callback_s += time.perf_counter() - started
+            self._callback(self.on_stopped, job)
+
+    def _callback(self, callback: Callable[[Job], None], job: Job) -> None:
+        """The caller's code (a save): its time is not generation time."""
+        started = time.perf_counter()
+        try:
+            callback(job)
+        finally:
+            self._callback_s += time.perf_counter() - started

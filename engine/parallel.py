@@ -26,21 +26,16 @@ Like every native owner it belongs to one thread.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
-import uuid
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.checkpoints.atomic import atomic_write
-from engine.checkpoints.chain import check_link, common_prefix, tokens_digest
+from engine.checkpoints.chain import check_link, common_prefix
 from engine.checkpoints.compat import ContextShape, Target
-from engine.checkpoints.format import KIND_MANUAL, CheckpointData, encode_metadata, write_sections
-from engine.checkpoints.graph import default_line
+from engine.checkpoints.format import KIND_MANUAL, CheckpointData
 from engine.checkpoints.kvstate import check_state, check_state_for, relabel_state
 from engine.conversation import Conversation
 from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, GenerationError,
@@ -234,57 +229,17 @@ class ParallelRuntime:
         self.decodes += 1
 
     # -- checkpoints ----------------------------------------------------------------------
-    def save(self, path: str | os.PathLike, conv: Conversation, seq: int, kind: int = KIND_MANUAL,
-             *, line: str | None = None, seq_no: int = 0, fresh: bool = False) -> SaveInfo:
-        """Write ``conv``, held in sequence ``seq``, to ``path`` atomically, as a full
-        checkpoint a single-sequence context restores (see the module docstring)."""
-        started = time.perf_counter()
-        path = Path(path)
-        held = self._held[seq]
-        n = len(held.tokens)
-        if list(conv.tokens[:n]) != held.tokens:
-            raise SaveFailed("the sequence does not hold this conversation; nothing was saved")
-        header = replace(self._rt.header_for(conv, kind), n_tokens=n, n_seq_max=FILE_SEQ_MAX)
-        checkpoint_id = uuid.uuid4().hex
-        meta_json = self._rt.metadata_for(conv)
-        meta_json["checkpoint_id"] = checkpoint_id
-        meta_json["line"] = line = line or default_line(conv.id)
-        if seq_no:
-            meta_json["seq"] = seq_no
-        logits = np.array(self.logits(seq), copy=True) if self.has_logits(seq) else None
-        state = self._state_of(seq, header) if n else np.empty(0, dtype=np.uint8)
-        precondition = functools.partial(_name_still_free, path) if fresh else None
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_write(path, precondition=precondition) as f:
-                _, crc = write_sections(f, header, encode_metadata(meta_json),
-                                        np.asarray(conv.tokens, dtype=np.int32), logits, state)
-        except OSError as exc:
-            raise SaveFailed(f"could not save the checkpoint to {path}: {exc.strerror or exc}; "
-                             "any earlier checkpoint there is untouched") from exc
-        return SaveInfo(path=path, size=path.stat().st_size, seconds=time.perf_counter() - started,
-                        n_tokens=n, checkpoint_id=checkpoint_id, payload_crc=crc,
-                        tokens_digest=tokens_digest(held.tokens), line=line, kind=kind)
+    def view(self, seq: int) -> "SequenceView":
+        """Sequence ``seq`` as the code that saves a Runtime sees one (LineWriter too)."""
+        return SequenceView(self, seq)
 
-    def _state_of(self, seq: int, header) -> np.ndarray:
-        """Sequence ``seq``'s state, checked and relabelled as sequence 0's."""
-        size = self.ctx.state_size(seq)
-        buf = np.empty(size, dtype=np.uint8)
-        try:
-            written = self.ctx.state_get_into(buf, size, seq)
-        except StateError as exc:
-            raise SaveFailed(str(exc)) from exc
-        state = buf[:written]
-        try:
-            layout = check_state(state, n_tokens=header.n_tokens, n_ctx=header.n_ctx,
-                                 n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
-                                 flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
-                                 n_embd_head_k=header.n_embd_head_k,
-                                 n_embd_head_v=header.n_embd_head_v, seq_id=seq)
-        except CorruptState as exc:
-            raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {seq}: {exc}") from exc
-        relabel_state(state, layout, 0)
-        return state
+    def save(self, path: str | os.PathLike, conv: Conversation, seq: int, kind: int = KIND_MANUAL,
+             parent: SaveInfo | None = None, *, line: str | None = None, seq_no: int = 0,
+             fresh: bool = False) -> SaveInfo:
+        """Write ``conv``, held in sequence ``seq``, to ``path`` atomically: a checkpoint
+        a single-sequence context restores (a delta on ``parent`` when given), exactly as
+        ``Runtime.save`` writes one (see the module docstring)."""
+        return self.view(seq).save(path, conv, kind, parent, line=line, seq=seq_no, fresh=fresh)
 
     def restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
         """Put a verified chain (a full file, then deltas on it) into sequence ``seq``.
@@ -347,6 +302,63 @@ class ParallelRuntime:
         return conv
 
 
-def _name_still_free(path: Path) -> None:
-    if path.exists():
-        raise SaveFailed(f"{path.name} was written by another process meanwhile; nothing was saved")
+class SequenceView:
+    """One sequence of a ParallelRuntime, shaped like the single-sequence Runtime that
+    ``Runtime.save`` and ``engine.history.LineWriter`` work on.
+
+    ``save``, ``header_for`` and ``metadata_for`` are Runtime's own functions, so a
+    sequence's file is written by the same code, with the same checks, as any other;
+    what differs is supplied here: the sequence's tokens and logits, the single-sequence
+    settings the file declares, and its state, read from the sequence (through the
+    scratch sequence for a delta) and relabelled as sequence 0's (1 for a delta).
+    """
+
+    save = Runtime.save
+    header_for = Runtime.header_for
+    metadata_for = Runtime.metadata_for
+
+    def __init__(self, prt: ParallelRuntime, seq: int) -> None:
+        self._prt = prt
+        self.seq = seq
+        self.model = prt.model
+        self.ctx = prt.ctx
+        self.fingerprint = prt.fingerprint
+        self.settings = prt.file_settings
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        return self._prt.tokens(self.seq)
+
+    def has_logits(self) -> bool:
+        return self._prt.has_logits(self.seq)
+
+    def logits(self) -> np.ndarray:
+        return self._prt.logits(self.seq)
+
+    def _state_bytes(self, p0: int) -> np.ndarray:
+        prt, ctx = self._prt, self._prt.ctx
+        source = self.seq
+        if p0:
+            ctx.seq_cp(self.seq, prt.scratch, p0, -1)   # shares the cells; copies nothing
+            source = prt.scratch
+        try:
+            size = ctx.state_size(source)
+            buf = np.empty(size, dtype=np.uint8)
+            try:
+                state = buf[:ctx.state_get_into(buf, size, source)]
+            except StateError as exc:
+                raise SaveFailed(str(exc)) from exc
+            shape, s = self.model.shape, self.settings
+            try:
+                layout = check_state(state, n_tokens=len(self.kv_tokens), n_ctx=ctx.n_ctx,
+                                     n_layer=shape.n_layer, type_k=s.type_k, type_v=s.type_v,
+                                     flash_attn=s.flash_attn, n_head_kv=shape.n_head_kv,
+                                     n_embd_head_k=shape.n_embd_head_k,
+                                     n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source)
+            except CorruptState as exc:
+                raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
+            relabel_state(state, layout, 1 if p0 else 0)
+            return state
+        finally:
+            if p0:
+                ctx.seq_rm(prt.scratch, -1, -1)

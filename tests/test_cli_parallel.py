@@ -83,3 +83,40 @@ def test_ctrl_c_pauses_and_saves_every_answer(smollm_path, tmp_path):
         assert info["header"]["kind"] == "exit"
         assert info["header"]["n_generated"] == outcome["n_generated"]
         assert run_cli("validate", outcome["checkpoint"], "--model", str(smollm_path)).returncode == 0
+
+
+def test_kill_9_with_two_answers_running_leaves_both_restorable(smollm_path, tmp_path):
+    """Autosaves (--checkpoint-save-interval) cover every running answer: after kill -9
+    each conversation's newest autosave continues exactly as its uninterrupted run."""
+    import time
+    from engine.checkpoints.graph import Graph
+    folder = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", "-m", str(smollm_path),
+                             "-p", PROMPTS[0], "-p", PROMPTS[1], "--parallel", "-n", "3000", "--progress",
+                             "--checkpoint-save", str(folder), "--checkpoint-save-interval", "8", *COMMON],
+                            cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            sides = sorted(folder.glob(".*.autosaves"))
+            if len(sides) == 2 and all(len(list(side.glob("*.kvckpt"))) >= 3 for side in sides):
+                break
+            assert time.monotonic() < deadline and proc.poll() is None, "no autosaves appeared"
+            time.sleep(0.2)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert not list(folder.glob("*.kvckpt")), "the run ended before it was killed"
+    for side in sides:
+        head = Graph.scan(side).heads[0].path
+        info = json.loads(run_cli("inspect", str(head), "--json", check=True).stdout)
+        g = info["header"]["n_generated"]
+        assert g > 0 and g % 8 == 0
+        prompt = PROMPTS[int(side.name[1]) - 1]
+        before = info["metadata"]["transcript"][-1]["content"]
+        rest = _json_lines(run_cli("run", "--checkpoint-load", str(head), "-m", str(smollm_path), "-n",
+                                   str(g + 8), "--json", "--threads", "2", check=True).stdout)[-1]
+        assert rest["n_generated"] == 8 and rest["n_reused_tokens"] == rest["n_prompt_tokens"]
+        alone = _json_lines(run_cli("run", "-m", str(smollm_path), "-p", prompt, "-n", str(g + 8), "--json",
+                                    *COMMON, check=True).stdout)[-1]
+        assert before + rest["text"] == alone["text"]

@@ -5,8 +5,12 @@ One conversation per prompt, each in its own sequence of one context
 every running answer (engine.concurrent).  When an answer stops (its end, ``-n``,
 ``--stop-after``, or Ctrl+C, which pauses them all) its conversation is saved at once,
 on its own, while the others go on: into the folder ``--checkpoint-save`` names
-(``<k>-<title>.kvckpt``, k counting the prompts from 1), else into the store.  Each file
-is an ordinary checkpoint: ``run --checkpoint-load FILE`` continues it.
+(``<k>-<title>.kvckpt``, k counting the prompts from 1), else into the store as the head
+of the conversation's line.  Each file is an ordinary checkpoint: ``run
+--checkpoint-load FILE`` continues it.  ``--checkpoint-save-interval N`` autosaves every
+answer every N tokens, as a single run does (engine.history.LineWriter on the answer's
+sequence): deltas in the store, or, with ``--checkpoint-save``, in a hidden folder beside
+each file that goes once the file is written.
 
 ``--json`` prints one object per conversation, in prompt order, with the fields of a
 single run (plus ``conversation`` and ``sequence``), then one summary object
@@ -30,7 +34,7 @@ from engine.errors import AppError
 
 #: run's options a parallel run does not offer (yet), with how to say them
 UNSUPPORTED = (("checkpoint_load", "--checkpoint-load"), ("from_turn", "--from-turn"),
-               ("reuse_prefix", "--reuse-prefix"), ("checkpoint_save_interval", "--checkpoint-save-interval"))
+               ("reuse_prefix", "--reuse-prefix"))
 
 
 def check_parallel_args(args, prompts: list[str]) -> int:
@@ -76,6 +80,7 @@ class ParallelRun:
         self.guard = guard
         self.prt = None
         self.saved: dict[int, Any] = {}      # prompt index -> SaveInfo
+        self.writers: dict[int, Any] = {}    # prompt index -> LineWriter (store or side folder)
 
     def stage(self, name: str) -> None:
         if self.args.progress:
@@ -98,6 +103,8 @@ class ParallelRun:
         try:
             return self.generate()
         finally:
+            for writer in self.writers.values():
+                writer.close()
             self.prt.close()
 
     def conversations(self):
@@ -136,12 +143,17 @@ class ParallelRun:
                     run.stage("generating")
 
         jobs = []
-        for conv in convs:
+        for k, conv in enumerate(convs):
             placement = prt.place(conv.id, running=True)
             jobs.append(Job(conv, placement.seq, control=self.control, listener=Progress(),
-                            stop_after=args.stop_after, confidence=bool(args.json)))
+                            stop_after=args.stop_after, confidence=bool(args.json),
+                            autosave_every=args.checkpoint_save_interval))
+            writer = self.writer_for(k, conv, placement.seq)
+            if writer is not None:
+                self.writers[k] = writer
         index = {id(job): k for k, job in enumerate(jobs)}
-        batcher = Batcher(prt, on_stopped=lambda job: self.save(index[id(job)], job))
+        batcher = Batcher(prt, on_stopped=lambda job: self.save(index[id(job)], job),
+                          autosave=lambda job: self.autosave(index[id(job)], job))
         self.stage("prefill")
         for job in jobs:
             batcher.add(job, requested_at=requested)
@@ -158,25 +170,51 @@ class ParallelRun:
                   f"{summary['aggregate_tokens_per_s']:.1f} tokens/s together", file=sys.stderr)
         return outcomes, summary
 
+    def path_for(self, k: int, conv) -> Path:
+        from engine.checkpoints.store import slugify
+        return Path(self.args.checkpoint_save) / f"{k + 1}-{slugify(conv.title)}.kvckpt"
+
+    def writer_for(self, k: int, conv, seq: int):
+        """The line writer of conversation ``k``: its line in the store; or, with
+        --checkpoint-save and autosaves, a line in a hidden folder beside its file."""
+        import uuid
+        from engine.checkpoints.graph import default_line
+        from engine.checkpoints.store import Store
+        from engine.cli.run import beside_folder
+        from engine.history import LineWriter
+        view = self.prt.view(seq)
+        if not self.args.checkpoint_save:
+            return LineWriter.starting(view, Store(), default_line(conv.id))
+        if self.args.checkpoint_save_interval:
+            return LineWriter.starting(view, Store(beside_folder(self.path_for(k, conv))), uuid.uuid4().hex)
+        return None
+
+    def autosave(self, k: int, job) -> None:
+        from engine.errors import CheckpointError
+        try:
+            self.writers[k].autosave(job.conv)
+        except CheckpointError as exc:
+            print(f"warning: autosave of conversation {k + 1} failed: {exc}", file=sys.stderr)
+
     def save(self, k: int, job) -> None:
         """Save conversation ``k`` the moment its answer stops (the others go on)."""
+        import shutil
         from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
-        from engine.checkpoints.graph import default_line
-        from engine.checkpoints.store import Store, slugify
         from engine.generation import commit_answer
         args, prt, conv = self.args, self.prt, job.conv
         if len(self.saved) == 0:
             self.stage("saving")
         kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if job.result.paused else KIND_MANUAL)
         commit_answer(conv)
+        writer = self.writers.get(k)
         if args.checkpoint_save:
-            path = Path(args.checkpoint_save) / f"{k + 1}-{slugify(conv.title)}.kvckpt"
-            info = prt.save(path, conv, job.seq, kind)
+            info = prt.save(self.path_for(k, conv), conv, job.seq, kind)
+            if writer is not None:     # the file, whole and durable, holds all they held
+                writer.close()
+                del self.writers[k]
+                shutil.rmtree(writer.store.folder, ignore_errors=True)
         else:
-            store = Store()
-            store.ensure()
-            info = prt.save(store.new_path(conv.title), conv, job.seq, kind,
-                            line=default_line(conv.id), seq_no=1, fresh=True)
+            info = writer.save_head(conv, kind)
         prt.table.finish(conv.id)      # durable now: evicting it would lose nothing
         self.saved[k] = info
         if not args.json:
