@@ -203,3 +203,36 @@ def test_gemma_answers_together_equal_their_runs_alone(gemma_path, alone):
     finally:
         prt.close()
     assert [jobs[i].result.text for i in range(2)] == expected
+
+
+def test_files_of_a_single_sequence_context_restore_into_any_sequence_and_bad_ones_change_nothing(
+        smollm_parallel, smollm_path, alone, tmp_path):
+    from engine.errors import IncompatibleContext
+    prt = smollm_parallel
+    expected = alone(smollm_path, 0.8)
+    rt = Runtime(smollm_path, SETTINGS)
+    other = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
+    try:
+        conv = new_conv(rt, 1, 0.8)
+        first = generate(rt, conv, stop_after=7)
+        good = rt.save(tmp_path / "single.kvckpt", conv)
+        wrong = other.save(tmp_path / "other-ctx.kvckpt", new_conv(other, 1, 0.8))
+    finally:
+        rt.close()
+        other.close()
+    reset(prt)
+    for key in ("a", "b"):
+        prt.place(key)
+    placement = prt.place("restored", running=True)
+    assert placement.seq == 2
+    restored = prt.restore(load_chain(good.path), placement.seq)
+    held = list(prt.tokens(placement.seq))
+    with pytest.raises(IncompatibleContext):
+        prt.restore(load_chain(wrong.path), placement.seq)
+    assert prt.tokens(placement.seq) == held and prt.has_logits(placement.seq), "a refused file cost the sequence"
+    job = Job(restored, placement.seq)
+    b = Batcher(prt)
+    b.add(job)
+    b.run()
+    assert job.result.n_prefilled == 0
+    assert first.text + job.result.text == expected[1]
