@@ -37,7 +37,7 @@ log = logging.getLogger("gui")
 CLOSE_WAIT_MS = 15000   # bounded wait for the exit checkpoint when closing mid-answer
 #: engine actions that generate an answer (EngineWorker._submit_answer): a failure ends it
 ANSWER_ACTIONS = ("generate", "resume", "regenerate", "edit the message", "continue the answer",
-                  "continue in a new branch")
+                  "continue in a new branch", "answer a request")   # the last: a local server client's
 
 
 class MainWindow(StoreActions, BranchActions, QMainWindow):

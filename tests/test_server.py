@@ -251,6 +251,9 @@ def test_only_loopback_goes_without_an_api_key(app_home, served):
     done = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
     assert done.returncode == 1 and done.stderr.startswith("error: ") and "--api-key" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    missing = run_cli("serve", "--port", "0", "-m", str(app_home / "missing.gguf"))
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        f"error: model file not found: {app_home / 'missing.gguf'}"]
     server = served(app_home, "--host", "0.0.0.0", "--api-key", KEY)
     assert "warning: listening on 0.0.0.0" in server.stderr()
     port = server.base_url.rsplit(":", 1)[1]
@@ -271,6 +274,14 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
     from engine.worker import EngineWorker, ModelOptions
 
     class Requests(Recorder):
+        fail_text = False
+
+        def on_text(self, conv_id, text):
+            super().on_text(conv_id, text)
+            if self.fail_text:
+                self.fail_text = False
+                raise RuntimeError("a bug in a front end")
+
         def on_request_finished(self, request_id, conv_id, checkpoint):
             self._add("done", request_id, conv_id, checkpoint)
 
@@ -301,14 +312,27 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
         w.complete(CompletionRequest(request_id="long", messages=(("user", "word " * 1500),)))
         refused = rec.next("refused")
         assert refused[1] == "long" and refused[2].reason == "context_length_exceeded"
+        # a failure mid-answer: the client is told, the other front ends hear the answer
+        # ended (on_error), what was decoded is saved, and the next request is served
+        rec.fail_text = True
+        w.complete(CompletionRequest(request_id="bug", messages=(("user", "Name a fish."),), n_predict=6))
+        refused = rec.next("refused")
+        assert refused[1] == "bug" and refused[2].reason == "failed" and "bug" in refused[2].message
+        assert rec.of("error")[-1][1:] == ("answer a request", "a bug in a front end")
+        assert rec.of("saved")[-1][1].paused
+        assert complete([("user", "Name a fish.")])[1].n_generated == 6
     finally:
         w.shutdown()
         assert w.join(60)
 
 
-def test_the_benchmark_runs_and_prints_its_tables(capsys):
-    from benchmarks.server import main
-    assert main(["--quick"]) == 0
-    out = capsys.readouterr().out
+def test_the_benchmark_runs_and_prints_its_tables(tmp_path):
+    # in its own process, as a user runs it (a window test leaves a qasync loop running in
+    # this one, and the benchmark starts its own asyncio loop)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.server", "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "CHECKPOINT_CHAT_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
     assert "right after a server restart" in out and "full recompute" in out
     assert "Concurrent clients" in out and out.count("\n      4 ") == 1

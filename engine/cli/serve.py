@@ -14,6 +14,7 @@ warning.  Every user mistake is one line on stderr and exit status 1.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import threading
@@ -49,7 +50,8 @@ class _ServeListener(WorkerListener):
               f"{summary.n_generated} generated, {summary.finish_reason}{ttft}", file=sys.stderr, flush=True)
 
     def on_error(self, action: str, message: str) -> None:
-        print(f"warning: could not {action}: {message}", file=sys.stderr, flush=True)
+        if action != "load the model":   # that one ends the command, as its one error line
+            print(f"warning: could not {action}: {message}", file=sys.stderr, flush=True)
 
     def on_notice(self, title: str, message: str) -> None:
         print(f"note: {message}", file=sys.stderr, flush=True)
@@ -78,6 +80,10 @@ def model_options(args):
 
 def cmd_serve(args) -> int:
     from engine.server.app import binding_warning
+    if not args.verbose:
+        # what the engine logs as warnings reaches the user as this command's own lines (or
+        # a client as its error); bugs (errors) still show
+        logging.getLogger("engine").setLevel(logging.ERROR)
     options = server_options(args)
     model = model_options(args)
     warning = binding_warning(options)

@@ -48,6 +48,8 @@ CANCELLED = "cancelled"
 SHUTTING_DOWN = "shutting_down"
 INVALID = "invalid_request"
 FAILED = "failed"
+#: the action an answer's failure is reported under (WorkerListener.on_error)
+ANSWER_ACTION = "answer a request"
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class RequestCommands:
         """Answer ``request`` when its turn comes (the listener hears how it went)."""
         with self._busy_lock:
             self._requests_pending.add(request.request_id)
-        self._submit("answer a request", self._do_complete, request)
+        self._submit(ANSWER_ACTION, self._do_complete, request)
 
     def cancel_request(self, request_id: str) -> None:
         """The client went away: skip the request, or pause its answer (saved as a pause).
@@ -125,6 +127,7 @@ class RequestCommands:
         with self._busy_lock:
             cancelled = rid in self._requests_cancelled
             self._request_running = None if cancelled else rid
+        answering = False
         try:
             if cancelled:
                 raise _Refused(CANCELLED, "the client went away before its request was served")
@@ -140,6 +143,7 @@ class RequestCommands:
             self._served.pop(conv.id, None)
             self._served[conv.id] = None
             self.listener.on_request_started(rid, self.snapshot(conv, branches=False))
+            answering = True
             self._generate(conv)
             self.listener.on_request_finished(rid, conv.id, self._paths.get(conv.id))
             self._let_go_of_served()
@@ -152,6 +156,8 @@ class RequestCommands:
             else:
                 log.exception("unexpected failure while answering request %s", rid)
             self.listener.on_request_failed(rid, RequestRefusal(FAILED, str(exc) or type(exc).__name__))
+            if answering:   # the other front ends saw the answer start: they hear how it ended
+                self.listener.on_error(ANSWER_ACTION, str(exc) or type(exc).__name__)
         finally:
             with self._busy_lock:
                 self._request_running = None
