@@ -33,6 +33,23 @@ def ensure_event_loop(app) -> asyncio.AbstractEventLoop:
     return loop
 
 
+def close_event_loop() -> None:
+    """Close the qasync loop that :func:`ensure_event_loop` made, while Qt is still alive.
+
+    A loop "already running" under a Qt loop that never quits (tests, an embedding host)
+    is otherwise left to the interpreter's exit, which deletes its Qt objects (timer,
+    socket notifiers) after the QApplication: "shared QObject was deleted directly", then
+    heap corruption.  The app's own loop is closed by ``with loop:`` in gui.app.
+    """
+    loop = asyncio.get_event_loop_policy()._local._loop   # without creating one
+    if not isinstance(loop, qasync.QEventLoop) or loop.is_closed():
+        return
+    loop.stop()                              # "already running": only marks it stopped
+    asyncio.events._set_running_loop(None)
+    loop.close()
+    asyncio.set_event_loop(None)
+
+
 async def in_thread(fn, *args, **kwargs):
     """Run ``fn`` on an executor thread and await its result."""
     loop = asyncio.get_event_loop()

@@ -13,6 +13,12 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Close the window tests' qasync loop while Qt is alive (see gui.tasks.close_event_loop)."""
+    if "gui.tasks" in sys.modules:
+        sys.modules["gui.tasks"].close_event_loop()
+
+
 @pytest.fixture(autouse=True)
 def app_home(tmp_path_factory, monkeypatch) -> Path:
     """Every test gets its own data/cache/log folders (CHECKPOINT_CHAT_HOME)."""

@@ -293,7 +293,9 @@ def test_damaged_real_checkpoints_never_reach_llama(tmp_path, smollm_runtime, sm
             continue
         pytest.fail(f"damaged file {i} was restored")
     assert calls == [], "an unvalidated state reached llama_state_seq_set_data"
-    # the control: the intact file does reach llama.cpp, through the same recorder
+    # the control: the intact file does reach llama.cpp, through the same recorder (from an
+    # empty cache: one that holds the file's tokens already restores nothing)
+    assert smollm_runtime.trim(0) == 0
     path.write_bytes(smol_bytes)
     conv = smollm_runtime.restore(fmt.read_checkpoint(path))
     assert calls == [h.state_len] and smollm_runtime.kv_tokens == conv.tokens[:h.n_tokens]
