@@ -1,13 +1,14 @@
 """The benchmark suite of issues 2 and 5: ``python -m benchmarks``.
 
     python -m benchmarks [--quick] [--models smollm,gemma] [--sizes 512,2048,8192]
-                         [--sections a,b,c,d,e,f] [--threads 2] [--json out.json]
+                         [--sections a,b,c,d,e,f,g] [--threads 2] [--json out.json]
 
 Sections (issue 5): a. time to first token, restore vs recompute vs the raw floor;
 b. save / load vs raw file I/O, checkpoint size vs theoretical KV bytes; c. generation
 speed with autosave (full, delta); d. tokens/s vs llama-cpp-python's ``Llama`` and a
-bare ctypes loop; e. pause latency; f. peak memory during save and load.  a, b and f
-share one measurement pass per context length.
+bare ctypes loop; e. pause latency; f. peak memory during save and load; g. (issue 10)
+switching between alternatives and editing a turn vs re-decoding, and the disk of five
+alternatives (SmolLM2 only).  a, b and f share one measurement pass per context length.
 
 Prints the tables, then every target of issues 2 and 5 with the measured value, and
 writes everything as JSON.  Exits 0 whatever the numbers are: a benchmark reports,
@@ -26,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import autosave_cost, pause, restore, throughput
+from benchmarks import autosave_cost, branches, pause, restore, throughput
 from benchmarks.common import MODEL_KEYS, Table, context_settings, ctx_size_for, model_path
 from benchmarks.targets import evaluate
 
-SECTIONS = "abcdef"
+SECTIONS = "abcdefg"
 
 
 @dataclass
@@ -50,20 +51,23 @@ class Config:
     pause_context: int = 2048
     pause_trials: int = 6
     pause_delay: tuple[float, float] = (0.4, 1.2)
+    branch_tokens: int = 4000        # g: the conversation whose alternatives are switched
+    branch_answer: int = 48
     mode: str = "full"
 
 
 def quick_config() -> Config:
     return Config(sizes=[512], repeats=3, autosave_context=256, autosave_tokens=128,
                   autosave_every=[16, 64], tp_prompt=256, tp_tokens=48, tp_repeats=2,
-                  pause_context=1024, pause_trials=3, mode="quick")
+                  pause_context=1024, pause_trials=3, branch_tokens=1000, branch_answer=24, mode="quick")
 
 
 def smoke_config() -> Config:
     """The smallest configuration that exercises every section (a few seconds)."""
     return Config(models=["smollm"], sizes=[48], repeats=1, autosave_context=32, autosave_tokens=16,
                   autosave_every=[8], tp_prompt=32, tp_tokens=8, tp_repeats=1, tp_reference=False,
-                  pause_context=256, pause_trials=1, pause_delay=(0.05, 0.0), mode="smoke",
+                  pause_context=256, pause_trials=1, pause_delay=(0.05, 0.0), branch_tokens=200,
+                  branch_answer=8, mode="smoke",
                   threads=1)   # one thread: no spinning barrier to starve when the machine is busy
 
 
@@ -83,6 +87,8 @@ def run(cfg: Config, *, echo=print, partial: Path | None = None) -> dict:
         tables["throughput"] = throughput.table()
     if "e" in cfg.sections:
         tables["pause"] = pause.table()
+    if "g" in cfg.sections:
+        tables["branches"] = branches.table()
     started = time.perf_counter()
 
     def checkpoint(what: str) -> None:
@@ -130,6 +136,11 @@ def run(cfg: Config, *, echo=print, partial: Path | None = None) -> dict:
                     finally:
                         trt.close()
                     checkpoint(f"{key} d")
+    if "g" in cfg.sections:
+        echo(f"[smollm] g: branches, {cfg.branch_tokens} tokens ...", file=sys.stderr)
+        branches.measure(tables["branches"], cfg.branch_tokens, cfg.branch_answer, cfg.threads,
+                         repeats=1 if cfg.mode == "smoke" else 3)
+        checkpoint("g")
     return _report(cfg, tables, started)
 
 
@@ -157,7 +168,7 @@ def render(report: dict) -> str:
     for data in report["tables"].values():
         t = Table(data["title"], data["columns"], data["rows"], data["notes"])
         parts.append(t.render())
-    targets = Table("Targets (issues 2 and 5)", ["issue", "target", "model", "at", "wanted", "measured", "met"],
+    targets = Table("Targets (issues 2, 5 and 10)", ["issue", "target", "model", "at", "wanted", "measured", "met"],
                     report["targets"])
     parts.append(targets.render())
     return "\n\n".join(parts)

@@ -1,4 +1,4 @@
-"""The targets of issues 2 and 5, read off the measured tables.
+"""The targets of issues 2, 5 and 10, read off the measured tables.
 
 A target measured at a smaller size than the issue names (for example ``--quick`` runs
 no 8,192-token context) is still listed, with the size it was measured at.
@@ -80,4 +80,10 @@ def evaluate(tables: dict) -> list[dict[str, Any]]:
             if r["model"] == m and r["phase"] == "prefill":
                 add(5, "pause mid-prefill: halt (max)", m, f"{r['context']} tok", "<= 50 ms", r["halt_max_ms"],
                     lambda v: v <= 50)
+    for r in _rows(tables, "branches"):
+        at = f"{r['tokens']} tok"
+        add(10, "switch alternative / own cells", "smollm", at, "<= 1.2x", r["switch_vs_floor"],
+            lambda v: v <= 1.2)
+        add(10, "five alternatives' disk / (full + own)", "smollm", at, "<= 1.0x", r["disk_vs_target"],
+            lambda v: v <= 1.0)
     return out

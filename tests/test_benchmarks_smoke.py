@@ -17,6 +17,8 @@ EXPECTED = {
     "autosave": {"every", "none_tok_s", "full_tok_s", "full_cost_pct"},
     "throughput": {"phase", "bare", "ours", "llama", "ours_vs_bare", "ours_vs_llama"},
     "pause": {"phase", "halt_ms", "durable_ms"},
+    "branches": {"switch_ms", "floor_ms", "switch_vs_floor", "recompute_ms", "edit_ms", "disk_bytes",
+                 "disk_target_bytes", "disk_vs_target"},
 }
 # may be negative or absent by nature: a cost within noise, a column of a missing feature
 SIGNED = {"full_cost_pct", "delta_cost_pct", "last_token_ms"}
@@ -39,4 +41,5 @@ def test_smallest_configuration_produces_every_table(smollm_path, tmp_path, caps
                     assert value >= 0 and not math.isnan(value), (name, key, value)
     phases = {r["phase"] for r in report["tables"]["throughput"]["rows"]}
     assert phases == {"prefill", "generate"}
-    assert {r["target"] for r in report["targets"]} >= {"restore / raw floor", "save / raw write+fsync"}
+    assert {r["target"] for r in report["targets"]} >= {"restore / raw floor", "save / raw write+fsync",
+                                                        "switch alternative / own cells"}
