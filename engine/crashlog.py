@@ -40,12 +40,16 @@ class CrashReport:
                 else "crashed")
 
 
+def trace_path(folder: Path | None = None) -> Path:
+    """This process's trace file (also where a lost RPC worker is noted for the next start)."""
+    return (folder or paths.log_dir()) / f"faulthandler-{os.getpid()}.log"
+
+
 def install(folder: Path | None = None) -> Path:
     """Write fatal-error tracebacks of this process to the log folder."""
     global _handle
-    folder = folder or paths.log_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"faulthandler-{os.getpid()}.log"
+    path = trace_path(folder)
+    path.parent.mkdir(parents=True, exist_ok=True)
     _handle = open(path, "w", encoding="utf-8")
     faulthandler.enable(_handle, all_threads=True)
 

@@ -489,13 +489,11 @@ class EngineWorker(RequestCommands):
 
             workers = None
             if opts.rpc_servers:   # after the close above: a worker serves one client at a time
-                import os
-                from engine import paths
+                from engine import crashlog
                 from native.rpc import Workers
                 timeout = {"io_timeout": opts.rpc_timeout} if opts.rpc_timeout else {}
                 workers = Workers.connect(opts.rpc_servers, message_prefix="Checkpoint Chat: ",
-                                          crash_note=paths.log_dir() / f"faulthandler-{os.getpid()}.log",
-                                          **timeout)
+                                          crash_note=crashlog.trace_path(), **timeout)
             settings = replace(ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
                                **opts.context_overrides())
             rt = Runtime(opts.path, settings, n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,

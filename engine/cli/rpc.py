@@ -14,11 +14,11 @@ trace so that the next start names it.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from pathlib import Path
 
+from engine import crashlog
 from engine.cli import EXIT_ERROR, EXIT_OK, human_size
 
 NOT_LOOPBACK_WARNING = (
@@ -29,17 +29,10 @@ NOT_LOOPBACK_WARNING = (
     "network you trust, and let your firewall admit only the clients' addresses.")
 
 
-def crash_note_path() -> Path:
-    """This process's crash trace file (engine.crashlog names it by pid), where a lost
-    worker is noted for the next start."""
-    from engine import paths
-    return paths.log_dir() / f"faulthandler-{os.getpid()}.log"
-
-
 def connect_workers(spec: str, timeout: float | None):
     """The workers named on the command line, checked and registered (native.rpc.Workers)."""
     from native.rpc import IO_TIMEOUT_S, Workers
-    return Workers.connect(spec, io_timeout=timeout or IO_TIMEOUT_S, crash_note=crash_note_path())
+    return Workers.connect(spec, io_timeout=timeout or IO_TIMEOUT_S, crash_note=crashlog.trace_path())
 
 
 def cmd_rpc_worker(args) -> int:
