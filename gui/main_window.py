@@ -527,13 +527,16 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.running = snap.id
         if snap.id == self.current:
             self._follow_started_answer(snap)
-        self.speed_label.setText("Reading the prompt…")
-        self._update_context_usage(snap.n_tokens, snap.n_ctx)
+            self._update_context_usage(snap.n_tokens, snap.n_ctx)
+        # the engine is busy whoever asked (a local server client too): the speed says so;
+        # the context meter stays the shown conversation's
+        self.speed_label.setText("Reading the prompt…" if snap.id == self.current
+                                 else f"Answering “{snap.title}”…")
         self._update_buttons()
 
     @Slot(object, int, int)
     def _on_bridge_prefill_progressed(self, conv_id, done: int, total: int) -> None:
-        if done < total:
+        if done < total and conv_id == self.current:
             self.speed_label.setText(f"Reading the prompt… {done:,} / {total:,} tokens")
 
     @Slot(object, str)

@@ -47,6 +47,8 @@ def test_a_clients_conversation_goes_on_in_the_window_and_back(qtbot, make_windo
     conv = uuid.UUID(first.model_extra["checkpoint_chat"]["conversation"])
     qtbot.waitUntil(lambda: conv in w.snapshots and w.snapshots[conv].checkpoint is not None, timeout=20_000)
     assert w.conversation_list.item_for(conv) is not None
+    # the window still shows its own (empty) conversation: its context meter is not the client's
+    assert w.current != conv and w.context_usage.value() == 0
 
     # the window goes on with it
     w.select_conversation(conv)
