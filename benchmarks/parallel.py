@@ -1,7 +1,7 @@
 """Several conversations in one unified KV cache (issue 11): throughput, switching, exactness.
 
     python -m benchmarks.parallel [--model smollm|gemma] [--threads 2] [--tokens 64]
-                                  [--switch-tokens 4000] [--exactness] [--quick]
+                                  [--switch-tokens 4000] [--exactness] [--tables abc] [--quick]
 
 a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurrent's
    Batcher on an engine.parallel context), against one answer alone
@@ -14,8 +14,9 @@ b. Switch latency at ``--switch-tokens`` tokens: until a conversation can sample
    token, when it is resident (nothing to do) and when it was evicted (read, verify and
    restore its file into a sequence); a full prefill of it for scale.
 c. (``--exactness``) max |logit difference|, teacher-forced, between each of 4 answers
-   generated together and the same answer alone, per model, KV cache type and prefill
-   mode (joint: the prompts in one decode; separate: one prompt per decode).
+   generated together and the same answer alone, per model, KV cache type, prefill mode
+   (joint: the prompts in one decode; separate: one prompt per decode) and generated
+   tokens per decode (the runtime's measured exact width, or all 4 at once).
 
 Nothing is judged here; the table is printed and the exit status is 0.
 """
@@ -212,20 +213,32 @@ def _forced_alone(model_file: str, settings, prompts, n_gen: int):
         rt.close()
 
 
-def _forced_together(model_file: str, settings, prompts, alone, joint: bool) -> float:
+def _forced_together(model_file: str, settings, prompts, alone) -> list[dict]:
+    """Rows of table c for one model and cache: the 4 answers together, teacher-forced."""
     from engine.parallel import ParallelRuntime
     prt = ParallelRuntime(model_file, settings, sequences=len(prompts))
+    rows = []
     try:
-        seqs = [prt.place(k).seq for k in range(len(prompts))]
-        chunks = [(s, p, True) for s, p in zip(seqs, prompts)]
-        for group in ([chunks] if joint else [[c] for c in chunks]):
-            prt.decode_chunks(group)
-        worst = max(float(np.abs(prt.logits(s) - rows[0]).max()) for s, (rows, _) in zip(seqs, alone))
-        for step in range(len(alone[0][1])):
-            prt.decode_tokens({s: tokens[step] for s, (_, tokens) in zip(seqs, alone)})
-            worst = max(worst, max(float(np.abs(prt.logits(s) - rows[step + 1]).max())
-                                   for s, (rows, _) in zip(seqs, alone)))
-        return worst
+        n = len(prompts)
+        exact = prt.exact_width
+        modes = [("separate", max(1, exact) if exact else n), ("separate", n), ("joint", max(1, exact) if exact else n)]
+        for prefill, width in modes:
+            for key in prt.table.residents():
+                prt.evict(key)
+            seqs = [prt.place(k).seq for k in range(n)]
+            chunks = [(s, p, True) for s, p in zip(seqs, prompts)]
+            for group in ([chunks] if prefill == "joint" else [[c] for c in chunks]):
+                prt.decode_chunks(group)
+            worst = max(float(np.abs(prt.logits(s) - rows_[0]).max()) for s, (rows_, _) in zip(seqs, alone))
+            for step in range(len(alone[0][1])):
+                tokens = [(s, toks[step]) for s, (_, toks) in zip(seqs, alone)]
+                for start in range(0, n, width):
+                    prt.decode_tokens(dict(tokens[start:start + width]))
+                worst = max(worst, max(float(np.abs(prt.logits(s) - rows_[step + 1]).max())
+                                       for s, (rows_, _) in zip(seqs, alone)))
+            rows.append(dict(prefill=prefill, per_decode=width, exact_width=exact, max_diff=worst,
+                             exact=worst == 0.0))
+        return rows
     finally:
         prt.close()
 
@@ -234,7 +247,8 @@ def exactness_table(keys, args) -> Table:
     from native.context import KV_TYPES, ContextSettings
     from native.model import Model
     t = Table("c. Answers together vs alone: max |logit difference| over prefill + generated tokens "
-              "(teacher-forced, 4 answers)", ["model", "kv_cache", "prefill", "max_diff", "exact"])
+              "(teacher-forced, 4 answers)",
+              ["model", "kv_cache", "prefill", "per_decode", "exact_width", "max_diff", "exact"])
     configs = {"q8_0 + flash attn": dict(flash_attn=True, type_k=KV_TYPES["q8_0"], type_v=KV_TYPES["q8_0"]),
                "f16 + flash attn": dict(flash_attn=True, type_k=KV_TYPES["f16"], type_v=KV_TYPES["f16"]),
                "f16, no flash attn": dict(flash_attn=False, type_k=KV_TYPES["f16"], type_v=KV_TYPES["f16"])}
@@ -249,12 +263,12 @@ def exactness_table(keys, args) -> Table:
             settings = ContextSettings(n_ctx=ctx_size_for(4 * (args.prompt + args.tokens)),
                                        n_threads=args.threads, **kw)
             alone = _forced_alone(path, settings, prompts, args.exact_tokens)
-            for joint in (True, False):
-                diff = _forced_together(path, settings, prompts, alone, joint)
-                t.add(model=key, kv_cache=name, prefill="joint" if joint else "separate",
-                      max_diff=diff, exact=diff == 0.0)
-    t.notes.append(f"{args.prompt}-token prompts, {args.exact_tokens} generated tokens each, "
-                   "each prompt prefilled in one decode alone")
+            for row in _forced_together(path, settings, prompts, alone):
+                t.add(model=key, kv_cache=name, **row)
+    t.notes.append(f"{args.prompt}-token prompts, {args.exact_tokens} generated tokens each; alone: "
+                   "each prompt prefilled in one decode, then one token per decode; per_decode: "
+                   "generated tokens per decode together (exact_width: what the runtime measured "
+                   "at start and the Batcher uses)")
     return t
 
 
@@ -268,16 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--switch-tokens", type=int, default=4000)
     p.add_argument("--exactness", action="store_true", help="also table c (both models, three caches)")
     p.add_argument("--exact-tokens", type=int, default=24)
+    p.add_argument("--tables", default=None, help="which tables, e.g. ac (default ab; abc with --exactness)")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt, args.tokens, args.repeats, args.switch_tokens, args.exact_tokens = 32, 8, 1, 300, 4
+    tables = args.tables or ("abc" if args.exactness or args.quick else "ab")
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
-        print(throughput_table(args.model, args).render(), flush=True)
-        print()
-        print(switch_table(args.model, args, Path(tmp)).render(), flush=True)
-        if args.exactness or args.quick:
+        if "a" in tables:
+            print(throughput_table(args.model, args).render(), flush=True)
             print()
+        if "b" in tables:
+            print(switch_table(args.model, args, Path(tmp)).render(), flush=True)
+            print()
+        if "c" in tables:
             keys = [args.model] if args.quick else list(MODEL_KEYS)
             print(exactness_table(keys, args).render(), flush=True)
     return 0

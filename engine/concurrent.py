@@ -13,7 +13,10 @@
 * otherwise a **generation step**: every running answer chooses its next token from its
   own logits, exactly as ``engine.generation.generate`` would (same sampler chain, the
   seed of the token's absolute position, the same end, length and stop-string rules),
-  and the chosen tokens are decoded together, one per sequence.
+  and the chosen tokens are decoded together, one per sequence — in groups of at most
+  the runtime's exact width (``ParallelRuntime.exact_width``, measured: 4 for SmolLM2,
+  3 for Gemma 3 on this CPU build), so each answer stays bit-identical to its run
+  alone; ``exact=False`` decodes them all at once.
 
 Answers join at any time (:meth:`Batcher.add`); the ones running wait for one prefill
 step.  Each answer has its own :class:`engine.generation.Control`: a pause stops that
@@ -155,14 +158,15 @@ class _Answer:
 def joint_prefill_exact(prt: ParallelRuntime) -> bool:
     """Whether prompts prefilled together give each conversation the cache it gets alone.
 
-    Measured here (benchmarks/parallel.py, table c): for a model with plain attention
-    (SmolLM2) a joint prefill is bit-exact; with sliding-window layers (Gemma 3) the
+    Measured here (benchmarks/parallel.py, table c; tests/test_parallel.py): for
+    SmolLM2 (plain attention, Q4_1 weights, whose batch width changes nothing) a joint
+    prefill is bit-exact; for Gemma 3 (sliding-window layers, repacked Q4_K weights) the
     logits after a joint prefill differ from those after prefilling alone, as they do
     for any change of batch boundaries (FIELD_NOTES), while one prompt per prefill
-    decode followed by shared generation steps is bit-exact.  So sliding-window models
-    prefill one conversation per decode.
+    decode is bit-exact.  So prompts share a decode only for a model without sliding
+    window whose generation batches are exact at full width.
     """
-    return prt.model.shape.n_swa == 0
+    return prt.model.shape.n_swa == 0 and prt.exact_width >= prt.sequences
 
 
 class Batcher:
@@ -170,8 +174,12 @@ class Batcher:
 
     def __init__(self, prt: ParallelRuntime, *, on_stopped: Callable[[Job], None] | None = None,
                  autosave: Callable[[Job], None] | None = None,
-                 should_stop: Callable[[], bool] = lambda: False, joint_prefill: bool | None = None) -> None:
+                 should_stop: Callable[[], bool] = lambda: False, joint_prefill: bool | None = None,
+                 exact: bool = True) -> None:
         self.prt = prt
+        #: generated tokens per decode: at most the runtime's exact width when ``exact``
+        #: (each answer then equals its run alone), else every running answer's at once
+        self.width = max(1, prt.exact_width) if exact and prt.exact_width else max(prt.sequences, 1)
         #: prompt chunks of several conversations in one decode (None: where exact, see
         #: joint_prefill_exact)
         self.joint_prefill = joint_prefill_exact(prt) if joint_prefill is None else joint_prefill
@@ -290,7 +298,10 @@ class Batcher:
                 chosen[answer.job.seq] = token
         if not chosen:
             return
-        self.prt.decode_tokens(chosen)
+        width = self.width
+        items = list(chosen.items())
+        for start in range(0, len(items), width):
+            self.prt.decode_tokens(dict(items[start:start + width]))
         self.generation_steps += 1
         self.generated += len(chosen)
         for answer in list(self._running):

@@ -2,7 +2,7 @@
 
 A :class:`ParallelRuntime` owns a model and one context of ``sequences + 1`` sequences
 over one unified KV cache (``kv_unified``): sequences ``0 .. S-1`` hold conversations,
-sequence ``S`` is scratch space for applying delta checkpoints.  Which conversation is
+sequence ``S`` is scratch space for writing and applying delta checkpoints.  Which conversation is
 in which sequence is :class:`engine.sequences.SequenceTable`'s business; this module
 does what it decides to the cache, and knows, per sequence, exactly which tokens the
 cache holds and for which length it holds the next-token logits (as
@@ -19,7 +19,10 @@ single-sequence context would have (the state names sequence 0, the header the
 single-sequence shape ``n_seq_max`` = :data:`FILE_SEQ_MAX`): with one unified cache a
 sequence's state has the same bytes whatever ``n_seq_max`` is, so
 ``Runtime.restore_chain`` and ``checkpoint-chat run --checkpoint-load`` read the file
-as one of their own.  :meth:`restore` reads such a chain (deltas too) into any sequence.
+as one of their own.  The writing is ``Runtime.save`` itself, on a :class:`SequenceView`
+(one sequence shaped like a single-sequence Runtime), so ``engine.history.LineWriter``
+autosaves a running answer as deltas too.  :meth:`restore` reads such a chain (deltas
+too) into any sequence.
 
 Like every native owner it belongs to one thread.
 """
@@ -68,7 +71,7 @@ class ParallelRuntime:
 
     def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
                  *, sequences: int = DEFAULT_SEQUENCES, n_gpu_layers: int = 0, main_gpu: int = 0,
-                 workers=None, progress=None) -> None:
+                 workers=None, progress=None, exact_width: int | None = None) -> None:
         if sequences < 1:
             raise GenerationError(f"a context holds at least one conversation, not {sequences}")
         # the Runtime is the model and context holder here; its own bookkeeping (sequence
@@ -91,6 +94,14 @@ class ParallelRuntime:
         self.decodes = 0
         #: seconds the last restore took (structure checks + setting the state)
         self.last_restore_s = 0.0
+        #: the most generated tokens one decode may hold with each sequence's logits
+        #: bit-identical to its decode alone (0: not even one beside other sequences);
+        #: measured on the empty cache unless given (see probe_exact_width)
+        try:
+            self.exact_width = self.probe_exact_width() if exact_width is None else exact_width
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.batch.close()
@@ -227,6 +238,45 @@ class ParallelRuntime:
         self._keep_logits(set(participants))
         self.batch.decode(self.ctx)
         self.decodes += 1
+
+    def probe_exact_width(self) -> int:
+        """Measure :attr:`exact_width` on this model, cache type and backend (empty cache).
+
+        Whether a sequence's logits depend on what else a decode holds is a property of
+        the kernels, not of the tokens: CPU matrix kernels for repacked weight types
+        (Q4_K here, Gemma 3) multiply 4 rows at once, whose sums round otherwise than one
+        row's; attention without flash attention sums over other sequences' (masked)
+        cells.  So each sequence's next-token logits are computed alone (nothing else in
+        the cache), then with every sequence present and ``w`` of them in one decode,
+        for ``w = S .. 1``: the first ``w`` whose logits all match bit for bit is the
+        width.  About S * (S + 2) decodes of a few tokens, once per context.
+        """
+        probe = self.model.tokenize("Checkpoint Chat measures its batches.", add_special=True)[:6]
+        n = self.sequences
+        nexts = [probe[(k + 1) % len(probe)] for k in range(n)]
+
+        def fill(seqs) -> None:
+            for seq in seqs:
+                self.drop(seq)
+            for seq in seqs:
+                self.decode_chunks([(seq, probe[:len(probe) - 1 - seq % 2], False)])
+
+        alone = []
+        for seq in range(n):
+            fill([seq])
+            self.decode_tokens({seq: nexts[seq]})
+            alone.append(np.array(self.logits(seq), copy=True))
+        width = 0
+        for w in range(n, 0, -1):
+            fill(range(n))
+            self.decode_tokens({seq: nexts[seq] for seq in range(w)})
+            if all(np.array_equal(self.logits(seq), alone[seq]) for seq in range(w)):
+                width = w
+                break
+        for seq in range(n):
+            self.drop(seq)
+        self.decodes = 0
+        return width
 
     # -- checkpoints ----------------------------------------------------------------------
     def view(self, seq: int) -> "SequenceView":
