@@ -6,9 +6,11 @@
 a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurrent's
    Batcher on an engine.parallel context), against one answer alone
    (engine.generation.generate on a single-sequence Runtime) and against a bare ctypes
-   loop decoding the same batches (one token per sequence per ``llama_decode``, argmax
-   over each row, nothing else): the bare loop's gain over one alone is this machine's
-   ceiling.  Greedy, same prompts, threads, context and cache for all; runs interleaved,
+   loop decoding the same batches (one token per sequence, ``per_decode`` of them per
+   ``llama_decode``, argmax over each row, nothing else): the bare loop's gain over one
+   alone is this machine's ceiling.  Where the runtime's exact width is below the count
+   (Gemma 3: 3), a second row decodes all at once (``exact`` no: faster, not
+   bit-identical to alone).  Greedy, same prompts, threads, context and cache for all; runs interleaved,
    best of ``--repeats`` (a shared machine's noise only ever slows a run down).
 b. Switch latency at ``--switch-tokens`` tokens: until a conversation can sample its next
    token, when it is resident (nothing to do) and when it was evicted (read, verify and
@@ -57,8 +59,9 @@ class BareBatchLoop:
             b.seq_id[i][0] = s
         b.n_tokens = len(tokens)
 
-    def run(self, prompts: list[list[int]], n_gen: int) -> float:
-        """Generation tokens/s for ``len(prompts)`` sequences (prefill not timed)."""
+    def run(self, prompts: list[list[int]], n_gen: int, width: int | None = None) -> float:
+        """Generation tokens/s for ``len(prompts)`` sequences (prefill not timed), their
+        tokens decoded ``width`` at a time (default: all at once)."""
         ll, ctx = self.ll, self.ctx.ptr
         self.ctx.clear()
         next_tokens = []
@@ -72,14 +75,17 @@ class BareBatchLoop:
         positions = [len(p) for p in prompts]
         seqs = list(range(len(prompts)))
         started = clock()
+        width = width or len(seqs)
         for _ in range(n_gen):
-            self._fill(next_tokens, positions, seqs, True)
-            if ll.llama_decode(ctx, self.batch) != 0:
-                raise RuntimeError("bare decode failed")
-            for i in seqs:
-                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
-                next_tokens[i] = int(np.argmax(row))
-                positions[i] += 1
+            for start in range(0, len(seqs), width):
+                group = seqs[start:start + width]
+                self._fill([next_tokens[i] for i in group], [positions[i] for i in group], group, True)
+                if ll.llama_decode(ctx, self.batch) != 0:
+                    raise RuntimeError("bare decode failed")
+                for row_index, i in enumerate(group):
+                    row = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, row_index), shape=(self.n_vocab,))
+                    next_tokens[i] = int(np.argmax(row))
+                    positions[i] += 1
         return len(prompts) * n_gen / (clock() - started)
 
     def close(self) -> None:
@@ -96,11 +102,11 @@ def _alone(rt, prompt: list[int], n_gen: int) -> float:
     return result.tokens_per_s
 
 
-def _ours(prt, prompts: list[list[int]], n_gen: int) -> float:
+def _ours(prt, prompts: list[list[int]], n_gen: int, exact: bool = True) -> float:
     from engine.concurrent import Batcher, Job
     for key in prt.table.residents():
         prt.evict(key)
-    batcher = Batcher(prt)
+    batcher = Batcher(prt, exact=exact)
     for k, prompt in enumerate(prompts):
         conv = greedy_conversation(prompt, n_predict=n_gen)
         batcher.add(Job(conv, prt.place(conv.id, running=True).seq))
@@ -115,7 +121,8 @@ def throughput_table(key: str, args) -> Table:
     path = model_path(key)
     t = Table(f"a. Aggregate generation tokens/s, {key}: n answers at once vs one alone vs a bare "
               "ctypes loop on the same batches",
-              ["answers", "tokens", "alone", "ours", "bare", "ours_vs_alone", "bare_vs_alone", "ours_vs_bare"])
+              ["answers", "per_decode", "exact", "tokens", "alone", "ours", "bare", "ours_vs_alone",
+               "bare_vs_alone", "ours_vs_bare"])
     settings = ContextSettings(n_ctx=ctx_size_for(max(COUNTS) * (args.prompt + args.tokens)),
                                n_threads=args.threads)
     rt = Runtime(path, settings)
@@ -128,14 +135,19 @@ def throughput_table(key: str, args) -> Table:
         _ours(prt, prompts[:2], 4)
         bare.run(prompts[:2], 4)
         alone = max(_alone(rt, prompts[0], args.tokens) for _ in range(args.repeats))
+        width = prt.exact_width
         for n in COUNTS:
-            ours, bare_tps = 0.0, 0.0
-            for _ in range(args.repeats):       # interleaved
-                bare_tps = max(bare_tps, bare.run(prompts[:n], args.tokens))
-                ours = max(ours, _ours(prt, prompts[:n], args.tokens))
-            t.add(answers=n, tokens=n * args.tokens, alone=alone, ours=ours, bare=bare_tps,
-                  ours_vs_alone=ratio(ours, alone), bare_vs_alone=ratio(bare_tps, alone),
-                  ours_vs_bare=ratio(ours, bare_tps))
+            # the Batcher's own batches (groups of the exact width), and all at once when
+            # that is more: the bare loop decodes the same groups
+            modes = [(min(n, width) if width else n, True)] + ([(n, False)] if 0 < width < n else [])
+            for per_decode, exact in modes:
+                ours, bare_tps = 0.0, 0.0
+                for _ in range(args.repeats):       # interleaved
+                    bare_tps = max(bare_tps, bare.run(prompts[:n], args.tokens, per_decode))
+                    ours = max(ours, _ours(prt, prompts[:n], args.tokens, exact))
+                t.add(answers=n, per_decode=per_decode, exact=exact and width > 0, tokens=n * args.tokens,
+                      alone=alone, ours=ours, bare=bare_tps, ours_vs_alone=ratio(ours, alone),
+                      bare_vs_alone=ratio(bare_tps, alone), ours_vs_bare=ratio(ours, bare_tps))
     finally:
         bare.close()
         prt.close()

@@ -159,12 +159,12 @@ def joint_prefill_exact(prt: ParallelRuntime) -> bool:
     """Whether prompts prefilled together give each conversation the cache it gets alone.
 
     Measured here (benchmarks/parallel.py, table c; tests/test_parallel.py): for
-    SmolLM2 (plain attention, Q4_1 weights, whose batch width changes nothing) a joint
-    prefill is bit-exact; for Gemma 3 (sliding-window layers, repacked Q4_K weights) the
-    logits after a joint prefill differ from those after prefilling alone, as they do
-    for any change of batch boundaries (FIELD_NOTES), while one prompt per prefill
-    decode is bit-exact.  So prompts share a decode only for a model without sliding
-    window whose generation batches are exact at full width.
+    SmolLM2 (Q4_1 weights, whose batch width changes nothing) a joint prefill is
+    bit-exact; for Gemma 3 (repacked Q4_K weights, multiplied 4 rows at a time) it is
+    exact when every prompt starts on a multiple of 4 rows of the batch (128-token
+    prompts) and not otherwise (short prompts of any length): a prompt's rows are then
+    grouped otherwise than alone.  So prompts share a decode only for a model whose
+    generation batches are exact at full width, and, to be safe, without sliding window.
     """
     return prt.model.shape.n_swa == 0 and prt.exact_width >= prt.sequences
 

@@ -245,12 +245,17 @@ class ParallelRuntime:
         Whether a sequence's logits depend on what else a decode holds is a property of
         the kernels, not of the tokens: CPU matrix kernels for repacked weight types
         (Q4_K here, Gemma 3) multiply 4 rows at once, whose sums round otherwise than one
-        row's; attention without flash attention sums over other sequences' (masked)
-        cells.  So each sequence's next-token logits are computed alone (nothing else in
+        row's.  So each sequence's next-token logits are computed alone (nothing else in
         the cache), then with every sequence present and ``w`` of them in one decode,
         for ``w = S .. 1``: the first ``w`` whose logits all match bit for bit is the
-        width.  About S * (S + 2) decodes of a few tokens, once per context.
+        width.  About S * (S + 2) decodes of a few tokens, once per context.  Without
+        flash attention the answer is 0 without measuring (see below).
         """
+        if not self.settings.flash_attn:
+            # attention then sums over the other sequences' (masked) cells too, as many as
+            # the cache holds: a probe on a nearly empty cache cannot vouch for a full one
+            # (SmolLM2, f16: 0.83 apart at one token per decode beside 3 x 128 tokens)
+            return 0
         probe = self.model.tokenize("Checkpoint Chat measures its batches.", add_special=True)[:6]
         n = self.sequences
         nexts = [probe[(k + 1) % len(probe)] for k in range(n)]

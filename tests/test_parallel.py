@@ -240,3 +240,13 @@ def test_files_of_a_single_sequence_context_restore_into_any_sequence_and_bad_on
     b.run()
     assert job.result.n_prefilled == 0
     assert first.text + job.result.text == expected[1]
+
+
+def test_without_flash_attention_no_batch_width_is_promised_exact(smollm_path):
+    prt = ParallelRuntime(smollm_path, ContextSettings(n_ctx=512, n_threads=2, flash_attn=False,
+                                                       type_k=1, type_v=1), sequences=2)
+    try:
+        assert prt.exact_width == 0 and prt.decodes == 0
+        assert Batcher(prt).width == 2       # nothing to gain from splitting: all at once
+    finally:
+        prt.close()
