@@ -36,14 +36,14 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
-from engine.checkpoints.chain import check_link, common_prefix
+from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData
-from engine.checkpoints.kvstate import check_state, check_state_for, relabel_state
+from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
-from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, GenerationError,
+from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
-from engine.runtime import Runtime, SaveInfo
+from engine.runtime import Runtime, SaveInfo, checked_chain
 from engine.sequences import Placement, SequenceTable
 from native.batch import SeqBatch
 from native.context import ContextSettings
@@ -310,25 +310,9 @@ class ParallelRuntime:
             self.last_restore_s = time.perf_counter() - started
 
     def _restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
-        if not chain:
-            raise BrokenChain("no checkpoint to restore")
-        if chain[0].header.is_delta:
-            raise BrokenChain("the chain does not start with a full checkpoint")
-        for data in chain:
-            self.target.check(data.header, data.meta)
-            if data.header.n_tokens:
-                check_state_for(data.header, data.state)
-        for prev, data in zip(chain, chain[1:]):
-            check_link(prev, data)
+        conv = checked_chain(chain, self.target)
         last = chain[-1]
         h = last.header
-        conv_json = last.meta.get("conversation")
-        try:
-            conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                          [int(t) for t in last.tokens])
-        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
-            raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
-        conv.id = h.conversation_id
         if self.cells_used() - len(self._held[seq].tokens) + h.n_tokens > self.ctx.n_ctx:
             raise RestoreFailed(f"the context has no room for {h.n_tokens} more tokens; "
                                 "evict a conversation first")

@@ -381,25 +381,9 @@ class Runtime:
         return 0
 
     def _restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
-        if not chain:
-            raise BrokenChain("no checkpoint to restore")
-        if chain[0].header.is_delta:
-            raise BrokenChain("the chain does not start with a full checkpoint")
-        for data in chain:
-            self.check_compatible(data.header, data.meta)
-            if data.header.n_tokens:
-                check_state_for(data.header, data.state)
-        for prev, data in zip(chain, chain[1:]):
-            check_link(prev, data)
+        conv = checked_chain(chain, self.target)
         last = chain[-1]
         h = last.header
-        conv_json = last.meta.get("conversation")
-        try:
-            conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                          [int(t) for t in last.tokens])
-        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
-            raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
-        conv.id = h.conversation_id
         keep = self._files_in_cache(chain)
         if keep and self.trim(chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
             keep = 0   # the memory cannot drop a tail (sliding window): restore it all
@@ -429,6 +413,31 @@ class Runtime:
             self._logits_len = h.n_tokens
             self._logits_copy = last.logits
         return conv
+
+
+def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
+    """Check a chain (a full checkpoint, then deltas on it) before llama.cpp sees a byte:
+    every file's compatibility with ``target`` and state structure, the links between them,
+    the last file's conversation.  Returns that conversation, or raises with the reason."""
+    if not chain:
+        raise BrokenChain("no checkpoint to restore")
+    if chain[0].header.is_delta:
+        raise BrokenChain("the chain does not start with a full checkpoint")
+    for data in chain:
+        target.check(data.header, data.meta)
+        if data.header.n_tokens:
+            check_state_for(data.header, data.state)
+    for prev, data in zip(chain, chain[1:]):
+        check_link(prev, data)
+    last = chain[-1]
+    conv_json = last.meta.get("conversation")
+    try:
+        conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
+                                      [int(t) for t in last.tokens])
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
+    conv.id = last.header.conversation_id
+    return conv
 
 
 def _name_still_free(path: Path) -> None:
