@@ -17,6 +17,17 @@ def pytest_sessionfinish(session, exitstatus):
     """Close the window tests' qasync loop while Qt is alive (see gui.tasks.close_event_loop)."""
     if "gui.tasks" in sys.modules:
         sys.modules["gui.tasks"].close_event_loop()
+        import gc
+
+        from PySide6.QtCore import QCoreApplication, QEvent
+        app = QCoreApplication.instance()
+        if app is not None:
+            for widget in getattr(app, "topLevelWidgets", lambda: [])():
+                widget.close()
+                widget.deleteLater()
+            QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+            app.processEvents()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)

@@ -65,7 +65,21 @@ class Worker:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        """SIGSTOP, and wait until every thread has stopped: kill() returns before a busy
+        thread on the other core has (seen once in CI on a loaded machine: the worker
+        still answered the save that followed)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        while time.monotonic() < deadline:
+            try:
+                states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+            except OSError:     # a thread came or went while we looked
+                continue
+            if all(state in ("T", "t") for state in states):
+                return
+            time.sleep(0.005)
+        raise AssertionError("the worker did not stop within 10 s")
 
     def close(self) -> None:
         if self.proc.poll() is None:
