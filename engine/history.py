@@ -162,13 +162,18 @@ class LineWriter:
         if self.mode != "delta" or not self.runtime.settings.supports_deltas or not self.chain:
             return None
         kv = self.runtime.kv_tokens
-        usable = [i for i, info in enumerate(self.chain)
-                  if info.checkpoint_id and 0 < info.n_tokens <= len(kv)
-                  and tokens_digest(kv[:info.n_tokens]) == info.tokens_digest]
-        if not usable:
+
+        def usable(info: SaveInfo) -> bool:
+            return bool(info.checkpoint_id) and 0 < info.n_tokens <= len(kv)
+
+        # the newest file the cache starts with; the files before it are its ancestors (a
+        # chain's links are prefixes), so one digest decides, not one per file
+        tip = next((i for i in range(len(self.chain) - 1, -1, -1) if usable(self.chain[i])
+                    and tokens_digest(kv[:self.chain[i].n_tokens]) == self.chain[i].tokens_digest), None)
+        if tip is None:
             return None
-        tip = usable[-1]
-        milestone = max(i for i in usable if i == 0 or self.chain[i].kind != KIND_AUTOSAVE)
+        milestone = max((i for i in range(tip + 1) if usable(self.chain[i])
+                         and (i == 0 or self.chain[i].kind != KIND_AUTOSAVE)), default=tip)
         parent = milestone if tip - milestone >= self.policy.max_tail else tip
         return None if parent + 2 > self.policy.max_files else parent
 

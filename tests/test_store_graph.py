@@ -229,3 +229,28 @@ def test_compact_refuses_to_write_over_a_parent(tmp_path):
     done = run_cli("compact", str(last.path), "-o", str(base.path))
     assert done.returncode == 1 and "parent of 1 delta" in done.stderr and "Traceback" not in done.stderr
     assert len(load_chain(last.path)) == 2          # untouched
+
+
+def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_file(tmp_path):
+    """The parent of the next save: the newest file the cache starts with, or the last
+    milestone when autosaves pile up; a base of 0 tokens (no milestone to fold onto) is
+    no error, and the choice digests the cache once, not once per file."""
+    from types import SimpleNamespace
+
+    from engine.checkpoints.chain import tokens_digest
+    from engine.history import ChainPolicy, LineWriter
+    from engine.runtime import SaveInfo
+    kv = list(range(100))
+    runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True))
+
+    def info(n, kind, name):
+        return SaveInfo(tmp_path / name, 1, 0.0, n, checkpoint_id=name, tokens_digest=tokens_digest(kv[:n]),
+                        kind=kind)
+    chain = [info(0, KIND_MANUAL, "base")] + [info(10 * k, KIND_AUTOSAVE, f"a{k}") for k in range(1, 5)]
+    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
+    assert writer._parent_index() == 4
+    chain[0] = info(5, KIND_MANUAL, "base")            # now a milestone: the tail folds onto it
+    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
+    assert writer._parent_index() == 0
+    runtime.kv_tokens = kv[:15] + [-1] * 85             # the cache left a2..a4 behind
+    assert writer._parent_index() == 1
