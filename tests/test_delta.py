@@ -166,3 +166,9 @@ def test_autosave_to_a_named_file_writes_deltas_beside_it(smollm_path, app_home,
     full = json.loads(run_cli("run", *common, "-n", str(k + 6), "--json", check=True).stdout.strip().splitlines()[-1])
     meta = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["metadata"]
     assert meta["transcript"][-1]["content"] + rest["text"] == full["text"]
+
+    # a later run saving to the same P removes only its own autosaves: the crashed run's,
+    # which loading P points at, stay
+    run_cli("run", *common, "-n", "12", "--checkpoint-save", str(killed), "--checkpoint-save-interval", "8",
+            check=True)
+    assert killed.exists() and set(files) <= set(beside.glob("*.kvckpt"))

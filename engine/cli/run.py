@@ -307,11 +307,17 @@ class RunSession:
         return checkpoint
 
     def drop_side_autosaves(self) -> None:
+        """P holds all this run's autosaves held: delete them, and the folder once empty.
+        Another run's files there (a crashed run's, pointed at when P was loaded) stay."""
         if self.side_writer is not None:
-            folder = self.side_writer.store.folder
-            self.side_writer.close()
-            self.side_writer = None
-            shutil.rmtree(folder, ignore_errors=True)
+            writer, self.side_writer = self.side_writer, None
+            store = writer.store
+            writer.close()
+            for info in writer.chain:
+                if info.line == writer.line:
+                    info.path.unlink(missing_ok=True)
+            if not store.files():
+                shutil.rmtree(store.folder, ignore_errors=True)
 
     def outcome(self, conv, result, checkpoint) -> dict[str, Any]:
         """The ``--json`` result.  ``ttft_s`` counts from the request once the model is
