@@ -382,7 +382,7 @@ class SequenceView:
             source = prt.scratch
         try:
             size = ctx.state_size(source)
-            buf = np.empty(size, dtype=np.uint8)
+            buf = prt._rt._state_buffer_for(size)   # reused, as Runtime's own saves do
             try:
                 state = buf[:ctx.state_get_into(buf, size, source)]
             except StateError as exc:

@@ -48,10 +48,6 @@ class SeqBatch:
         self.n_tokens = 0
         self.n_outputs = 0
 
-    @property
-    def room(self) -> int:
-        return self.capacity - self.n_tokens
-
     def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
         """Append one token; returns its output row when ``logits`` (else -1)."""
         i = self.n_tokens
