@@ -23,6 +23,7 @@ class PrefixReuse:
     how: str                   # "restored", "restored-exact", "cache" or "recompute"
     n_tokens: int              # prompt tokens now in the cache, not to be decoded again
     source: Path | None = None
+    chain: tuple = ()          # source's verified chain (CheckpointData), full file first
 
     def describe(self) -> str:
         return {"restored": f"reused {self.n_tokens} tokens from {self.source} (tail trimmed)",
@@ -48,13 +49,15 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
         if not match.exact and not can_trim:
             continue
         try:
-            runtime.restore_chain(load_chain(match.path))
+            chain = load_chain(match.path)
+            runtime.restore_chain(chain)
         except CheckpointError as exc:
             log.info("prefix candidate %s skipped: %s", match.path.name, exc)
             continue
         kept = runtime.trim(match.n_common)
         if kept == match.n_common:
-            return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path)
+            return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path,
+                               tuple(chain))
         can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
         in_cache = common_prefix(runtime.kv_tokens, tokens)
     return PrefixReuse("cache" if in_cache else "recompute", in_cache)

@@ -140,8 +140,9 @@ class RequestCommands:
                 raise _Refused(MODEL_NOT_FOUND, f"the model was changed to {self.model_info.path.name} "
                                                 "while the request waited")
             conv = self._request_conversation(request, rt)
-            self._served.pop(conv.id, None)
-            self._served[conv.id] = None
+            if self.request_conversations_kept is not None:   # only `serve` lets them go
+                self._served.pop(conv.id, None)
+                self._served[conv.id] = None
             self.listener.on_request_started(rid, self.snapshot(conv, branches=False))
             answering = True
             self._generate(conv)
@@ -282,37 +283,23 @@ class RequestCommands:
         that shares the longest prefix with its tokens; the first save builds on that
         checkpoint's files where they are a prefix of it."""
         from engine.checkpoints.graph import default_line
-        from engine.history import LineWriter
+        from engine.history import LineWriter, saved_info
         from engine.prefix_reuse import reuse_stored_prefix
         self._save_active_if_dirty(KIND_MANUAL)
         self._active = None
-        source = None
+        chain = ()
         try:
             reuse = reuse_stored_prefix(rt, self.store.folder, conv.tokens)
-            source = reuse.source
+            chain = reuse.chain if reuse.chain and self.store.contains(reuse.chain[-1].path) else ()
             log.info("request: %s", reuse.describe())
         except (CheckpointError, OSError) as exc:
             log.info("no stored prefix used (%s)", exc)
         self._active = conv.id
         self._convs[conv.id] = conv
+        # the restored chain (verified by the restore) is what the first save builds on
         self._writers[conv.id] = LineWriter.starting(rt, self.store, default_line(conv.id),
-                                                     self._chain_infos(source))
+                                                     [saved_info(d) for d in chain])
         self.listener.on_conversation_changed(self.snapshot(conv))
-
-    def _chain_infos(self, source: Path | None) -> list:
-        """What a writer needs to know of ``source``'s chain (files of the store), or []."""
-        from engine.checkpoints.graph import Graph
-        from engine.runtime import SaveInfo
-        if source is None or not self.store.contains(source):
-            return []
-        graph = Graph.scan(self.store)
-        node = graph.nodes.get(Path(source).name)
-        if node is None or graph.chain_problem(node) is not None:
-            return []
-        return [SaveInfo(path=n.path, size=n.size, seconds=0.0, n_tokens=n.header.n_tokens,
-                         checkpoint_id=n.checkpoint_id or "", payload_crc=n.payload_crc,
-                         tokens_digest=n.tokens_digest, delta=n.is_delta, line=n.line, kind=n.header.kind)
-                for n in graph.chain(node)]
 
 
 def new_request_id() -> str:
