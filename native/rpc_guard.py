@@ -168,7 +168,8 @@ class SocketGuard:
 
     def _check_progress(self) -> None:
         now = time.monotonic()
-        traffic = worker_traffic(self.endpoints)
+        # the addresses resolved once at start: no name lookups ten times a second
+        traffic = _traffic(set(self._peers) or _addresses(self.endpoints))
         if traffic is not None and traffic != self._traffic:
             self._traffic = traffic
             self._last_progress = now
@@ -234,10 +235,14 @@ class SocketGuard:
 def worker_traffic(endpoints: Iterable[Endpoint]) -> tuple[int, int] | None:
     """Bytes this process has sent to and received from the workers so far, over the
     connections open now (Linux TCP_INFO: bytes_acked, bytes_received); None elsewhere."""
+    return _traffic(_addresses(endpoints))
+
+
+def _traffic(peers: set[tuple[str, int]]) -> tuple[int, int] | None:
     if not sys.platform.startswith("linux"):
         return None
     sent = received = 0
-    for _fd, sock in _peer_sockets(_addresses(endpoints)):
+    for _fd, sock in _peer_sockets(peers):
         with sock:
             try:
                 info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
