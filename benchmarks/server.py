@@ -45,29 +45,44 @@ from benchmarks.common import Table, ctx_size_for, prompt_text  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Server:
-    """``checkpoint-chat serve --port 0`` in a child process with its own home."""
+class ServeProcess:
+    """``checkpoint-chat serve --port 0 EXTRA...`` in a child process with its own home; its
+    URL from its first line (tests/test_server.py uses it too)."""
 
-    def __init__(self, home: Path, n_ctx: int, threads: int) -> None:
+    def __init__(self, home: Path, *extra: str) -> None:
+        self.err_path = home / f"serve-{time.monotonic_ns()}.err"
+        self._err = open(self.err_path, "w", encoding="utf-8")
         env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(home))
-        self.err = open(home / "serve.err", "a", encoding="utf-8")
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0",
-                                      "-c", str(n_ctx), "-t", str(threads)],
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, cwd=str(ROOT), env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *extra],
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=str(ROOT),
+                                     env=env)
         line = self.proc.stdout.readline()
         if not line.startswith("Listening on "):
-            self.stop()
-            raise SystemExit(f"the server did not start:\n{(home / 'serve.err').read_text('utf-8')}")
-        self.url = line.split()[2]
+            self.proc.wait(30)
+            self._err.close()
+            raise RuntimeError(f"serve did not start ({self.proc.returncode}): {line}{self.stderr()}")
+        self.base_url = line.split()[2]          # http://127.0.0.1:PORT/v1
 
-    def stop(self) -> None:
+    def stderr(self) -> str:
+        if not self._err.closed:
+            self._err.flush()
+        return self.err_path.read_text("utf-8")
+
+    def stop(self) -> int:
+        """SIGINT (answers in progress are paused and saved), then wait; kill after 120 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(120)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.err.close()
+                self.proc.wait()
+        self._err.close()
+        return self.proc.returncode
+
+
+def start_server(home: Path, n_ctx: int, threads: int) -> ServeProcess:
+    return ServeProcess(home, "-c", str(n_ctx), "-t", str(threads))
 
 
 async def chat(session, url: str, messages: list[dict], *, max_tokens: int, seed: int,
@@ -128,11 +143,11 @@ async def restart_table(args, work: Path) -> Table:
     home = work / "restored"
     home.mkdir()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        server = Server(home, n_ctx, args.threads)
+        server = start_server(home, n_ctx, args.threads)
         try:
             for k in range(1, 5):
                 messages.append({"role": "user", "content": turn_text(per_turn, k)})
-                reply = await chat(session, server.url, messages, max_tokens=args.answer, seed=k)
+                reply = await chat(session, server.base_url, messages, max_tokens=args.answer, seed=k)
                 messages.append({"role": "assistant", "content": reply["text"]})
         finally:
             server.stop()
@@ -140,10 +155,10 @@ async def restart_table(args, work: Path) -> Table:
         results = {}
         for how, folder in (("restored", home), ("full recompute", work / "empty")):
             folder.mkdir(exist_ok=True)
-            server = Server(folder, n_ctx, args.threads)
-            _MODEL_IDS.pop(server.url, None)
+            server = start_server(folder, n_ctx, args.threads)
+            _MODEL_IDS.pop(server.base_url, None)
             try:
-                results[how] = await chat(session, server.url, messages, max_tokens=args.answer, seed=5)
+                results[how] = await chat(session, server.base_url, messages, max_tokens=args.answer, seed=5)
             finally:
                 server.stop()
     full = results["full recompute"]["ttft_s"]
@@ -164,10 +179,10 @@ async def concurrency_table(args, work: Path) -> Table:
         "clients", "requests", "wall_s", "requests_per_s", "tokens_per_s", "mean_latency_s", "max_latency_s"])
     home = work / "concurrency"
     home.mkdir()
-    server = Server(home, 1024, args.threads)
+    server = start_server(home, 1024, args.threads)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-            await chat(session, server.url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
+            await chat(session, server.base_url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
             for clients in (1, 2, 4):
                 latencies, tokens = [], 0
 
@@ -175,7 +190,7 @@ async def concurrency_table(args, work: Path) -> Table:
                     nonlocal tokens
                     for r in range(args.requests):
                         question = f"Client {c}, question {r}: name a city and a river."
-                        reply = await chat(session, server.url, [{"role": "user", "content": question}],
+                        reply = await chat(session, server.base_url, [{"role": "user", "content": question}],
                                            max_tokens=args.answer, seed=c * 100 + r, stream=False)
                         latencies.append(reply["total_s"])
                         tokens += reply["usage"]["completion_tokens"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.server import ServeProcess
 from conftest import ROOT, run_cli
 
 openai = pytest.importorskip("openai")
@@ -30,41 +30,14 @@ pytest.importorskip("aiohttp")
 KEY = "test-key-123"
 
 
-class Served:
-    """`checkpoint-chat serve --port 0 ...` in a child process; its URL from its first line."""
+class Served(ServeProcess):
+    """`checkpoint-chat serve --port 0 -c 1024 -t 2 ...`, and an openai client for it."""
 
     def __init__(self, home: Path, *extra: str) -> None:
-        self.home = home
-        self.err_path = home / f"serve-{time.monotonic_ns()}.err"
-        self._err = open(self.err_path, "w", encoding="utf-8")
-        env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(home))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "serve", "--port", "0", "-c", "1024", "-t", "2", *extra],
-            stdout=subprocess.PIPE, stderr=self._err, text=True, cwd=str(ROOT), env=env)
-        line = self.proc.stdout.readline()
-        if not line.startswith("Listening on "):
-            self.proc.wait(30)
-            raise AssertionError(f"serve did not start ({self.proc.returncode}): {line}{self.stderr()}")
-        self.base_url = line.split()[2]          # http://127.0.0.1:PORT/v1
+        super().__init__(home, "-c", "1024", "-t", "2", *extra)
 
     def client(self, key: str = KEY):
         return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=300)
-
-    def stderr(self) -> str:
-        if not self._err.closed:
-            self._err.flush()
-        return self.err_path.read_text("utf-8")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._err.close()
-        return self.proc.returncode
 
 
 @pytest.fixture
