@@ -11,36 +11,37 @@
   for a sliding-window model, where a joint prefill is not exact
   (:func:`joint_prefill_exact`);
 * otherwise a **generation step**: every running answer chooses its next token from its
-  own logits, exactly as ``engine.generation.generate`` would (same sampler chain, the
-  seed of the token's absolute position, the same end, length and stop-string rules),
-  and the chosen tokens are decoded together, one per sequence — in groups of at most
+  own logits with ``engine.generation.AnswerStepper`` — the very rules of
+  ``engine.generation.generate`` (sampler chain, the seed of the token's absolute
+  position, end, length and stop strings) — and the chosen tokens are decoded together,
+  one per sequence — in groups of at most
   the runtime's exact width (``ParallelRuntime.exact_width``, measured: 4 for SmolLM2,
   3 for Gemma 3 on this CPU build), so each answer stays bit-identical to its run
   alone; ``exact=False`` decodes them all at once.
 
-Answers join at any time (:meth:`Batcher.add`); the ones running wait for one prefill
-step.  Each answer has its own :class:`engine.generation.Control`: a pause stops that
+Answers join at any time (:meth:`Batcher.add`); while one prefills, prefill and
+generation steps alternate, so the answers running keep streaming (one prompt chunk
+between two tokens).  A prefill step can be cut short when every answer in it was
+paused (llama.cpp's abort callback), so a pause during a long prompt is prompt too.
+Each answer has its own :class:`engine.generation.Control`: a pause stops that
 answer alone at the next step, ``on_stopped`` is called with it at once (the caller
 saves its sequence there) and the others go on.  ``should_stop`` stops them all.
 ``autosave`` is called with a job every ``job.autosave_every`` generated tokens, between
-two decodes.  The seconds spent in these callbacks are not counted as generation time.
+two decodes, and once after a prefill that decoded at least ``job.checkpoint_prompt``
+tokens.  The seconds spent in these callbacks are not counted as generation time.
 """
 
 from __future__ import annotations
 
-import codecs
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.conversation import Conversation
 from engine.errors import GenerationError
-from engine.generation import (FINISH_PAUSED, Control, GenerationResult, Listener, NullListener,
-                               _probability, _stop_hold, _without_eog)
+from engine.generation import FINISH_PAUSED, AnswerStepper, Control, GenerationResult, Listener, NullListener
 from engine.parallel import ParallelRuntime
 from engine.runtime import PrefillReport
-from engine.sampling import seed_for
-from native.sampler import SamplerChain
 
 
 @dataclass(eq=False)
@@ -53,105 +54,11 @@ class Job:
     stop_after: int | None = None
     confidence: bool = False
     autosave_every: int = 0                   # Batcher's autosave every N generated tokens (0: never)
+    #: the Batcher's autosave right after a prefill that decoded at least this many
+    #: tokens (0: never), as engine.generation.generate's ``checkpoint_prompt``
+    checkpoint_prompt: int = 0
+    skip_eog_once: bool = False               # the first token may not end the answer (Continue)
     result: GenerationResult | None = None    # set when the answer stops
-
-
-class _Answer:
-    """One job's per-token state, as engine.generation.generate keeps it."""
-
-    def __init__(self, prt: ParallelRuntime, job: Job, report: PrefillReport, requested_at: float) -> None:
-        self.prt, self.job = prt, job
-        conv = job.conv
-        self.answer = conv.answer
-        s = self.sampler = conv.sampler
-        n_ctx = prt.ctx.n_ctx
-        self.window = n_ctx if s.repeat_last_n < 0 else s.repeat_last_n
-        self.chain = SamplerChain(n_vocab=prt.ctx.n_vocab, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                  temperature=s.temperature, repeat_penalty=s.repeat_penalty,
-                                  repeat_last_n=self.window)
-        self.chain.accept(conv.tokens[-self.window:] if self.window else [])
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self.decoder.setstate((self.answer.pending, 0))
-        self.stops = conv.stop_strings
-        self.emitted_before = self.answer.emitted
-        self.generated_here = 0
-        self.requested_at = requested_at
-        self.started = time.perf_counter()
-        self.finish: str | None = None
-        self.result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
-                                       n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
-                                       prefill_s=report.seconds)
-
-    def choose(self) -> int | None:
-        """The next token, or None when the answer stops before it (``finish`` says why;
-        None there: paused)."""
-        job, a, prt = self.job, self.answer, self.prt
-        if a.n_predict >= 0 and a.n_generated >= a.n_predict:
-            self.finish = "length"
-            return None
-        if job.control.pause_requested or (job.stop_after is not None and self.generated_here >= job.stop_after):
-            return None
-        pos = len(prt.tokens(job.seq))
-        if pos >= prt.ctx.n_ctx:
-            self.finish = "context_full"
-            return None
-        logits = prt.logits(job.seq)
-        if self.sampler.ignore_eos:
-            logits = _without_eog(prt, logits)
-        token = self.chain.sample(prt.candidates, logits, 0 if self.chain.greedy else seed_for(self.sampler.seed, pos))
-        if job.confidence:
-            top = float(logits[token]) if self.chain.greedy and not self.chain.has_penalty else None
-            self.result.probabilities.append(_probability(logits, token, top))
-        if self.result.ttft_s is None:
-            self.result.ttft_s = time.perf_counter() - self.requested_at
-        if prt.model.is_eog(token):
-            self.finish = "stop"
-            return None
-        return token
-
-    def accepted(self, token: int) -> bool:
-        """``token`` is in the cache now; False when it ended the answer (a stop string)."""
-        a, job = self.answer, self.job
-        job.conv.tokens.append(token)
-        self.chain.accept((token,))
-        a.n_generated += 1
-        self.generated_here += 1
-        a.text += self.decoder.decode(self.prt.model.token_to_piece(token))
-        stops = self.stops
-        if stops:
-            cut = min((i for i in (a.text.find(st, max(0, a.emitted - len(st))) for st in stops) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                a.text = a.text[:cut]
-                self.decoder.reset()
-                self.finish = "stop_string"
-                return False
-        show_upto = len(a.text) - _stop_hold(a.text, stops)
-        if show_upto > a.emitted:
-            job.listener.on_text(a.text[a.emitted:show_upto])
-            a.emitted = show_upto
-        return True
-
-    def sync_pending(self) -> None:
-        """Store the bytes of an incomplete character, so a save now can resume it."""
-        self.answer.pending = self.decoder.getstate()[0]
-
-    def end(self) -> GenerationResult:
-        a, result = self.answer, self.result
-        self.chain.close()
-        result.generation_s = time.perf_counter() - self.started
-        result.n_generated = self.generated_here
-        if self.finish is None:
-            a.pending = self.decoder.getstate()[0]
-        else:
-            a.pending = b""
-            a.finish_reason = self.finish
-            if len(a.text) > a.emitted:
-                self.job.listener.on_text(a.text[a.emitted:])
-                a.emitted = len(a.text)
-            result.finish_reason = self.finish
-        result.text = a.text[self.emitted_before:a.emitted]
-        return result
 
 
 def joint_prefill_exact(prt: ParallelRuntime) -> bool:
@@ -185,8 +92,9 @@ class Batcher:
         self.on_stopped = on_stopped
         self.autosave = autosave
         self.should_stop = should_stop
-        self._prefilling: dict[Job, tuple[PrefillReport, int, float]] = {}   # report, next pos, requested
-        self._running: list[_Answer] = []
+        self._prefilling: dict[Job, tuple[PrefillReport, float]] = {}   # report, requested at
+        self._running: dict[Job, AnswerStepper] = {}
+        self._prefilled_last = False
         self.done: list[Job] = []
         #: steps made, and tokens generated by them
         self.generated = 0
@@ -198,21 +106,23 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self._prefilling or self._running)
 
+    @property
+    def jobs(self) -> list[Job]:
+        """Every answer not stopped yet, prefilling or generating."""
+        return list(self._prefilling) + list(self._running)
+
     def add(self, job: Job, *, requested_at: float | None = None) -> None:
         """Start ``job``'s answer (its conversation placed in ``job.seq`` already)."""
         answer = job.conv.answer
         if answer is None or answer.finished:
             raise GenerationError("there is no answer to continue")
-        if any(j.seq == job.seq for j in self._jobs()):
+        if any(j.seq == job.seq for j in self.jobs):
             raise GenerationError(f"sequence {job.seq} already has an answer running")
         keep = self.prt.reuse(job.seq, job.conv.tokens)
         report = PrefillReport(n_prompt=len(job.conv.tokens), n_reused=keep)
-        self._prefilling[job] = (report, keep, time.perf_counter() if requested_at is None else requested_at)
+        self._prefilling[job] = (report, time.perf_counter() if requested_at is None else requested_at)
         if keep == len(job.conv.tokens):
             self._start(job)
-
-    def _jobs(self):
-        return list(self._prefilling) + [r.job for r in self._running]
 
     def run(self) -> list[Job]:
         """Step until every answer stopped; returns the jobs in the order they stopped."""
@@ -224,23 +134,26 @@ class Batcher:
         if self.should_stop():
             for job in list(self._prefilling):
                 self._abort_prefill(job)
-            for answer in list(self._running):
-                self._stop(answer)
+            for job in list(self._running):
+                self._stop(job)
             return
         for job in [j for j in self._prefilling if j.control.pause_requested]:
             self._abort_prefill(job)
-        if self._prefilling:
+        if self._prefilling and not (self._running and self._prefilled_last):
+            self._prefilled_last = True
             self._prefill_step()
         elif self._running:
+            self._prefilled_last = False
             self._generation_step()
 
     # -- prefill --------------------------------------------------------------------------
     def _prefill_step(self) -> None:
         started = time.perf_counter()
-        step = self.prt.settings.n_batch
-        chunks, room = [], self.prt.batch.capacity
-        for job, (report, pos, _) in self._prefilling.items():
-            tokens = job.conv.tokens
+        prt = self.prt
+        step = prt.settings.n_batch
+        chunks, room = [], prt.batch.capacity
+        for job in self._prefilling:
+            tokens, pos = job.conv.tokens, len(prt.tokens(job.seq))
             end = min(len(tokens), (pos // step + 1) * step)
             if end - pos > room:
                 continue
@@ -248,19 +161,32 @@ class Batcher:
             chunks.append((job, pos, end))
             if not self.joint_prefill:
                 break
-        self.prt.decode_chunks([(job.seq, job.conv.tokens[pos:end], end == len(job.conv.tokens))
-                                for job, pos, end in chunks])
+        if not prt.make_room(sum(end - pos for _, pos, end in chunks)):
+            for job, _, _ in chunks:
+                # no cells while the running answers hold them: paused before they start
+                # (saved as such), to be resumed when the others are done
+                self._abort_prefill(job)
+            return
+        jobs = [job for job, _, _ in chunks]
+        complete = prt.decode_chunks(
+            [(job.seq, job.conv.tokens[pos:end], end == len(job.conv.tokens)) for job, pos, end in chunks],
+            should_abort=lambda: self.should_stop() or all(j.control.pause_requested for j in jobs))
         elapsed = time.perf_counter() - started
         for job, pos, end in chunks:
-            report, _, requested = self._prefilling[job]
-            report.n_decoded += end - pos
+            report, _ = self._prefilling[job]
+            reached = len(prt.tokens(job.seq))
+            report.n_decoded += reached - pos
             report.seconds += elapsed
-            self._prefilling[job] = (report, end, requested)
+            if not complete:
+                continue   # paused: the next step stops them (or goes on from where they are)
+            job.listener.on_prefill_progress(end, len(job.conv.tokens))
             if end == len(job.conv.tokens):
+                if self.autosave is not None and job.checkpoint_prompt and report.n_decoded >= job.checkpoint_prompt:
+                    self._callback(self.autosave, job)
                 self._start(job)
 
     def _abort_prefill(self, job: Job) -> None:
-        report, _, _ = self._prefilling.pop(job)
+        report, _ = self._prefilling.pop(job)
         report.aborted = True
         job.result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=report.n_prompt,
                                       n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
@@ -268,8 +194,13 @@ class Batcher:
         self._stopped(job)
 
     def _start(self, job: Job) -> None:
-        report, _, requested = self._prefilling.pop(job)
-        self._running.append(_Answer(self.prt, job, report, requested))
+        report, requested = self._prefilling.pop(job)
+        prt = self.prt
+        self._running[job] = AnswerStepper(
+            job.conv, n_ctx=prt.ctx.n_ctx, n_vocab=prt.ctx.n_vocab, model=prt.model, eog_ids=prt.eog_ids,
+            candidates=prt.candidates, listener=job.listener, control=job.control, report=report,
+            stop_after=job.stop_after, confidence=job.confidence, skip_eog_once=job.skip_eog_once,
+            requested_at=requested)
 
     # -- generation -----------------------------------------------------------------------
     def _generation_step(self) -> None:
@@ -280,41 +211,39 @@ class Batcher:
             self.generation_s += time.perf_counter() - started - (self._callback_s - callbacks)
 
     def _generate_one(self) -> None:
-        if not self.prt.make_room(len(self._running)):
-            for answer in list(self._running):
-                answer.finish = "context_full"
-                self._stop(answer)
+        prt = self.prt
+        if not prt.make_room(len(self._running)):
+            for job, stepper in list(self._running.items()):
+                stepper.finish = "context_full"
+                self._stop(job)
             return
         chosen: dict[int, int] = {}
-        for answer in list(self._running):
-            token = answer.choose()
+        for job, stepper in list(self._running.items()):
+            token = stepper.choose(lambda seq=job.seq: prt.logits(seq), len(prt.tokens(job.seq)))
             if token is None:
-                self._stop(answer)
+                self._stop(job)
             else:
-                chosen[answer.job.seq] = token
+                chosen[job.seq] = token
         if not chosen:
             return
         width = self.width
         items = list(chosen.items())
         for start in range(0, len(items), width):
-            self.prt.decode_tokens(dict(items[start:start + width]))
+            prt.decode_tokens(dict(items[start:start + width]))
         self.generated += len(chosen)
-        for answer in list(self._running):
-            token = chosen.get(answer.job.seq)
+        for job, stepper in list(self._running.items()):
+            token = chosen.get(job.seq)
             if token is None:
                 continue
-            if not answer.accepted(token):
-                self._stop(answer)
+            if not stepper.accepted(token):
+                self._stop(job)
                 continue
-            every = answer.job.autosave_every
-            if self.autosave is not None and every and answer.answer.n_generated % every == 0:
-                answer.sync_pending()
-                self._callback(self.autosave, answer.job)
+            if self.autosave is not None and stepper.autosave_due(job.autosave_every):
+                self._callback(self.autosave, job)
 
-    def _stop(self, answer: _Answer) -> None:
-        self._running.remove(answer)
-        answer.job.result = answer.end()
-        self._stopped(answer.job)
+    def _stop(self, job: Job) -> None:
+        job.result = self._running.pop(job).end()
+        self._stopped(job)
 
     def _stopped(self, job: Job) -> None:
         self.done.append(job)

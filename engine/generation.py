@@ -18,7 +18,7 @@ import numpy as np
 from engine import chat_template
 from engine.conversation import Answer, Conversation, title_from
 from engine.errors import GenerationError
-from engine.runtime import Runtime
+from engine.runtime import PrefillReport, Runtime
 from engine.sampling import seed_for
 from native.sampler import SamplerChain
 
@@ -147,6 +147,128 @@ def _stop_hold(text: str, stops: list[str]) -> int:
     return hold
 
 
+class AnswerStepper:
+    """One answer's per-token rules, shared by :func:`generate` and the concurrent
+    ``engine.concurrent.Batcher``: the sampler chain, the seed of each token's absolute
+    position, the length, end, context and stop-string rules, and the text streamed.
+
+    The caller owns the cache: it asks :meth:`choose` for the next token (given the
+    logits after the tokens the cache holds and their count), decodes it, and reports
+    it with :meth:`accepted`; :meth:`end` closes the answer and returns its result.
+    """
+
+    def __init__(self, conv: Conversation, *, n_ctx: int, n_vocab: int, model, eog_ids: np.ndarray,
+                 candidates, listener: Listener, control: Control, report: PrefillReport,
+                 stop_after: int | None = None, confidence: bool = False,
+                 skip_eog_once: bool = False, requested_at: float | None = None) -> None:
+        answer = conv.answer
+        if answer is None or answer.finished:
+            raise GenerationError("there is no answer to continue")
+        self.conv, self.answer, self.model = conv, answer, model
+        self.n_ctx, self.eog_ids, self.candidates = n_ctx, eog_ids, candidates
+        self.listener, self.control = listener, control
+        self.stop_after, self.confidence, self.skip_eog_once = stop_after, confidence, skip_eog_once
+        s = self.sampler = conv.sampler
+        # llama.cpp's convention: repeat_last_n -1 means the whole context
+        window = n_ctx if s.repeat_last_n < 0 else s.repeat_last_n
+        self.chain = SamplerChain(n_vocab=n_vocab, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                  temperature=s.temperature, repeat_penalty=s.repeat_penalty,
+                                  repeat_last_n=window)
+        self.chain.accept(conv.tokens[-window:] if window else [])
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.decoder.setstate((answer.pending, 0))
+        self.stops = conv.stop_strings
+        self.emitted_before = answer.emitted
+        self.generated_here = 0
+        self.requested_at = time.perf_counter() if requested_at is None else requested_at
+        self.started = time.perf_counter()
+        #: why the answer ended (None while it goes on, and for a pause)
+        self.finish: str | None = None
+        self.result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
+                                       n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
+                                       prefill_s=report.seconds)
+
+    def choose(self, logits_at, pos: int) -> int | None:
+        """The next token at position ``pos`` (``logits_at()`` gives the logits there),
+        or None when the answer stops before it (``finish`` says why; None: paused)."""
+        a = self.answer
+        if a.n_predict >= 0 and a.n_generated >= a.n_predict:
+            self.finish = "length"
+            return None
+        if self.control.pause_requested or (self.stop_after is not None
+                                            and self.generated_here >= self.stop_after):
+            return None
+        if pos >= self.n_ctx:
+            self.finish = "context_full"
+            return None
+        logits = logits_at()
+        if self.sampler.ignore_eos or (self.skip_eog_once and self.generated_here == 0):
+            logits = _without_eog(self, logits)
+        # greedy draws nothing at random: no per-position seed to derive
+        chain = self.chain
+        token = chain.sample(self.candidates, logits, 0 if chain.greedy else seed_for(self.sampler.seed, pos))
+        if self.confidence:
+            # plain greedy picked the argmax: its logit is the maximum the softmax needs
+            top = float(logits[token]) if chain.greedy and not chain.has_penalty else None
+            self.result.probabilities.append(_probability(logits, token, top))
+        if self.result.ttft_s is None:
+            self.result.ttft_s = time.perf_counter() - self.requested_at
+        if self.model.is_eog(token):
+            self.finish = "stop"
+            return None
+        return token
+
+    def accepted(self, token: int) -> bool:
+        """``token`` is in the cache now; False when it ended the answer (a stop string)."""
+        a = self.answer
+        self.conv.tokens.append(token)
+        self.chain.accept((token,))
+        a.n_generated += 1
+        self.generated_here += 1
+        a.text += self.decoder.decode(self.model.token_to_piece(token))
+        stops = self.stops
+        if stops:
+            cut = min((i for i in (a.text.find(st, max(0, a.emitted - len(st))) for st in stops) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                a.text = a.text[:cut]
+                self.decoder.reset()  # bytes after the stop string are not part of the answer
+                self.finish = "stop_string"
+                return False
+        show_upto = len(a.text) - _stop_hold(a.text, stops)
+        if show_upto > a.emitted:
+            self.listener.on_text(a.text[a.emitted:show_upto])
+            a.emitted = show_upto
+        return True
+
+    def autosave_due(self, every: int) -> bool:
+        """Whether an autosave every ``every`` tokens falls now; if so, the bytes of an
+        incomplete character are kept in the answer, so the save resumes it exactly."""
+        if not every or self.answer.n_generated % every:
+            return False
+        self.answer.pending = self.decoder.getstate()[0]
+        return True
+
+    def end(self) -> GenerationResult:
+        a, result = self.answer, self.result
+        self.chain.close()
+        result.generation_s = time.perf_counter() - self.started
+        result.n_generated = self.generated_here
+        if self.finish is None:
+            a.pending = self.decoder.getstate()[0]
+        else:
+            # an answer that ends inside a multi-byte character drops the incomplete tail
+            # rather than committing U+FFFD into the conversation
+            a.pending = b""
+            a.finish_reason = self.finish
+            if len(a.text) > a.emitted:
+                self.listener.on_text(a.text[a.emitted:])
+                a.emitted = len(a.text)
+            result.finish_reason = self.finish
+        result.text = a.text[self.emitted_before:a.emitted]
+        return result
+
+
 def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = None,
              listener: Listener | None = None, stop_after: int | None = None,
              autosave_every: int = 0,
@@ -170,105 +292,40 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     """
     control = control or Control()
     listener = listener or NullListener()
-    answer = conv.answer
-    if answer is None or answer.finished:
+    if conv.answer is None or conv.answer.finished:
         raise GenerationError("there is no answer to continue")
-    started = time.perf_counter() if requested_at is None else requested_at
+    requested_at = time.perf_counter() if requested_at is None else requested_at
     report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
                              on_progress=listener.on_prefill_progress)
-    result = GenerationResult(text="", finish_reason=FINISH_PAUSED, n_prompt_tokens=len(conv.tokens),
-                              n_reused_tokens=report.n_reused, n_prefilled=report.n_decoded,
-                              prefill_s=report.seconds)
     if not report.aborted and autosave and checkpoint_prompt and report.n_decoded >= checkpoint_prompt:
         autosave(conv)
+    step = AnswerStepper(conv, n_ctx=runtime.ctx.n_ctx, n_vocab=runtime.ctx.n_vocab, model=runtime.model,
+                         eog_ids=runtime.eog_ids, candidates=runtime.candidates, listener=listener,
+                         control=control, report=report, stop_after=stop_after, confidence=confidence,
+                         skip_eog_once=skip_eog_once, requested_at=requested_at)
     if report.aborted:
-        return result
-
-    model = runtime.model
-    s = conv.sampler
-    # llama.cpp's convention: repeat_last_n -1 means the whole context
-    window = runtime.ctx.n_ctx if s.repeat_last_n < 0 else s.repeat_last_n
-    chain = SamplerChain(n_vocab=runtime.ctx.n_vocab, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                         temperature=s.temperature, repeat_penalty=s.repeat_penalty,
-                         repeat_last_n=window)
-    chain.accept(conv.tokens[-window:] if window else [])
-    candidates = runtime.candidates
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    decoder.setstate((answer.pending, 0))
-    stops = conv.stop_strings
-    emitted_before = answer.emitted
-    generated_here = 0
-    loop_started = time.perf_counter()
-    finish = None
+        step.chain.close()
+        return step.result
     try:
-        while finish is None:
-            if answer.n_predict >= 0 and answer.n_generated >= answer.n_predict:
-                finish = "length"
-                break
-            if control.pause_requested or (stop_after is not None and generated_here >= stop_after):
-                break
-            pos = len(runtime.kv_tokens)
-            if pos >= runtime.ctx.n_ctx:
-                finish = "context_full"
-                break
-            logits = runtime.logits()
-            if s.ignore_eos or (skip_eog_once and generated_here == 0):
-                logits = _without_eog(runtime, logits)
-            # greedy draws nothing at random: no per-position seed to derive
-            token = chain.sample(candidates, logits, 0 if chain.greedy else seed_for(s.seed, pos))
-            if confidence:
-                # plain greedy picked the argmax: its logit is the maximum the softmax needs
-                top = float(logits[token]) if chain.greedy and not chain.has_penalty else None
-                result.probabilities.append(_probability(logits, token, top))
-            if result.ttft_s is None:
-                result.ttft_s = time.perf_counter() - started
-            if model.is_eog(token):
-                finish = "stop"
+        while True:
+            token = step.choose(runtime.logits, len(runtime.kv_tokens))
+            if token is None:
                 break
             runtime.decode_token(token)
-            conv.tokens.append(token)
-            chain.accept((token,))
-            answer.n_generated += 1
-            generated_here += 1
-            answer.text += decoder.decode(model.token_to_piece(token))
-            if stops:
-                cut = min((i for i in (answer.text.find(st, max(0, answer.emitted - len(st)))
-                                       for st in stops) if i >= 0), default=-1)
-                if cut >= 0:
-                    answer.text = answer.text[:cut]
-                    decoder.reset()  # bytes after the stop string are not part of the answer
-                    finish = "stop_string"
-                    break
-            show_upto = len(answer.text) - _stop_hold(answer.text, stops)
-            if show_upto > answer.emitted:
-                listener.on_text(answer.text[answer.emitted:show_upto])
-                answer.emitted = show_upto
-            if autosave and autosave_every and answer.n_generated % autosave_every == 0:
-                answer.pending = decoder.getstate()[0]
+            if not step.accepted(token):
+                break
+            if autosave and step.autosave_due(autosave_every):
                 autosave(conv)
-    finally:
-        chain.close()
-    result.generation_s = time.perf_counter() - loop_started
-    result.n_generated = generated_here
-    if finish is None:
-        answer.pending = decoder.getstate()[0]
-    else:
-        # an answer that ends inside a multi-byte character drops the incomplete tail
-        # rather than committing U+FFFD into the conversation
-        answer.pending = b""
-        answer.finish_reason = finish
-        if len(answer.text) > answer.emitted:
-            listener.on_text(answer.text[answer.emitted:])
-            answer.emitted = len(answer.text)
-        result.finish_reason = finish
-    result.text = answer.text[emitted_before:answer.emitted]
-    return result
+    except BaseException:
+        step.chain.close()
+        raise
+    return step.end()
 
 
-def _without_eog(runtime: Runtime, logits: np.ndarray) -> np.ndarray:
-    """A copy of ``logits`` in which no end-of-generation token can be chosen."""
+def _without_eog(owner, logits: np.ndarray) -> np.ndarray:
+    """A copy of ``logits`` in which none of ``owner.eog_ids`` can be chosen."""
     masked = np.array(logits, copy=True)
-    masked[runtime.eog_ids] = -np.inf
+    masked[owner.eog_ids] = -np.inf
     return masked
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -43,10 +43,10 @@ from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
-from engine.runtime import Runtime, SaveInfo, checked_chain
+from engine.runtime import PrefillReport, Runtime, SaveInfo, checked_chain, files_in_cache
 from engine.sequences import Placement, SequenceTable
 from native.batch import SeqBatch
-from native.context import ContextSettings
+from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
 
 #: The sequence count a saved file declares: the single-sequence context's (its
@@ -94,6 +94,11 @@ class ParallelRuntime:
         self.decodes = 0
         #: seconds the last restore took (structure checks + setting the state)
         self.last_restore_s = 0.0
+        #: chains restored, and the tokens they put into the cache (files the cache held
+        #: already not counted): what switching among residents must leave alone
+        self.restores = 0
+        self.restored_tokens = 0
+        self._views: dict[Hashable, ConversationView] = {}
         #: the most generated tokens one decode may hold with each sequence's logits
         #: bit-identical to its decode alone (0: not even one beside other sequences);
         #: measured on the empty cache unless given (see probe_exact_width)
@@ -119,7 +124,23 @@ class ParallelRuntime:
     def eog_ids(self) -> np.ndarray:
         return self._rt.eog_ids
 
+    def check_compatible(self, header, meta: dict | None = None) -> None:
+        """Raise IncompatibleModel / IncompatibleContext with the reason, or return."""
+        self.target.check(header, meta)
+
     # -- residency ------------------------------------------------------------------------
+    def view_of(self, key: Hashable) -> "ConversationView":
+        """Conversation ``key`` as a single-sequence Runtime (one object per key)."""
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = ConversationView(self, key)
+        return view
+
+    def forget(self, key: Hashable) -> None:
+        """``key`` is gone (deleted): its sequence is emptied and its view dropped."""
+        self.evict(key)
+        self._views.pop(key, None)
+
     def place(self, key: Hashable, *, running: bool = False) -> Placement:
         """A sequence for conversation ``key`` (engine.sequences); an evicted one's cells go."""
         placement = self.table.activate(key, running=running)
@@ -144,11 +165,11 @@ class ParallelRuntime:
     def cells_used(self) -> int:
         return sum(len(h.tokens) for h in self._held)
 
-    def make_room(self, n: int) -> bool:
-        """Evict idle conversations (least recently used first) until ``n`` more cells
-        fit; False when they cannot."""
+    def make_room(self, n: int, *, keep: Hashable | None = None) -> bool:
+        """Evict idle conversations (least recently used first, never ``keep``) until
+        ``n`` more cells fit; False when they cannot."""
         while self.cells_used() + n > self.ctx.n_ctx:
-            victim = self.table.victim()
+            victim = self.table.victim(keep=keep)
             if victim is None:
                 return False
             self.evict(victim)
@@ -204,15 +225,27 @@ class ParallelRuntime:
             keep = self.trim(seq, total - 1)
         return keep
 
-    def decode_chunks(self, chunks: Sequence[tuple[int, Sequence[int], bool]]) -> None:
+    def decode_chunks(self, chunks: Sequence[tuple[int, Sequence[int], bool]], *,
+                      should_abort: Callable[[], bool] | None = None) -> bool:
         """One decode of several sequences' next tokens: ``(seq, tokens, logits_last)``,
-        each run continuing what its sequence holds."""
+        each run continuing what its sequence holds.
+
+        ``should_abort`` makes the decode abortable: False is returned when it stopped
+        early, each sequence then holding what its processed micro-batches put there
+        (and no logits).  True when every token is in.
+        """
         self.batch.clear()
         rows = []
         for seq, tokens, logits_last in chunks:
             held = self._held[seq]
             rows.append(self.batch.add_run(tokens, len(held.tokens), seq, logits_last))
-        self._decode({seq for seq, _, _ in chunks})
+        if self._decode({seq for seq, _, _ in chunks}, should_abort) == DECODE_ABORTED:
+            for seq, tokens, _ in chunks:
+                held = self._held[seq]
+                done = self.ctx.pos_max(seq) + 1 - len(held.tokens)
+                held.tokens.extend(tokens[:max(0, done)])
+                self._forget_logits(seq)
+            return False
         for (seq, tokens, logits_last), row in zip(chunks, rows):
             held = self._held[seq]
             held.tokens.extend(tokens)
@@ -220,6 +253,7 @@ class ParallelRuntime:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
             else:
                 self._forget_logits(seq)
+        return True
 
     def decode_tokens(self, tokens: dict[int, int]) -> None:
         """One decode of one token per sequence (``{seq: token}``), each with its logits."""
@@ -232,12 +266,13 @@ class ParallelRuntime:
             held.tokens.append(token)
             held.logits_len, held.logits, held.row = len(held.tokens), None, rows[seq]
 
-    def _decode(self, participants) -> None:
+    def _decode(self, participants, should_abort: Callable[[], bool] | None = None) -> int:
         if any(len(self._held[s].tokens) >= self.ctx.n_ctx for s in participants):
             raise GenerationError("the context is full")
         self._keep_logits(set(participants))
-        self.batch.decode(self.ctx)
+        rc = self.batch.decode(self.ctx, should_abort=should_abort)
         self.decodes += 1
+        return rc
 
     def probe_exact_width(self) -> int:
         """Measure :attr:`exact_width` on this model, cache type and backend (empty cache).
@@ -313,14 +348,21 @@ class ParallelRuntime:
         conv = checked_chain(chain, self.target)
         last = chain[-1]
         h = last.header
+        held = self._held[seq]
+        keep = files_in_cache(held.tokens, chain)
+        if keep and self.trim(seq, chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
+            keep = 0   # the memory cannot drop a tail (sliding window): restore it all
+        kept = chain[keep - 1].header.n_tokens if keep else 0
         if self.cells_used() - len(self._held[seq].tokens) + h.n_tokens > self.ctx.n_ctx:
             raise RestoreFailed(f"the context has no room for {h.n_tokens} more tokens; "
                                 "evict a conversation first")
-        self.drop(seq)
+        if not keep:
+            self.drop(seq)
+        self._forget_logits(seq)
         try:
             for i, data in enumerate(chain):
-                if not len(data.state):
-                    continue
+                if i < keep or not len(data.state):
+                    continue   # in the cache already; or no cells (empty, or metadata only)
                 if i == 0:
                     self.ctx.state_set_from(data.state, len(data.state), seq)
                 else:   # a delta: through the scratch sequence, which shares its cells
@@ -338,6 +380,8 @@ class ParallelRuntime:
         held.tokens = [int(t) for t in last.tokens[:h.n_tokens]]
         if last.logits is not None:
             held.logits_len, held.logits = h.n_tokens, np.array(last.logits, copy=True)
+        self.restores += 1
+        self.restored_tokens += h.n_tokens - kept
         return conv
 
 
@@ -401,3 +445,123 @@ class SequenceView:
         finally:
             if p0:
                 ctx.seq_rm(prt.scratch, -1, -1)
+
+
+class ConversationView:
+    """Conversation ``key`` of a ParallelRuntime, wherever the residency table puts it,
+    with the single-sequence Runtime's interface: what the worker, the line writer,
+    prefix reuse and compaction use, so each conversation's code reads as it did when
+    the cache held one conversation.
+
+    Reading (``kv_tokens``, ``has_logits``) places nothing: a conversation that is not
+    resident holds no tokens.  Bringing tokens in (``prefill``, ``restore_chain``) gives
+    it a sequence first (engine.sequences: its own when resident, else a free one, else
+    the least recently used idle one's) and evicts idle conversations while the cells
+    are short, never this one.
+    """
+
+    save = Runtime.save
+    header_for = Runtime.header_for
+    metadata_for = Runtime.metadata_for
+    _state_bytes = SequenceView._state_bytes
+
+    def __init__(self, prt: ParallelRuntime, key: Hashable) -> None:
+        self._prt = prt
+        self.key = key
+        self.model = prt.model
+        self.ctx = prt.ctx
+        self.fingerprint = prt.fingerprint
+        self.settings = prt.file_settings
+        self.target = prt.target
+        self.check_compatible = prt.check_compatible
+
+    @property
+    def seq(self) -> int | None:
+        table = self._prt.table
+        return table.seq_of(self.key) if self.key in table else None
+
+    @property
+    def resident(self) -> bool:
+        return self.key in self._prt.table
+
+    @property
+    def candidates(self):
+        return self._prt.candidates
+
+    @property
+    def eog_ids(self) -> np.ndarray:
+        return self._prt.eog_ids
+
+    @property
+    def last_restore_s(self) -> float:
+        return self._prt.last_restore_s
+
+    @last_restore_s.setter
+    def last_restore_s(self, value: float) -> None:
+        self._prt.last_restore_s = value
+
+    @property
+    def kv_tokens(self) -> list[int]:
+        seq = self.seq
+        return [] if seq is None else self._prt.tokens(seq)
+
+    def has_logits(self) -> bool:
+        seq = self.seq
+        return seq is not None and self._prt.has_logits(seq)
+
+    def logits(self) -> np.ndarray:
+        seq = self.seq
+        if seq is None:
+            raise GenerationError("this conversation is not in the cache")
+        return self._prt.logits(seq)
+
+    def place(self) -> Placement:
+        """Give the conversation a sequence (see the class docstring)."""
+        return self._prt.place(self.key)
+
+    def trim(self, n: int) -> int:
+        seq = self.seq
+        return 0 if seq is None else self._prt.trim(seq, n)
+
+    def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
+        seq = self.place().seq
+        last = chain[-1].header.n_tokens
+        if not self._prt.make_room(max(0, last - len(self._prt.tokens(seq))), keep=self.key):
+            raise RestoreFailed(f"the context has no room for {last:,} more tokens while other "
+                                "conversations are answering")
+        return self._prt.restore(chain, seq)
+
+    def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
+                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
+        """As ``Runtime.prefill``: the cache then holds exactly ``tokens`` with the last
+        one's logits, decoding only what it lacked, in chunks at absolute multiples of
+        the batch size; stops early (``aborted``) when ``should_stop`` turns true."""
+        started = time.perf_counter()
+        prt = self._prt
+        seq = self.place().seq
+        total = len(tokens)
+        keep = prt.reuse(seq, tokens)
+        if not prt.make_room(total - keep, keep=self.key):
+            raise GenerationError(f"the context has no room for {total - keep:,} more tokens while "
+                                  "other conversations are answering")
+        report = PrefillReport(n_prompt=total, n_reused=keep)
+        step = prt.settings.n_batch
+        pos = keep
+        while pos < total:
+            if should_stop():
+                report.aborted = True
+                break
+            end = min(total, (pos // step + 1) * step)
+            if not prt.decode_chunks([(seq, tokens[pos:end], end == total)], should_abort=should_stop):
+                report.aborted = True
+                report.n_decoded += len(prt.tokens(seq)) - pos
+                break
+            report.n_decoded += end - pos
+            pos = end
+            if on_progress:
+                on_progress(pos, total)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def decode_token(self, token: int) -> None:
+        self._prt.decode_tokens({self.seq: token})

@@ -368,17 +368,7 @@ class Runtime:
             self.last_restore_s = time.perf_counter() - started
 
     def _files_in_cache(self, chain: Sequence[CheckpointData]) -> int:
-        """How many leading files of ``chain`` the cache holds already, token for token.
-
-        Switching between branches of one conversation restores only what differs: the
-        shared files stay in the cache and only the rest of the chain is applied.
-        """
-        last = chain[-1]
-        shared = common_prefix(self.kv_tokens, last.tokens[:last.header.n_tokens])
-        for k in range(len(chain), 0, -1):
-            if 0 < chain[k - 1].header.n_tokens <= shared:
-                return k
-        return 0
+        return files_in_cache(self.kv_tokens, chain)
 
     def _restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         conv = checked_chain(chain, self.target)
@@ -413,6 +403,21 @@ class Runtime:
             self._logits_len = h.n_tokens
             self._logits_copy = last.logits
         return conv
+
+
+def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> int:
+    """How many leading files of ``chain`` a cache holding ``cached`` holds already,
+    token for token.
+
+    Switching between branches of one conversation restores only what differs: the
+    shared files stay in the cache and only the rest of the chain is applied.
+    """
+    last = chain[-1]
+    shared = common_prefix(cached, last.tokens[:last.header.n_tokens])
+    for k in range(len(chain), 0, -1):
+        if 0 < chain[k - 1].header.n_tokens <= shared:
+            return k
+    return 0
 
 
 def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:

@@ -106,10 +106,11 @@ class SequenceTable:
         taken = {s.seq for s in self._slots.values()}
         return (seq for seq in range(self.first, self.first + self.capacity) if seq not in taken)
 
-    def victim(self) -> Hashable | None:
+    def victim(self, *, keep: Hashable | None = None) -> Hashable | None:
         """The conversation the next eviction takes: the least recently used idle,
-        durable one (None when every resident one is running or unsaved)."""
-        idle = [(s.used, k) for k, s in self._slots.items() if not s.running and s.durable]
+        durable one other than ``keep`` (None when every resident one is running or
+        unsaved)."""
+        idle = [(s.used, k) for k, s in self._slots.items() if not s.running and s.durable and k != keep]
         return min(idle, key=lambda item: item[0])[1] if idle else None
 
     # -- changes ------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ one thread.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from native.context import DECODE_NO_SLOT, DECODE_OK, Context
+from native.context import DECODE_OK, Context
 from native.errors import DecodeError
 from native.library import bindings
 
@@ -83,20 +83,21 @@ class SeqBatch:
         return -1
 
     # -- decoding -------------------------------------------------------------------------
-    def decode(self, ctx: Context) -> None:
-        """Decode every token added (the batch is then ready to be cleared and refilled)."""
+    def decode(self, ctx: Context, *, should_abort: Callable[[], bool] | None = None) -> int:
+        """Decode every token added (the batch is then ready to be cleared and refilled).
+
+        ``should_abort``: the decode may stop early when it turns true (or when
+        ``ctx.request_abort`` is called): DECODE_ABORTED is returned, and each sequence
+        keeps the tokens its processed micro-batches held (``ctx.pos_max(seq)``).
+        """
         if self.n_tokens == 0:
             raise DecodeError("the batch is empty")
         self._batch.n_tokens = self.n_tokens
-        # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
         self._decoded_outputs = 0
-        rc = self._ll.llama_decode(ctx.ptr, self._batch)
+        rc = ctx.decode_batch(self._batch, abortable=should_abort is not None, should_abort=should_abort)
         if rc == DECODE_OK:
             self._decoded_outputs = self.n_outputs
-            return
-        if rc == DECODE_NO_SLOT:
-            raise DecodeError("no room left in the KV cache for this batch")
-        raise DecodeError(f"llama_decode failed with code {rc}")
+        return rc
 
     def rows(self, ctx: Context) -> np.ndarray:
         """The logits of the last decode, one row per output in the order added: a view

@@ -343,6 +343,12 @@ class Context:
             self._b_logits[:n] = 0
             if logits_last:
                 self._b_logits[n - 1] = 1
+        return self.decode_batch(b, abortable=abortable, should_abort=should_abort)
+
+    def decode_batch(self, batch, *, abortable: bool = False,
+                     should_abort: Callable[[], bool] | None = None) -> int:
+        """``llama_decode`` of a filled ``llama_batch`` (this context's own, or a
+        native.batch.SeqBatch's), with :meth:`decode`'s abort rules and return codes."""
         self._abortable = abortable
         self._abort_source.check = should_abort if abortable else None
         if abortable:
@@ -351,7 +357,7 @@ class Context:
             self._ll.llama_set_abort_callback(self.ptr, self._abort_cb, None)
         try:
             # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch)
-            rc = self._ll.llama_decode(self.ptr, b)
+            rc = self._ll.llama_decode(self.ptr, batch)
         finally:
             self._abortable = False
             self._abort_source.check = None
