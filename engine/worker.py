@@ -19,9 +19,18 @@ What the worker adds to the engine API is bookkeeping for "never recompute twice
   already on disk, compacted now and then; what a new head supersedes is retired, and
   the store is pruned under a disk budget by reachability (engine.checkpoints.graph),
   so nothing a head needs is ever deleted;
-* the KV cache holds one conversation at a time.  Switching to another conversation
-  first saves the one in the cache if its head lags behind it, then restores the other
-  through its head's chain instead of re-decoding its prompt.
+* the KV cache holds several conversations, each in a sequence of one unified cache
+  (engine.parallel.ParallelRuntime; engine.sequences decides which): coming back to a
+  resident conversation restores nothing; one that was evicted (the least recently used
+  idle one goes when room is needed: its newest state is on disk already) is restored
+  through its head's chain instead of re-decoding its prompt;
+* answers run concurrently, one decode per step for all of them
+  (engine.concurrent.Batcher).  The thread steps them and, between two steps, runs the
+  commands that arrived: a command for a conversation that is answering waits until its
+  answer stops, one that needs a sequence waits while every sequence is busy, and one
+  that needs the whole context (loading a model) waits until no answer runs.  Each
+  answer has its own pause (:meth:`EngineWorker.pause` with its conversation), its own
+  autosaves and its own save when it stops.
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ class ModelOptions:
     type_v: int | None = None
     main_gpu: int = 0
     rpc_timeout: float | None = None     # seconds a remote worker may take (None: native.rpc's)
+    #: conversations the cache holds at once (engine.parallel): resident ones switch without
+    #: a restore, and up to this many answers generate together
+    sequences: int = 4
 
     def context_overrides(self) -> dict:
         """ContextSettings fields these options set beyond n_ctx and n_threads."""
@@ -95,6 +107,10 @@ class ModelInfo:
     #: the sampler this model starts with, and where that came from (engine.sampling)
     sampling_defaults: SamplerSettings = field(default_factory=SamplerSettings)
     sampling_source: str = ""
+    #: conversations resident at once, and how many answers one decode may hold with each
+    #: bit-identical to its run alone (engine.parallel.ParallelRuntime.exact_width)
+    sequences: int = 1
+    exact_width: int = 1
 
     def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
         """Why a checkpoint cannot be restored into this model, or None."""
@@ -155,6 +171,10 @@ class WorkerListener:
     def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
                             seconds: float, kind: int) -> None: ...
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
+    #: a conversation was brought into the cache for use: ``resident`` (it was there: nothing
+    #: restored), else ``n_restored`` tokens restored from its files in ``seconds``
+    def on_conversation_activated(self, conv_id: uuid.UUID, resident: bool, n_restored: int,
+                                  seconds: float) -> None: ...
     def on_exported(self, source: Path, target: Path) -> None: ...
     def on_notice(self, title: str, message: str) -> None: ...
     def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None: ...
@@ -224,6 +244,28 @@ class _Relay:
         self._listener.on_progress(self._id, len(self._conv.tokens), n, speed)
 
 
+@dataclass(frozen=True)
+class _Wait:
+    """When a queued command may run (engine thread, between two generation steps)."""
+    conv: uuid.UUID | None = None   # not while this conversation is answering
+    sequence: bool = False          # not while every sequence holds a running answer
+    everything: bool = False        # not while any answer runs
+
+
+@dataclass
+class _Running:
+    """An answer the Batcher is generating."""
+    job: Any                        # engine.concurrent.Job
+    restore_s: float
+    action: str                     # the command's (a failure is reported as this action)
+    request_id: str | None = None
+
+
+#: GenerationSummary.finish_reason of an answer stopped by a failure (reported with on_error)
+FINISH_ERROR = "error"
+
+_NOW = _Wait()
+_IDLE = _Wait(everything=True)
 _STOP = object()
 #: Tokens a new message must leave free for its answer, or the window offers a new branch.
 ANSWER_ROOM = 128
@@ -236,6 +278,9 @@ class EngineWorker(RequestCommands):
     :meth:`add_listener` adds another listener, told everything the first one is.
     """
 
+    #: a request needs a sequence of its own (engine.server.engine_commands)
+    _request_wait = _Wait(sequence=True)
+
     def __init__(self, listener: WorkerListener, store: Store | None = None) -> None:
         self._listeners = _Listeners(listener)
         self.store = store or Store()
@@ -243,25 +288,31 @@ class EngineWorker(RequestCommands):
         self.autosave_budget = graph.DEFAULT_BUDGET_BYTES
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._control = None                 # engine.generation.Control, made on the thread
-        self._control_ready = threading.Event()
         self._pause_kind = KIND_PAUSE
         self._stopping = threading.Event()
-        self._generating = threading.Event()
+        self._generating = threading.Event()  # set while any answer runs
         self._busy = 0                       # commands queued or running
         self._busy_lock = threading.Lock()
         # answers (send/resume/regenerate) are numbered as they are submitted; a pause
-        # covers every answer submitted before it, including those not started yet
+        # covers every answer submitted before it, including those not started yet: all
+        # of them (pause()) or one conversation's (pause(conv_id))
         self._answers_submitted = 0
         self._pause_upto = 0
-        self._answer_running = 0             # engine thread: the number of the answer it runs
+        self._pause_upto_for: dict[uuid.UUID, int] = {}
+        self._answer_running = 0             # engine thread: the number of the answer command it runs
+        self._answer_action: str | None = None   # and its action (what a failure is reported as)
+        #: the running answers' pause controls (engine.generation.Control), by conversation,
+        #: under _busy_lock: the only engine-thread state other threads touch
+        self._controls: dict[uuid.UUID, Any] = {}
         # engine-thread state
-        self.runtime = None
+        self.runtime = None                  # engine.parallel.ParallelRuntime
+        self._batcher = None                 # engine.concurrent.Batcher over it
+        self._answers: dict[uuid.UUID, _Running] = {}
+        self._deferred: list[tuple] = []     # commands waiting (see _Wait), in arrival order
         self.model_info: ModelInfo | None = None
         self._convs: dict[uuid.UUID, Conversation] = {}
         self._paths: dict[uuid.UUID, Path] = {}      # each conversation's head file
         self._writers: dict[uuid.UUID, Any] = {}     # engine.history.LineWriter, per runtime
-        self._active: uuid.UUID | None = None
         self._template_noticed = None        # the runtime whose template problem was told
         self._init_requests()
 
@@ -293,8 +344,9 @@ class EngineWorker(RequestCommands):
 
     @property
     def idle(self) -> bool:
+        """No command waits or runs and no answer generates."""
         with self._busy_lock:
-            return self._busy == 0
+            return self._busy == 0 and not self._generating.is_set()
 
     @property
     def alive(self) -> bool:
@@ -306,8 +358,7 @@ class EngineWorker(RequestCommands):
         Returns at once; ``on_stopped`` is called when the thread has saved and exited.
         """
         self._stopping.set()
-        if self._generating.is_set():
-            self.pause(kind=KIND_EXIT if save else KIND_PAUSE)
+        self.pause(kind=KIND_EXIT if save else KIND_PAUSE)
         self._queue.put(_STOP)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -315,16 +366,17 @@ class EngineWorker(RequestCommands):
         return not self._thread.is_alive()
 
     # -- commands (any thread) -------------------------------------------------------------
-    def _submit(self, action: str, fn: Callable, *args) -> None:
+    def _submit(self, action: str, fn: Callable, *args, wait: _Wait = _NOW) -> None:
         with self._busy_lock:
             self._busy += 1
-        self._queue.put((action, fn, args))
+        self._queue.put((action, fn, args, wait))
 
     def load_model(self, options: ModelOptions) -> None:
-        self._submit("load the model", self._do_load_model, options)
+        """Load a model (after every running answer has stopped)."""
+        self._submit("load the model", self._do_load_model, options, wait=_IDLE)
 
     def set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
-        self._submit("change the sampler", self._do_set_sampler, conv_id, sampler)
+        self._submit("change the sampler", self._do_set_sampler, conv_id, sampler, wait=_Wait(conv_id))
 
     def new_conversation(self, *, system_prompt: str = "",
                          sampler: SamplerSettings | None = None) -> uuid.UUID:
@@ -332,19 +384,21 @@ class EngineWorker(RequestCommands):
         self._submit("create a conversation", self._do_adopt, conv)
         return conv.id
 
-    def _submit_answer(self, action: str, fn: Callable, *args) -> None:
-        """A command that generates: a pause may arrive before it starts (see pause)."""
+    def _submit_answer(self, action: str, fn: Callable, conv_id: uuid.UUID, *args) -> None:
+        """A command that generates: a pause may arrive before it starts (see pause).  It
+        waits while its conversation answers, and while no sequence is free."""
         with self._busy_lock:
             self._answers_submitted += 1
             number = self._answers_submitted
-        self._submit(action, self._answer_command, number, fn, *args)
+        self._submit(action, self._answer_command, number, action, fn, conv_id, *args,
+                     wait=_Wait(conv_id, sequence=True))
 
-    def _answer_command(self, number: int, fn: Callable, *args) -> None:
-        self._answer_running = number
+    def _answer_command(self, number: int, action: str, fn: Callable, *args) -> None:
+        self._answer_running, self._answer_action = number, action
         try:
             fn(*args)
         finally:
-            self._answer_running = 0
+            self._answer_running, self._answer_action = 0, None
 
     def send(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
         self._submit_answer("generate", self._do_send, conv_id, text, n_predict)
@@ -364,7 +418,7 @@ class EngineWorker(RequestCommands):
 
     def edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         """Start the conversation over with another system prompt, on a new branch."""
-        self._submit("edit the system prompt", self._do_edit_system_prompt, conv_id, text)
+        self._submit("edit the system prompt", self._do_edit_system_prompt, conv_id, text, wait=_Wait(conv_id))
 
     def continue_answer(self, conv_id: uuid.UUID, n_predict: int = -1) -> None:
         """Generate more of a finished answer (past the end the model chose)."""
@@ -372,61 +426,75 @@ class EngineWorker(RequestCommands):
 
     def switch_branch(self, conv_id: uuid.UUID, head: str | Path) -> None:
         """Show another branch of a conversation: restore only what differs from the cache."""
-        self._submit("switch branch", self._do_switch_branch, conv_id, Path(head))
+        self._submit("switch branch", self._do_switch_branch, conv_id, Path(head), wait=_Wait(conv_id))
 
     def fork(self, conv_id: uuid.UUID, index: int) -> uuid.UUID:
         """A new conversation on this one's files: up to and including answer ``index``, or,
         at a message of the user's, everything before it (so the fork is ready for a new
         message).  ``index`` counts the messages, the system prompt not included."""
         new_id = uuid.uuid4()
-        self._submit("fork the conversation", self._do_fork, conv_id, index, new_id)
+        self._submit("fork the conversation", self._do_fork, conv_id, index, new_id, wait=_Wait(conv_id))
         return new_id
 
     def open_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint into the cache and make its conversation known."""
-        self._submit("open the checkpoint", self._do_open_checkpoint, Path(path))
+        self._submit("open the checkpoint", self._do_open_checkpoint, Path(path), wait=_Wait(sequence=True))
 
     def show(self, conv_id: uuid.UUID) -> None:
-        """Report a conversation's snapshot again (on_conversation_changed)."""
+        """Report a conversation's snapshot again (on_conversation_changed), and bring it
+        into the cache now, so that its next answer starts at once (on_conversation_activated
+        says whether it was resident or how much was restored)."""
         self._submit("show the conversation", self._do_show, conv_id)
 
     def rename(self, conv_id: uuid.UUID, title: str) -> None:
-        self._submit("rename the conversation", self._do_rename, conv_id, title)
+        self._submit("rename the conversation", self._do_rename, conv_id, title, wait=_Wait(conv_id))
 
     def delete_conversation(self, conv_id: uuid.UUID) -> None:
         """Forget a conversation and delete every file that only it needs."""
-        self._submit("delete the conversation", self._do_delete, conv_id)
+        self._submit("delete the conversation", self._do_delete, conv_id, wait=_Wait(conv_id))
 
     def export(self, path: str | Path, target: str | Path) -> None:
         """Write ``path``'s checkpoint as one self-contained file (a chain is compacted)."""
-        self._submit("export the checkpoint", self._do_export, Path(path), Path(target))
+        self._submit("export the checkpoint", self._do_export, Path(path), Path(target), wait=_Wait(sequence=True))
 
-    def pause(self, *, kind: int = KIND_PAUSE) -> None:
-        """Ask the running generation to stop within one token; it then saves.
+    def pause(self, conv_id: uuid.UUID | None = None, *, kind: int = KIND_PAUSE) -> None:
+        """Ask the answer of ``conv_id`` (None: every answer) to stop within one token;
+        it then saves its own sequence, and the other answers go on.
 
-        Runs on the caller's thread: it only sets an event and llama.cpp's abort flag
-        (a Python-side flag the abort callback reads), so a click is never queued
-        behind the generation it means to stop.  A pause that arrives while the answer
-        is still queued (the button is enabled as soon as Send is clicked) is kept and
-        stops that answer before its first token.
+        Runs on the caller's thread: it only sets the answer's pause event (which
+        llama.cpp's abort callback reads during a prompt chunk), so a click is never
+        queued behind the generation it means to stop.  A pause that arrives while the
+        answer is still queued (the button is enabled as soon as Send is clicked) is
+        kept and stops that answer before its first token.
         """
         self._pause_kind = kind
         with self._busy_lock:
-            self._pause_upto = self._answers_submitted
-        if self._control_ready.is_set() and self._generating.is_set():
-            self._control.request_pause()
+            if conv_id is None:
+                self._pause_upto = self._answers_submitted
+                controls = list(self._controls.values())
+            else:
+                self._pause_upto_for[conv_id] = self._answers_submitted
+                controls = [self._controls[conv_id]] if conv_id in self._controls else []
+        for control in controls:
+            control.request_pause()
+
+    @property
+    def answering(self) -> set[uuid.UUID]:
+        """The conversations whose answers are running (any thread)."""
+        with self._busy_lock:
+            return set(self._controls)
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        from engine.generation import Control  # imports native/ on this thread only
-        self._control = Control()
-        self._control_ready.set()
         try:
             while True:
-                item = self._queue.get()
+                item = self._next_command()
+                if item is None:
+                    self._step()
+                    continue
                 if item is _STOP:
                     break
-                action, fn, args = item
+                action, fn, args, _ = item
                 try:
                     fn(*args)
                 except Exception as exc:  # noqa: BLE001 - one bad command must not kill the thread
@@ -434,7 +502,7 @@ class EngineWorker(RequestCommands):
                 finally:
                     with self._busy_lock:
                         self._busy -= 1
-            self._save_active_if_dirty(KIND_EXIT)
+            self._save_residents_if_dirty(KIND_EXIT)
         except Exception as exc:  # noqa: BLE001
             self._report_error("save before exit", exc)
         finally:
@@ -444,6 +512,54 @@ class EngineWorker(RequestCommands):
                 self.runtime.close()
                 self.runtime = None
             self.listener.on_stopped()
+
+    def _next_command(self):
+        """The next command to run now, or None when the running answers take a step.
+
+        A deferred command whose wait is over comes first, in arrival order; a new one
+        waits behind a deferred one it must not overtake (the same conversation, or one
+        waiting for everything).  With no answer running, the thread sleeps on the queue.
+        """
+        for i, item in enumerate(self._deferred):
+            if not self._must_wait(item, self._deferred[:i]):
+                item = self._deferred.pop(i)
+                return _STOP if item[1] is None else item
+        while True:
+            if self._batcher is not None and self._batcher.busy:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return None
+            else:
+                item = self._queue.get()
+            if item is _STOP:
+                item = ("stop", None, (), _IDLE)
+            if self._must_wait(item, self._deferred):
+                self._deferred.append(item)
+                continue
+            return _STOP if item[1] is None else item
+
+    def _must_wait(self, item, earlier) -> bool:
+        wait: _Wait = item[3]
+        if wait.everything and earlier:
+            return True
+        if any(e[3].everything or (wait.conv is not None and e[3].conv == wait.conv) for e in earlier):
+            return True
+        if wait.everything:
+            return bool(self._answers)
+        if wait.conv is not None and wait.conv in self._answers:
+            return True
+        if wait.sequence and self.runtime is not None and wait.conv not in self.runtime.table:
+            table = self.runtime.table
+            return table.free == 0 and table.victim() is None
+        return False
+
+    def _step(self) -> None:
+        """One decode of the running answers (engine.concurrent.Batcher.step)."""
+        try:
+            self._batcher.step()
+        except Exception as exc:  # noqa: BLE001 - every answer must end saved, then the engine goes on
+            self._answers_failed(exc)
 
     def _collect_superseded(self) -> None:
         """Delete every superseded file (older states of histories that moved on, a killed
@@ -456,29 +572,33 @@ class EngineWorker(RequestCommands):
         if report.deleted:
             log.info("cleaned up the store: %s", report.describe())
 
-    def _report_error(self, action: str, exc: BaseException) -> None:
+    def _report_error(self, action: str, exc: BaseException, *, quiet: bool = False) -> str:
+        """Log ``exc`` (unless ``quiet``: logged already) and tell the listener."""
         from native.errors import NativeError
         if isinstance(exc, (AppError, NativeError, OSError)):
-            log.warning("could not %s: %s", action, exc)
             message = str(exc)
+            if not quiet:
+                log.warning("could not %s: %s", action, exc)
         else:
-            log.exception("unexpected failure while trying to %s", action)
             message = f"unexpected {type(exc).__name__}: {exc}"
+            if not quiet:
+                log.exception("unexpected failure while trying to %s", action)
         self.listener.on_error(action, message)
+        return message
 
     # -- engine-thread implementations --------------------------------------------------------
     def _do_load_model(self, opts: ModelOptions) -> None:
-        from engine.runtime import Runtime
+        from engine.concurrent import Batcher
+        from engine.parallel import ParallelRuntime
         from native.context import ContextSettings
         from native.library import bindings, choose_library_dir, loaded_library
         from native.sysinfo import system_info
         try:
             bindings(choose_library_dir(cli_dir=opts.llama_lib))
-            self._save_active_if_dirty(KIND_MANUAL)
+            self._save_residents_if_dirty(KIND_MANUAL)
             if self.runtime is not None:
                 self.runtime.close()
-                self.runtime = None
-                self._active = None
+                self.runtime = self._batcher = None
             last = [-1.0]
 
             def progress(fraction: float) -> bool:
@@ -496,13 +616,15 @@ class EngineWorker(RequestCommands):
                                           crash_note=crashlog.trace_path(), **timeout)
             settings = replace(ContextSettings(n_ctx=opts.n_ctx, n_threads=opts.n_threads),
                                **opts.context_overrides())
-            rt = Runtime(opts.path, settings, n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,
-                         progress=progress, workers=workers)
+            rt = ParallelRuntime(opts.path, settings, sequences=max(1, opts.sequences),
+                                 n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,
+                                 progress=progress, workers=workers)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
             self._report_error("load the model", exc)
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
+        self._batcher = Batcher(rt, on_stopped=self._answer_stopped, autosave=self._autosave_job)
         self._close_writers()  # they wrote from the previous runtime's cache; heads stay in _paths
         self._collect_superseded()
         try:
@@ -520,13 +642,18 @@ class EngineWorker(RequestCommands):
             name=rt.model.name, path=Path(opts.path), architecture=rt.model.architecture,
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
             library_path=lib_path, library_version=lib_version, target=rt.target,
-            sampling_defaults=sampling, sampling_source=source)
+            sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
+            exact_width=self._batcher.width)
         self.listener.on_model_loaded(self.model_info)
 
     def _need_runtime(self):
         if self.runtime is None:
             raise AppError("no model is loaded yet")
         return self.runtime
+
+    def _view(self, conv: Conversation):
+        """``conv``'s sequence as a single-sequence Runtime (engine.parallel.ConversationView)."""
+        return self._need_runtime().view_of(conv.id)
 
     def _conv(self, conv_id: uuid.UUID) -> Conversation:
         conv = self._convs.get(conv_id)
@@ -564,7 +691,32 @@ class EngineWorker(RequestCommands):
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_show(self, conv_id: uuid.UUID) -> None:
-        self.listener.on_conversation_changed(self.snapshot(self._conv(conv_id)))
+        conv = self._conv(conv_id)
+        self.listener.on_conversation_changed(self.snapshot(conv))
+        self._bring_in(conv)
+
+    def _bring_in(self, conv: Conversation) -> None:
+        """Make ``conv`` resident ahead of its next answer, when it has compatible files
+        (a switch in the window): the listener hears whether anything was restored."""
+        from engine.checkpoints.format import read_header
+        rt = self.runtime
+        if rt is None or conv.id in self._answers:
+            return
+        writer = self._writers.get(conv.id)
+        head = writer.head.path if writer is not None and writer.head else self._paths.get(conv.id)
+        if conv.id not in rt.table:
+            if head is None:
+                return
+            try:
+                if rt.target.problem(read_header(head)) is not None:
+                    return   # another model's conversation: the window offers what to do
+            except (CheckpointError, OSError):
+                return
+        restores, restored = rt.restores, rt.restored_tokens
+        started = time.perf_counter()
+        placement = self._activate(conv)
+        self.listener.on_conversation_activated(conv.id, placement.resident and rt.restores == restores,
+                                                rt.restored_tokens - restored, time.perf_counter() - started)
 
     def _do_set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
         self._conv(conv_id).sampler = sampler
@@ -573,7 +725,8 @@ class EngineWorker(RequestCommands):
         conv = self._conv(conv_id)
         conv.title = title
         if self._paths.get(conv_id) is not None:
-            # the title lives in the checkpoint's header: rewrite the file
+            # the title lives in the checkpoint's header: rewrite the file (a delta of
+            # metadata when the cache holds the head's tokens)
             self._activate(conv)
             self._save(conv, KIND_MANUAL)
         else:
@@ -585,8 +738,8 @@ class EngineWorker(RequestCommands):
         writer = self._writers.pop(conv_id, None)
         if writer is not None:
             writer.close()
-        if self._active == conv_id:
-            self._active = None
+        if self.runtime is not None:
+            self.runtime.forget(conv_id)
         report = graph.delete_conversation(self.store, conv_id)
         log.info("deleted conversation %s: %s", conv_id, report.describe())
         self.listener.on_conversation_deleted(conv_id)
@@ -602,15 +755,17 @@ class EngineWorker(RequestCommands):
         chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
         rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
-        self._save_active_if_dirty(KIND_MANUAL)
-        self._active = None
-        conv = rt.restore_chain(chain)
-        self._active = conv.id
+        conv_id = data.header.conversation_id
+        if conv_id in self._answers:
+            raise AppError("that conversation is answering now; pause it first")
+        if conv_id in self._convs:
+            self._save_if_dirty(self._convs[conv_id], KIND_MANUAL)
+        conv = rt.view_of(conv_id).restore_chain(chain)
         self._convs[conv.id] = conv
         old = self._writers.pop(conv.id, None)
         if old is not None:
             old.close()   # its lease: this writer may continue the same line
-        writer = self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
+        writer = self._writers[conv.id] = LineWriter.continuing(rt.view_of(conv.id), self.store, chain)
         self._paths[conv.id] = writer.head.path if writer.head else Path(path)
         self.listener.on_conversation_changed(self.snapshot(conv))
 
@@ -625,9 +780,12 @@ class EngineWorker(RequestCommands):
         if len(chain) == 1:
             export_copy(source, target)
         elif self.runtime is not None and self.runtime.target.problem(chain[-1].header) is None:
-            self._save_active_if_dirty(KIND_MANUAL)
-            self._active = None   # the cache will hold the exported chain, not a conversation
-            compact_into(self.runtime, chain, target)
+            # compacted in a sequence of its own (an idle conversation may be evicted for it)
+            key = ("export", uuid.uuid4())
+            try:
+                compact_into(self.runtime.view_of(key), chain, target)
+            finally:
+                self.runtime.forget(key)
         else:
             rt = runtime_for(chain)   # the chain's own model, loaded for the occasion
             try:
@@ -721,7 +879,7 @@ class EngineWorker(RequestCommands):
             old.close()
         self._convs[conv_id] = conv
         self._paths.pop(conv_id, None)
-        self._writers[conv_id] = LineWriter.starting(self._need_runtime(), self.store, uuid.uuid4().hex)
+        self._writers[conv_id] = LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex)
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _notice_template_problem(self, rt) -> None:
@@ -780,7 +938,7 @@ class EngineWorker(RequestCommands):
             return
         k = turn_end(chain, messages)
         if k:
-            self.runtime.restore_chain(chain[:k])
+            self._view(conv).restore_chain(chain[:k])
 
     def _do_edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         conv = self._conv(conv_id)
@@ -810,15 +968,15 @@ class EngineWorker(RequestCommands):
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")
         rt.check_compatible(data.header, data.meta)
-        self._save_active_if_dirty(KIND_MANUAL)   # the branch shown so far keeps its state
-        self._active = None
-        conv = rt.restore_chain(chain)       # the shared files stay in the cache
-        self._active = conv.id
+        if conv_id in self._convs:
+            self._save_if_dirty(self._convs[conv_id], KIND_MANUAL)   # the branch shown so far keeps its state
+        view = rt.view_of(conv_id)
+        conv = view.restore_chain(chain)     # the shared files stay in the cache
         self._convs[conv.id] = conv
         old = self._writers.pop(conv.id, None)
         if old is not None:
             old.close()
-        writer = self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
+        writer = self._writers[conv.id] = LineWriter.continuing(view, self.store, chain)
         self._paths[conv.id] = writer.head.path if writer.head else head
         self.listener.on_conversation_changed(self.snapshot(conv))
 
@@ -847,15 +1005,11 @@ class EngineWorker(RequestCommands):
                 from engine.checkpoints.chain import load_chain
                 data = load_chain(chain[k - 1].path)[-1]
                 fork.tokens = [int(t) for t in data.tokens]
-                rt = self._need_runtime()
-                self._activate(conv)
-                self._save_active_if_dirty(KIND_MANUAL)
-                self._active = None
-                rt.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
-                self._active = fork.id
+                view = self._view(fork)
+                view.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
                 self._convs[fork.id] = fork
                 fork_writer = self._writers[fork.id] = LineWriter.starting(
-                    rt, self.store, default_line(fork.id), chain[:k])
+                    view, self.store, default_line(fork.id), chain[:k])
                 info = fork_writer.save_head(fork, KIND_MANUAL)   # a delta of metadata only
                 self._paths[fork.id] = info.path
                 self.listener.on_conversation_changed(self.snapshot(fork))
@@ -872,56 +1026,117 @@ class EngineWorker(RequestCommands):
         """
         from engine.history import LineWriter
         self._activate(conv)
-        self._save_active_if_dirty(KIND_MANUAL)
+        self._save_if_dirty(conv, KIND_MANUAL)
         old = self._writers.pop(conv.id, None)
         chain = list(old.chain) if old is not None else []
         if old is not None:
             old.close()
-        self._writers[conv.id] = LineWriter.starting(self._need_runtime(), self.store,
-                                                     uuid.uuid4().hex, chain)
+        self._writers[conv.id] = LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex, chain)
 
-    def _generate(self, conv: Conversation, *, skip_eog_once: bool = False) -> None:
-        from engine.generation import generate
+    def _generate(self, conv: Conversation, *, skip_eog_once: bool = False,
+                  request_id: str | None = None) -> bool:
+        """Start ``conv``'s answer beside the running ones; False when the worker is
+        stopping (nothing started).  The answer ends in :meth:`_answer_stopped`."""
+        from engine.concurrent import Job
+        from engine.generation import Control
         rt = self._need_runtime()
         if self._stopping.is_set():
-            return
+            return False
+        if conv.id in self._answers:
+            raise GenerationError("this conversation is answering already")
         requested = time.perf_counter()
         rt.last_restore_s = 0.0
-        self._activate(conv)
+        self._activate(conv, running=True)
         restore_s = time.perf_counter() - requested if rt.last_restore_s else 0.0
-        self._control.reset()
+        control = Control()
         with self._busy_lock:
-            pending = 0 < self._answer_running <= self._pause_upto or self._request_cancelled()
+            number = self._answer_running
+            pending = (0 < number <= self._pause_upto or 0 < number <= self._pause_upto_for.get(conv.id, 0)
+                       or self._request_cancelled(request_id))
+            self._controls[conv.id] = control
+            if request_id is not None:
+                self._request_convs[request_id] = conv.id
         if pending:
-            self._control.request_pause()   # asked for before this answer started
-        else:
+            control.request_pause()   # asked for before this answer started
+        elif not self._answers:
             self._pause_kind = KIND_PAUSE
+        job = Job(conv, rt.table.seq_of(conv.id), control=control, listener=_Relay(self.listener, conv),
+                  autosave_every=self.autosave_every, skip_eog_once=skip_eog_once,
+                  checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint)
+        from engine.server.engine_commands import ANSWER_ACTION
+        action = ANSWER_ACTION if request_id is not None else self._answer_action or "generate"
+        self._answers[conv.id] = _Running(job, restore_s, action, request_id)
         self._generating.set()
-        self.listener.on_generation_started(self.snapshot(conv, branches=False))
+        rt.table.start(conv.id)
         try:
-            result = generate(rt, conv, control=self._control, listener=_Relay(self.listener, conv),
-                              autosave_every=self.autosave_every, autosave=self._autosave,
-                              skip_eog_once=skip_eog_once,
-                              checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint,
-                              requested_at=requested)
-        except Exception:
-            # a failure mid-answer (a bug, a decode error): save what the cache holds, so the
-            # tokens decoded so far are not lost and Resume can continue after a restart
-            self._generating.clear()
-            self._save_after_failure(conv)
+            self.listener.on_generation_started(self.snapshot(conv, branches=False))
+            self._batcher.add(job, requested_at=requested)
+        except BaseException:
+            self._end_answer(conv)
             raise
+        return True
+
+    def _end_answer(self, conv: Conversation, *, durable: bool = True) -> _Running:
+        running = self._answers.pop(conv.id)
+        with self._busy_lock:
+            self._controls.pop(conv.id, None)
+            if running.request_id is not None:
+                self._request_convs.pop(running.request_id, None)
+            if not self._answers:
+                self._generating.clear()
+        if self.runtime is not None and conv.id in self.runtime.table:
+            self.runtime.table.finish(conv.id, durable=durable)
+        return running
+
+    def _answer_stopped(self, job) -> None:
+        """An answer stopped (Batcher callback, between two decodes): report it, save its
+        sequence, and tell the request it served."""
+        conv, result = job.conv, job.result
+        running = self._answers[conv.id]
+        saved = False
+        try:
+            self.listener.on_generation_finished(GenerationSummary(
+                conversation_id=conv.id, finish_reason=result.finish_reason,
+                n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
+                n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
+                text=result.text, ttft_s=result.ttft_s, restore_s=running.restore_s,
+                prefill_s=result.prefill_s))
+            kind = self._pause_kind if result.paused else KIND_MANUAL
+            if not result.paused:
+                from engine.generation import commit_answer
+                commit_answer(conv)
+            self._save(conv, kind)
+            saved = True
+        except Exception as exc:  # noqa: BLE001 - the other answers go on
+            self._report_error("save the answer", exc)
+            if running.request_id is not None:
+                self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
+                running.request_id = None
         finally:
-            self._generating.clear()
-        self.listener.on_generation_finished(GenerationSummary(
-            conversation_id=conv.id, finish_reason=result.finish_reason,
-            n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
-            n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
-            text=result.text, ttft_s=result.ttft_s, restore_s=restore_s, prefill_s=result.prefill_s))
-        kind = self._pause_kind if result.paused else KIND_MANUAL
-        if not result.paused:
-            from engine.generation import commit_answer
-            commit_answer(conv)
-        self._save(conv, kind)
+            self._end_answer(conv, durable=saved)
+        if running.request_id is not None:
+            self._request_ended(running.request_id, conv.id)
+
+    def _answers_failed(self, exc: BaseException) -> None:
+        """A decode failed (a bug, a native error): every running answer stops where it is,
+        saved where the cache holds its tokens, and the failure is reported once."""
+        from engine.concurrent import Batcher
+        message = None
+        for conv_id in list(self._answers):
+            conv = self._answers[conv_id].job.conv
+            running = self._end_answer(conv, durable=False)
+            self._save_after_failure(conv)
+            if running.request_id is not None:
+                self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
+            # each front end hears which answer ended, under the action that started it
+            if running.request_id is not None:   # as a request's other failures are told
+                self.listener.on_error(running.action, str(exc) or type(exc).__name__)
+            else:
+                message = self._report_error(running.action, exc, quiet=message is not None)
+            self.listener.on_generation_finished(GenerationSummary(
+                conversation_id=conv.id, finish_reason=FINISH_ERROR, n_generated=0,
+                n_prompt_tokens=len(conv.tokens), n_reused_tokens=0, tokens_per_s=0.0, text=""))
+        self._batcher = Batcher(self.runtime, on_stopped=self._answer_stopped, autosave=self._autosave_job)
 
     # -- checkpoints --------------------------------------------------------------------------
     def _close_writers(self) -> None:
@@ -935,13 +1150,15 @@ class EngineWorker(RequestCommands):
         writer = self._writers.get(conv.id)
         if writer is None:
             writer = self._writers[conv.id] = LineWriter.starting(
-                self._need_runtime(), self.store, default_line(conv.id))
+                self._view(conv), self.store, default_line(conv.id))
         return writer
 
     def _save_after_failure(self, conv: Conversation) -> None:
-        rt = self.runtime
-        n = len(rt.kv_tokens) if rt is not None else 0
-        if not n or not conv.paused or conv.tokens[:n] != rt.kv_tokens:
+        if self.runtime is None:
+            return
+        kv = self._view(conv).kv_tokens
+        n = len(kv)
+        if not n or not conv.paused or conv.tokens[:n] != kv:
             return
         try:
             self._save(conv, KIND_EXIT)
@@ -958,6 +1175,9 @@ class EngineWorker(RequestCommands):
         info = self._writer(conv).save_head(conv, kind)
         self._paths[conv.id] = info.path
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
+
+    def _autosave_job(self, job) -> None:
+        self._autosave(job.conv)
 
     def _autosave(self, conv: Conversation) -> None:
         """Autosave: a delta holding only the cells since the newest file of the line."""
@@ -976,52 +1196,63 @@ class EngineWorker(RequestCommands):
         except OSError as exc:
             log.warning("could not prune the store: %s", exc)
 
-    def _save_active_if_dirty(self, kind: int) -> None:
-        """Save the conversation in the KV cache unless its head holds exactly that cache."""
-        if self.runtime is None or self._active is None:
+    def _save_if_dirty(self, conv: Conversation, kind: int) -> None:
+        """Save ``conv`` unless its head holds exactly what its sequence holds."""
+        if self.runtime is None or conv.id not in self.runtime.table or conv.id in self._answers:
             return
-        conv = self._convs.get(self._active)
-        writer = self._writers.get(self._active)
-        if conv is None:
-            return
-        kv = self.runtime.kv_tokens
+        kv = self._view(conv).kv_tokens
+        writer = self._writers.get(conv.id)
         head = writer.head if writer is not None else None
         saved = head is not None and head.n_tokens == len(kv) and head.tokens_digest == tokens_digest(kv)
         if kv and not saved and conv.tokens[:len(kv)] == kv:
             self._save(conv, kind)
 
-    def _activate(self, conv: Conversation) -> None:
-        """Make the KV cache hold ``conv`` as far as possible without decoding.
+    def _save_residents_if_dirty(self, kind: int) -> None:
+        """Before the cache goes (exit, another model): every resident conversation's head
+        holds what its sequence holds."""
+        if self.runtime is None:
+            return
+        for key in self.runtime.table.residents():
+            conv = self._convs.get(key)
+            if conv is not None:
+                try:
+                    self._save_if_dirty(conv, kind)
+                except Exception as exc:  # noqa: BLE001 - the others are saved all the same
+                    self._report_error("save before closing", exc)
 
-        If another conversation is in the cache it is saved first (when its head lags);
-        then ``conv`` is restored through its head's chain when that holds more of its
-        tokens than the cache shares with it.  Whatever is still missing, generate()
-        prefills.
+    def _activate(self, conv: Conversation, *, running: bool = False):
+        """Give ``conv`` a sequence and make it hold as much of ``conv`` as possible
+        without decoding; returns the placement (engine.sequences.Placement).
+
+        A resident conversation keeps its sequence and what it holds; another one gets a
+        free sequence or the least recently used idle one's (evicting it writes nothing:
+        its head holds its state), and is restored through its head's chain when that
+        holds more of its tokens than the sequence shares with it.  Whatever is still
+        missing, the prefill decodes.  ``running``: an answer starts in it at once.
         """
         from engine.checkpoints.chain import common_prefix, load_chain
         from engine.history import LineWriter
         rt = self._need_runtime()
-        if self._active == conv.id:
-            return
-        self._save_active_if_dirty(KIND_MANUAL)
-        self._active = conv.id
+        placement = rt.place(conv.id, running=running)
+        view = rt.view_of(conv.id)
         writer = self._writers.get(conv.id)
         head = writer.head.path if writer is not None and writer.head else self._paths.get(conv.id)
         if head is None:
             self._writer(conv)
-            return
-        in_cache = common_prefix(rt.kv_tokens, conv.tokens)
+            return placement
+        in_cache = common_prefix(view.kv_tokens, conv.tokens)
         if writer is not None and writer.head and writer.head.n_tokens <= in_cache:
-            return   # the cache already holds all the head has (and the writer knows its files)
+            return placement   # the cache already holds all the head has (and the writer knows its files)
         try:
             chain = load_chain(head)
             self._restore_prefix(chain, conv, in_cache)
             if writer is None:
-                self._writers[conv.id] = LineWriter.continuing(rt, self.store, chain)
+                self._writers[conv.id] = LineWriter.continuing(view, self.store, chain)
         except CheckpointError as exc:
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is
-                self._writers[conv.id] = LineWriter.starting(rt, self.store, uuid.uuid4().hex)
+                self._writers[conv.id] = LineWriter.starting(view, self.store, uuid.uuid4().hex)
+        return placement
 
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
         """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.
@@ -1031,7 +1262,7 @@ class EngineWorker(RequestCommands):
         layers) takes the deepest file of the chain that is wholly a prefix instead.
         """
         from engine.checkpoints.chain import common_prefix
-        rt = self.runtime
+        rt = self._view(conv)
         last = chain[-1]
         common = common_prefix(last.tokens[:last.header.n_tokens], conv.tokens)
         if common <= in_cache:

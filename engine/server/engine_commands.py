@@ -22,7 +22,8 @@ request's id, and the answer's own callbacks with its conversation's id.
 
 A request whose client went away (:meth:`RequestCommands.cancel_request`) is skipped
 if it has not started, and paused like the Pause button if it has: the checkpoint is
-kept.  Requests are served one at a time, in order, with the window's commands.
+kept.  Requests are answered concurrently, each in a sequence of the cache beside the
+window's answers (engine.concurrent); while every sequence is busy they wait, in order.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoints.format import KIND_MANUAL
 from engine.conversation import Answer, Conversation, title_from
 from engine.errors import AppError, CheckpointError
 from engine.sampling import SamplerSettings, random_seed
@@ -94,7 +94,8 @@ class RequestCommands:
     def _init_requests(self) -> None:
         self._requests_pending: set[str] = set()      # submitted, not finished
         self._requests_cancelled: set[str] = set()    # of those, the ones whose client left
-        self._request_running: str | None = None
+        #: requests whose answers run, and their conversations (under _busy_lock)
+        self._request_convs: dict[str, uuid.UUID] = {}
         self._served: dict[uuid.UUID, None] = {}      # conversations requests used, oldest first
 
     # -- any thread -------------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class RequestCommands:
         """Answer ``request`` when its turn comes (the listener hears how it went)."""
         with self._busy_lock:
             self._requests_pending.add(request.request_id)
-        self._submit(ANSWER_ACTION, self._do_complete, request)
+        self._submit(ANSWER_ACTION, self._do_complete, request, wait=self._request_wait)
 
     def cancel_request(self, request_id: str) -> None:
         """The client went away: skip the request, or pause its answer (saved as a pause).
@@ -114,19 +115,20 @@ class RequestCommands:
             if request_id not in self._requests_pending:
                 return
             self._requests_cancelled.add(request_id)
-            if self._request_running == request_id and self._control_ready.is_set():
-                self._control.request_pause()
+            conv_id = self._request_convs.get(request_id)
+            control = self._controls.get(conv_id) if conv_id is not None else None
+        if control is not None:
+            control.request_pause()
 
-    def _request_cancelled(self) -> bool:
-        """Whether the running request's client left (called with ``_busy_lock`` held)."""
-        return self._request_running is not None and self._request_running in self._requests_cancelled
+    def _request_cancelled(self, request_id: str | None) -> bool:
+        """Whether ``request_id``'s client left (called with ``_busy_lock`` held)."""
+        return request_id is not None and request_id in self._requests_cancelled
 
     # -- the engine thread ------------------------------------------------------------------------
     def _do_complete(self, request: CompletionRequest) -> None:
         rid = request.request_id
         with self._busy_lock:
             cancelled = rid in self._requests_cancelled
-            self._request_running = None if cancelled else rid
         answering = False
         try:
             if cancelled:
@@ -145,25 +147,35 @@ class RequestCommands:
                 self._served[conv.id] = None
             self.listener.on_request_started(rid, self.snapshot(conv, branches=False))
             answering = True
-            self._generate(conv)
-            self.listener.on_request_finished(rid, conv.id, self._paths.get(conv.id))
-            self._let_go_of_served()
+            if not self._generate(conv, request_id=rid):
+                raise _Refused(SHUTTING_DOWN, "the server is shutting down")
         except _Refused as exc:
-            self.listener.on_request_failed(rid, exc.refusal)
+            self._request_ended(rid, None, refusal=exc.refusal)
         except Exception as exc:  # noqa: BLE001 - one request must not stop the engine thread
             from native.errors import NativeError
             if isinstance(exc, (AppError, NativeError, OSError)):
                 log.warning("could not answer request %s: %s", rid, exc)
             else:
                 log.exception("unexpected failure while answering request %s", rid)
-            self.listener.on_request_failed(rid, RequestRefusal(FAILED, str(exc) or type(exc).__name__))
+            self._request_ended(rid, None, str(exc) or type(exc).__name__)
             if answering:   # the other front ends saw the answer start: they hear how it ended
                 self.listener.on_error(ANSWER_ACTION, str(exc) or type(exc).__name__)
-        finally:
-            with self._busy_lock:
-                self._request_running = None
-                self._requests_pending.discard(rid)
-                self._requests_cancelled.discard(rid)
+
+    def _request_ended(self, rid: str, conv_id: uuid.UUID | None, failure: str | None = None, *,
+                       refusal: RequestRefusal | None = None) -> None:
+        """Tell the listener how request ``rid`` ended: answered by ``conv_id`` (its answer
+        saved), or refused, or failed."""
+        with self._busy_lock:
+            self._request_convs.pop(rid, None)
+            self._requests_pending.discard(rid)
+            self._requests_cancelled.discard(rid)
+        if refusal is not None:
+            self.listener.on_request_failed(rid, refusal)
+        elif conv_id is None:
+            self.listener.on_request_failed(rid, RequestRefusal(FAILED, failure or "the answer failed"))
+        else:
+            self.listener.on_request_finished(rid, conv_id, self._paths.get(conv_id))
+            self._let_go_of_served()
 
     def _let_go_of_served(self) -> None:
         """Close the oldest served conversations beyond ``request_conversations_kept``
@@ -172,7 +184,7 @@ class RequestCommands:
         if keep is None:
             return
         for conv_id in list(self._served)[:max(0, len(self._served) - keep)]:
-            if conv_id == self._active:
+            if conv_id in self._answers:
                 continue
             del self._served[conv_id]
             writer = self._writers.pop(conv_id, None)
@@ -180,6 +192,8 @@ class RequestCommands:
                 writer.close()
             self._convs.pop(conv_id, None)
             self._paths.pop(conv_id, None)
+            if self.runtime is not None:
+                self.runtime.forget(conv_id)
 
     def _request_sampler(self, request: CompletionRequest) -> SamplerSettings:
         base = self.model_info.sampling_defaults if self.model_info is not None else SamplerSettings()
@@ -268,7 +282,7 @@ class RequestCommands:
     def _fits_runtime(self, conv: Conversation, rt) -> bool:
         """Whether ``conv``'s tokens were made by the loaded model and context."""
         from engine.checkpoints.format import read_header
-        if conv.id == self._active:
+        if conv.id in rt.table:
             return True
         path = self._paths.get(conv.id)
         if path is None:
@@ -285,19 +299,17 @@ class RequestCommands:
         from engine.checkpoints.graph import default_line
         from engine.history import LineWriter, saved_info
         from engine.prefix_reuse import reuse_stored_prefix
-        self._save_active_if_dirty(KIND_MANUAL)
-        self._active = None
+        view = rt.view_of(conv.id)
         chain = ()
         try:
-            reuse = reuse_stored_prefix(rt, self.store.folder, conv.tokens)
+            reuse = reuse_stored_prefix(view, self.store.folder, conv.tokens)
             chain = reuse.chain if reuse.chain and self.store.contains(reuse.chain[-1].path) else ()
             log.info("request: %s", reuse.describe())
         except (CheckpointError, OSError) as exc:
             log.info("no stored prefix used (%s)", exc)
-        self._active = conv.id
         self._convs[conv.id] = conv
         # the restored chain (verified by the restore) is what the first save builds on
-        self._writers[conv.id] = LineWriter.starting(rt, self.store, default_line(conv.id),
+        self._writers[conv.id] = LineWriter.starting(view, self.store, default_line(conv.id),
                                                      [saved_info(d) for d in chain])
         self.listener.on_conversation_changed(self.snapshot(conv))
 
