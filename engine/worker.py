@@ -643,7 +643,7 @@ class EngineWorker(RequestCommands):
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
             library_path=lib_path, library_version=lib_version, target=rt.target,
             sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
-            exact_width=self._batcher.width)
+            exact_width=rt.exact_width)
         self.listener.on_model_loaded(self.model_info)
 
     def _need_runtime(self):

@@ -21,7 +21,7 @@ class BranchActions:
 
     def _branch_ready(self) -> bool:
         """Whether the current conversation is open in the engine and nothing generates."""
-        if self.running is not None or self._closing:
+        if not self.state.can_send():
             self.statusBar().showMessage("Pause the answer first.", 5000)
             return False
         return self.current is not None and self.current in self.snapshots
@@ -67,7 +67,7 @@ class BranchActions:
         self.offer_bar.withdraw()
         self.chat_view.truncate(index)
         self.chat_view.begin_answer(text)
-        self.running = self.current
+        self.state.asked(self.current)
         self.worker.edit_message(self.current, self._conversation_index(index), text, self.settings.n_predict)
         self._update_buttons()
 
@@ -90,7 +90,7 @@ class BranchActions:
             return
         self.offer_bar.withdraw()
         self.chat_view.begin_answer(None)
-        self.running = self.current
+        self.state.asked(self.current)
         self.worker.continue_answer(self.current, self.settings.n_predict)
         self._update_buttons()
 
@@ -125,8 +125,7 @@ class BranchActions:
     def _on_bridge_context_full(self, conv_id, text: str, message: str) -> None:
         """The message did not fit: nothing was generated.  Say so, and offer a new branch
         that keeps the system prompt and the most recent turns that fit."""
-        if self.running == conv_id:
-            self.running = None
+        self.state.ended(conv_id)
         self.speed_label.setText("")
         if conv_id != self.current:
             self.show_message("The context is full", message)
@@ -143,13 +142,13 @@ class BranchActions:
 
     def send_in_new_branch(self, conv_id: uuid.UUID, text: str) -> None:
         """Send ``text`` on a new branch that keeps what fits of the conversation."""
-        if self.running is not None or self._closing or conv_id != self.current:
+        if not self.state.can_send() or conv_id != self.current:
             return
         self.offer_bar.withdraw()
         if self.prompt_edit.toPlainText().strip() == text:
             self.prompt_edit.clear()
         self.chat_view.begin_answer(text)
-        self.running = conv_id
+        self.state.asked(conv_id)
         self.worker.send_in_new_branch(conv_id, text, self.settings.n_predict)
         self._update_buttons()
 

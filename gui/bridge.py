@@ -65,6 +65,10 @@ class _Listener(WorkerListener):
     def on_conversation_deleted(self, conv_id: uuid.UUID) -> None:
         self.b.conversation_deleted.emit(conv_id)
 
+    def on_conversation_activated(self, conv_id: uuid.UUID, resident: bool, n_restored: int,
+                                  seconds: float) -> None:
+        self.b.conversation_activated.emit(conv_id, bool(resident), int(n_restored), float(seconds))
+
     def on_notice(self, title: str, message: str) -> None:
         self.b.notice_posted.emit(title, message)
 
@@ -98,6 +102,8 @@ class EngineBridge(QObject):
         checkpoint_saving(UUID, int): a save of that kind began.
         checkpoint_saved(ConversationSnapshot, str, int, float, int): path, size, seconds, kind.
         conversation_deleted(UUID): its files are gone (all that no other head needs).
+        conversation_activated(UUID, bool, int, float): a conversation switched to is ready
+            in the cache: resident (nothing restored), else tokens restored and seconds.
         checkpoint_exported(str, str): a checkpoint was written as one file (source, target).
         notice_posted(str, str): something the user should know once (title, sentence).
         context_full(UUID, str, str): a message did not fit (its text, the explanation);
@@ -118,6 +124,7 @@ class EngineBridge(QObject):
     checkpoint_saving = Signal(object, int)
     checkpoint_saved = Signal(object, str, int, float, int)
     conversation_deleted = Signal(object)
+    conversation_activated = Signal(object, bool, int, float)
     checkpoint_exported = Signal(str, str)
     notice_posted = Signal(str, str)
     context_full = Signal(object, str, str)
@@ -198,8 +205,9 @@ class EngineBridge(QObject):
     def generating(self) -> bool:
         return self.worker.generating
 
-    def pause(self) -> None:
-        self.worker.pause()
+    def pause(self, conv_id: uuid.UUID | None = None) -> None:
+        """Pause ``conv_id``'s answer (None: every answer)."""
+        self.worker.pause(conv_id)
 
     def shutdown(self) -> None:
         self.worker.shutdown(save=True)

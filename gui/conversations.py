@@ -35,8 +35,12 @@ HEADER_ROLE = Qt.ItemDataRole.UserRole + 3     # the stored head's Header (not o
 MODEL_ROLE = Qt.ItemDataRole.UserRole + 4      # the name of the model that made that head
 OTHER_MODEL_ROLE = Qt.ItemDataRole.UserRole + 5    # that name, when it is not the loaded model
 PROBLEM_ROLE = Qt.ItemDataRole.UserRole + 6    # why that head cannot be restored here, or None
+ANSWERING_ROLE = Qt.ItemDataRole.UserRole + 7  # an answer is running in it
+TITLE_ROLE = Qt.ItemDataRole.UserRole + 8      # the title, without the marks below
 #: Prefix of a paused conversation's title ("⏸" is missing from common UI fonts)
 PAUSED_MARK = "‖ "
+#: Prefix of a conversation whose answer is running (in the background or shown)
+ANSWERING_MARK = "● "
 
 
 @dataclass(frozen=True)
@@ -149,10 +153,24 @@ class ConversationList(QListWidget):
             item.setData(MODEL_ROLE, model_name)
         elif opened:
             item.setData(HEADER_ROLE, None)
-        is_paused = bool(item.data(PAUSED_ROLE))
-        item.setText((PAUSED_MARK if is_paused else "") + title)
+        item.setData(TITLE_ROLE, title)
+        self._label(item)
         self._mark(item)
         return item
+
+    @staticmethod
+    def _label(item: QListWidgetItem) -> None:
+        mark = ANSWERING_MARK if item.data(ANSWERING_ROLE) else PAUSED_MARK if item.data(PAUSED_ROLE) else ""
+        item.setText(mark + (item.data(TITLE_ROLE) or ""))
+
+    def set_answering(self, conv_ids) -> None:
+        """Mark the conversations whose answers are running (and only those)."""
+        for i in range(self.count()):
+            item = self.item(i)
+            answering = item.data(ID_ROLE) in conv_ids
+            if bool(item.data(ANSWERING_ROLE)) != answering:
+                item.setData(ANSWERING_ROLE, answering)
+                self._label(item)
 
     def set_target(self, target: Target | None) -> None:
         """Mark again every stored conversation against what checkpoints must now fit."""
@@ -168,7 +186,7 @@ class ConversationList(QListWidget):
             other = item.data(MODEL_ROLE) or "another model"
         item.setData(OTHER_MODEL_ROLE, other)
         item.setData(PROBLEM_ROLE, str(problem) if problem is not None else None)
-        title = item.text().removeprefix(PAUSED_MARK)
+        title = item.data(TITLE_ROLE) or ""
         path = item.data(PATH_ROLE)
         tip = title + (f"\n{path}" if path else "")
         if other:

@@ -22,9 +22,10 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, Q
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_NAMES
 from engine.models import default_model_path
 from engine.checkpoints.store import Store
-from engine.worker import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
+from engine.worker import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser
+from gui.chat_state import ChatState
 from gui.chat_view import ChatView, MessageEditor, OfferBar, PromptEdit
 from gui.conversations import PAUSED_MARK, ConversationList
 from gui.files import file_size_text
@@ -64,8 +65,6 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.bridge = EngineBridge(self.store, self)
         self.worker = self.bridge.worker
         self._apply_autosave_settings()
-        self.current: uuid.UUID | None = None
-        self.running: uuid.UUID | None = None      # conversation with a queued/running answer
         self.snapshots: dict[uuid.UUID, ConversationSnapshot] = {}
         self.last_summary: GenerationSummary | None = None
         self.pause_clicked_at: float | None = None
@@ -75,9 +74,10 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.message_editor: MessageEditor | None = None
         self._opening: tuple[uuid.UUID, Path] | None = None   # open_checkpoint sent, not answered
         self._unopened: dict[uuid.UUID, Path] = {}   # shown from its file; the engine lacks it
+        #: the shown conversation, the answers running or asked for, closing (gui.chat_state)
+        self.state = ChatState(unopened=self._unopened)
         self._pending_fork: uuid.UUID | None = None  # selected when its snapshot comes
         self._open_after_load: Path | None = None    # "Load <model>": open this once it is loaded
-        self._closing = False
         self._close_done = False
         self._engine_stopped = False
         self.browser: CheckpointBrowser | None = None
@@ -90,6 +90,24 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self._update_buttons()
         from gui.local_server import LocalServerSwitch
         self.local_server = LocalServerSwitch(self)   # Settings › Local server, on this worker
+
+    # -- the chat state (gui.chat_state), under the names the mixins use ----------------------------
+    @property
+    def current(self) -> uuid.UUID | None:
+        return self.state.current
+
+    @current.setter
+    def current(self, conv_id: uuid.UUID | None) -> None:
+        self.state.current = conv_id
+
+    @property
+    def _closing(self) -> bool:
+        return self.state.closing
+
+    @property
+    def running(self) -> uuid.UUID | None:
+        """The shown conversation while it has an answer asked for or running, else None."""
+        return self.current if self.state.shown_answering else None
 
     # -- construction ---------------------------------------------------------------------------
     def _build_widgets(self) -> None:
@@ -237,6 +255,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         b.checkpoint_saving.connect(self._on_bridge_checkpoint_saving)
         b.checkpoint_saved.connect(self._on_bridge_checkpoint_saved)
         b.conversation_deleted.connect(self._on_bridge_conversation_deleted)
+        b.conversation_activated.connect(self._on_bridge_conversation_activated)
         b.checkpoint_exported.connect(self._on_bridge_checkpoint_exported)
         b.notice_posted.connect(self.show_message)
         b.context_full.connect(self._on_bridge_context_full)
@@ -262,7 +281,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         path = Path(s.model_path) if s.model_path else default_model_path()
         return ModelOptions(path=path, n_ctx=s.n_ctx, n_threads=s.n_threads,
                             n_gpu_layers=s.n_gpu_layers, llama_lib=s.llama_lib or None,
-                            rpc_servers=s.rpc_servers.strip())
+                            rpc_servers=s.rpc_servers.strip(), sequences=max(1, s.sequences))
 
     def load_model(self, path: Path | None = None) -> None:
         try:
@@ -285,7 +304,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot()
     def new_conversation(self) -> None:
-        if self.running is not None:
+        if self._closing:
             return
         conv_id = self.worker.new_conversation(system_prompt=self.settings.system_prompt,
                                                sampler=self.settings.sampler(self._model_sampling()))
@@ -304,7 +323,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             self.statusBar().showMessage("This conversation is not open: choose above the message box "
                                          "how to go on with it.", 8000)
             return
-        if not text or self.running is not None or self._closing:
+        if not text or (self.current is not None and not self.state.can_send()) or self._closing:
             return
         if self.current is None:
             self.new_conversation()
@@ -314,36 +333,37 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if snap is None or snap.title in ("", "New conversation"):
             self.conversation_list.upsert(self.current, _title_from(text))
         self.chat_view.begin_answer(text)
-        self.running = self.current
+        self.state.asked(self.current)
         self.worker.send(self.current, text, self.settings.n_predict)
         self._update_buttons()
 
     @Slot()
     def pause(self) -> None:
-        if self.running is None:
+        """Pause the shown conversation's answer (the others go on)."""
+        if not self.state.can_pause():
             return
         self.pause_clicked_at = time.perf_counter()
-        self.bridge.pause()
+        self.bridge.pause(self.current)
 
     @Slot()
     def resume(self) -> None:
         snap = self.snapshots.get(self.current) if self.current else None
-        if self.running is not None or snap is None or not snap.paused:
+        if not self.state.can_resume(snap):
             return
         self.chat_view.begin_answer(None)
-        self.running = self.current
+        self.state.asked(self.current)
         self.worker.resume(self.current)
         self._update_buttons()
 
     @Slot()
     def regenerate(self) -> None:
         snap = self.snapshots.get(self.current) if self.current else None
-        if self.running is not None or snap is None or not snap.transcript:
+        if not self.state.can_send() or snap is None or not snap.transcript:
             return
         if self.chat_view.messages and self.chat_view.messages[-1].role == "assistant":
             self.chat_view.messages.pop()
         self.chat_view.begin_answer(None)
-        self.running = self.current
+        self.state.asked(self.current)
         self.worker.regenerate(self.current)
         self._update_buttons()
 
@@ -368,7 +388,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.conversation_list.upsert(conv_id, title)
 
     def delete_conversation(self, conv_id: uuid.UUID) -> None:
-        if self.running == conv_id:
+        if self.state.is_answering(conv_id):
             return
         answer = QMessageBox.question(self, "Delete conversation",
                                       "Delete this conversation and its checkpoint files?")
@@ -393,7 +413,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             self.switch_model(Path(path))
 
     def switch_model(self, path: Path) -> None:
-        if self.running is not None:
+        if not self.state.idle:
             self.show_message("Model", "Pause the answer before switching models.")
             return
         self.settings.model_path = str(path)
@@ -413,15 +433,11 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if dialog.exec():
             self._apply_autosave_settings()
             self.local_server.apply()
-            if dialog.model_changed and self.running is None:
+            if dialog.model_changed and self.state.idle:
                 self.load_model()
 
     def _about(self) -> None:
-        info = self.bridge.model_info
-        lib = f"\nllama.cpp: {info.library_version} ({info.library_path})" if info else ""
-        QMessageBox.about(self, "Checkpoint Chat",
-                          "Checkpoint Chat: generation state is never lost and never computed "
-                          f"twice.{lib}")
+        QMessageBox.about(self, "Checkpoint Chat", about_text(self.bridge.model_info))
 
     # -- messages ---------------------------------------------------------------------------------
     def show_message(self, title: str, text: str, *, error: bool = False) -> QMessageBox:
@@ -494,7 +510,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _on_bridge_model_failed(self, message: str) -> None:
         self.model_progress.hide()
         self.model_status.setText("No model loaded — File › Open Model…")
-        self.running = None
+        self.state.ended_all()
         if self._open_after_load is not None:
             self._open_after_load = None
             if self.current in self._unopened:   # its offer again, as it was before the click
@@ -515,7 +531,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             self.current = snap.id
             self.conversation_list.select(snap.id)
             self.offer_bar.withdraw()
-        if snap.id == self.current and self.running != snap.id:
+        if snap.id == self.current and not self.state.is_answering(snap.id):
             if self.offer_bar.conversation == snap.id:
                 self.offer_bar.withdraw("unopened")
             self._show_snapshot(snap)
@@ -524,7 +540,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     @Slot(object)
     def _on_bridge_generation_started(self, snap: ConversationSnapshot) -> None:
         self.snapshots[snap.id] = snap
-        self.running = snap.id
+        self.state.started(snap.id, snap.transcript)
         if snap.id == self.current:
             self._follow_started_answer(snap)
             self._update_context_usage(snap.n_tokens, snap.n_ctx)
@@ -541,6 +557,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot(object, str)
     def _on_bridge_tokens_generated(self, conv_id, text: str) -> None:
+        self.state.text(conv_id, text)
         if conv_id == self.current:
             if self.speed_label.text().startswith("Reading"):
                 self.speed_label.setText("Generating…")
@@ -562,11 +579,17 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if self.pause_clicked_at is not None:
             self.pause_latency_s = time.perf_counter() - self.pause_clicked_at
             self.pause_clicked_at = None
-        self.running = None
+        self.state.ended(summary.conversation_id)
         paused = summary.finish_reason == "paused"
-        self.speed_label.setText(f"{summary.tokens_per_s:.1f} tokens/s · {summary.n_generated} tokens"
-                                 + (f" · {summary.n_reused_tokens:,} prompt tokens reused"
-                                    if summary.n_reused_tokens else ""))
+        if summary.finish_reason == FINISH_ERROR:
+            if summary.conversation_id == self.current:
+                self.chat_view.finish_answer(complete=False, note="Stopped by an error")
+            self._update_buttons()
+            return
+        if summary.conversation_id == self.current or not self.state.shown_answering:
+            self.speed_label.setText(f"{summary.tokens_per_s:.1f} tokens/s · {summary.n_generated} tokens"
+                                     + (f" · {summary.n_reused_tokens:,} prompt tokens reused"
+                                        if summary.n_reused_tokens else ""))
         if summary.conversation_id == self.current:
             if paused and summary.n_generated == 0 and not self.chat_view.answer_text():
                 note = "Paused before the first token · saving checkpoint…"
@@ -592,7 +615,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             return   # the conversation's own file is unchanged; nothing else to update
         self.snapshots[snap.id] = snap
         self.conversation_list.upsert(snap.id, snap.title, path=Path(path), paused=snap.paused, opened=True)
-        if snap.id == self.current and self.running != snap.id:
+        if snap.id == self.current and not self.state.is_answering(snap.id):
             self._update_context_usage(snap.n_tokens, snap.n_ctx)
             self._follow_saved(snap)
             if snap.paused:
@@ -606,11 +629,29 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.conversation_deleted.emit(conv_id)
         self.refresh_store()
 
+    @Slot(object, bool, int, float)
+    def _on_bridge_conversation_activated(self, conv_id, resident: bool, n_restored: int,
+                                          seconds: float) -> None:
+        """A switch: say whether the conversation was still in the cache."""
+        if conv_id != self.current:
+            return
+        if resident:
+            text = "Resident in the cache: switched without restoring anything"
+        elif n_restored:
+            text = f"Restored {n_restored:,} tokens from its checkpoint in {seconds * 1000:.0f} ms"
+        else:
+            text = "In the cache"
+        self.statusBar().showMessage(text, 6000)
+
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:
-        if self.running is not None and action in ANSWER_ACTIONS:
-            self.running = None
-            self.chat_view.finish_answer(complete=False, note="Stopped by an error")
+        if action in ANSWER_ACTIONS:
+            # an answer command refused before its answer started (a started one ends with
+            # its own summary, finish_reason "error"): the answers still only asked for
+            shown = self.state.shown_answering and self.state.streamed(self.current) is None
+            self.state.ended_queued()
+            if shown:
+                self.chat_view.finish_answer(complete=False, note="Stopped by an error")
         self.save_progress.hide()
         self._update_buttons()
         if action == "fork the conversation":
@@ -665,15 +706,16 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.context_usage.setValue(min(used, max(1, n_ctx)))
 
     def _update_buttons(self) -> None:
-        busy = self.running is not None
+        """The buttons act on the shown conversation; the list stays usable while answers
+        run (switching to another conversation, or sending in it, is what they allow)."""
+        state = self.state
         snap = self.snapshots.get(self.current) if self.current else None
-        self.send_button.setEnabled(not busy and not self._closing and self.current not in self._unopened)
-        self.pause_button.setEnabled(busy)
-        self.pause_action.setEnabled(busy)
-        self.resume_button.setEnabled(not busy and bool(snap and snap.paused))
-        self.regenerate_button.setEnabled(not busy and bool(snap and snap.transcript
-                                                            and snap.transcript[-1]["role"] == "assistant"))
-        self.conversation_list.setEnabled(not busy)
+        self.send_button.setEnabled(state.can_send())
+        self.pause_button.setEnabled(state.can_pause())
+        self.pause_action.setEnabled(state.can_pause())
+        self.resume_button.setEnabled(state.can_resume(snap))
+        self.regenerate_button.setEnabled(state.can_regenerate(snap))
+        self.conversation_list.set_answering(state.answering)
 
     def _on_list_current_changed(self, item, _previous=None) -> None:
         if item is None:
@@ -684,7 +726,17 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.current = conv_id
         self.offer_bar.withdraw()
         snap = self.snapshots.get(conv_id)
-        if snap is not None:
+        streamed = self.state.streamed(conv_id)
+        if streamed is not None:
+            # its answer is running: what it streamed so far, then the rest as it comes
+            transcript, text = streamed
+            self.chat_view.set_transcript(transcript)
+            self.chat_view.begin_answer(None)
+            self.chat_view.append_text(text)
+            self.speed_label.setText("Generating…")
+            if snap is not None:
+                self._update_context_usage(snap.n_tokens, snap.n_ctx)
+        elif snap is not None:
             self._show_snapshot(snap)
             self.worker.show(conv_id)
         else:
@@ -708,7 +760,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         event.ignore()
         if self._closing:
             return
-        self._closing = True
+        self.state.closing = True
         self.statusBar().showMessage("Saving…")
         self.save_progress.show()
         self.prompt_edit.setEnabled(False)
@@ -724,6 +776,29 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if not self._engine_stopped:
             log.warning("the engine did not finish saving within %d ms; exiting anyway", CLOSE_WAIT_MS)
         self.close()
+
+
+def about_text(info: ModelInfo | None) -> str:
+    """The About box: what the app promises, and the determinism contract of the model
+    loaded (README, "Several conversations at once")."""
+    text = "Checkpoint Chat: generation state is never lost and never computed twice."
+    if info is None:
+        return text
+    text += (f"\n\nllama.cpp: {info.library_version} ({info.library_path})"
+             f"\nModel: {info.name} · {info.backend} · {info.sequences} conversation(s) resident at once")
+    text += ("\n\nDeterminism: an answer resumed from a checkpoint is the answer it would have "
+             "been without the pause, token for token. ")
+    if info.sequences > 1 and info.exact_width >= info.sequences:
+        text += (f"Up to {info.sequences} answers generating at once are each identical to "
+                 "their run alone (measured for this model when it loaded).")
+    elif info.sequences > 1 and info.exact_width == 0:
+        text += ("Answers generating at once may differ from their runs alone in rare tokens: "
+                 "without flash attention a sequence's sums depend on the others in the cache.")
+    elif info.sequences > 1:
+        text += (f"Answers generating at once are decoded {info.exact_width} to a step, the width "
+                 "measured for this model when it loaded at which each stays identical to its "
+                 "run alone; beyond it they take turns.")
+    return text
 
 
 def _title_from(text: str, limit: int = 48) -> str:

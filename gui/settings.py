@@ -31,6 +31,7 @@ _KEYS = {k.name: k for k in (
     _Key("rpc_servers", "", str),        # remote workers "host:port, ..." (README: More than one machine)
     _Key("n_ctx", 4096, int),
     _Key("n_threads", 0, int),
+    _Key("sequences", 4, int),           # conversations resident in the cache, answers at once
     # the sampler: None (unset) means the loaded model's own default (engine.sampling)
     _Key("temperature", None, float),
     _Key("top_k", None, int),

@@ -9,7 +9,7 @@ from engine.sampling import SamplerSettings
 from engine.worker import ModelInfo
 from gui.settings import SAMPLER_KEYS, AppSettings
 
-_MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers")
+_MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers", "sequences")
 
 
 class SettingsDialog(QDialog):
@@ -66,6 +66,10 @@ class SettingsDialog(QDialog):
         self.fields["rpc_servers"] = workers
         spin("n_ctx", "Context size (tokens):", 256, 1 << 20, 256)
         spin("n_threads", "Threads:", 0, 256, special="auto")
+        spin("sequences", "Conversations in the cache:", 1, 16)
+        self.fields["sequences"].setToolTip(
+            "How many conversations stay in the KV cache at once (sharing its context size): "
+            "switching to one of them restores nothing, and as many answers can generate together.")
         spin("temperature", "Temperature:", 0.0, 5.0, 0.05, 2)
         spin("top_k", "Top-k:", 0, 1000)
         spin("top_p", "Top-p:", 0.0, 1.0, 0.01, 2)

@@ -84,7 +84,7 @@ class StoreActions:
 
     def open_checkpoint(self, path: Path) -> None:
         """Restore a checkpoint from the store and show its conversation."""
-        if self.running is not None:
+        if self.state.is_answering(self.current):
             self.show_message("Checkpoint", "Pause the answer before opening another checkpoint.")
             return
         spawn(self._open_checkpoint(Path(path)))
@@ -172,8 +172,8 @@ class StoreActions:
 
     def _load_and_open(self, model_file: Path, path: Path, name: str) -> None:
         """Load the model that made ``path``'s conversation, then open it."""
-        if self.running is not None:
-            self.show_message("Model", "Pause the answer before switching models.")
+        if not self.state.idle:
+            self.show_message("Model", "Pause the answers before switching models.")
             return
         self.offer_bar.offer(self.offer_bar.conversation, "unopened", f"Loading {name}…", [])
         self._open_after_load = path

@@ -26,8 +26,14 @@ class Recorder(WorkerListener):
     def on_model_loaded(self, info):
         self._add("loaded", info)
 
+    def on_generation_started(self, snap):
+        self._add("started", snap)
+
     def on_generation_finished(self, summary):
         self._add("finished", summary)
+
+    def on_conversation_activated(self, conv_id, resident, n_restored, seconds):
+        self._add("activated", conv_id, resident, n_restored)
 
     def on_checkpoint_saved(self, snap, path, size, seconds, kind):
         self._add("saved", snap, path, kind)
@@ -55,7 +61,20 @@ class Recorder(WorkerListener):
         return self.wait(kind, len(self.of(kind)) + 1, timeout)[-1]
 
     def of(self, kind: str) -> list[tuple]:
-        return [e for e in self.events if e[0] == kind]
+        with self.cond:
+            return [e for e in self.events if e[0] == kind]
+
+    def finished_for(self, conv_id, count: int = 1, timeout: float = 300):
+        """The ``count``-th summary of ``conv_id``'s answers (waits for it)."""
+        def mine():
+            return [e[1] for e in self.of("finished") if e[1].conversation_id == conv_id]
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(mine()) >= count, timeout)
+        assert ok, f"no finished answer #{count} of {conv_id}: {self.events}"
+        return mine()[count - 1]
+
+    def text_of(self, conv_id) -> str:
+        return "".join(e[2] for e in self.of("text") if e[1] == conv_id)
 
 
 def window_settings(**overrides):

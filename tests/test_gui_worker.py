@@ -133,8 +133,10 @@ def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
         assert saved[3] == KIND_EXIT and saved[1].paused
         header = read_header(saved[2])
         assert header.n_generated >= 5 and header.has_logits
+        # the front ends heard which answer the failure ended
+        assert [e[1].finish_reason for e in rec.wait("finished")] == ["error"]
         w.resume(conv)
-        summary = rec.wait("finished")[-1][1]
+        summary = rec.wait("finished", 2)[-1][1]
         assert summary.n_reused_tokens == summary.n_prompt_tokens, "decoded tokens were lost"
         assert header.n_generated + summary.n_generated == 24
     finally:

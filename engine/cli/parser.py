@@ -74,6 +74,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("-c", "--ctx-size", type=_positive, default=None, help="context size (default 4096)")
     serve.add_argument("-b", "--batch-size", type=_positive, default=None, help="prefill chunk (default 512)")
     serve.add_argument("-t", "--threads", type=_not_negative, default=None)
+    serve.add_argument("--sequences", type=_positive, default=4, metavar="S",
+                       help="conversations resident in the cache at once, and requests answered "
+                            "together; more wait (default 4)")
     serve.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
                        help="layers to offload to the GPU (-1: all; default 0)")
     serve.add_argument("--main-gpu", type=int, default=0, help="GPU to use (default 0)")

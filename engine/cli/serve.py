@@ -75,7 +75,8 @@ def model_options(args):
     return ModelOptions(path=model_path(args, None), n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                         n_gpu_layers=args.n_gpu_layers, llama_lib=args.llama_lib, rpc_servers=args.rpc or "",
                         n_batch=settings.n_batch, flash_attn=settings.flash_attn, type_k=settings.type_k,
-                        type_v=settings.type_v, main_gpu=args.main_gpu, rpc_timeout=args.rpc_timeout)
+                        type_v=settings.type_v, main_gpu=args.main_gpu, rpc_timeout=args.rpc_timeout,
+                        sequences=args.sequences)
 
 
 def cmd_serve(args) -> int:
