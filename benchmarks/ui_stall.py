@@ -7,8 +7,9 @@ no stall above 16 ms (one frame) in any phase, generation speed within 3%.
 
 Phases: model load; prefill of ~4,000 prompt tokens; generation; saving the resulting
 large checkpoint; full validation (CRC) of a synthesized 1 GB checkpoint file through
-the browser; and the time from clicking Pause to the last token arriving, during
-generation and during prefill.
+the browser; the time from clicking Pause to the last token arriving, during
+generation and during prefill; and two answers streaming at once in two conversations,
+one of them paused while the other goes on (issue 11: under 16 ms too).
 
     QT_QPA_PLATFORM=offscreen python benchmarks/ui_stall.py [--threads N] [--keep]
         [--compute-priority normal|low] [--nice N] [--batch N] [--phases ...] [--diagnose]
@@ -319,6 +320,31 @@ def run_window(args) -> dict:
                                       f"{saved_after('finished')[1] / 1e6:.1f} MB")
             latencies.append(latency)
 
+    # 7. two answers at once (two conversations), then one of them paused
+    if "two" in phases_wanted:
+        finished: list = []
+        w.bridge.generation_finished.connect(lambda summary: finished.append(summary.conversation_id))
+        streamed: set = set()
+        w.bridge.tokens_generated.connect(lambda conv, _t: streamed.add(conv))
+        ids = []
+        for text in ("Tell me a long story about a lighthouse keeper.", "Describe a harbour town at dawn."):
+            w.new_conversation()
+            ids.append(w.current)
+            w.prompt_edit.setPlainText(text)
+            w.send()
+            wait_until(app, lambda: w.current in streamed, 600)
+        m, t0 = beat.mark(), time.perf_counter()
+        wait_until(app, lambda: time.perf_counter() - t0 > 3.0, 10)
+        phase("two answers", m, time.perf_counter() - t0, "both streaming")
+        m = beat.mark()
+        w.select_conversation(ids[0])
+        w.pause()
+        wait_until(app, lambda: ids[0] in finished, 120)
+        latency = w.pause_latency_s
+        other = "the other still streaming" if ids[1] not in finished else "the other had ended"
+        phase("pause one of two", m, latency, other)
+        wait_until(app, lambda: ids[1] in finished, 600)
+
     w._close_done = True
     w.worker.shutdown()
     w.worker.join(60)
@@ -446,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--n-predict", type=int, default=96, help="answer length in the generation phase")
-    parser.add_argument("--phases", default="prefill,generation,save,validate,pause",
+    parser.add_argument("--phases", default="prefill,generation,save,validate,pause,two",
                         help="which phases after the model load to run")
     parser.add_argument("--compute-priority", choices=["normal", "low"],
                         help="ContextSettings.compute_priority for the window's context "

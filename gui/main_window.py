@@ -68,6 +68,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.snapshots: dict[uuid.UUID, ConversationSnapshot] = {}
         self.last_summary: GenerationSummary | None = None
         self.pause_clicked_at: float | None = None
+        self._pause_clicked_for: uuid.UUID | None = None   # the conversation that Pause was for
         self.pause_latency_s: float | None = None
         self.resume_offer: QMessageBox | None = None
         self.crash_offer: QMessageBox | None = None
@@ -343,6 +344,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if not self.state.can_pause():
             return
         self.pause_clicked_at = time.perf_counter()
+        self._pause_clicked_for = self.current
         self.bridge.pause(self.current)
 
     @Slot()
@@ -576,7 +578,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     @Slot(object)
     def _on_bridge_generation_finished(self, summary: GenerationSummary) -> None:
         self.last_summary = summary
-        if self.pause_clicked_at is not None:
+        if self.pause_clicked_at is not None and summary.conversation_id == self._pause_clicked_for:
             self.pause_latency_s = time.perf_counter() - self.pause_clicked_at
             self.pause_clicked_at = None
         self.state.ended(summary.conversation_id)
