@@ -201,6 +201,10 @@ class ConversationList(QListWidget):
         if item is not None:
             self.takeItem(self.row(item))
 
+    def title_of(self, conv_id: uuid.UUID) -> str:
+        item = self.item_for(conv_id)
+        return (item.data(TITLE_ROLE) or "") if item else ""
+
     def current_id(self) -> uuid.UUID | None:
         item = self.currentItem()
         return item.data(ID_ROLE) if item else None

@@ -526,7 +526,12 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if self._opening is not None and self._opening[0] == snap.id:
             self._opening = None
         fork = snap.id == self._pending_fork
-        self.conversation_list.upsert(snap.id, snap.title, path=snap.checkpoint, paused=snap.paused,
+        title = snap.title
+        if title == "New conversation" and snap.id in self.state.answering:
+            # created, then sent in at once: this snapshot was taken before the message,
+            # whose title the list shows already
+            title = self.conversation_list.title_of(snap.id) or title
+        self.conversation_list.upsert(snap.id, title, path=snap.checkpoint, paused=snap.paused,
                                       opened=True, top=fork)
         if fork:
             self._pending_fork = None
@@ -543,6 +548,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _on_bridge_generation_started(self, snap: ConversationSnapshot) -> None:
         self.snapshots[snap.id] = snap
         self.state.started(snap.id, snap.transcript)
+        self.conversation_list.upsert(snap.id, snap.title)
         if snap.id == self.current:
             self._follow_started_answer(snap)
             self._update_context_usage(snap.n_tokens, snap.n_ctx)
@@ -602,6 +608,8 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot(object, int)
     def _on_bridge_checkpoint_saving(self, conv_id, kind: int) -> None:
+        if conv_id != self.current and not self._closing:
+            return   # another conversation's answer, in the background
         self.save_progress.show()
         self.checkpoint_label.setText(f"Saving {KIND_NAMES.get(kind, '')} checkpoint…")
 
@@ -610,9 +618,10 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
                                     seconds: float, kind: int) -> None:
         self.save_progress.hide()
         stamp = time.strftime("%H:%M:%S")
-        self.checkpoint_label.setText(f"Checkpoint {stamp} · {file_size_text(size)}"
-                                      + (" (autosave)" if kind == KIND_AUTOSAVE else ""))
-        self.checkpoint_label.setToolTip(f"{path}\nwritten in {seconds * 1000:.0f} ms")
+        if snap.id == self.current:
+            self.checkpoint_label.setText(f"Checkpoint {stamp} · {file_size_text(size)}"
+                                          + (" (autosave)" if kind == KIND_AUTOSAVE else ""))
+            self.checkpoint_label.setToolTip(f"{path}\nwritten in {seconds * 1000:.0f} ms")
         if kind == KIND_AUTOSAVE:
             return   # the conversation's own file is unchanged; nothing else to update
         self.snapshots[snap.id] = snap

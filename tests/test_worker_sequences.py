@@ -234,3 +234,28 @@ def alone_answer(rt: Runtime, i: int, n: int) -> str:
     begin_answer(conv, rt, PROMPTS[i], n_predict=n)
     generate(rt, conv)
     return conv.answer.text
+
+
+def test_closing_with_two_answers_running_saves_both_as_exit_checkpoints(smollm_path, tmp_path):
+    from engine.checkpoints.format import KIND_EXIT
+    w, rec = start_worker(smollm_path, tmp_path / "store")
+    a = w.new_conversation(sampler=sampler(0, 0.8))
+    b = w.new_conversation(sampler=sampler(1, 0.8))
+    w.send(a, PROMPTS[0], n_predict=400)
+    w.send(b, PROMPTS[1], n_predict=400)
+    deadline = time.monotonic() + 120
+    while not (rec.text_of(a) and rec.text_of(b)) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert w.answering == {a, b}
+    stop(w)                                        # the window's close: pause all, save, exit
+    exits = {e[1].id: e for e in rec.of("saved") if e[3] == KIND_EXIT}
+    assert set(exits) == {a, b}
+    for conv_id, (_, snap, path, _) in exits.items():
+        assert snap.paused
+        rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
+        try:
+            conv = rt.restore_chain(load_chain(path))
+            assert conv.id == conv_id and conv.answer.n_generated > 0
+            assert rt.kv_tokens == conv.tokens       # nothing decoded is lost
+        finally:
+            rt.close()
