@@ -210,6 +210,9 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(app_home, served)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "word " * 1500}])
     assert info.value.code == "context_length_exceeded" and "1024" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:   # fits, but not with the answer asked for
+        client.chat.completions.create(model=model, messages=hi, max_tokens=1020)
+    assert info.value.code == "context_length_exceeded" and "in the completion" in info.value.message
 
     status, body = raw(server, "GET", "/v1/nowhere")
     assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}

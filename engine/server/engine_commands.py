@@ -242,12 +242,21 @@ class RequestCommands:
 
     @staticmethod
     def _check_fits(conv: Conversation, rt) -> None:
-        n_ctx = rt.ctx.n_ctx
-        if len(conv.tokens) >= n_ctx:
+        """OpenAI's rule: the prompt and ``max_tokens`` (when given) must fit the context;
+        without ``max_tokens`` the answer may use what the prompt leaves."""
+        n_ctx, n_prompt = rt.ctx.n_ctx, len(conv.tokens)
+        n_answer = conv.answer.n_predict if conv.answer is not None else -1
+        if n_prompt >= n_ctx:
             raise _Refused(CONTEXT_LENGTH_EXCEEDED,
                            f"This model's maximum context length is {n_ctx} tokens; the prompt has "
-                           f"{len(conv.tokens)} tokens and must leave room for the answer. Shorten the "
+                           f"{n_prompt} tokens and must leave room for the answer. Shorten the "
                            "messages or restart the server with a larger --ctx-size.")
+        if n_answer > 0 and n_prompt + n_answer > n_ctx:
+            raise _Refused(CONTEXT_LENGTH_EXCEEDED,
+                           f"This model's maximum context length is {n_ctx} tokens. However, you "
+                           f"requested {n_prompt + n_answer} tokens ({n_prompt} in the messages, "
+                           f"{n_answer} in the completion). Reduce the length of the messages or "
+                           "of the completion.")
 
     def _continuable(self, history: list[tuple[str, str]], rt) -> Conversation | None:
         """The conversation holding exactly ``history``, every answer finished, whose
