@@ -81,8 +81,8 @@ class ServeProcess:
         return self.proc.returncode
 
 
-def start_server(home: Path, n_ctx: int, threads: int) -> ServeProcess:
-    return ServeProcess(home, "-c", str(n_ctx), "-t", str(threads))
+def start_server(home: Path, n_ctx: int, threads: int, sequences: int = 4) -> ServeProcess:
+    return ServeProcess(home, "-c", str(n_ctx), "-t", str(threads), "--sequences", str(sequences))
 
 
 async def chat(session, url: str, messages: list[dict], *, max_tokens: int, seed: int,
@@ -175,34 +175,38 @@ async def restart_table(args, work: Path) -> Table:
 
 async def concurrency_table(args, work: Path) -> Table:
     import aiohttp
-    t = Table("Concurrent clients (one engine thread: requests queue)", [
-        "clients", "requests", "wall_s", "requests_per_s", "tokens_per_s", "mean_latency_s", "max_latency_s"])
-    home = work / "concurrency"
-    home.mkdir()
-    server = start_server(home, 1024, args.threads)
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-            await chat(session, server.base_url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
-            for clients in (1, 2, 4):
-                latencies, tokens = [], 0
+    t = Table("Concurrent clients: one request at a time (--sequences 1) vs concurrent sequences (4)", [
+        "sequences", "clients", "requests", "wall_s", "requests_per_s", "tokens_per_s", "mean_latency_s",
+        "max_latency_s"])
+    for sequences in (1, 4):
+        home = work / f"concurrency-{sequences}"
+        home.mkdir()
+        server = start_server(home, 2048, args.threads, sequences)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+                await chat(session, server.base_url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
+                for clients in (1, 2, 4):
+                    latencies, tokens = [], 0
 
-                async def client(c: int) -> None:
-                    nonlocal tokens
-                    for r in range(args.requests):
-                        question = f"Client {c}, question {r}: name a city and a river."
-                        reply = await chat(session, server.base_url, [{"role": "user", "content": question}],
-                                           max_tokens=args.answer, seed=c * 100 + r, stream=False)
-                        latencies.append(reply["total_s"])
-                        tokens += reply["usage"]["completion_tokens"]
-                started = time.perf_counter()
-                await asyncio.gather(*(client(c) for c in range(clients)))
-                wall = time.perf_counter() - started
-                n = clients * args.requests
-                t.add(clients=clients, requests=n, wall_s=wall, requests_per_s=n / wall,
-                      tokens_per_s=tokens / wall, mean_latency_s=sum(latencies) / n, max_latency_s=max(latencies))
-    finally:
-        server.stop()
-    t.notes.append(f"each request: a short question, {args.answer} tokens generated (ignore_eos), non-streaming")
+                    async def client(c: int) -> None:
+                        nonlocal tokens
+                        for r in range(args.requests):
+                            question = f"Client {c}, question {r}: name a city and a river."
+                            reply = await chat(session, server.base_url, [{"role": "user", "content": question}],
+                                               max_tokens=args.answer, seed=c * 100 + r, stream=False)
+                            latencies.append(reply["total_s"])
+                            tokens += reply["usage"]["completion_tokens"]
+                    started = time.perf_counter()
+                    await asyncio.gather(*(client(c) for c in range(clients)))
+                    wall = time.perf_counter() - started
+                    n = clients * args.requests
+                    t.add(sequences=sequences, clients=clients, requests=n, wall_s=wall, requests_per_s=n / wall,
+                          tokens_per_s=tokens / wall, mean_latency_s=sum(latencies) / n,
+                          max_latency_s=max(latencies))
+        finally:
+            server.stop()
+    t.notes.append(f"each request: a short question, {args.answer} tokens generated (ignore_eos), non-streaming; "
+                   "context 2048 shared by the sequences")
     return t
 
 
@@ -213,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--requests", type=int, default=4, help="requests per client in part 2")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--parts", default="restart,concurrency", help="which tables (restart, concurrency)")
     args = p.parse_args(argv)
+    parts = {"restart": restart_table, "concurrency": concurrency_table}
     if args.quick:
         args.tokens, args.answer, args.requests = 600, 8, 2
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         work = Path(tmp)
-        for make in (restart_table, concurrency_table):
+        for make in (parts[name.strip()] for name in args.parts.split(",")):
             print(asyncio.run(make(args, work)).render(), flush=True)
             print()
     return 0

@@ -327,6 +327,7 @@ def run_window(args) -> dict:
         streamed: set = set()
         w.bridge.tokens_generated.connect(lambda conv, _t: streamed.add(conv))
         ids = []
+        w.settings.n_predict = 2000            # both still streaming when one is paused
         for text in ("Tell me a long story about a lighthouse keeper.", "Describe a harbour town at dawn."):
             w.new_conversation()
             ids.append(w.current)
