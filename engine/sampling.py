@@ -116,6 +116,24 @@ def model_defaults(gguf_meta: Mapping[str, Any], *, bundled: bool = False) -> tu
     return base, FROM_MEASUREMENT if bundled else FROM_GENERIC
 
 
+def defaults_for_model(model) -> tuple[SamplerSettings, str]:
+    """:func:`model_defaults` for a loaded model (native.model.Model): llama.cpp already
+    holds its metadata, so nothing is read from disk again (reading the GGUF header in
+    Python walks the tokenizer's ~100k strings: tens of milliseconds with the GIL held,
+    which the window's UI thread would feel)."""
+    from engine.models import is_default_model
+    meta: dict[str, Any] = {}
+    for key in GGUF_SAMPLING_KEYS:
+        raw = model.meta(key)
+        if raw is None:
+            continue
+        try:
+            meta[key] = int(raw) if raw.lstrip("-").isdigit() else float(raw)
+        except ValueError:
+            continue
+    return model_defaults(meta, bundled=is_default_model(model.path))
+
+
 def defaults_for_model_file(path) -> tuple[SamplerSettings, str]:
     """:func:`model_defaults` for a GGUF file on disk (read without llama.cpp)."""
     from engine.gguf import GGUFError, read_metadata

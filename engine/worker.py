@@ -636,8 +636,8 @@ class EngineWorker(RequestCommands):
             backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
         if rt.model.placement:   # remote workers: where the layers went, for the model bar
             backend = f"{backend} · {rt.model.placement}"
-        from engine.sampling import defaults_for_model_file
-        sampling, source = defaults_for_model_file(opts.path)
+        from engine.sampling import defaults_for_model
+        sampling, source = defaults_for_model(rt.model)
         self.model_info = ModelInfo(
             name=rt.model.name, path=Path(opts.path), architecture=rt.model.architecture,
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,

@@ -7,7 +7,8 @@ import json
 
 from conftest import run_cli
 from engine.sampling import (BUNDLED_MODEL_DEFAULTS, FROM_GENERIC, FROM_MEASUREMENT, FROM_MODEL_FILE,
-                             GENERIC_DEFAULTS, defaults_for_model_file, model_defaults)
+                             GENERIC_DEFAULTS, defaults_for_model, defaults_for_model_file,
+                             model_defaults)
 
 
 def test_recommendations_in_the_file_win_key_by_key():
@@ -36,3 +37,22 @@ def test_the_bundled_model_uses_what_was_measured_and_the_checkpoint_records_it(
     sampler = json.loads(run_cli("inspect", str(saved), "--json", check=True).stdout)[
         "metadata"]["conversation"]["sampler"]
     assert sampler["temperature"] == 0.3 and sampler["repeat_penalty"] == 1.1
+
+
+def test_a_loaded_models_defaults_come_from_llama_cpps_metadata_and_agree_with_the_file(smollm_path, gemma_path):
+    from native.model import Model
+
+    class Meta:   # a loaded model whose file recommends a sampler (llama.cpp gives strings)
+        path = gemma_path
+        values = {"general.sampling.temp": "0.6", "general.sampling.top_k": "20",
+                  "general.sampling.top_p": "high"}
+
+        def meta(self, key):
+            return self.values.get(key)
+
+    got, source = defaults_for_model(Meta())
+    assert source == FROM_MODEL_FILE and (got.temperature, got.top_k) == (0.6, 20)
+    assert got.top_p == GENERIC_DEFAULTS.top_p                       # not a number: ignored
+    for path in (smollm_path, gemma_path):
+        with Model(path) as model:
+            assert defaults_for_model(model) == defaults_for_model_file(path)

@@ -112,9 +112,9 @@ class ParallelRun:
         from engine.cli.run import sampler_from_args
         from engine.conversation import Conversation
         from engine.generation import begin_answer
-        from engine.sampling import defaults_for_model_file, random_seed
+        from engine.sampling import defaults_for_model, random_seed
         args, prt = self.args, self.prt
-        defaults, _source = defaults_for_model_file(prt.model.path)
+        defaults, _source = defaults_for_model(prt.model)
         convs = []
         for prompt in self.prompts:
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],

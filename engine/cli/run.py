@@ -181,8 +181,8 @@ class RunSession:
                 conv.stop_strings = args.stop
         else:
             from dataclasses import replace
-            from engine.sampling import defaults_for_model_file, random_seed
-            defaults, _source = defaults_for_model_file(rt.model.path)   # the model's own
+            from engine.sampling import defaults_for_model, random_seed
+            defaults, _source = defaults_for_model(rt.model)   # the model's own
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
                                 sampler=sampler_from_args(args, replace(defaults, seed=random_seed())))
         if self.prompt is not None:
