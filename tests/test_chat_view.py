@@ -94,11 +94,11 @@ def frame_text(frame) -> str:
     return cursor.selection().toPlainText()
 
 
-def click_link(qtbot, view: ChatView, href: str) -> None:
-    """Click the link to ``href`` where it is drawn, as a user would."""
-    found = view.document().find("Copy")
+def click_link(qtbot, view: ChatView, href: str, text: str = "Copy") -> None:
+    """Click the link ``text`` to ``href`` where it is drawn, as a user would."""
+    found = view.document().find(text)
     while not found.isNull() and found.charFormat().anchorHref() != href:
-        found = view.document().find("Copy", found)
+        found = view.document().find(text, found)
     assert not found.isNull(), f"no link to {href}"
     cursor = QTextCursor(view.document())
     cursor.setPosition(found.selectionStart() + 1)
@@ -268,3 +268,23 @@ def test_placeholder_and_regenerate_after_a_removed_answer(view):
     stream(view, "second answer")
     view.finish_answer(complete=True)
     assert "first answer" not in plain(view) and "second answer" in plain(view)
+
+
+def test_a_long_message_of_yours_is_folded_until_show_all(qtbot, view):
+    from gui.chat_view import FOLD_ABOVE_CHARS
+    pasted = "Summarise this.\n\n" + "The shelves hold maps and ledgers of the old trade. " * 400
+    assert len(pasted) > FOLD_ABOVE_CHARS
+    view.begin_answer(pasted)
+    stream(view, "A short summary.")
+    view.finish_answer(complete=True)
+    shown = plain(view)
+    assert "Show all" in shown and len(shown) < 3000            # a few lines, not the document
+    assert ("Show all 20,817 characters", "expand:0") in anchors(view)
+    with qtbot.waitSignal(view.copied, timeout=2000):
+        click_link(qtbot, view, "copy:0")
+    assert QGuiApplication.clipboard().text() == pasted          # Copy copies all of it
+    click_link(qtbot, view, "expand:0", "Show all")
+    assert pasted.split("\n\n")[1].strip() in plain(view) and "Show all" not in plain(view)
+    assert view.answer_text() == "A short summary."
+    view.begin_answer("short")                                   # a short one is never folded
+    assert "Show all" not in plain(view)
