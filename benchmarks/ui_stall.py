@@ -198,7 +198,11 @@ def apply_levers(args) -> str:
         nc.ContextSettings = functools.partial(nc.ContextSettings, **extra)
     if args.nice is not None:
         nc.ComputeThreads.LINUX_NICE = args.nice
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval / 1000)
     parts = [f"priority {args.compute_priority or 'default'}"]
+    if args.switch_interval:
+        parts.append(f"GIL switch {args.switch_interval:g} ms")
     if args.nice is not None:
         parts.append(f"nice {args.nice}")
     if args.batch:
@@ -479,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ContextSettings.compute_priority for the window's context "
                              "(default: the app's own default)")
     parser.add_argument("--nice", type=int, help="Linux nice of low-priority compute threads")
+    parser.add_argument("--switch-interval", type=float, default=0, metavar="MS",
+                        help="the GIL switch interval (sys.setswitchinterval; Python default 5 ms)")
     parser.add_argument("--batch", type=int, help="n_batch = n_ubatch (prefill chunk size)")
     parser.add_argument("--diagnose", action="store_true", help="stacks of every thread at late heartbeats")
     parser.add_argument("--compare", metavar="A,B", help="run these compute priorities alternately")
