@@ -123,13 +123,13 @@ def test_a_failed_write_stops_the_checksum_thread(monkeypatch):
 def test_a_failing_checksum_is_reported_not_lost(monkeypatch):
     monkeypatch.setattr(fmt, "CRC_THREAD_MIN_BYTES", 0)
 
-    real = zlib.crc32
+    real = fmt.crc32
 
     def broken(data, *args):   # fails on the state's chunks only (the header's CRC is small)
         if len(memoryview(data)) >= 1 << 20:
             raise MemoryError("simulated")
         return real(data, *args)
-    monkeypatch.setattr(fmt.zlib, "crc32", broken)
+    monkeypatch.setattr(fmt, "crc32", broken)
     header, meta, tokens, logits, state = _sections(2 << 20)
     with pytest.raises(MemoryError):
         fmt.write_sections(io.BytesIO(), header, meta, tokens, logits, state)
@@ -222,3 +222,13 @@ def test_restore_time_is_recorded(smollm_runtime, tmp_path):
     started = time.perf_counter()
     rt.restore(fmt.read_checkpoint(info.path))
     assert 0 < rt.last_restore_s <= time.perf_counter() - started
+
+
+def test_the_fast_crc_is_zlibs_crc32():
+    from engine.checkpoints import crc
+    data = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8)
+    view = memoryview(data)
+    assert crc.FAST                                     # python-isal is a dependency
+    assert crc.crc32(view) == zlib.crc32(view)
+    assert crc.crc32(view[100:], crc.crc32(view[:100])) == zlib.crc32(view)
+    assert crc.crc32(b"") == 0 and crc.crc32(b"abc", 7) == zlib.crc32(b"abc", 7)

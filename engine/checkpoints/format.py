@@ -97,13 +97,13 @@ import re
 import struct
 import threading
 import uuid
-import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from engine.checkpoints.crc import FAST as CRC_FAST, crc32
 from engine.errors import (ChecksumMismatch, CorruptHeader, CorruptMetadata, NotACheckpoint,
                            TruncatedCheckpoint, UnsupportedVersion)
 
@@ -224,7 +224,7 @@ def pack_header(h: Header) -> bytes:
         h.n_tokens, h.n_tokens_total, h.n_generated, h.created_unix_ns, h.conversation_id.bytes,
         h.meta_len, h.tokens_len, h.logits_len, h.state_len,
         _fixed_text(h.library, 32), _fixed_text(h.title, 64), h.parent_n_tokens, 0)
-    return body[:-4] + struct.pack("<I", zlib.crc32(body[:-4]))
+    return body[:-4] + struct.pack("<I", crc32(body[:-4]))
 
 
 def max_state_len(h: Header) -> int:
@@ -261,7 +261,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
      tokens_len, logits_len, state_len, library, title, parent_n_tokens, crc) = _HEADER.unpack(raw)
     if header_len != HEADER_LEN:
         raise CorruptHeader(f"header length {header_len} is not {HEADER_LEN}")
-    if zlib.crc32(raw[:-4]) != crc:
+    if crc32(raw[:-4]) != crc:
         raise CorruptHeader("header checksum mismatch: the header is damaged")
     problems = []
     if flags & ~KNOWN_FLAGS:
@@ -431,17 +431,19 @@ class CheckpointData:
 
 #: Payloads at least this large have their CRC32 computed on a helper thread while the
 #: bytes are written; below it the checksum is computed inline (starting a thread costs
-#: more than checksumming a small delta).  Read at call time: benchmarks and tests set it.
-CRC_THREAD_MIN_BYTES = 1 << 20
+#: more than checksumming a small delta).  With the fast CRC (engine.checkpoints.crc:
+#: ~37 GB/s) the checksum always is inline.  Read at call time: benchmarks and tests set it.
+CRC_THREAD_MIN_BYTES = 1 << 62 if CRC_FAST else 1 << 20
 
 
 class _CrcThread:
     """The CRC32 of some buffers, computed on a helper thread while the caller writes them.
 
-    ``zlib.crc32`` releases the GIL for buffers above a few kilobytes and so does a file
-    write, so checksum and write run on two cores at once and the save takes about as
-    long as the longer of the two instead of their sum.  The buffers must not change
-    until :meth:`result` or :meth:`cancel` has returned.  Chunks as large as the writer's
+    zlib's ``crc32`` (the fallback of engine.checkpoints.crc) releases the GIL for
+    buffers above a few kilobytes and so does a file write, so checksum and write run
+    on two cores at once and the save takes about as long as the longer of the two
+    instead of their sum.  The buffers must not change until :meth:`result` or
+    :meth:`cancel` has returned.  Chunks as large as the writer's
     keep the GIL hand-offs as few as theirs (a busy UI thread makes each one wait).
     """
 
@@ -461,7 +463,7 @@ class _CrcThread:
                 for start in range(0, len(view), self._chunk):
                     if self._stop.is_set():
                         return
-                    crc = zlib.crc32(view[start:start + self._chunk], crc)
+                    crc = crc32(view[start:start + self._chunk], crc)
             self._value = crc
         except BaseException as exc:  # handed to the writing thread by result()
             self._error = exc
@@ -510,7 +512,7 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
         _write_parts(out, parts, chunk)
         crc = 0
         for part in parts:
-            crc = zlib.crc32(part, crc)
+            crc = crc32(part, crc)
     out.write(struct.pack("<I", crc) + TRAILER_MAGIC)
     return header, crc
 
@@ -541,12 +543,12 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
-        crc = zlib.crc32(meta_bytes)
+        crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
         tokens_bytes = _read_exact(f, header.tokens_len, "token array")
-        crc = zlib.crc32(tokens_bytes, crc)
+        crc = crc32(tokens_bytes, crc)
         logits_bytes = _read_exact(f, header.logits_len, "logits")
-        crc = zlib.crc32(logits_bytes, crc)
+        crc = crc32(logits_bytes, crc)
         # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
         # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
         state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
@@ -580,7 +582,7 @@ def _read_state_into(f: BinaryIO, state: np.ndarray, crc: int, progress, chunk: 
         n = f.readinto(view[done:done + chunk])
         if not n:
             raise TruncatedCheckpoint("the file ends inside its KV state")
-        crc = zlib.crc32(view[done:done + n], crc)
+        crc = crc32(view[done:done + n], crc)
         done += n
         if progress:
             progress(done, total)
@@ -595,7 +597,7 @@ def _crc_of_rest(f: BinaryIO, length: int, crc: int, progress, chunk: int = 8 <<
         n = f.readinto(view[:min(chunk, length - done)])
         if not n:
             raise TruncatedCheckpoint("the file ends inside its KV state")
-        crc = zlib.crc32(view[:n], crc)
+        crc = crc32(view[:n], crc)
         done += n
         if progress:
             progress(done, length)

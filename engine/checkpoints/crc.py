@@ -1,0 +1,24 @@
+"""The checkpoint format's CRC32 (zlib's polynomial and values), as fast as it can be had.
+
+python-isal computes exactly zlib's CRC32 with ISA-L's carry-less-multiply folding:
+measured here 36.7 GB/s against zlib's 4.3 GB/s (a 25 MB state: 0.68 ms instead of
+5.84 ms), which is most of what a save adds to writing its bytes, and of what a restore
+adds to reading them.  Where no isal wheel exists for a platform, zlib's is used; files
+are the same either way.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+try:
+    from isal.isal_zlib import crc32 as _isal_crc32
+except ImportError:   # pragma: no cover - every platform we ship has a wheel
+    _isal_crc32 = None
+
+#: crc32(data, value=0) -> int, zlib-compatible (chain it over consecutive buffers)
+crc32 = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
+
+#: True when the fast implementation is in use (a save then checksums inline: a helper
+#: thread costs more than the checksum itself)
+FAST = _isal_crc32 is not None
