@@ -41,7 +41,7 @@ from engine.conversation import Conversation
 from engine.errors import GenerationError
 from engine.generation import FINISH_PAUSED, AnswerStepper, Control, GenerationResult, Listener, NullListener
 from engine.parallel import ParallelRuntime
-from engine.runtime import PrefillReport
+from engine.runtime import PrefillReport, chunk_end
 
 
 @dataclass(eq=False)
@@ -154,7 +154,7 @@ class Batcher:
         chunks, room = [], prt.batch.capacity
         for job in self._prefilling:
             tokens, pos = job.conv.tokens, len(prt.tokens(job.seq))
-            end = min(len(tokens), (pos // step + 1) * step)
+            end = chunk_end(pos, len(tokens), step)
             if end - pos > room:
                 continue
             room -= end - pos

@@ -43,7 +43,7 @@ from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
-from engine.runtime import PrefillReport, Runtime, SaveInfo, checked_chain, files_in_cache
+from engine.runtime import PrefillReport, Runtime, SaveInfo, checked_chain, chunk_end, files_in_cache
 from engine.sequences import Placement, SequenceTable
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
@@ -401,8 +401,11 @@ class SequenceView:
     metadata_for = Runtime.metadata_for
 
     def __init__(self, prt: ParallelRuntime, seq: int) -> None:
-        self._prt = prt
+        self._bind(prt)
         self.seq = seq
+
+    def _bind(self, prt: ParallelRuntime) -> None:
+        self._prt = prt
         self.model = prt.model
         self.ctx = prt.ctx
         self.fingerprint = prt.fingerprint
@@ -447,7 +450,7 @@ class SequenceView:
                 ctx.seq_rm(prt.scratch, -1, -1)
 
 
-class ConversationView:
+class ConversationView(SequenceView):
     """Conversation ``key`` of a ParallelRuntime, wherever the residency table puts it,
     with the single-sequence Runtime's interface: what the worker, the line writer,
     prefix reuse and compaction use, so each conversation's code reads as it did when
@@ -460,18 +463,9 @@ class ConversationView:
     are short, never this one.
     """
 
-    save = Runtime.save
-    header_for = Runtime.header_for
-    metadata_for = Runtime.metadata_for
-    _state_bytes = SequenceView._state_bytes
-
     def __init__(self, prt: ParallelRuntime, key: Hashable) -> None:
-        self._prt = prt
+        self._bind(prt)
         self.key = key
-        self.model = prt.model
-        self.ctx = prt.ctx
-        self.fingerprint = prt.fingerprint
-        self.settings = prt.file_settings
         self.target = prt.target
         self.check_compatible = prt.check_compatible
 
@@ -551,7 +545,7 @@ class ConversationView:
             if should_stop():
                 report.aborted = True
                 break
-            end = min(total, (pos // step + 1) * step)
+            end = chunk_end(pos, total, step)
             if not prt.decode_chunks([(seq, tokens[pos:end], end == total)], should_abort=should_stop):
                 report.aborted = True
                 report.n_decoded += len(prt.tokens(seq)) - pos

@@ -169,7 +169,7 @@ class Runtime:
             if should_stop():
                 report.aborted = True
                 break
-            end = min(total, (pos // step + 1) * step)
+            end = chunk_end(pos, total, step)
             chunk = tokens[pos:end]
             rc = self.ctx.decode(chunk, pos, logits_last=end == total, abortable=True,
                                  should_abort=should_stop)
@@ -403,6 +403,14 @@ class Runtime:
             self._logits_len = h.n_tokens
             self._logits_copy = last.logits
         return conv
+
+
+def chunk_end(pos: int, total: int, step: int) -> int:
+    """Where the prompt chunk that starts at ``pos`` ends: at the next absolute multiple
+    of the batch size ``step`` (or at ``total``).  Every prefill cuts its chunks so, alone
+    or beside other sequences, interrupted or not: a prompt's cache is then built from
+    the same pieces whichever way it was decoded."""
+    return min(total, (pos // step + 1) * step)
 
 
 def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> int:
