@@ -297,6 +297,8 @@ def run_window(args) -> dict:
               f"{results[0].status}: {(results[0].reason or 'CRC OK')[:40]}")
         browser.hide()
         big.unlink()   # freeing 1 GB of file is the benchmark's own work, not the app's
+        t0 = time.perf_counter()   # ... and its gap must not open the next phase
+        wait_until(app, lambda: time.perf_counter() - t0 > 0.2, 5)
 
     # 6. pause latency: during generation, then during a prefill
     latencies = []
