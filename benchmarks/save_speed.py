@@ -46,7 +46,7 @@ DELTA_TOKENS = 256
 
 def table() -> Table:
     return Table("Save vs raw write+fsync: old path (fresh buffer, serial CRC) vs new (reused buffer, "
-                 "CRC thread) (best of N, s)",
+                 "fast inline CRC) (best of N, s)",
                  ["model", "tokens", "file_MB", "raw_s", "get_write_s", "old_s", "new_s", "old_vs_raw",
                   "new_vs_raw", "new_vs_old", "new_vs_get_write", "get_ms", "zlib_crc_ms", "fast_crc_ms",
                   "delta_old_s",
