@@ -1046,7 +1046,13 @@ class EngineWorker(RequestCommands):
             raise GenerationError("this conversation is answering already")
         requested = time.perf_counter()
         rt.last_restore_s = 0.0
-        self._activate(conv, running=True)
+        try:
+            self._activate(conv, running=True)
+            prompt_checkpoint = self._writer(conv).policy.prompt_checkpoint
+        except BaseException:
+            if conv.id in rt.table:   # placed as running: it must not hold its sequence for good
+                rt.table.finish(conv.id)
+            raise
         restore_s = time.perf_counter() - requested if rt.last_restore_s else 0.0
         control = Control()
         with self._busy_lock:
@@ -1062,7 +1068,7 @@ class EngineWorker(RequestCommands):
             self._pause_kind = KIND_PAUSE
         job = Job(conv, rt.table.seq_of(conv.id), control=control, listener=_Relay(self.listener, conv),
                   autosave_every=self.autosave_every, skip_eog_once=skip_eog_once,
-                  checkpoint_prompt=self._writer(conv).policy.prompt_checkpoint)
+                  checkpoint_prompt=prompt_checkpoint)
         from engine.server.engine_commands import ANSWER_ACTION
         action = ANSWER_ACTION if request_id is not None else self._answer_action or "generate"
         self._answers[conv.id] = _Running(job, restore_s, action, request_id)
