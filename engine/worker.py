@@ -549,7 +549,8 @@ class EngineWorker(RequestCommands):
             return bool(self._answers)
         if wait.conv is not None and wait.conv in self._answers:
             return True
-        if wait.sequence and self.runtime is not None and wait.conv not in self.runtime.table:
+        # (with no answer running nothing would free a sequence: the command runs, and says so)
+        if wait.sequence and self._answers and self.runtime is not None and wait.conv not in self.runtime.table:
             table = self.runtime.table
             return table.free == 0 and table.victim() is None
         return False
@@ -857,7 +858,8 @@ class EngineWorker(RequestCommands):
         transcript becomes a new branch, decoded once when it next answers."""
         from engine.checkpoints.format import read_header
         conv_id = read_header(path).conversation_id   # 256 bytes; the rest on the engine thread
-        self._submit("continue with this model", self._do_continue_with_loaded_model, conv_id, Path(path))
+        self._submit("continue with this model", self._do_continue_with_loaded_model, conv_id, Path(path),
+                     wait=_Wait(conv_id))
         return conv_id
 
     def _do_continue_with_loaded_model(self, conv_id: uuid.UUID, path: Path) -> None:
@@ -1121,7 +1123,10 @@ class EngineWorker(RequestCommands):
         finally:
             self._end_answer(conv, durable=saved)
         if running.request_id is not None:
-            self._request_ended(running.request_id, conv.id)
+            try:
+                self._request_ended(running.request_id, conv.id)
+            except Exception:  # noqa: BLE001 - a front end's failure must not stop the other answers
+                log.exception("could not report the end of request %s", running.request_id)
 
     def _answers_failed(self, exc: BaseException) -> None:
         """A decode failed (a bug, a native error): every running answer stops where it is,
@@ -1130,18 +1135,20 @@ class EngineWorker(RequestCommands):
         message = None
         for conv_id in list(self._answers):
             conv = self._answers[conv_id].job.conv
-            running = self._end_answer(conv, durable=False)
-            self._save_after_failure(conv)
-            if running.request_id is not None:
-                self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
-            # each front end hears which answer ended, under the action that started it
-            if running.request_id is not None:   # as a request's other failures are told
-                self.listener.on_error(running.action, str(exc) or type(exc).__name__)
-            else:
-                message = self._report_error(running.action, exc, quiet=message is not None)
-            self.listener.on_generation_finished(GenerationSummary(
-                conversation_id=conv.id, finish_reason=FINISH_ERROR, n_generated=0,
-                n_prompt_tokens=len(conv.tokens), n_reused_tokens=0, tokens_per_s=0.0, text=""))
+            running = self._end_answer(conv, durable=self._save_after_failure(conv))
+            try:
+                if running.request_id is not None:
+                    self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
+                # each front end hears which answer ended, under the action that started it
+                if running.request_id is not None:   # as a request's other failures are told
+                    self.listener.on_error(running.action, str(exc) or type(exc).__name__)
+                else:
+                    message = self._report_error(running.action, exc, quiet=message is not None)
+                self.listener.on_generation_finished(GenerationSummary(
+                    conversation_id=conv.id, finish_reason=FINISH_ERROR, n_generated=0,
+                    n_prompt_tokens=len(conv.tokens), n_reused_tokens=0, tokens_per_s=0.0, text=""))
+            except Exception:  # noqa: BLE001 - every other answer must still be ended
+                log.exception("could not report the failed answer of %s", conv_id)
         self._batcher = Batcher(self.runtime, on_stopped=self._answer_stopped, autosave=self._autosave_job)
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -1159,17 +1166,21 @@ class EngineWorker(RequestCommands):
                 self._view(conv), self.store, default_line(conv.id))
         return writer
 
-    def _save_after_failure(self, conv: Conversation) -> None:
+    def _save_after_failure(self, conv: Conversation) -> bool:
+        """Save what the cache holds of ``conv`` after a failure; False when its sequence
+        holds tokens that could not be saved (it must then not be evicted)."""
         if self.runtime is None:
-            return
+            return True
         kv = self._view(conv).kv_tokens
         n = len(kv)
         if not n or not conv.paused or conv.tokens[:n] != kv:
-            return
+            return True   # nothing of it to keep (or nothing that matches it)
         try:
             self._save(conv, KIND_EXIT)
+            return True
         except Exception:  # noqa: BLE001 - the original failure is what gets reported
             log.exception("could not save after a failed generation")
+            return False
 
     def _save(self, conv: Conversation, kind: int) -> None:
         # the kind in the header is what a listing shows as "paused": keep it truthful
@@ -1180,6 +1191,8 @@ class EngineWorker(RequestCommands):
         self.listener.on_checkpoint_saving(conv.id, kind)
         info = self._writer(conv).save_head(conv, kind)
         self._paths[conv.id] = info.path
+        if self.runtime is not None and conv.id in self.runtime.table:
+            self.runtime.table.saved(conv.id)   # evicting it now loses nothing
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
 
     def _autosave_job(self, job) -> None:

@@ -661,8 +661,8 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:
-        if action in ANSWER_ACTIONS:
-            # an answer command refused before its answer started (a started one ends with
+        if action in ANSWER_ACTIONS and action != "answer a request":
+            # an answer command of the window's refused before its answer started (a started one ends with
             # its own summary, finish_reason "error"): the answers still only asked for
             shown = self.state.shown_answering and self.state.streamed(self.current) is None
             self.state.ended_queued()

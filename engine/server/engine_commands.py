@@ -275,6 +275,8 @@ class RequestCommands:
         for conv_id in dict.fromkeys(h.conversation_id for h in graph.heads):
             for branch in branches_of(self.store, conv_id, graph):
                 node = graph.nodes.get(branch.head.name)
+                if conv_id in self._answers:
+                    break   # answering now (another request's): this one starts its own
                 if branch.paused or list(branch.messages) != history or node is None \
                         or rt.target.problem(node.header) is not None:
                     continue
