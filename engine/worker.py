@@ -1101,6 +1101,7 @@ class EngineWorker(RequestCommands):
         sequence, and tell the request it served."""
         conv, result = job.conv, job.result
         running = self._answers[conv.id]
+        self._batcher.done.clear()   # the Batcher's record of ended jobs: the worker keeps none
         saved = False
         try:
             self.listener.on_generation_finished(GenerationSummary(
