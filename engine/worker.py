@@ -393,10 +393,20 @@ class EngineWorker(RequestCommands):
         self._submit(action, self._answer_command, number, action, fn, conv_id, *args,
                      wait=_Wait(conv_id, sequence=True))
 
-    def _answer_command(self, number: int, action: str, fn: Callable, *args) -> None:
+    def _answer_command(self, number: int, action: str, fn: Callable, conv_id: uuid.UUID, *args) -> None:
         self._answer_running, self._answer_action = number, action
         try:
-            fn(*args)
+            fn(conv_id, *args)
+        except Exception:
+            # refused before its answer could start (or while starting): the front ends hear
+            # which conversation's answer ended, then the error itself (on_error)
+            if conv_id not in self._answers:
+                conv = self._convs.get(conv_id)
+                self.listener.on_generation_finished(GenerationSummary(
+                    conversation_id=conv_id, finish_reason=FINISH_ERROR, n_generated=0,
+                    n_prompt_tokens=len(conv.tokens) if conv is not None else 0, n_reused_tokens=0,
+                    tokens_per_s=0.0, text=""))
+            raise
         finally:
             self._answer_running, self._answer_action = 0, None
 

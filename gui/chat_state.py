@@ -98,10 +98,5 @@ class ChatState:
         """The answer stopped (finished, paused, refused or failed)."""
         self._answers.pop(conv_id, None)
 
-    def ended_queued(self) -> None:
-        """Answers only asked for (not started) end: the engine refused the command."""
-        for conv_id in [c for c, a in self._answers.items() if not a.started]:
-            del self._answers[conv_id]
-
     def ended_all(self) -> None:
         self._answers.clear()

@@ -36,10 +36,6 @@ from gui.store_actions import StoreActions
 log = logging.getLogger("gui")
 
 CLOSE_WAIT_MS = 15000   # bounded wait for the exit checkpoint when closing mid-answer
-#: engine actions that generate an answer (EngineWorker._submit_answer): a failure ends it
-ANSWER_ACTIONS = ("generate", "resume", "regenerate", "edit the message", "continue the answer",
-                  "continue in a new branch", "answer a request")   # the last: a local server client's
-
 
 class MainWindow(StoreActions, BranchActions, QMainWindow):
     """Checkpoint Chat's main window.
@@ -661,13 +657,6 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot(str, str)
     def _on_bridge_engine_failed(self, action: str, message: str) -> None:
-        if action in ANSWER_ACTIONS and action != "answer a request":
-            # an answer command of the window's refused before its answer started (a started one ends with
-            # its own summary, finish_reason "error"): the answers still only asked for
-            shown = self.state.shown_answering and self.state.streamed(self.current) is None
-            self.state.ended_queued()
-            if shown:
-                self.chat_view.finish_answer(complete=False, note="Stopped by an error")
         self.save_progress.hide()
         self._update_buttons()
         if action == "fork the conversation":

@@ -46,15 +46,6 @@ def test_switching_back_shows_what_the_answer_streamed_meanwhile():
     assert s.streamed(b) is None
 
 
-def test_a_refused_command_ends_only_the_answers_still_queued():
-    a, b = uuid.uuid4(), uuid.uuid4()
-    s = ChatState(current=a)
-    s.started(a, ())
-    s.asked(b)
-    s.ended_queued()
-    assert s.answering == {a}
-
-
 def test_closing_and_unopened_conversations_send_nothing():
     a = uuid.uuid4()
     s = ChatState(current=a, unopened={a: "file"})
@@ -65,7 +56,7 @@ def test_closing_and_unopened_conversations_send_nothing():
     assert not s.can_send() and not s.can_resume(snap(paused=True))
 
 
-EVENTS = st.lists(st.tuples(st.sampled_from(["asked", "started", "text", "ended", "show", "refused"]),
+EVENTS = st.lists(st.tuples(st.sampled_from(["asked", "started", "text", "ended", "show"]),
                             st.integers(0, 2)), max_size=40)
 
 
@@ -88,9 +79,6 @@ def test_any_sequence_of_events_keeps_the_buttons_consistent(events):
         elif kind == "ended":
             s.ended(conv)
             running.pop(conv, None)
-        elif kind == "refused":
-            s.ended_queued()
-            running = {c: v for c, v in running.items() if v}
         else:
             s.current = conv
         assert s.answering == set(running)

@@ -259,3 +259,18 @@ def test_closing_with_two_answers_running_saves_both_as_exit_checkpoints(smollm_
             assert rt.kv_tokens == conv.tokens       # nothing decoded is lost
         finally:
             rt.close()
+
+
+def test_a_refused_answer_command_ends_only_its_conversations_answer(smollm_path, tmp_path):
+    w, rec = start_worker(smollm_path, tmp_path / "store")
+    try:
+        a = w.new_conversation(sampler=sampler(0, 0.0))
+        b = w.new_conversation(sampler=sampler(1, 0.0))
+        w.send(b, PROMPTS[1], n_predict=32)
+        w.resume(a)                          # nothing to resume: refused, B goes on
+        refused = rec.finished_for(a)
+        assert refused.finish_reason == "error" and refused.n_generated == 0
+        assert rec.wait("error")[0][1] == "resume"
+        assert rec.finished_for(b).n_generated == 32
+    finally:
+        stop(w)
