@@ -316,3 +316,29 @@ def test_the_benchmark_runs_and_prints_its_tables(tmp_path):
             if line.split()[:1] in (["1"], ["4"])]
     # one at a time and concurrent sequences, for 1, 2 and 4 clients each
     assert [(r[0], r[1]) for r in rows if r[1] in ("1", "4")] == [("1", "1"), ("1", "4"), ("4", "1"), ("4", "4")]
+
+
+def test_concurrent_streams_each_get_their_own_answer_as_alone(app_home, served):
+    """Two clients streaming at once are answered in two sequences of one context; each
+    stream carries its own answer, the text it gets alone (same seed)."""
+    import threading
+    server = served(app_home)
+    client = server.client()
+    model = client.models.list().data[0].id
+    questions = [[{"role": "user", "content": "Describe the sea in a few sentences."}],
+                 [{"role": "user", "content": "List some kitchen tools and what they do."}]]
+    alone = [ask(client, model, q, stream=True, max_tokens=48, seed=11 + k, temperature=0.8)[0]
+             for k, q in enumerate(questions)]
+    together: dict = {}
+
+    def stream(k: int) -> None:
+        together[k] = ask(client, model, questions[k], stream=True, max_tokens=48, seed=11 + k, temperature=0.8)[0]
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert time.perf_counter() - started < 300
+    assert [together[0], together[1]] == alone
+    assert alone[0] != alone[1]

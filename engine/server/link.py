@@ -5,8 +5,9 @@ its callbacks run on the engine thread and only post events to the loop with
 ``call_soon_threadsafe``.  Each request the server submits has a :class:`Job`; the
 request's own callbacks carry its id, and between ``on_request_started`` and its end
 the answer's callbacks carry its conversation's id, which the link maps back to the
-job (the engine thread answers one request at a time, so the mapping is unambiguous;
-the window's own answers, with other ids, are ignored).
+job (requests are answered concurrently, but each running answer has a conversation of
+its own — a request never continues a conversation that is answering — so the mapping is
+unambiguous; the window's own answers, with other ids, are ignored).
 
 A job's events, in order: ``("started", ConversationSnapshot)``, any number of
 ``("text", str)``, ``("finished", GenerationSummary)``, then ``("done", Path | None)``
