@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from engine.checkpoints import graph
+from engine.checkpoints.atomic import Landing
 from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData
 from engine.checkpoints.graph import Graph, line_of
@@ -100,8 +101,13 @@ class LineWriter:
         self.next_seq = seq
         self.policy = policy
         self.mode = mode
-        self.chain: list[SaveInfo] = list(chain)
+        self._chain: list[SaveInfo] = list(chain)
         self._lease = lease
+        #: plain delta autosaves land (fsync, rename) on a helper thread: an answer does
+        #: not wait for its autosave's fsync (engine.checkpoints.atomic.Landing)
+        self._landing = Landing()
+        self._landing_info: SaveInfo | None = None
+        self._land_now = False   # after a failed landing, the next save is synchronous
         self.saves = 0
         self.bytes_written = 0
 
@@ -133,13 +139,40 @@ class LineWriter:
 
     def close(self) -> None:
         """Let go of the line (another writer may continue it)."""
+        self.settle()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
 
     @property
+    def chain(self) -> list[SaveInfo]:
+        """The line's live files, oldest first (every one of them on disk)."""
+        self.settle()
+        return self._chain
+
+    @chain.setter
+    def chain(self, value: list[SaveInfo]) -> None:
+        self.settle()
+        self._chain = value
+
+    @property
     def head(self) -> SaveInfo | None:
-        return self.chain[-1] if self.chain else None
+        chain = self.chain
+        return chain[-1] if chain else None
+
+    def settle(self) -> None:
+        """Wait for the autosave still landing; if it failed, it is no file of the chain."""
+        if not self._landing.in_flight:
+            return
+        failure = self._landing.settle()
+        landed, self._landing_info = self._landing_info, None
+        if failure is not None:
+            # e.g. its parent was deleted meanwhile: the next save, made in the foreground,
+            # finds that out and writes a full checkpoint instead
+            log.warning("an autosave could not be saved: %s", failure)
+            self._land_now = True
+            if self._chain and self._chain[-1] is landed:
+                self._chain.pop()
 
     # -- deciding -----------------------------------------------------------------------------
     def _holds_cache(self) -> bool:
@@ -198,9 +231,11 @@ class LineWriter:
             # file — one a user may have been handed — stays a head of its own
             self._branch_off()
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
+        # a plain autosave on the tip (nothing retired after it) lands in the background
+        landing = self._landing if kind == KIND_AUTOSAVE and not superseding and not self._land_now else None
         try:
             self.store.ensure()
-            info = self._save(conv, kind, self.chain[idx] if idx is not None else None)
+            info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing)
         except SaveFailed:
             if idx is None:
                 raise
@@ -210,7 +245,11 @@ class LineWriter:
             info = self._save(conv, kind, None)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
-        self.chain = (self.chain[:idx + 1] if idx is not None else []) + [info]
+        if landing is not None and self._landing.in_flight:
+            self._landing_info = info
+        else:
+            self._land_now = False
+        self._chain = (self._chain[:idx + 1] if idx is not None else []) + [info]
         self.next_seq += 1
         self.saves += 1
         self.bytes_written += info.size
@@ -218,11 +257,11 @@ class LineWriter:
             self.retire()
         return info
 
-    def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None) -> SaveInfo:
+    def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None) -> SaveInfo:
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
                 else self.store.new_path(conv.title))
         return self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
-                                 fresh=True)
+                                 fresh=True, landing=landing)
 
     def retire(self) -> None:
         """Delete what this line's head supersedes (the head is durable)."""

@@ -240,7 +240,7 @@ class Runtime:
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
              parent: "SaveInfo | None" = None, *, line: str | None = None, seq: int = 0,
-             fresh: bool = False) -> SaveInfo:
+             fresh: bool = False, landing=None) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
@@ -251,6 +251,8 @@ class Runtime:
         and ``seq`` place the file in its line of history (engine.checkpoints.graph; by
         default the conversation's first line).  ``fresh``: ``path`` is a new name, and
         the save fails rather than replace a file that appeared there meanwhile.
+        ``landing`` (engine.checkpoints.atomic.Landing): the bytes are written now, the
+        fsync and the rename into place happen on its helper thread (an autosave).
         """
         started = time.perf_counter()
         path = Path(path)
@@ -290,14 +292,15 @@ class Runtime:
         precondition = (lambda: [check() for check in checks]) if checks else None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_write(path, precondition=precondition) as f:
+            with atomic_write(path, precondition=precondition, landing=landing) as f:
                 _, crc = write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32),
                                         logits, state)
+                size = f.tell()
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise SaveFailed(f"could not save the checkpoint to {path}: {reason}; "
                              "any earlier checkpoint there is untouched") from exc
-        return SaveInfo(path=path, size=path.stat().st_size,
+        return SaveInfo(path=path, size=size,
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None,

@@ -172,3 +172,60 @@ def test_autosave_to_a_named_file_writes_deltas_beside_it(smollm_path, app_home,
     run_cli("run", *common, "-n", "12", "--checkpoint-save", str(killed), "--checkpoint-save-interval", "8",
             check=True)
     assert killed.exists() and set(files) <= set(beside.glob("*.kvckpt"))
+
+
+class _HeldLanding:
+    """A Landing whose saves land only when settled: the test decides when."""
+
+    def __init__(self) -> None:
+        self.finish = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.finish is not None
+
+    def submit(self, finish) -> None:
+        self.settle()
+        self.finish = finish
+
+    def settle(self):
+        finish, self.finish = self.finish, None
+        if finish is None:
+            return None
+        try:
+            finish()
+        except BaseException as exc:  # noqa: BLE001 - handed back as Landing does
+            return exc
+        return None
+
+
+def test_autosaves_land_in_the_background_and_a_failed_landing_is_no_file_of_the_chain(smollm_runtime, tmp_path):
+    from engine.checkpoints.format import KIND_AUTOSAVE
+    from engine.checkpoints.graph import Graph
+    rt = smollm_runtime
+    rt.trim(0)
+    conv = _conversation(rt, "Tell me about rivers.")
+    store = Store(tmp_path / "store")
+    writer = LineWriter.starting(rt, store, "line")
+    writer._landing = held = _HeldLanding()
+    saved = []
+    generate(rt, conv, autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=8, stop_after=24)
+    # the first autosave supersedes nothing before it and lands at once; the next ones are
+    # plain deltas on the tip: each lands when the next save (or anyone reading the chain)
+    # settles it, so the answer never waited for their fsync
+    assert held.in_flight and not saved[-1].path.exists()
+    assert all(info.path.exists() for info in saved[:-1])
+    assert writer.chain[-1] is saved[-1] and saved[-1].path.exists()     # reading the chain settles
+    # a landing that fails (its parent deleted before it landed) is no file of the chain,
+    # and the next save, in the foreground, writes a full checkpoint instead of a delta on it
+    generate(rt, conv, autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=8, stop_after=8)
+    assert held.in_flight
+    saved[-2].path.unlink()
+    writer.settle()
+    assert not saved[-1].path.exists() and writer.chain[-1] is saved[-2]   # (deleted: found out next)
+    generate(rt, conv, autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=8, stop_after=8)
+    assert not held.in_flight and saved[-1].path.exists() and not saved[-1].delta
+    head = Graph.scan(store).heads[0]
+    assert head.path == saved[-1].path and head.header.kind == KIND_AUTOSAVE
+    restored = rt.restore_chain(load_chain(head.path))
+    assert restored.tokens == conv.tokens

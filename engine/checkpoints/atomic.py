@@ -143,16 +143,51 @@ def is_stale_temp(path: Path, min_age_s: float) -> bool:
         os.close(fd)
 
 
+class Landing:
+    """The last steps of saves — fsync, the rename into place, the folder's fsync — run on
+    a helper thread, one save after another (:func:`atomic_write` with ``landing``).
+
+    For a save that nothing waits for: an autosave in the middle of an answer, whose
+    fsync would otherwise stall generation (under disk load, tens of milliseconds each).
+    Until it has landed the file is a temp file: a crash then keeps the previous autosave,
+    which is all an autosave promises.  :meth:`settle` waits for the save in flight and
+    returns its failure, if any (the caller must then not build on that file).
+    """
+
+    _executor = None   # one helper thread for every writer of the process, made when needed
+
+    def __init__(self) -> None:
+        self._pending = None
+
+    def submit(self, finish: Callable[[], None]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+        self.settle()
+        if Landing._executor is None:
+            Landing._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-landing")
+        self._pending = Landing._executor.submit(finish)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def settle(self) -> BaseException | None:
+        pending, self._pending = self._pending, None
+        return pending.exception() if pending is not None else None
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, *, durable: bool = True,
                  lock: ContextManager | None = None,
-                 precondition: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
+                 precondition: Callable[[], None] | None = None,
+                 landing: Landing | None = None) -> Iterator[BinaryIO]:
     """Yield a binary file; on normal exit it atomically becomes ``path``.
 
     ``lock`` is held around the rename; by default the store lock when ``path`` lies
     in a checkpoint store, else nothing.  ``precondition`` runs under that lock just
     before the rename and may raise to cancel it (a delta checks that its parent is
-    still there: the store's pruner deletes under the same lock).
+    still there: the store's pruner deletes under the same lock).  With ``landing`` the
+    bytes are written here and the fsync, rename and folder fsync happen on its helper
+    thread (see :class:`Landing`).
     """
     path = Path(path)
     tmp = temp_path_for(path)
@@ -162,6 +197,9 @@ def atomic_write(path: str | os.PathLike, *, durable: bool = True,
         _mark_live(f)
         yield f
         f.flush()
+        if landing is not None:
+            landing.submit(lambda: _land(f, tmp, path, durable, lock, precondition))
+            return
         if durable:
             fsync(f.fileno())
         f.close()
@@ -179,6 +217,32 @@ def atomic_write(path: str | os.PathLike, *, durable: bool = True,
             with contextlib.suppress(OSError):
                 tmp.unlink()
         raise
+    _sync_folder(path, durable)
+
+
+def _land(f: BinaryIO, tmp: Path, path: Path, durable: bool, lock, precondition) -> None:
+    """A written temp file's last steps (on Landing's thread): as atomic_write's own."""
+    renamed = False
+    try:
+        if durable:
+            fsync(f.fileno())
+        f.close()
+        with lock if lock is not None else _lock_for(path.parent):
+            if precondition is not None:
+                precondition()
+            replace_with_retry(tmp, path)
+            renamed = True
+    except BaseException:
+        with contextlib.suppress(OSError):
+            f.close()
+        if not renamed:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        raise
+    _sync_folder(path, durable)
+
+
+def _sync_folder(path: Path, durable: bool) -> None:
     if durable:
         try:
             fsync_dir(path.parent)
