@@ -192,36 +192,22 @@ def atomic_write(path: str | os.PathLike, *, durable: bool = True,
     path = Path(path)
     tmp = temp_path_for(path)
     f = open_file(tmp, "xb")
-    renamed = False
     try:
         _mark_live(f)
         yield f
         f.flush()
-        if landing is not None:
-            landing.submit(lambda: _land(f, tmp, path, durable, lock, precondition))
-            return
-        if durable:
-            fsync(f.fileno())
-        f.close()
-        with lock if lock is not None else _lock_for(path.parent):
-            if precondition is not None:
-                precondition()
-            replace_with_retry(tmp, path)
-            renamed = True
     except BaseException:
-        # close() flushes what is buffered, which fails again on a full disk: the temp
-        # file must go away whatever close() says, and the first error is the one to report
-        with contextlib.suppress(OSError):
-            f.close()
-        if not renamed:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        _discard(f, tmp)
         raise
-    _sync_folder(path, durable)
+    if landing is not None:
+        landing.submit(lambda: _land(f, tmp, path, durable, lock, precondition))
+    else:
+        _land(f, tmp, path, durable, lock, precondition)
 
 
 def _land(f: BinaryIO, tmp: Path, path: Path, durable: bool, lock, precondition) -> None:
-    """A written temp file's last steps (on Landing's thread): as atomic_write's own."""
+    """A written temp file's last steps: fsync, the rename into place under the lock (after
+    the precondition), the folder's fsync.  On atomic_write's thread, or Landing's."""
     renamed = False
     try:
         if durable:
@@ -233,13 +219,19 @@ def _land(f: BinaryIO, tmp: Path, path: Path, durable: bool, lock, precondition)
             replace_with_retry(tmp, path)
             renamed = True
     except BaseException:
-        with contextlib.suppress(OSError):
-            f.close()
         if not renamed:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            _discard(f, tmp)
         raise
     _sync_folder(path, durable)
+
+
+def _discard(f: BinaryIO, tmp: Path) -> None:
+    # close() flushes what is buffered, which fails again on a full disk: the temp file
+    # must go away whatever close() says, and the first error is the one to report
+    with contextlib.suppress(OSError):
+        f.close()
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def _sync_folder(path: Path, durable: bool) -> None:
