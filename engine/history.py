@@ -150,11 +150,6 @@ class LineWriter:
         self.settle()
         return self._chain
 
-    @chain.setter
-    def chain(self, value: list[SaveInfo]) -> None:
-        self.settle()
-        self._chain = value
-
     @property
     def head(self) -> SaveInfo | None:
         chain = self.chain

@@ -43,7 +43,7 @@ from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
-from engine.runtime import PrefillReport, Runtime, SaveInfo, checked_chain, chunk_end, files_in_cache
+from engine.runtime import Runtime, SaveInfo, checked_chain, files_in_cache
 from engine.sequences import Placement, SequenceTable
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
@@ -124,9 +124,7 @@ class ParallelRuntime:
     def eog_ids(self) -> np.ndarray:
         return self._rt.eog_ids
 
-    def check_compatible(self, header, meta: dict | None = None) -> None:
-        """Raise IncompatibleModel / IncompatibleContext with the reason, or return."""
-        self.target.check(header, meta)
+    check_compatible = Runtime.check_compatible   # against self.target: the files' shape
 
     # -- residency ------------------------------------------------------------------------
     def view_of(self, key: Hashable) -> "ConversationView":
@@ -457,17 +455,18 @@ class ConversationView(SequenceView):
     the cache held one conversation.
 
     Reading (``kv_tokens``, ``has_logits``) places nothing: a conversation that is not
-    resident holds no tokens.  Bringing tokens in (``prefill``, ``restore_chain``) gives
-    it a sequence first (engine.sequences: its own when resident, else a free one, else
-    the least recently used idle one's) and evicts idle conversations while the cells
-    are short, never this one.
+    resident holds no tokens.  Restoring (``restore_chain``) gives it a sequence first
+    (engine.sequences: its own when resident, else a free one, else the least recently
+    used idle one's) and evicts idle conversations while the cells
+    are short, never this one.  Decoding into it is the Batcher's (engine.concurrent).
     """
+
+    check_compatible = Runtime.check_compatible
 
     def __init__(self, prt: ParallelRuntime, key: Hashable) -> None:
         self._bind(prt)
         self.key = key
         self.target = prt.target
-        self.check_compatible = prt.check_compatible
 
     @property
     def seq(self) -> int | None:
@@ -524,38 +523,3 @@ class ConversationView(SequenceView):
             raise RestoreFailed(f"the context has no room for {last:,} more tokens while other "
                                 "conversations are answering")
         return self._prt.restore(chain, seq)
-
-    def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
-                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
-        """As ``Runtime.prefill``: the cache then holds exactly ``tokens`` with the last
-        one's logits, decoding only what it lacked, in chunks at absolute multiples of
-        the batch size; stops early (``aborted``) when ``should_stop`` turns true."""
-        started = time.perf_counter()
-        prt = self._prt
-        seq = self.place().seq
-        total = len(tokens)
-        keep = prt.reuse(seq, tokens)
-        if not prt.make_room(total - keep, keep=self.key):
-            raise GenerationError(f"the context has no room for {total - keep:,} more tokens while "
-                                  "other conversations are answering")
-        report = PrefillReport(n_prompt=total, n_reused=keep)
-        step = prt.settings.n_batch
-        pos = keep
-        while pos < total:
-            if should_stop():
-                report.aborted = True
-                break
-            end = chunk_end(pos, total, step)
-            if not prt.decode_chunks([(seq, tokens[pos:end], end == total)], should_abort=should_stop):
-                report.aborted = True
-                report.n_decoded += len(prt.tokens(seq)) - pos
-                break
-            report.n_decoded += end - pos
-            pos = end
-            if on_progress:
-                on_progress(pos, total)
-        report.seconds = time.perf_counter() - started
-        return report
-
-    def decode_token(self, token: int) -> None:
-        self._prt.decode_tokens({self.seq: token})

@@ -53,7 +53,7 @@ from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
 from engine.sampling import SamplerSettings, random_seed
-from engine.server.engine_commands import RequestCommands, RequestRefusal
+from engine.server.engine_commands import ANSWER_ACTION, RequestCommands, RequestRefusal
 
 log = logging.getLogger("engine")
 
@@ -264,9 +264,17 @@ class _Running:
 #: GenerationSummary.finish_reason of an answer stopped by a failure (reported with on_error)
 FINISH_ERROR = "error"
 
+def _failed(conv_id: uuid.UUID, conv: Conversation | None) -> GenerationSummary:
+    """The summary of an answer a failure stopped (or never let start)."""
+    return GenerationSummary(conversation_id=conv_id, finish_reason=FINISH_ERROR, n_generated=0,
+                             n_prompt_tokens=len(conv.tokens) if conv is not None else 0,
+                             n_reused_tokens=0, tokens_per_s=0.0, text="")
+
+
 _NOW = _Wait()
 _IDLE = _Wait(everything=True)
-_STOP = object()
+#: shutdown's queue item: it runs after every command and answer before it
+_STOP = ("stop", None, (), _IDLE)
 #: Tokens a new message must leave free for its answer, or the window offers a new branch.
 ANSWER_ROOM = 128
 
@@ -401,11 +409,7 @@ class EngineWorker(RequestCommands):
             # refused before its answer could start (or while starting): the front ends hear
             # which conversation's answer ended, then the error itself (on_error)
             if conv_id not in self._answers:
-                conv = self._convs.get(conv_id)
-                self.listener.on_generation_finished(GenerationSummary(
-                    conversation_id=conv_id, finish_reason=FINISH_ERROR, n_generated=0,
-                    n_prompt_tokens=len(conv.tokens) if conv is not None else 0, n_reused_tokens=0,
-                    tokens_per_s=0.0, text=""))
+                self.listener.on_generation_finished(_failed(conv_id, self._convs.get(conv_id)))
             raise
         finally:
             self._answer_running, self._answer_action = 0, None
@@ -532,8 +536,7 @@ class EngineWorker(RequestCommands):
         """
         for i, item in enumerate(self._deferred):
             if not self._must_wait(item, self._deferred[:i]):
-                item = self._deferred.pop(i)
-                return _STOP if item[1] is None else item
+                return self._deferred.pop(i)
         while True:
             if self._batcher is not None and self._batcher.busy:
                 try:
@@ -542,12 +545,10 @@ class EngineWorker(RequestCommands):
                     return None
             else:
                 item = self._queue.get()
-            if item is _STOP:
-                item = ("stop", None, (), _IDLE)
             if self._must_wait(item, self._deferred):
                 self._deferred.append(item)
                 continue
-            return _STOP if item[1] is None else item
+            return item
 
     def _must_wait(self, item, earlier) -> bool:
         wait: _Wait = item[3]
@@ -599,7 +600,6 @@ class EngineWorker(RequestCommands):
 
     # -- engine-thread implementations --------------------------------------------------------
     def _do_load_model(self, opts: ModelOptions) -> None:
-        from engine.concurrent import Batcher
         from engine.parallel import ParallelRuntime
         from native.context import ContextSettings
         from native.library import bindings, choose_library_dir, loaded_library
@@ -635,7 +635,7 @@ class EngineWorker(RequestCommands):
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
-        self._batcher = Batcher(rt, on_stopped=self._answer_stopped, autosave=self._autosave_job)
+        self._batcher = self._new_batcher()
         self._close_writers()  # they wrote from the previous runtime's cache; heads stay in _paths
         self._collect_superseded()
         try:
@@ -656,6 +656,10 @@ class EngineWorker(RequestCommands):
             sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
             exact_width=rt.exact_width)
         self.listener.on_model_loaded(self.model_info)
+
+    def _new_batcher(self):
+        from engine.concurrent import Batcher
+        return Batcher(self.runtime, on_stopped=self._answer_stopped, autosave=lambda job: self._autosave(job.conv))
 
     def _need_runtime(self):
         if self.runtime is None:
@@ -1081,7 +1085,6 @@ class EngineWorker(RequestCommands):
         job = Job(conv, rt.table.seq_of(conv.id), control=control, listener=_Relay(self.listener, conv),
                   autosave_every=self.autosave_every, skip_eog_once=skip_eog_once,
                   checkpoint_prompt=prompt_checkpoint)
-        from engine.server.engine_commands import ANSWER_ACTION
         action = ANSWER_ACTION if request_id is not None else self._answer_action or "generate"
         self._answers[conv.id] = _Running(job, restore_s, action, request_id)
         self._generating.set()
@@ -1142,25 +1145,21 @@ class EngineWorker(RequestCommands):
     def _answers_failed(self, exc: BaseException) -> None:
         """A decode failed (a bug, a native error): every running answer stops where it is,
         saved where the cache holds its tokens, and the failure is reported once."""
-        from engine.concurrent import Batcher
         message = None
         for conv_id in list(self._answers):
             conv = self._answers[conv_id].job.conv
             running = self._end_answer(conv, durable=self._save_after_failure(conv))
             try:
-                if running.request_id is not None:
-                    self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
                 # each front end hears which answer ended, under the action that started it
                 if running.request_id is not None:   # as a request's other failures are told
+                    self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
                     self.listener.on_error(running.action, str(exc) or type(exc).__name__)
                 else:
                     message = self._report_error(running.action, exc, quiet=message is not None)
-                self.listener.on_generation_finished(GenerationSummary(
-                    conversation_id=conv.id, finish_reason=FINISH_ERROR, n_generated=0,
-                    n_prompt_tokens=len(conv.tokens), n_reused_tokens=0, tokens_per_s=0.0, text=""))
+                self.listener.on_generation_finished(_failed(conv.id, conv))
             except Exception:  # noqa: BLE001 - every other answer must still be ended
                 log.exception("could not report the failed answer of %s", conv_id)
-        self._batcher = Batcher(self.runtime, on_stopped=self._answer_stopped, autosave=self._autosave_job)
+        self._batcher = self._new_batcher()   # the failed one's state is not to be trusted
 
     # -- checkpoints --------------------------------------------------------------------------
     def _close_writers(self) -> None:
@@ -1205,9 +1204,6 @@ class EngineWorker(RequestCommands):
         if self.runtime is not None and conv.id in self.runtime.table:
             self.runtime.table.saved(conv.id)   # evicting it now loses nothing
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
-
-    def _autosave_job(self, job) -> None:
-        self._autosave(job.conv)
 
     def _autosave(self, conv: Conversation) -> None:
         """Autosave: a delta holding only the cells since the newest file of the line."""
