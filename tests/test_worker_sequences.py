@@ -88,15 +88,21 @@ def test_two_answers_at_once_one_paused_and_resumed_equal_their_runs_alone(smoll
         stop(w)
 
 
+def answer_each(w: EngineWorker, rec: Recorder, temperature: float, n_predict: int) -> list:
+    """One conversation per prompt, answered one after the other; their ids."""
+    ids = []
+    for i, prompt in enumerate(PROMPTS):
+        conv = w.new_conversation(sampler=sampler(i, temperature))
+        w.send(conv, prompt, n_predict=n_predict)
+        rec.finished_for(conv)
+        ids.append(conv)
+    return ids
+
+
 def test_switching_among_resident_conversations_restores_nothing(smollm_path, tmp_path):
     w, rec = start_worker(smollm_path, tmp_path / "store", sequences=3)
     try:
-        convs = []
-        for i in range(3):
-            conv = w.new_conversation(sampler=sampler(i, 0.0))
-            w.send(conv, PROMPTS[i], n_predict=8)
-            rec.finished_for(conv)
-            convs.append(conv)
+        convs = answer_each(w, rec, 0.0, 8)
         restores = w.runtime.restores
         for conv in convs + convs[::-1]:
             w.show(conv)
@@ -118,12 +124,7 @@ def turn_two(smollm_path, store_dir, sequences: int) -> tuple[str, int]:
     chains were restored for it."""
     w, rec = start_worker(smollm_path, store_dir, sequences=sequences)
     try:
-        ids = []
-        for i in range(3):
-            conv = w.new_conversation(sampler=sampler(i, 0.8))
-            w.send(conv, PROMPTS[i], n_predict=12)
-            rec.finished_for(conv)
-            ids.append(conv)
+        ids = answer_each(w, rec, 0.8, 12)
         restores = w.runtime.restores
         w.send(ids[0], "Say more about it.", n_predict=16)
         return rec.finished_for(ids[0], 2).text, w.runtime.restores - restores
