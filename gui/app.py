@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -70,6 +72,28 @@ def _warn_about_known_bad_qt() -> None:
                   *sys.version_info[:2])
 
 
+def close_on_terminal_signals(window, signals=signal):
+    """Ctrl+C (SIGINT) or SIGTERM sent to the process showing ``window`` closes it as its
+    own close button does — every running answer paused and saved, "Saving…" shown — and
+    a second one leaves at once.  Python runs a signal handler only between bytecodes and
+    Qt's loop runs none while idle, so a 250 ms timer lets the handler in; the timer is
+    returned (keep it).  ``signals``: the module, a parameter for tests."""
+    from PySide6.QtCore import QTimer
+
+    def handler(signum, _frame) -> None:
+        if window.state.closing:
+            os._exit(128 + signum)
+        QTimer.singleShot(0, window.close)
+
+    for name in ("SIGINT", "SIGTERM"):
+        if hasattr(signals, name):
+            signals.signal(getattr(signals, name), handler)
+    wake = QTimer(window)
+    wake.timeout.connect(lambda: None)
+    wake.start(250)
+    return wake
+
+
 def main(argv: list[str] | None = None) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
@@ -92,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(AppSettings())
     session_end = SessionEndSaver(window, parent=window)     # sign-out, shutdown, upgrade
     session_end.connect_to(app)
+    close_on_terminal_signals(window)                        # Ctrl+C in the terminal that started it
     window.show()
     window.start()
     # a double-clicked .kvckpt arrives as an argument: import it and offer to resume

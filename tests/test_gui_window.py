@@ -310,3 +310,25 @@ def test_dropping_a_delta_without_its_parents_offers_its_chain(qtbot, make_windo
     assert all(r.ok for r in done.args[0]) and len(done.args[0]) == len(files)
     assert sorted(p.name for p in w.store.files()) == sorted(p.name for p in files)
     assert graph.Graph.scan(w.store).heads[0].name == head.name
+
+
+def test_ctrl_c_in_the_terminal_closes_the_window_saving_the_answer(qtbot, make_window):
+    import os
+    import signal
+    from gui.app import close_on_terminal_signals
+    w = make_window(n_predict=200)
+    before = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGINT", "SIGTERM")}
+    try:
+        close_on_terminal_signals(w)
+        with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+            type_and_send(qtbot, w, PROMPT)
+        conv_id = w.current
+        with qtbot.waitSignal(w.bridge.engine_stopped, timeout=30_000):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert w.state.closing
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+    saved = [p for p in w.store.files() if read_header(p).conversation_id == conv_id
+             and read_header(p).kind == KIND_EXIT]
+    assert saved and verify_file(saved[-1])
