@@ -103,8 +103,8 @@ class LineWriter:
         self.mode = mode
         self._chain: list[SaveInfo] = list(chain)
         self._lease = lease
-        #: plain delta autosaves land (fsync, rename) on a helper thread: an answer does
-        #: not wait for its autosave's fsync (engine.checkpoints.atomic.Landing)
+        #: autosaves land (fsync, rename, retiring what they supersede) on a helper
+        #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
         self._landing = Landing()
         self._landing_info: SaveInfo | None = None
         self._land_now = False   # after a failed landing, the next save is synchronous
@@ -226,8 +226,10 @@ class LineWriter:
             # file — one a user may have been handed — stays a head of its own
             self._branch_off()
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
-        # a plain autosave on the tip (nothing retired after it) lands in the background
-        landing = self._landing if kind == KIND_AUTOSAVE and not superseding and not self._land_now else None
+        # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
+        # retired there once it has landed: an answer never waits for an autosave's fsync.
+        # A head (pause, exit, a finished answer) is durable before _write returns.
+        landing = self._landing if kind == KIND_AUTOSAVE and not self._land_now else None
         try:
             self.store.ensure()
             info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing)
@@ -240,7 +242,8 @@ class LineWriter:
             info = self._save(conv, kind, None)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
-        if landing is not None and self._landing.in_flight:
+        landing_now = landing is not None and self._landing.in_flight
+        if landing_now:
             self._landing_info = info
         else:
             self._land_now = False
@@ -249,7 +252,10 @@ class LineWriter:
         self.saves += 1
         self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
-            self.retire()
+            if landing_now:
+                self._landing.then(self.retire)   # only once the new file is durable
+            else:
+                self.retire()
         return info
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None) -> SaveInfo:

@@ -179,6 +179,7 @@ class _HeldLanding:
 
     def __init__(self) -> None:
         self.finish = None
+        self.after = []
 
     @property
     def in_flight(self) -> bool:
@@ -188,14 +189,21 @@ class _HeldLanding:
         self.settle()
         self.finish = finish
 
+    def then(self, step) -> None:
+        assert self.finish is not None
+        self.after.append(step)
+
     def settle(self):
         finish, self.finish = self.finish, None
+        after, self.after = self.after, []
         if finish is None:
             return None
         try:
             finish()
         except BaseException as exc:  # noqa: BLE001 - handed back as Landing does
             return exc
+        for step in after:
+            step()
         return None
 
 
@@ -210,9 +218,8 @@ def test_autosaves_land_in_the_background_and_a_failed_landing_is_no_file_of_the
     writer._landing = held = _HeldLanding()
     saved = []
     generate(rt, conv, autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=8, stop_after=24)
-    # the first autosave supersedes nothing before it and lands at once; the next ones are
-    # plain deltas on the tip: each lands when the next save (or anyone reading the chain)
-    # settles it, so the answer never waited for their fsync
+    # each autosave, the first (a full file) as the deltas on it, lands when the next save
+    # (or anyone reading the chain) settles it, so the answer never waited for its fsync
     assert held.in_flight and not saved[-1].path.exists()
     assert all(info.path.exists() for info in saved[:-1])
     assert writer.chain[-1] is saved[-1] and saved[-1].path.exists()     # reading the chain settles
@@ -229,3 +236,40 @@ def test_autosaves_land_in_the_background_and_a_failed_landing_is_no_file_of_the
     assert head.path == saved[-1].path and head.header.kind == KIND_AUTOSAVE
     restored = rt.restore_chain(load_chain(head.path))
     assert restored.tokens == conv.tokens
+
+
+def test_what_an_autosave_supersedes_is_retired_only_once_it_has_landed(smollm_runtime, tmp_path):
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.graph import Graph
+    rt = smollm_runtime
+    rt.trim(0)
+    conv = _conversation(rt, "Tell me about deserts.")
+    store = Store(tmp_path / "store")
+    generate(rt, conv, stop_after=8)
+    first = LineWriter.starting(rt, store, "line")
+    old_head = first.save_head(conv, KIND_MANUAL)            # a head lands at once
+    assert old_head.path.exists()
+    first.close()
+
+    # a new writer on the same line (a crash's successor): its first autosave is a full
+    # file that supersedes the old head, which must outlive it until the new one is durable
+    generate(rt, conv, stop_after=8)
+    second = LineWriter.starting(rt, store, "line")
+    second._landing = held = _HeldLanding()
+    new = second.autosave(conv)
+    assert held.in_flight and not new.path.exists() and old_head.path.exists()
+    second.settle()
+    assert new.path.exists() and not old_head.path.exists()
+    assert Graph.scan(store).head_of_line["line"].path == new.path
+    second.close()
+
+    # when the superseding autosave fails to land, nothing it would supersede is deleted
+    generate(rt, conv, stop_after=8)
+    third = LineWriter.starting(rt, store, "line", mode="full")
+    third._landing = held = _HeldLanding()
+    failed = third.autosave(conv)
+    failed.path.write_bytes(b"another writer's file")       # the name is taken before the rename
+    third.settle()
+    assert new.path.exists() and third.chain == []
+    assert failed.path.read_bytes() == b"another writer's file"
+    third.close()

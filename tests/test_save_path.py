@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -232,3 +234,41 @@ def test_the_fast_crc_is_zlibs_crc32():
     assert crc.crc32(view) == zlib.crc32(view)
     assert crc.crc32(view[100:], crc.crc32(view[:100])) == zlib.crc32(view)
     assert crc.crc32(b"") == 0 and crc.crc32(b"abc", 7) == zlib.crc32(b"abc", 7)
+
+
+def _write_through_atomic(path: Path, size: int, **kwargs) -> None:
+    from engine.checkpoints.atomic import atomic_write
+    data = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+    with atomic_write(path, **kwargs) as f:
+        for start in range(0, size, 1 << 20):
+            f.write(memoryview(data)[start:start + (1 << 20)])
+    if kwargs.get("landing") is not None:
+        assert kwargs["landing"].settle() is None
+    assert path.read_bytes() == data.tobytes()
+
+
+def test_a_waited_for_save_hints_the_os_to_write_out_as_it_goes(monkeypatch, tmp_path):
+    from engine.checkpoints import atomic
+    hinted = []
+
+    def hint(fd):
+        hinted.append(os.fstat(fd).st_size)   # what the file held when the hint came
+    monkeypatch.setattr(atomic, "start_writeback", hint)
+    step = atomic.WRITEBACK_STEP
+    _write_through_atomic(tmp_path / "a.bin", 3 * step + 12345)
+    assert hinted == [step, 2 * step, 3 * step]     # every step, with the bytes flushed first
+    # no hint where nothing waits for the fsync: a landing's happens on a helper thread,
+    # and a non-durable write has none
+    hinted.clear()
+    landing = atomic.Landing()
+    _write_through_atomic(tmp_path / "b.bin", 3 * step, landing=landing)
+    _write_through_atomic(tmp_path / "c.bin", 3 * step, durable=False)
+    assert hinted == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_the_writeback_hint_is_the_real_call_on_linux(tmp_path):
+    from engine.checkpoints import atomic
+    assert atomic.start_writeback is not None
+    _write_through_atomic(tmp_path / "real.bin", 2 * atomic.WRITEBACK_STEP + 1)
+    assert atomic.start_writeback(-1) is None    # a bad descriptor: ignored, as a hint may be

@@ -484,7 +484,7 @@ class _CrcThread:
 
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
                    logits: np.ndarray | None, state: memoryview | bytes | bytearray,
-                   chunk: int = 8 << 20) -> tuple[Header, int]:
+                   chunk: int = 2 << 20) -> tuple[Header, int]:
     """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
 
     The state is written in chunks straight from the caller's buffer (no second copy of
