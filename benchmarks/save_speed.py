@@ -6,14 +6,16 @@
 For each context length the prompt is prefilled once; then, interleaved and in rotating
 order, each trial runs:
 
-* ``raw``: write the checkpoint's own bytes (already in memory) to a new file + fsync;
+* ``raw``: write the checkpoint's own bytes (already in memory) to a new file + fsync
+  (the previous copy is deleted before the clock starts);
 * ``get_write``: copy the state out of llama.cpp into a fresh buffer, then write + fsync
   it (what any save must at least do);
 * ``old``: ``Runtime.save`` as before issue 13 (a fresh state buffer per save, CRC32
   computed inline, serially with the writes);
 * ``new``: ``Runtime.save`` as it is (the state buffer reused; the CRC32 by
   engine.checkpoints.crc — python-isal, ~9x zlib's speed — inline, or on a helper thread
-  while the bytes are written where only zlib's is available);
+  while the bytes are written where only zlib's is available; on Linux the OS is asked
+  to write the pages out every 4 MB; the file it replaces is freed on a helper thread);
 * ``delta_old`` / ``delta_new``: a delta save of the last 256 tokens, both ways.
 
 Times are the best of the repeats (a shared machine's noise only ever adds); the ratios
@@ -89,10 +91,12 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> Non
                               "fast_crc")}
 
     def raw() -> None:
+        copy.unlink(missing_ok=True)        # a new file: freeing the old one is not the write's cost
         trials["raw"].append(raw_write(copy, file_bytes))
 
     def get_write() -> None:
         size = rt.ctx.state_size()
+        state_copy.unlink(missing_ok=True)
         t0 = clock()
         buf = np.empty(size, dtype=np.uint8)
         got = rt.ctx.state_get_into(buf, size)

@@ -253,9 +253,9 @@ class LineWriter:
         self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
             if landing_now:
-                self._landing.then(self.retire)   # only once the new file is durable
+                self._landing.then(self.retire)   # on the helper thread, once it has landed
             else:
-                self.retire()
+                self.retire()   # a head: what the store shows after it is final
         return info
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None) -> SaveInfo:

@@ -272,3 +272,38 @@ def test_the_writeback_hint_is_the_real_call_on_linux(tmp_path):
     assert atomic.start_writeback is not None
     _write_through_atomic(tmp_path / "real.bin", 2 * atomic.WRITEBACK_STEP + 1)
     assert atomic.start_writeback(-1) is None    # a bad descriptor: ignored, as a hint may be
+
+
+def _drain_helper_thread() -> None:
+    from engine.checkpoints import atomic
+    atomic._helper_thread().submit(lambda: None).result(timeout=30)
+
+
+def test_the_replaced_file_is_freed_after_the_rename_and_nothing_is_left(tmp_path):
+    from engine.checkpoints.atomic import atomic_write
+    target = tmp_path / "p.kvckpt"
+    target.write_bytes(b"old" * 1000)
+    old_inode = target.stat().st_ino
+    with open(target, "rb") as reader:          # a reader of the old file keeps reading it
+        with atomic_write(target) as f:
+            f.write(b"new" * 1000)
+        assert target.read_bytes() == b"new" * 1000 and target.stat().st_ino != old_inode
+        assert reader.read() == b"old" * 1000
+    _drain_helper_thread()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kvckpt"]   # the second name is gone
+
+
+def test_a_failed_rename_keeps_the_old_file_and_leaves_no_second_name(monkeypatch, tmp_path):
+    from engine.checkpoints import atomic
+    target = tmp_path / "p.kvckpt"
+    target.write_bytes(b"old")
+
+    def refuse(src, dst):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(atomic, "replace", refuse)
+    with pytest.raises(OSError):
+        with atomic.atomic_write(target) as f:
+            f.write(b"new")
+    _drain_helper_thread()
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kvckpt"]

@@ -38,6 +38,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable, ContextManager, Iterator
@@ -195,6 +196,19 @@ class _WritebackFile:
         return getattr(self._f, name)
 
 
+_helper = None   # one helper thread for every writer of the process, made when needed
+_helper_made = threading.Lock()
+
+
+def _helper_thread():
+    global _helper
+    with _helper_made:
+        if _helper is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-landing")
+    return _helper
+
+
 class Landing:
     """The last steps of saves — fsync, the rename into place, the folder's fsync — run on
     a helper thread, one save after another (:func:`atomic_write` with ``landing``).
@@ -206,32 +220,25 @@ class Landing:
     returns its failure, if any (the caller must then not build on that file).
     """
 
-    _executor = None   # one helper thread for every writer of the process, made when needed
-
     def __init__(self) -> None:
         self._pending = None
 
     def submit(self, finish: Callable[[], None]) -> None:
-        from concurrent.futures import ThreadPoolExecutor
         self.settle()
-        if Landing._executor is None:
-            Landing._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-landing")
-        self._pending = Landing._executor.submit(finish)
+        self._pending = _helper_thread().submit(finish)
 
     def then(self, step: Callable[[], None]) -> None:
-        """Run ``step`` on the helper thread once the save in flight has landed; not at all
-        if it failed.  A failure of ``step`` is logged, not reported by :meth:`settle`: the
-        save itself did land.  With nothing in flight ``step`` runs here, now."""
+        """Run ``step`` on the helper thread after the save in flight has landed (not at
+        all if it failed), or at once there when none is in flight.  A failure of ``step``
+        is logged, not reported by :meth:`settle`: the save itself did land."""
         pending = self._pending
-        if pending is None:
-            _run_logged(step)
-            return
 
         def after_landing() -> None:
-            pending.result()   # the landing's failure: it is settle's to report, step is skipped
+            if pending is not None:
+                pending.result()   # the landing's failure: settle's to report, step skipped
             _run_logged(step)
 
-        self._pending = Landing._executor.submit(after_landing)
+        self._pending = _helper_thread().submit(after_landing)
 
     @property
     def in_flight(self) -> bool:
@@ -285,6 +292,7 @@ def _land(f: BinaryIO, tmp: Path, path: Path, durable: bool, lock, precondition)
     """A written temp file's last steps: fsync, the rename into place under the lock (after
     the precondition), the folder's fsync.  On atomic_write's thread, or Landing's."""
     renamed = False
+    old = None
     try:
         if durable:
             fsync(f.fileno())
@@ -292,13 +300,44 @@ def _land(f: BinaryIO, tmp: Path, path: Path, durable: bool, lock, precondition)
         with lock if lock is not None else _lock_for(path.parent):
             if precondition is not None:
                 precondition()
-            replace_with_retry(tmp, path)
+            old = _set_aside(path)
+            try:
+                replace_with_retry(tmp, path)
+            except BaseException:
+                if old is not None:
+                    _unlink_quietly(old)
+                raise
             renamed = True
     except BaseException:
         if not renamed:
             _discard(f, tmp)
         raise
     _sync_folder(path, durable)
+    if old is not None:
+        _helper_thread().submit(_unlink_quietly, old)
+
+
+def _set_aside(path: Path) -> Path | None:
+    """A second name (a hidden temp name) for the file at ``path``, if there is one.
+
+    Replacing a file frees its blocks in the rename itself, which costs as much as a
+    write: ~6 ms for 8.6 MB here (ext4 mounted with ``discard``).  With a second name the
+    rename only drops a link, and the helper thread frees the old file afterwards.  No
+    file there, or no hard links (FAT, some network shares): None, and the rename frees
+    it as before.  A crash in between leaves a stale temp file, which the store's sweep
+    removes (:func:`is_stale_temp`).
+    """
+    aside = temp_path_for(path)
+    try:
+        os.link(path, aside)
+    except (OSError, NotImplementedError, AttributeError):
+        return None
+    return aside
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _discard(f: BinaryIO, tmp: Path) -> None:
