@@ -11,7 +11,8 @@ order, each trial runs:
 * ``get_write``: copy the state out of llama.cpp into a fresh buffer, then write + fsync
   it (what any save must at least do);
 * ``old``: ``Runtime.save`` as before issue 13 (a fresh state buffer per save, CRC32
-  computed inline, serially with the writes);
+  computed inline, serially with the writes, no writeback hints, the replaced file freed
+  inside the rename);
 * ``new``: ``Runtime.save`` as it is (the state buffer reused; the CRC32 by
   engine.checkpoints.crc — python-isal, ~9x zlib's speed — inline, or on a helper thread
   while the bytes are written where only zlib's is available; on Linux the OS is asked
@@ -47,8 +48,9 @@ DELTA_TOKENS = 256
 
 
 def table() -> Table:
-    return Table("Save vs raw write+fsync: old path (fresh buffer, serial CRC) vs new (reused buffer, "
-                 "fast inline CRC) (best of N, s)",
+    return Table("Save vs raw write+fsync: old path (fresh buffer, serial CRC, replaced file freed in the "
+                 "rename) vs new (reused buffer, fast CRC, writeback hints, replaced file freed later) "
+                 "(best of N, s)",
                  ["model", "tokens", "file_MB", "raw_s", "get_write_s", "old_s", "new_s", "old_vs_raw",
                   "new_vs_raw", "new_vs_old", "new_vs_get_write", "get_ms", "zlib_crc_ms", "fast_crc_ms",
                   "delta_old_s",
@@ -57,16 +59,26 @@ def table() -> Table:
 
 @contextlib.contextmanager
 def old_save_path(rt):
-    """``Runtime.save`` as it was: a new state buffer every time, zlib's CRC computed inline."""
+    """``Runtime.save`` as it was: a new state buffer every time, zlib's CRC computed inline,
+    no writeback hints, the replaced file freed inside the rename."""
+    from engine.checkpoints import atomic
     from engine.checkpoints import format as fmt
-    saved = fmt.CRC_THREAD_MIN_BYTES, fmt.crc32
+    saved = fmt.CRC_THREAD_MIN_BYTES, fmt.crc32, atomic.start_writeback, atomic.SET_ASIDE_REPLACED
     fmt.CRC_THREAD_MIN_BYTES, fmt.crc32 = 1 << 62, zlib.crc32
+    atomic.start_writeback, atomic.SET_ASIDE_REPLACED = None, False
     rt.release_state_buffer()
     try:
         yield
     finally:
-        fmt.CRC_THREAD_MIN_BYTES, fmt.crc32 = saved
+        fmt.CRC_THREAD_MIN_BYTES, fmt.crc32, atomic.start_writeback, atomic.SET_ASIDE_REPLACED = saved
         rt.release_state_buffer()
+
+
+def settle_helper() -> None:
+    """Wait (untimed) for the helper thread to free a replaced file, so that no trial
+    pays for the one before it."""
+    from engine.checkpoints import atomic
+    atomic._helper_thread().submit(lambda: None).result()
 
 
 def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> None:
@@ -114,15 +126,18 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> Non
                 rt.save(folder / "delta.kvckpt", conv, parent=parent_info)
                 trials["delta_old"].append(clock() - t0)
         rt.save(ckpt, conv)                 # the new path's buffer back, untimed
+        settle_helper()
 
     def new() -> None:
         t0 = clock()
         rt.save(ckpt, conv)
         trials["new"].append(clock() - t0)
+        settle_helper()
         if parent_info is not None:
             t0 = clock()
             rt.save(folder / "delta.kvckpt", conv, parent=parent_info)
             trials["delta_new"].append(clock() - t0)
+            settle_helper()
 
     def parts() -> None:
         buf = rt._state_buffer_for(rt.ctx.state_size())
