@@ -73,6 +73,19 @@ class Recorder(WorkerListener):
         assert ok, f"no finished answer #{count} of {conv_id}: {self.events}"
         return mine()[count - 1]
 
+    def head_saved(self, conv_id, count: int = 1, timeout: float = 300) -> tuple:
+        """The ``count``-th head (a save that is no autosave) of ``conv_id``: an answer's
+        head is written after its "finished" event, so a test reading the store waits
+        for this instead."""
+        from engine.checkpoints.format import KIND_AUTOSAVE
+
+        def mine():
+            return [e for e in self.of("saved") if e[1].id == conv_id and e[3] != KIND_AUTOSAVE]
+        with self.cond:
+            ok = self.cond.wait_for(lambda: len(mine()) >= count, timeout)
+        assert ok, f"no head #{count} of {conv_id} was saved: {self.events}"
+        return mine()[count - 1]
+
     def text_of(self, conv_id) -> str:
         return "".join(e[2] for e in self.of("text") if e[1] == conv_id)
 

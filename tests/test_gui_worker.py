@@ -63,7 +63,7 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     stale.write_bytes(bytes(raw))
     assert not Graph.scan(w.store).reachable(Graph.scan(w.store).nodes[stale.name])
     w.send(b, "Tell me about lakes.", n_predict=10)
-    rec.wait("finished", 2)
+    rec.head_saved(b)
     assert not stale.exists()
     after = Graph.scan(w.store)
     assert {n.name for n in after.chain(after.nodes[head.name])} <= set(after.nodes)
