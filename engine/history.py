@@ -242,8 +242,8 @@ class LineWriter:
             info = self._save(conv, kind, None)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
-        landing_now = landing is not None and self._landing.in_flight
-        if landing_now:
+        in_background = landing is not None and self._landing.in_flight
+        if in_background:
             self._landing_info = info
         else:
             self._land_now = False
@@ -252,7 +252,7 @@ class LineWriter:
         self.saves += 1
         self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
-            if landing_now:
+            if in_background:
                 self._landing.then(self.retire)   # on the helper thread, once it has landed
             else:
                 self.retire()   # a head: what the store shows after it is final
