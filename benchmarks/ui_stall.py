@@ -187,7 +187,7 @@ class Watchdog:
 
 def apply_levers(args) -> str:
     """Scheduling levers, applied to every context the window makes; returns a label."""
-    import functools
+    import dataclasses
     import native.context as nc
     extra = {}
     if args.compute_priority:
@@ -195,7 +195,12 @@ def apply_levers(args) -> str:
     if args.batch:
         extra["n_batch"] = extra["n_ubatch"] = args.batch
     if extra:
-        nc.ContextSettings = functools.partial(nc.ContextSettings, **extra)
+        # a subclass with other defaults, not a partial: modules read the class's own
+        # defaults at import (engine.parallel's FILE_SEQ_MAX)
+        base = nc.ContextSettings
+        nc.ContextSettings = dataclasses.make_dataclass(
+            "ContextSettings", [(k, type(v), dataclasses.field(default=v)) for k, v in extra.items()],
+            bases=(base,), frozen=base.__dataclass_params__.frozen)
     if args.nice is not None:
         nc.ComputeThreads.LINUX_NICE = args.nice
     if args.switch_interval:
