@@ -307,3 +307,27 @@ def test_a_failed_rename_keeps_the_old_file_and_leaves_no_second_name(monkeypatc
     _drain_helper_thread()
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kvckpt"]
+
+
+def test_a_step_after_a_landing_runs_once_it_landed_and_never_after_a_failure(tmp_path, caplog):
+    from engine.checkpoints import atomic
+    ran = []
+    landing = atomic.Landing()
+    with atomic.atomic_write(tmp_path / "ok.bin", landing=landing) as f:
+        f.write(b"ok")
+    landing.then(lambda: ran.append((tmp_path / "ok.bin").exists()))
+    assert landing.settle() is None and ran == [True]          # after the rename, not before
+
+    def refuse():
+        raise OSError(errno.ENOSPC, "No space left on device")
+    landing.submit(refuse)
+    landing.then(lambda: ran.append("after a failure"))
+    assert isinstance(landing.settle(), OSError) and ran == [True]   # the failure reported, the step skipped
+
+    def broken_step():
+        raise RuntimeError("a step's own bug")
+    with atomic.atomic_write(tmp_path / "ok2.bin", landing=landing) as f:
+        f.write(b"ok")
+    landing.then(broken_step)
+    assert landing.settle() is None                     # the save landed: its step's failure is logged
+    assert (tmp_path / "ok2.bin").exists() and "a step after a checkpoint landed failed" in caplog.text
