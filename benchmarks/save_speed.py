@@ -42,6 +42,7 @@ if __package__ in (None, ""):
 from benchmarks.common import (MODEL_KEYS, Table, clock, context_settings, ctx_size_for,  # noqa: E402
                                greedy_conversation, model_path, prompt_tokens, ratio, raw_read,
                                raw_write)
+from engine.checkpoints.atomic import wait_for_helper  # noqa: E402
 from engine.checkpoints.crc import crc32 as fast_crc32  # noqa: E402
 
 DELTA_TOKENS = 256
@@ -72,13 +73,6 @@ def old_save_path(rt):
     finally:
         fmt.CRC_THREAD_MIN_BYTES, fmt.crc32, atomic.start_writeback, atomic.SET_ASIDE_REPLACED = saved
         rt.release_state_buffer()
-
-
-def settle_helper() -> None:
-    """Wait (untimed) for the helper thread to free a replaced file, so that no trial
-    pays for the one before it."""
-    from engine.checkpoints import atomic
-    atomic._helper_thread().submit(lambda: None).result()
 
 
 def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> None:
@@ -126,18 +120,18 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> Non
                 rt.save(folder / "delta.kvckpt", conv, parent=parent_info)
                 trials["delta_old"].append(clock() - t0)
         rt.save(ckpt, conv)                 # the new path's buffer back, untimed
-        settle_helper()
+        wait_for_helper()   # untimed: no trial pays for freeing the file before it
 
     def new() -> None:
         t0 = clock()
         rt.save(ckpt, conv)
         trials["new"].append(clock() - t0)
-        settle_helper()
+        wait_for_helper()
         if parent_info is not None:
             t0 = clock()
             rt.save(folder / "delta.kvckpt", conv, parent=parent_info)
             trials["delta_new"].append(clock() - t0)
-            settle_helper()
+            wait_for_helper()
 
     def parts() -> None:
         buf = rt._state_buffer_for(rt.ctx.state_size())

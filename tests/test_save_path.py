@@ -274,13 +274,8 @@ def test_the_writeback_hint_is_the_real_call_on_linux(tmp_path):
     assert atomic.start_writeback(-1) is None    # a bad descriptor: ignored, as a hint may be
 
 
-def _drain_helper_thread() -> None:
-    from engine.checkpoints import atomic
-    atomic._helper_thread().submit(lambda: None).result(timeout=30)
-
-
 def test_the_replaced_file_is_freed_after_the_rename_and_nothing_is_left(tmp_path):
-    from engine.checkpoints.atomic import atomic_write
+    from engine.checkpoints.atomic import atomic_write, wait_for_helper
     target = tmp_path / "p.kvckpt"
     target.write_bytes(b"old" * 1000)
     old_inode = target.stat().st_ino
@@ -289,12 +284,13 @@ def test_the_replaced_file_is_freed_after_the_rename_and_nothing_is_left(tmp_pat
             f.write(b"new" * 1000)
         assert target.read_bytes() == b"new" * 1000 and target.stat().st_ino != old_inode
         assert reader.read() == b"old" * 1000
-    _drain_helper_thread()
+    wait_for_helper(timeout=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kvckpt"]   # the second name is gone
 
 
 def test_a_failed_rename_keeps_the_old_file_and_leaves_no_second_name(monkeypatch, tmp_path):
     from engine.checkpoints import atomic
+    from engine.checkpoints.atomic import wait_for_helper
     target = tmp_path / "p.kvckpt"
     target.write_bytes(b"old")
 
@@ -304,7 +300,7 @@ def test_a_failed_rename_keeps_the_old_file_and_leaves_no_second_name(monkeypatc
     with pytest.raises(OSError):
         with atomic.atomic_write(target) as f:
             f.write(b"new")
-    _drain_helper_thread()
+    wait_for_helper(timeout=30)
     assert target.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.kvckpt"]
 
