@@ -63,6 +63,11 @@ class IncompatibleContext(CheckpointError):
     """The checkpoint needs other context settings (n_ctx, KV types, flash attention)."""
 
 
+class IncompatibleState(CheckpointError):
+    """The checkpoint's state was written in a llama.cpp state layout this build cannot
+    read (another llama.cpp version); its text can still be recomputed."""
+
+
 class RestoreFailed(CheckpointError):
     """llama.cpp refused the state even though it passed every check."""
 

@@ -8,14 +8,15 @@ vocab-only mode leaves the shape unset).  GGUF's header is a simple key/value li
     n_kv x (string key, uint32 type, value)
 
 with strings as uint64 length + UTF-8 bytes and arrays as uint32 item type + uint64
-count + items.  Only scalars are kept; arrays are skipped (their length is recorded).
+count + items.  Scalars are kept; arrays are skipped (their length is recorded), except
+numeric arrays of at most :data:`MAX_KEPT_ARRAY` items when asked for (per-layer values:
+engine.model_shape).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -23,6 +24,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 _MAX_KV = 1 << 20
 _MAX_STRING = 1 << 26
+#: numeric arrays up to this length are kept by ``read_metadata(..., arrays=True)``
+MAX_KEPT_ARRAY = 4096
 
 
 class GGUFError(ValueError):
@@ -51,14 +54,46 @@ def _skip_array(f: BinaryIO, item_type: int, count: int) -> None:
     if item_type in _SCALARS:
         f.seek(struct.calcsize(_SCALARS[item_type]) * count, os.SEEK_CUR)
     elif item_type == _STRING:
-        for _ in range(count):
-            f.seek(_read(f, "<Q"), os.SEEK_CUR)
+        _skip_strings(f, count)
     else:
         raise GGUFError(f"unsupported GGUF array type {item_type}")
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """Scalar metadata of a GGUF file; arrays appear as ``("array", count)``."""
+def _skip_strings(f: BinaryIO, count: int, chunk: int = 1 << 20) -> None:
+    """Skip ``count`` length-prefixed strings (a vocabulary: 50k-260k of them) by walking
+    a buffer rather than seeking once per string."""
+    buf = b""
+    offset = 0
+    unpack = struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        if offset + 8 > len(buf):
+            if offset > len(buf):   # the last string ran past the buffer
+                f.seek(offset - len(buf), os.SEEK_CUR)
+                buf, offset = b"", 0
+            buf = buf[offset:] + f.read(chunk)
+            offset = 0
+            if len(buf) < 8:
+                raise GGUFError("the GGUF header is truncated")
+        n = unpack(buf, offset)[0]
+        if n > _MAX_STRING:
+            raise GGUFError("a GGUF string is implausibly long")
+        offset += 8 + n
+    # give back what was read past the last string
+    f.seek(offset - len(buf), os.SEEK_CUR)
+
+
+def _numeric_array(f: BinaryIO, item_type: int, count: int) -> list:
+    fmt = _SCALARS[item_type]
+    size = struct.calcsize(fmt)
+    data = f.read(size * count)
+    if len(data) != size * count:
+        raise GGUFError("the GGUF header is truncated")
+    return list(struct.unpack(f"<{count}{fmt[1]}", data))
+
+
+def read_metadata(path: str | os.PathLike, *, arrays: bool = False) -> dict[str, Any]:
+    """Scalar metadata of a GGUF file; arrays appear as ``("array", count)``, or with
+    ``arrays`` numeric ones of at most :data:`MAX_KEPT_ARRAY` items as lists."""
     out: dict[str, Any] = {}
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
@@ -80,41 +115,11 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
             elif kind == _ARRAY:
                 item_type = _read(f, "<I")
                 count = _read(f, "<Q")
-                _skip_array(f, item_type, count)
-                out[key] = ("array", count)
+                if arrays and item_type in _SCALARS and count <= MAX_KEPT_ARRAY:
+                    out[key] = _numeric_array(f, item_type, count)
+                else:
+                    _skip_array(f, item_type, count)
+                    out[key] = ("array", count)
             else:
                 raise GGUFError(f"unknown GGUF value type {kind}")
     return out
-
-
-@dataclass(frozen=True)
-class GGUFShape:
-    name: str
-    architecture: str
-    n_vocab: int
-    n_layer: int
-    n_head_kv: int
-    n_embd_head_k: int
-    n_embd_head_v: int
-
-
-def read_shape(path: str | os.PathLike) -> GGUFShape:
-    """The KV-relevant shape of a model, as llama.cpp would derive it."""
-    meta = read_metadata(path)
-    arch = str(meta.get("general.architecture", ""))
-
-    def num(key: str, default: int = 0) -> int:
-        value = meta.get(f"{arch}.{key}", default)
-        return int(value) if isinstance(value, (int, float)) else default
-
-    n_embd = num("embedding_length")
-    n_head = num("attention.head_count")
-    head = n_embd // n_head if n_head else 0
-    tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = tokens[1] if isinstance(tokens, tuple) else num("vocab_size")
-    return GGUFShape(
-        name=str(meta.get("general.name", os.path.basename(path))), architecture=arch,
-        n_vocab=int(n_vocab), n_layer=num("block_count"),
-        n_head_kv=num("attention.head_count_kv", n_head),
-        n_embd_head_k=num("attention.key_length", head),
-        n_embd_head_v=num("attention.value_length", head))

@@ -80,6 +80,7 @@ class ParallelRuntime:
                            n_gpu_layers=n_gpu_layers, main_gpu=main_gpu, progress=progress,
                            workers=workers)
         self.model = self._rt.model
+        self.shape = self._rt.shape
         self.ctx = self._rt.ctx
         self.settings = settings
         self.sequences = sequences
@@ -408,6 +409,8 @@ class SequenceView:
         self.ctx = prt.ctx
         self.fingerprint = prt.fingerprint
         self.settings = prt.file_settings
+        self.shape = prt.shape
+        self.target = prt.target
 
     @property
     def kv_tokens(self) -> list[int]:
@@ -432,13 +435,15 @@ class SequenceView:
                 state = buf[:ctx.state_get_into(buf, size, source)]
             except StateError as exc:
                 raise SaveFailed(str(exc)) from exc
-            shape, s = self.model.shape, self.settings
+            shape, s = self.shape, self.settings
             try:
                 layout = check_state(state, n_tokens=len(self.kv_tokens), n_ctx=ctx.n_ctx,
                                      n_layer=shape.n_layer, type_k=s.type_k, type_v=s.type_v,
                                      flash_attn=s.flash_attn, n_head_kv=shape.n_head_kv,
                                      n_embd_head_k=shape.n_embd_head_k,
-                                     n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source)
+                                     n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source,
+                                     memory=shape.memory, n_swa=shape.n_swa,
+                                     recurrent_rows=self.target.model.recurrent_rows)
             except CorruptState as exc:
                 raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
             relabel_state(state, layout, 1 if p0 else 0)

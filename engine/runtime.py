@@ -30,8 +30,10 @@ from engine.checkpoints.format import (FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, Che
 from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
-from engine.errors import (BrokenChain, CorruptMetadata, GenerationError, RestoreFailed,
-                           SaveFailed)
+from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, GenerationError,
+                           RestoreFailed, SaveFailed)
+from engine.gguf import GGUFError
+from engine.model_shape import ModelShape, read_model_shape
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -77,6 +79,7 @@ class Runtime:
                            workers=workers)
         try:
             self.fingerprint = model_fingerprint(self.model.path)
+            self.shape = runtime_shape(self.model)
             self.ctx = Context(self.model, settings)
         except BaseException:
             self.model.close()
@@ -203,7 +206,7 @@ class Runtime:
 
     # -- compatibility ---------------------------------------------------------------------
     def header_for(self, conv: Conversation, kind: int) -> Header:
-        shape = self.model.shape
+        shape = self.shape
         s = self.settings
         n_generated = conv.answer.n_generated if conv.answer else 0
         return Header(
@@ -214,12 +217,12 @@ class Runtime:
             flash_attn=s.flash_attn, kv_unified=s.kv_unified, n_seq_max=s.n_seq_max,
             n_tokens=len(self.kv_tokens), n_tokens_total=len(conv.tokens),
             n_generated=n_generated, created_unix_ns=time.time_ns(), conversation_id=conv.id,
-            library=loaded_library().identity, title=conv.title, kind=kind)
+            library=loaded_library().identity, title=conv.title, kind=kind, memory=shape.memory)
 
     @functools.cached_property
     def target(self) -> Target:
         """This model and context, as engine.checkpoints.compat compares checkpoints with."""
-        return Target(ModelIdentity.of(self.model.name, self.fingerprint, self.model.shape),
+        return Target(ModelIdentity.of(self.model.name, self.fingerprint, self.shape),
                       ContextShape.of(self.settings, self.ctx.n_ctx))
 
     def check_compatible(self, header: Header, meta: dict | None = None) -> None:
@@ -289,6 +292,11 @@ class Runtime:
         meta = encode_metadata(meta_json)
         logits = np.array(self.logits(), copy=True) if self.has_logits() else None
         state = self._state_bytes(p0) if n > p0 else np.empty(0, dtype=np.uint8)
+        try:   # the walk a restore makes, before a byte is written: never save what cannot load
+            check_state_for(header, state, self.target.model.recurrent_rows)
+        except CorruptState as exc:
+            raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
+                             f"could not be loaded again ({exc}); nothing was saved") from exc
         precondition = (lambda: [check() for check in checks]) if checks else None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -408,6 +416,20 @@ class Runtime:
         return conv
 
 
+def runtime_shape(model: Model) -> ModelShape:
+    """The loaded model's shape, read the one way (engine.model_shape) with llama.cpp's own
+    answer for the memory kind."""
+    try:
+        shape = read_model_shape(model.path, memory=model.memory_kind)
+    except (GGUFError, OSError) as exc:
+        raise GenerationError(f"could not read the model's shape from {model.path}: {exc}") from exc
+    if shape.n_vocab != model.shape.n_vocab or shape.n_layer != model.shape.n_layer:
+        log.warning("the GGUF metadata of %s says %d tokens / %d layers, llama.cpp %d / %d",
+                    model.path, shape.n_vocab, shape.n_layer, model.shape.n_vocab, model.shape.n_layer)
+        shape = replace(shape, n_vocab=model.shape.n_vocab, n_layer=model.shape.n_layer)
+    return shape
+
+
 def chunk_end(pos: int, total: int, step: int) -> int:
     """Where the prompt chunk that starts at ``pos`` ends: at the next absolute multiple
     of the batch size ``step`` (or at ``total``).  Every prefill cuts its chunks so, alone
@@ -439,10 +461,11 @@ def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
         raise BrokenChain("no checkpoint to restore")
     if chain[0].header.is_delta:
         raise BrokenChain("the chain does not start with a full checkpoint")
+    rows = target.model.recurrent_rows if target.model is not None else None
     for data in chain:
         target.check(data.header, data.meta)
         if data.header.n_tokens:
-            check_state_for(data.header, data.state)
+            check_state_for(data.header, data.state, rows)
     for prev, data in zip(chain, chain[1:]):
         check_link(prev, data)
     last = chain[-1]

@@ -275,6 +275,7 @@ class Context:
             self._b_seq0[i][0] = 0
         self._b_nseq[:] = 1
         self.n_vocab = model.shape.n_vocab
+        self._can_abort = model.can_abort_mid_batch   # see Model.can_abort_mid_batch
         self._logits_address = 0
         self._logits_view: np.ndarray | None = None
 
@@ -324,8 +325,10 @@ class Context:
 
         Returns DECODE_OK, or DECODE_ABORTED when ``abortable`` and an abort was
         requested (the ubatches already processed stay in memory: read
-        :meth:`pos_max`).  A single-token decode is never made abortable by the engine:
-        pausing between tokens costs at most one token's time and keeps its logits.
+        :meth:`pos_max`).  Recurrent and hybrid memories are never cut inside a decode
+        (Model.can_abort_mid_batch): their decodes run to the end.  A single-token decode
+        is never made abortable by the engine: pausing between tokens costs at most one
+        token's time and keeps its logits.
         Raises on failure.
         """
         n = len(tokens)
@@ -349,6 +352,7 @@ class Context:
                      should_abort: Callable[[], bool] | None = None) -> int:
         """``llama_decode`` of a filled ``llama_batch`` (this context's own, or a
         native.batch.SeqBatch's), with :meth:`decode`'s abort rules and return codes."""
+        abortable = abortable and self._can_abort
         self._abortable = abortable
         self._abort_source.check = should_abort if abortable else None
         if abortable:

@@ -83,6 +83,8 @@ REQUIRED_SYMBOLS = (
     "llama_log_set",
     "llama_print_system_info",
     "llama_supports_gpu_offload",
+    "llama_model_is_recurrent",
+    "llama_model_is_hybrid",
 )
 
 

@@ -227,6 +227,27 @@ class Model:
     def is_recurrent(self) -> bool:
         return bool(self._ll.llama_model_is_recurrent(self.ptr))
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Attention layers and recurrent ones (LFM2, Qwen3.5, Granite-H, Falcon-H1, …)."""
+        # bool llama_model_is_hybrid(const struct llama_model * model)
+        return bool(self._ll.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def memory_kind(self) -> int:
+        """llama.cpp's memory kind for this model: 0 attention, 1 recurrent, 2 hybrid
+        (the values of engine.model_shape)."""
+        return 1 if self.is_recurrent else 2 if self.is_hybrid else 0
+
+    @property
+    def can_abort_mid_batch(self) -> bool:
+        """Whether a decode may be cut short inside a batch.  After an abort llama.cpp
+        removes the unfinished micro-batch from memory; a recurrent state cannot drop a
+        tail, so for recurrent and hybrid memory that removal fails (and is ignored) and
+        the memory would hold half-computed positions.  Those decodes run to their end and
+        a pause lands between them."""
+        return self.memory_kind == 0
+
     # -- vocabulary ------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")

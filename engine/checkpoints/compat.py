@@ -5,8 +5,9 @@ the settings that shape the KV cache (context size, K/V types, flash attention, 
 count, unified cache).  A state restores exactly only into the same of both.  This module
 is the only place that compares them:
 
-* :class:`ModelIdentity` describes a model: from a loaded model (the Runtime builds it),
-  from a GGUF file on disk (``validate --model``, no llama.cpp needed), or from a header;
+* :class:`ModelIdentity` describes a model: from its shape (engine.model_shape, the one
+  reader of it: for a loaded model and for a GGUF file on disk alike, so ``run`` and
+  ``validate --model`` agree), or from a header;
 * :class:`ContextShape` describes a KV cache: from context settings or from a header;
 * :class:`Target` pairs them (either part may be missing: ``validate --model`` checks
   the model only, the CLI checks the context before it spends time loading the model)
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoints.fingerprint import model_fingerprint
-from engine.checkpoints.format import Header
-from engine.errors import CheckpointError, IncompatibleContext, IncompatibleModel
+from engine.checkpoints.format import MEMORY_ATTENTION, STATE_LAYOUT, Header
+from engine.errors import CheckpointError, IncompatibleContext, IncompatibleModel, IncompatibleState
+from engine.model_shape import ModelShape, memory_name, read_model_shape
 
 
 @dataclass(frozen=True)
@@ -37,21 +39,26 @@ class ModelIdentity:
     n_head_kv: int
     n_embd_head_k: int
     n_embd_head_v: int
+    memory: int = MEMORY_ATTENTION
+    #: bytes of one recurrent R and S row (0: unknown, or no recurrent layers); not in a
+    #: header: the state walk compares them with the rows a file holds
+    recurrent_rows: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, name: str, fingerprint: bytes, shape: Any) -> "ModelIdentity":
-        """From any shape object with the five KV fields (native or GGUF shape)."""
+    def of(cls, name: str, fingerprint: bytes, shape: ModelShape) -> "ModelIdentity":
+        """From the model's shape (engine.model_shape)."""
         return cls(name=name, fingerprint=fingerprint, n_vocab=shape.n_vocab,
                    n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
-                   n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v)
+                   n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
+                   memory=shape.memory, recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ModelIdentity":
         """Read from the file alone (GGUF metadata and the sampled fingerprint)."""
-        from engine.gguf import GGUFError, read_shape
+        from engine.gguf import GGUFError
         try:
-            shape = read_shape(path)
-        except GGUFError as exc:
+            shape = read_model_shape(path)
+        except (GGUFError, OSError) as exc:
             raise IncompatibleModel(str(exc)) from None
         return cls.of(shape.name, model_fingerprint(path), shape)
 
@@ -59,7 +66,8 @@ class ModelIdentity:
     def from_header(cls, header: Header, name: str = "") -> "ModelIdentity":
         return cls(name=name, fingerprint=header.model_fingerprint, n_vocab=header.n_vocab,
                    n_layer=header.n_layer, n_head_kv=header.n_head_kv,
-                   n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v)
+                   n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
+                   memory=header.memory)
 
 
 @dataclass(frozen=True)
@@ -104,12 +112,16 @@ class Target:
         m, c = self.model, self.context
         if m is None or c is None:
             raise ValueError("a key needs both the model and the context")
-        values = [getattr(m, f.name) for f in fields(m) if f.name != "name"]
+        values = [getattr(m, f.name) for f in fields(m) if f.name not in ("name", "recurrent_rows")]
         values += [getattr(c, f.name) for f in fields(c)]
         return ":".join(v.hex() if isinstance(v, bytes) else str(int(v)) for v in values)
 
     def problem(self, header: Header, meta: dict | None = None) -> CheckpointError | None:
         """The error restoring ``header`` here would raise, or None when it fits."""
+        if header.state_layout != STATE_LAYOUT:
+            return IncompatibleState(
+                f"the checkpoint's state was written in llama.cpp state layout "
+                f"{header.state_layout}; this build of llama.cpp reads layout {STATE_LAYOUT}")
         if self.model is not None:
             error = _model_problem(self.model, header, meta)
             if error is not None:
@@ -141,6 +153,10 @@ def _model_problem(model: ModelIdentity, header: Header, meta: dict | None) -> I
     if header.model_fingerprint != model.fingerprint:
         return IncompatibleModel(f"this checkpoint was made with {made_with(meta)}; the model is "
                                  f"{model.name or 'another one'} (model fingerprints differ)")
+    if header.memory != model.memory:
+        return IncompatibleModel(
+            f"the checkpoint holds {memory_name(header.memory, header.n_swa)} memory; the model "
+            f"{model.name or ''} has {memory_name(model.memory, header.n_swa)} memory".replace("  ", " "))
     mismatched = [f"{name} {theirs} (model: {ours})" for name, theirs, ours in (
         ("n_vocab", header.n_vocab, model.n_vocab), ("n_layer", header.n_layer, model.n_layer),
         ("n_head_kv", header.n_head_kv, model.n_head_kv),

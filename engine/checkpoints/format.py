@@ -1,4 +1,4 @@
-"""Checkpoint file format, version 1 (``.kvckpt``).
+"""Checkpoint file format, version 2 (``.kvckpt``); version 1 files are read too.
 
 A checkpoint holds one conversation's llama.cpp KV state together with everything
 needed to decide, before a single byte reaches llama.cpp, whether that state can be
@@ -20,7 +20,7 @@ All integers are little-endian.  The file is five sections back to back, then an
 Header (offsets in bytes)::
 
       0  8  magic            b"\\x89KVC\\r\\n\\x1a\\n"  (PNG-style: catches text-mode copies)
-      8  2  format_version   1
+      8  2  format_version   2 (1: files written before memory kinds, read as attention)
      10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA;
                              other bits must be 0
      12  4  header_len       256
@@ -28,8 +28,8 @@ Header (offsets in bytes)::
      32  8  model_size       bytes of the GGUF file
      40  4  n_vocab
      44  4  n_layer
-     48  4  n_head_kv
-     52  4  n_embd_head_k
+     48  4  n_head_kv        the largest KV head count of any layer (0: no attention layer)
+     52  4  n_embd_head_k    0 when no layer has attention
      56  4  n_embd_head_v
      60  4  n_swa            sliding window (0: none)
      64  4  n_ctx            context size the state was made with
@@ -38,9 +38,11 @@ Header (offsets in bytes)::
      76  1  flash_attn       1 when flash attention was on (V not transposed)
      77  1  kv_unified
      78  1  kind             0 manual, 1 pause, 2 autosave, 3 exit
-     79  1  reserved         0
+     79  1  memory           0 attention (sliding-window when n_swa > 0), 1 recurrent,
+                             2 hybrid (attention, then recurrent); version 1: 0
      80  2  n_seq_max
-     82  2  reserved         0
+     82  2  state_layout     which llama.cpp sequence-state layout the state section has
+                             (1: the pinned llama.cpp's, see kvstate); version 1: 0, read as 1
      84  4  n_tokens         tokens held in the KV state (positions 0..n_tokens-1)
      88  4  n_tokens_total   tokens in the token array (> n_tokens while prefill is pending)
      92  4  n_generated      tokens generated so far for the current answer
@@ -55,19 +57,31 @@ Header (offsets in bytes)::
     248  4  parent_n_tokens  DELTA only: tokens held by the parent, 1..n_tokens (0 otherwise)
     252  4  header_crc32     CRC32 of bytes 0..251
 
+Memory kinds
+------------
+The state section is what ``llama_state_seq_get_data`` wrote; its structure per memory kind
+is in engine.checkpoints.kvstate.  A recurrent memory (or a hybrid's recurrent part) holds
+one fixed-size snapshot per sequence, never per token.  Per-layer facts the 256 bytes
+cannot hold (which layers are recurrent, their row sizes) are in the state itself and are
+checked against the model when restoring (engine.model_shape is the one reader of a
+model's shape).  A header is checked with the reader's own rules before it is written,
+and the state walked, so a file that could not be loaded is never written.
+
 Delta checkpoints
 -----------------
 With the DELTA flag the state section holds only the KV cells of positions
-``parent_n_tokens..n_tokens-1``, saved from a scratch sequence (id 1) that shares those
-cells with sequence 0.  The metadata's ``"parent"`` object names the parent: its file
-name (in the same folder), its ``checkpoint_id`` and its payload CRC32; the token array
-is complete, so its first ``parent_n_tokens`` ids must equal the parent's.  A delta may
-hold no cells at all (``parent_n_tokens == n_tokens``, an empty state section): the same
-cache as its parent with another conversation state, e.g. a pause before the first
-token or a rename, written without copying the context again.  Restoring
-applies the chain's base to sequence 0 and each delta through sequence 1 (copy to 0,
-then drop 1), which gives exactly the cache a full checkpoint would.  Every file of a
-chain is verified, and linked by id and CRC, before anything reaches llama.cpp.
+``parent_n_tokens..n_tokens-1`` (and, for recurrent and hybrid memories, the whole
+recurrent snapshot at ``n_tokens``: it is small and cannot be split by position), saved
+from a scratch sequence (id 1) that shares those cells with sequence 0. The metadata's
+``"parent"`` object names the parent: its file name (in the same folder), its
+``checkpoint_id`` and its payload CRC32; the token array is complete, so its first
+``parent_n_tokens`` ids must equal the parent's. A delta may hold no cells at all
+(``parent_n_tokens == n_tokens``, an empty state section): the same cache as its parent
+with another conversation state, e.g. a pause before the first token or a rename,
+written without copying the context again. Restoring applies the chain's base to
+sequence 0 and each delta through sequence 1 (copy to 0, then drop 1), which gives
+exactly the cache a full checkpoint would. Every file of a chain is verified, and linked
+by id and CRC, before anything reaches llama.cpp.
 
 Metadata keys the store relies on
 ---------------------------------
@@ -109,7 +123,11 @@ from engine.errors import (ChecksumMismatch, CorruptHeader, CorruptMetadata, Not
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 TRAILER_MAGIC = b"KVE1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+#: the sequence-state layout of the pinned llama.cpp (engine.checkpoints.kvstate);
+#: a file recording another one is not loaded by this build's llama.cpp
+STATE_LAYOUT = 1
 HEADER_LEN = 256
 TRAILER_LEN = 8
 EXTENSION = ".kvckpt"
@@ -122,6 +140,10 @@ KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA
 KIND_MANUAL, KIND_PAUSE, KIND_AUTOSAVE, KIND_EXIT = 0, 1, 2, 3
 KIND_NAMES = {KIND_MANUAL: "manual", KIND_PAUSE: "pause", KIND_AUTOSAVE: "autosave",
               KIND_EXIT: "exit"}
+
+# memory kinds: the values of engine.model_shape (which the format cannot import)
+MEMORY_ATTENTION, MEMORY_RECURRENT, MEMORY_HYBRID = 0, 1, 2
+MEMORY_KINDS = (MEMORY_ATTENTION, MEMORY_RECURRENT, MEMORY_HYBRID)
 
 _HEADER = struct.Struct("<8sHHI16sQIIIIIIIiiBBBBHHIIIq16sQQQQ32s64sII")
 assert _HEADER.size == HEADER_LEN
@@ -143,6 +165,8 @@ class Limits:
     max_layers: int = 1024
     max_heads: int = 4096
     max_head_dim: int = 4096
+    #: bytes of one recurrent layer's R + S rows for one sequence (Mamba-2 7B: ~1 MB)
+    max_recurrent_layer: int = 1 << 28
 
 
 LIMITS = Limits()
@@ -180,6 +204,13 @@ class Header:
     state_len: int = 0
     parent_n_tokens: int = 0
     version: int = FORMAT_VERSION
+    memory: int = MEMORY_ATTENTION
+    state_layout: int = STATE_LAYOUT
+
+    @property
+    def has_recurrent(self) -> bool:
+        """A recurrent part in the state: a fixed-size snapshot, which cannot drop a tail."""
+        return self.memory in (MEMORY_RECURRENT, MEMORY_HYBRID)
 
     @property
     def is_delta(self) -> bool:
@@ -220,7 +251,8 @@ def pack_header(h: Header) -> bytes:
     body = _HEADER.pack(
         MAGIC, h.version, h.flags, HEADER_LEN, h.model_fingerprint, h.model_size,
         h.n_vocab, h.n_layer, h.n_head_kv, h.n_embd_head_k, h.n_embd_head_v, h.n_swa, h.n_ctx,
-        h.type_k, h.type_v, int(h.flash_attn), int(h.kv_unified), h.kind, 0, h.n_seq_max, 0,
+        h.type_k, h.type_v, int(h.flash_attn), int(h.kv_unified), h.kind,
+        h.memory if h.version >= 2 else 0, h.n_seq_max, h.state_layout if h.version >= 2 else 0,
         h.n_tokens, h.n_tokens_total, h.n_generated, h.created_unix_ns, h.conversation_id.bytes,
         h.meta_len, h.tokens_len, h.logits_len, h.state_len,
         _fixed_text(h.library, 32), _fixed_text(h.title, 64), h.parent_n_tokens, 0)
@@ -236,7 +268,10 @@ def max_state_len(h: Header) -> int:
     per_cell = 16 + h.n_layer * h.n_head_kv * (h.n_embd_head_k + h.n_embd_head_v) * 4
     per_layer = 64
     caches = 2 if h.n_swa else 1
-    return caches * (64 + h.n_layer * per_layer + h.n_ctx * per_cell)
+    attention = caches * (64 + h.n_layer * per_layer + h.n_ctx * per_cell)
+    if not h.has_recurrent:
+        return attention
+    return attention + 64 + h.n_layer * (per_layer + LIMITS.max_recurrent_layer)
 
 
 def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIMITS) -> Header:
@@ -248,16 +283,16 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     if len(raw) < 12:
         raise TruncatedCheckpoint("the file ends inside its header")
     version = struct.unpack_from("<H", raw, 8)[0]
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         newer = " (written by a newer Checkpoint Chat)" if version > FORMAT_VERSION else ""
         raise UnsupportedVersion(f"checkpoint format version {version} is not supported{newer}; "
-                                 f"this app reads version {FORMAT_VERSION}")
+                                 f"this app reads versions {READABLE_VERSIONS[0]} to {FORMAT_VERSION}")
     if len(raw) < HEADER_LEN:
         raise TruncatedCheckpoint(f"the file ends inside its header ({len(raw)} of {HEADER_LEN} bytes)")
     raw = raw[:HEADER_LEN]
     (magic, version, flags, header_len, fingerprint, model_size, n_vocab, n_layer, n_head_kv,
-     head_k, head_v, n_swa, n_ctx, type_k, type_v, flash_attn, kv_unified, kind, reserved0,
-     n_seq_max, reserved1, n_tokens, n_tokens_total, n_generated, created, conv_id, meta_len,
+     head_k, head_v, n_swa, n_ctx, type_k, type_v, flash_attn, kv_unified, kind, memory,
+     n_seq_max, state_layout, n_tokens, n_tokens_total, n_generated, created, conv_id, meta_len,
      tokens_len, logits_len, state_len, library, title, parent_n_tokens, crc) = _HEADER.unpack(raw)
     if header_len != HEADER_LEN:
         raise CorruptHeader(f"header length {header_len} is not {HEADER_LEN}")
@@ -266,8 +301,14 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     problems = []
     if flags & ~KNOWN_FLAGS:
         problems.append(f"unknown flags 0x{flags:04x}")
-    if reserved0 or reserved1:
-        problems.append("reserved fields are not zero")
+    if version == 1:
+        if memory or state_layout:
+            problems.append("reserved fields are not zero")
+        state_layout = STATE_LAYOUT   # every version 1 file was written by the pinned layout
+    elif memory not in MEMORY_KINDS:
+        problems.append(f"unknown memory kind {memory}")
+    elif state_layout == 0:
+        problems.append("no state layout recorded")
     if flags & FLAG_DELTA:
         if not 0 < parent_n_tokens <= n_tokens:
             problems.append(f"a delta on {parent_n_tokens} parent tokens cannot hold {n_tokens}")
@@ -281,10 +322,14 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         problems.append(f"n_vocab {n_vocab} out of range")
     if not 0 < n_layer <= limits.max_layers:
         problems.append(f"n_layer {n_layer} out of range")
-    if not 0 < n_head_kv <= limits.max_heads:
-        problems.append(f"n_head_kv {n_head_kv} out of range")
-    if not (0 < head_k <= limits.max_head_dim and 0 < head_v <= limits.max_head_dim):
-        problems.append("head sizes out of range")
+    if memory == MEMORY_RECURRENT:   # no attention layer: no KV heads
+        if n_head_kv or head_k or head_v:
+            problems.append("a recurrent memory with attention heads")
+    else:
+        if not 0 < n_head_kv <= limits.max_heads:
+            problems.append(f"n_head_kv {n_head_kv} out of range")
+        if not (0 < head_k <= limits.max_head_dim and 0 < head_v <= limits.max_head_dim):
+            problems.append("head sizes out of range")
     if not 0 < n_ctx <= limits.max_ctx:
         problems.append(f"n_ctx {n_ctx} out of range")
     if not 0 < n_seq_max <= 256:
@@ -321,7 +366,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         conversation_id=uuid.UUID(bytes=conv_id), library=text_library, title=text_title,
         kind=kind, flags=flags, meta_len=meta_len, tokens_len=tokens_len,
         logits_len=logits_len, state_len=state_len, parent_n_tokens=parent_n_tokens,
-        version=version)
+        version=version, memory=memory, state_layout=state_layout)
     if state_len > max_state_len(header):
         raise CorruptHeader(f"state length {state_len} is larger than any KV cache of this shape")
     new_cells = n_tokens - parent_n_tokens   # a full checkpoint: all of them
@@ -500,7 +545,10 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
                      logits_len=len(logits_bytes), state_len=len(state_view))
     parts = tuple(memoryview(p).cast("B") for p in (meta_bytes, tokens_bytes, logits_bytes)) + (state_view,)
-    out.write(pack_header(header))
+    packed = pack_header(header)
+    # the reader's own checks, before a byte is written: never write what cannot be read
+    unpack_header(packed, header.file_len)
+    out.write(packed)
     if header.payload_len >= CRC_THREAD_MIN_BYTES:
         job = _CrcThread(parts, chunk)
         try:

@@ -14,6 +14,19 @@ The blob that ``llama_state_seq_get_data`` writes (llama.cpp commit 0c1e57098,
         else:           n_layer x (int32 type_v, uint32 el_size, uint32 n_embd_v_gqa,
                                    n_embd_v_gqa * cell_count * el_size bytes)
 
+A recurrent memory (``llama_memory_recurrent::state_write``) writes one block without a
+stream count; for one sequence it holds one cell, the snapshot after its last token::
+
+    uint32 cell_count (1); cell_count x (int32 pos, uint32 n_seq_id = 0)
+    uint32 s_trans (0), uint32 n_layer (all of the model's layers)
+    per recurrent layer: int32 type_r, uint64 r_row_size, cell_count * r_row_size bytes
+    per recurrent layer: int32 type_s, uint64 s_row_size, cell_count * s_row_size bytes
+
+A hybrid memory writes its attention block(s) (two with a sliding window), then the
+recurrent block.  The number of recurrent layers is not written: the R and S entries
+run to the end of the blob, half of them each, every R row of one size and every S row
+of another (llama.cpp sizes them per model, not per layer).
+
 :func:`check_state` walks that structure with bounds checks at every step and compares
 it with what the header promises (types, V layout, positions, layer count), so a blob
 crafted to pass the CRC still cannot smuggle in another shape.
@@ -26,9 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
+GGML_TYPE_F32 = 0
+#: a recurrent row larger than this (bytes) is refused: Mamba-2 7B's S row is ~0.5 MB
+MAX_RECURRENT_ROW = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,8 @@ class StateLayout:
     v_trans: bool
     #: byte offset of each non-empty block's cell table (see relabel_state)
     cell_tables: tuple[int, ...] = ()
+    #: the recurrent block: (recurrent layers, R row bytes, S row bytes), or None
+    recurrent: tuple[int, int, int] | None = None
 
 
 class _Reader:
@@ -65,23 +84,87 @@ class _Reader:
 def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: int,
                 n_layer: int, type_k: int, type_v: int, flash_attn: bool,
                 n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
-                first_pos: int = 0, seq_id: int = 0) -> StateLayout:
+                first_pos: int = 0, seq_id: int = 0, memory: int = MEMORY_ATTENTION,
+                n_swa: int = 0, recurrent_rows: tuple[int, int] | None = None) -> StateLayout:
     """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency.
 
     A delta state holds positions ``first_pos..n_tokens-1`` of sequence ``seq_id`` (1).
+    ``memory`` is the header's memory kind; ``recurrent_rows`` (R and S row bytes, 0 where
+    unknown) the model's, when known, which the recurrent block must match.
     """
     r = _Reader(memoryview(state).cast("B"))
     if r.u32("magic") != STATE_MAGIC:
         raise CorruptState("the KV state does not start with llama.cpp's state magic")
     if r.i32("sequence id") != seq_id:
         raise CorruptState(f"the KV state is not for sequence {seq_id}")
+    if memory == MEMORY_ATTENTION:
+        return _attention_blocks(r, None, n_tokens, n_ctx, n_layer, type_k, type_v, flash_attn,
+                                 n_head_kv, n_embd_head_k, n_embd_head_v, first_pos, seq_id)
+    if memory not in (MEMORY_RECURRENT, MEMORY_HYBRID):
+        raise CorruptState(f"unknown memory kind {memory}")
+    attention = StateLayout(blocks=(), v_trans=not flash_attn)
+    if memory == MEMORY_HYBRID:
+        attention = _attention_blocks(r, 2 if n_swa else 1, n_tokens, n_ctx, n_layer, type_k, type_v,
+                                      flash_attn, n_head_kv, n_embd_head_k, n_embd_head_v, first_pos,
+                                      seq_id)
+    rec = _recurrent_block(r, n_tokens, n_layer, recurrent_rows)
+    return StateLayout(blocks=attention.blocks, v_trans=attention.v_trans,
+                       cell_tables=attention.cell_tables, recurrent=rec)
+
+
+def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
+                     rows: tuple[int, int] | None) -> tuple[int, int, int]:
+    """Walk a recurrent block to the end of the blob: (layers, R row bytes, S row bytes)."""
+    cells = r.u32("recurrent cell count")
+    if cells != 1:
+        raise CorruptState(f"the recurrent state holds {cells} snapshots; a sequence has one")
+    pos, n_seq = struct.unpack("<iI", r.take(8, "recurrent cell"))
+    if n_seq != 0:
+        raise CorruptState("the recurrent state's cell names other sequences")
+    if pos != n_tokens - 1:
+        raise CorruptState(f"the recurrent state is at position {pos}, the header says {n_tokens - 1}")
+    if r.u32("recurrent state layout") != 0:
+        raise CorruptState("the recurrent state's layout flag is invalid")
+    if r.u32("recurrent layer count") != n_layer:
+        raise CorruptState("the recurrent state's layer count differs from its header")
+    sizes = []
+    while r.pos < len(r.data):
+        if len(sizes) >= 2 * n_layer:
+            raise CorruptState("the recurrent state has more layers than the model")
+        if r.i32("recurrent type") != GGML_TYPE_F32:
+            raise CorruptState("the recurrent state's rows are not float32")
+        row = r.u64("recurrent row size")
+        if row > MAX_RECURRENT_ROW:
+            raise CorruptState("the recurrent state's rows have an impossible size")
+        r.take(row * cells, "recurrent data")
+        sizes.append(row)
+    half = len(sizes) // 2
+    if not sizes or len(sizes) % 2:
+        raise CorruptState("the recurrent state's R and S parts do not pair up")
+    r_rows, s_rows = set(sizes[:half]), set(sizes[half:])
+    if len(r_rows) != 1 or len(s_rows) != 1:
+        raise CorruptState("the recurrent state's layers have rows of different sizes")
+    r_row, s_row = r_rows.pop(), s_rows.pop()
+    if rows is not None:
+        for name, found, expected in (("R", r_row, rows[0]), ("S", s_row, rows[1])):
+            if expected and found != expected:
+                raise CorruptState(f"the recurrent state's {name} rows hold {found} bytes; "
+                                   f"this model's hold {expected}")
+    return half, r_row, s_row
+
+
+def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, n_layer: int,
+                      type_k: int, type_v: int, flash_attn: bool, n_head_kv: int,
+                      n_embd_head_k: int, n_embd_head_v: int, first_pos: int,
+                      seq_id: int) -> StateLayout:
+    """Walk KV-cache blocks: ``count`` of them, or (None) up to two, to the end of the blob."""
     n_new = n_tokens - first_pos
     max_row_k = 4 * n_head_kv * n_embd_head_k + 64
     max_row_v = 4 * n_head_kv * n_embd_head_v + 64
     blocks: list[tuple[int, int]] = []
     tables: list[int] = []
     v_trans_seen: bool | None = None
-    while r.pos < len(r.data):
+    while (r.pos < len(r.data)) if count is None else (len(blocks) < count):
         if len(blocks) >= 2:
             raise CorruptState("the KV state holds more caches than a model can have")
         n_stream = r.u32("stream count")
@@ -162,8 +245,10 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
         table[:, 2] = seq_id
 
 
-def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayout:
-    """:func:`check_state` with the shape taken from a checkpoint header.
+def check_state_for(header, state: bytes | bytearray | memoryview,
+                    recurrent_rows: tuple[int, int] | None = None) -> StateLayout:
+    """:func:`check_state` with the shape taken from a checkpoint header (and the model's
+    recurrent row sizes, when known).
 
     A delta that holds no cells (``parent_n_tokens == n_tokens``) has no state at all.
     """
@@ -175,4 +260,5 @@ def check_state_for(header, state: bytes | bytearray | memoryview) -> StateLayou
                        n_layer=header.n_layer, type_k=header.type_k, type_v=header.type_v,
                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
                        n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
-                       first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0)
+                       first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0,
+                       memory=header.memory, n_swa=header.n_swa, recurrent_rows=recurrent_rows)

@@ -1,0 +1,131 @@
+"""A model's memory shape: the one place that reads it, for saving, loading and ``validate``.
+
+What a checkpoint's state depends on in a model is how llama.cpp lays out its memory for
+one sequence.  llama.cpp has three kinds of sequence memory:
+
+* **attention**: a KV cache, one K and one V row per layer and token (two caches with a
+  sliding window, ``n_swa`` > 0);
+* **recurrent** (mamba, mamba2, rwkv6/7): per layer one R row (convolution or token
+  shift) and one S row (the SSM/WKV state), a fixed size however long the conversation,
+  which cannot drop a tail;
+* **hybrid** (lfm2, qwen35/qwen3next, granitehybrid, falcon-h1, jamba, nemotron_h, …):
+  an attention KV cache for the attention layers, then a recurrent part for the others.
+
+Everything is computed from the GGUF file's metadata (pure Python, see engine.gguf), so a
+file on disk (``validate --model``) and a loaded model give the same answer.  Per-layer
+arrays count: real LFM2 and Granite-H files have recurrent layer 0, so llama.cpp's
+``llama_model_n_head_kv`` (layer 0) is 0 there, while the attention layers have heads.
+``n_head_kv`` here is the largest count of any layer.  The memory kind follows llama.cpp's
+own lists (``llm_arch_is_recurrent`` / ``llm_arch_is_hybrid`` in the pinned
+``src/llama-arch.cpp``); a loaded model passes llama.cpp's answer, which wins.
+
+Recurrent row sizes (``n_embd_r``, ``n_embd_s``: float32 elements) follow
+``llama_hparams::n_embd_r/n_embd_s``; 0 means "not known for this architecture" and the
+state walk then checks only their structure.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.gguf import read_metadata
+
+MEMORY_ATTENTION, MEMORY_RECURRENT, MEMORY_HYBRID = 0, 1, 2
+MEMORY_NAMES = {MEMORY_ATTENTION: "attention", MEMORY_RECURRENT: "recurrent", MEMORY_HYBRID: "hybrid"}
+
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset({
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
+    "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
+    "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "minimax-01"})
+
+
+def memory_name(kind: int, n_swa: int = 0) -> str:
+    """What users read: attention, sliding-window, recurrent or hybrid."""
+    if kind == MEMORY_ATTENTION and n_swa:
+        return "sliding-window"
+    return MEMORY_NAMES.get(kind, f"unknown ({kind})")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide whether a sequence state fits a model."""
+    name: str
+    architecture: str
+    memory: int
+    n_vocab: int
+    n_layer: int
+    n_head_kv: int          # the largest of any layer (0: no attention layer)
+    n_embd_head_k: int      # 0 when no layer has attention
+    n_embd_head_v: int
+    n_swa: int
+    n_embd_r: int = 0       # recurrent R row, in float32 elements (0: unknown or none)
+    n_embd_s: int = 0       # recurrent S row
+
+    @property
+    def memory_name(self) -> str:
+        return memory_name(self.memory, self.n_swa)
+
+    @property
+    def can_trim(self) -> bool:
+        """Whether the memory can drop a tail (llama_memory_seq_rm of positions p..end)."""
+        return self.memory == MEMORY_ATTENTION and not self.n_swa
+
+
+def read_model_shape(path: str | os.PathLike, *, memory: int | None = None) -> ModelShape:
+    """The shape of the model in GGUF file ``path``; ``memory``: llama.cpp's own kind."""
+    return shape_from_metadata(read_metadata(path, arrays=True), os.path.basename(path), memory=memory)
+
+
+def shape_from_metadata(meta: dict[str, Any], default_name: str = "",
+                        *, memory: int | None = None) -> ModelShape:
+    arch = str(meta.get("general.architecture", ""))
+
+    def value(key: str) -> Any:
+        return meta.get(f"{arch}.{key}")
+
+    def num(key: str, default: int = 0) -> int:
+        v = value(key)
+        return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+    def per_layer(key: str, default: int = 0) -> int:
+        """The largest value of a scalar-or-per-layer key."""
+        v = value(key)
+        if isinstance(v, list):
+            return max((int(x) for x in v if isinstance(x, (int, float))), default=default)
+        return num(key, default)
+
+    if memory is None:
+        memory = (MEMORY_RECURRENT if arch in RECURRENT_ARCHS else
+                  MEMORY_HYBRID if arch in HYBRID_ARCHS else MEMORY_ATTENTION)
+    n_embd = num("embedding_length")
+    n_head = per_layer("attention.head_count")
+    n_head_kv = per_layer("attention.head_count_kv", n_head)
+    if memory == MEMORY_RECURRENT:
+        n_head_kv = 0
+    head = n_embd // n_head if n_head else 0
+    head_k = num("attention.key_length", head) if n_head_kv else 0
+    head_v = num("attention.value_length", head) if n_head_kv else 0
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = tokens[1] if isinstance(tokens, tuple) else num("vocab_size")
+    r, s = (_recurrent_rows(value, num, n_embd) if memory != MEMORY_ATTENTION else (0, 0))
+    return ModelShape(
+        name=str(meta.get("general.name", default_name)), architecture=arch, memory=memory,
+        n_vocab=int(n_vocab), n_layer=num("block_count"), n_head_kv=n_head_kv,
+        n_embd_head_k=head_k, n_embd_head_v=head_v, n_swa=num("attention.sliding_window"),
+        n_embd_r=r, n_embd_s=s)
+
+
+def _recurrent_rows(value, num, n_embd: int) -> tuple[int, int]:
+    """(n_embd_r, n_embd_s) as llama_hparams computes them, or 0 where unknown."""
+    if num("wkv.head_size"):                        # RWKV: token shift, WKV state
+        return num("token_shift_count", 2) * n_embd, n_embd * num("wkv.head_size")
+    if num("shortconv.l_cache"):                    # LFM2: short convolution only
+        return n_embd * (num("shortconv.l_cache") - 1), 0
+    d_conv, d_inner, d_state = num("ssm.conv_kernel"), num("ssm.inner_size"), num("ssm.state_size")
+    if d_inner and d_state:                         # Mamba, Mamba 2, gated delta nets
+        n_group = num("ssm.group_count")
+        return max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state), d_state * d_inner
+    return 0, 0
