@@ -64,7 +64,7 @@ KIND = {
 }
 
 #: Bumped whenever a builder changes what it writes: cached files carry it in their name.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 N_EMBD = 64
 N_FF = 128
@@ -73,6 +73,11 @@ N_HEAD = 2
 N_HEAD_KV = 1
 N_CTX_TRAIN = 4096
 RMS_EPS = 1e-5
+# Weights N(0, (MATRIX_GAIN / sqrt(fan_in))^2); embeddings N(0, EMBD_STD^2).  The output
+# is tied to the embeddings: with larger embeddings (0.1) the attention models repeat their
+# input token forever (the embedding's self-similarity wins); these give varied greedy text.
+MATRIX_GAIN = 1.0
+EMBD_STD = 0.02
 
 # Mamba-2 mixers (mamba2, granitehybrid, falcon-h1): inner size 2 x n_embd (granite
 # requires it), 4 SSM heads of 32, one group, state 16, conv kernel 4.
@@ -139,10 +144,10 @@ class _Writer:
         shape = tuple(reversed(ne))          # numpy order
         if callable(init):
             data = init(self.rng(name), shape)
-        elif init == "matrix":               # weights: N(0, (0.5 / sqrt(fan_in))^2)
-            data = self.rng(name).normal(0.0, 0.5 / np.sqrt(ne[0]), shape)
+        elif init == "matrix":               # weights: N(0, (gain / sqrt(fan_in))^2)
+            data = self.rng(name).normal(0.0, MATRIX_GAIN / np.sqrt(ne[0]), shape)
         elif init == "embedding":
-            data = self.rng(name).normal(0.0, 0.1, shape)
+            data = self.rng(name).normal(0.0, EMBD_STD, shape)
         else:                                # a constant (norm weights 1, biases 0)
             data = np.full(shape, float(init))
         data = np.ascontiguousarray(data, dtype=np.float32)
