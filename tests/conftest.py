@@ -55,6 +55,19 @@ def gemma_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """``tiny_model_path(arch, seed=0, n_layer=None) -> Path``: a tiny random-weight GGUF
+    (tests/tinymodels.py: mamba2, lfm2, qwen35, rwkv7, granitehybrid, falcon-h1, llama),
+    built once per session (or kept in CHECKPOINT_CHAT_TEST_MODELS) and shared."""
+    import tinymodels
+    folder = Path(os.environ.get("CHECKPOINT_CHAT_TEST_MODELS", tmp_path_factory.getbasetemp())) / "tiny"
+
+    def path(arch: str, *, seed: int = 0, n_layer: int | None = None) -> Path:
+        return tinymodels.cached(arch, folder, seed=seed, n_layer=n_layer)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm_runtime(smollm_path):
     """One SmolLM2 runtime (n_ctx 2048, 2 threads) shared by the in-process tests."""
     from engine.runtime import Runtime
