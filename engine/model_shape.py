@@ -36,6 +36,10 @@ MEMORY_ATTENTION, MEMORY_RECURRENT, MEMORY_HYBRID = 0, 1, 2
 MEMORY_NAMES = {MEMORY_ATTENTION: "attention", MEMORY_RECURRENT: "recurrent", MEMORY_HYBRID: "hybrid"}
 
 RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+#: architectures whose rope is M-RoPE / interleaved M-RoPE (llama_model_rope_type): their
+#: KV cells carry a 2D position, 12 more bytes per cell in a state
+MROPE_ARCHS = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
+                         "qwen4exp", "qwen3tts"})
 HYBRID_ARCHS = frozenset({
     "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
     "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
@@ -63,6 +67,7 @@ class ModelShape:
     n_swa: int
     n_embd_r: int = 0       # recurrent R row, in float32 elements (0: unknown or none)
     n_embd_s: int = 0       # recurrent S row
+    cell_ext: bool = False  # KV cells carry M-RoPE positions (format.FLAG_CELL_EXT)
 
     @property
     def memory_name(self) -> str:
@@ -74,14 +79,19 @@ class ModelShape:
         return self.memory == MEMORY_ATTENTION and not self.n_swa
 
 
-def read_model_shape(path: str | os.PathLike, *, memory: int | None = None) -> ModelShape:
-    """The shape of the model in GGUF file ``path``; ``memory``: llama.cpp's own kind."""
-    return shape_from_metadata(read_metadata(path, arrays=True), os.path.basename(path), memory=memory)
+def read_model_shape(path: str | os.PathLike, *, memory: int | None = None,
+                     cell_ext: bool | None = None) -> ModelShape:
+    """The shape of the model in GGUF file ``path``; ``memory`` and ``cell_ext``:
+    llama.cpp's own answers for a loaded model (they win over the architecture tables)."""
+    return shape_from_metadata(read_metadata(path, arrays=True), os.path.basename(path),
+                               memory=memory, cell_ext=cell_ext)
 
 
-def shape_from_metadata(meta: dict[str, Any], default_name: str = "",
-                        *, memory: int | None = None) -> ModelShape:
+def shape_from_metadata(meta: dict[str, Any], default_name: str = "", *, memory: int | None = None,
+                        cell_ext: bool | None = None) -> ModelShape:
     arch = str(meta.get("general.architecture", ""))
+    if cell_ext is None:
+        cell_ext = arch in MROPE_ARCHS
 
     def value(key: str) -> Any:
         return meta.get(f"{arch}.{key}")
@@ -115,7 +125,7 @@ def shape_from_metadata(meta: dict[str, Any], default_name: str = "",
         name=str(meta.get("general.name", default_name)), architecture=arch, memory=memory,
         n_vocab=int(n_vocab), n_layer=num("block_count"), n_head_kv=n_head_kv,
         n_embd_head_k=head_k, n_embd_head_v=head_v, n_swa=num("attention.sliding_window"),
-        n_embd_r=r, n_embd_s=s)
+        n_embd_r=r, n_embd_s=s, cell_ext=cell_ext and n_head_kv > 0)
 
 
 def _recurrent_rows(value, num, n_embd: int) -> tuple[int, int]:

@@ -442,7 +442,7 @@ class SequenceView:
                                      flash_attn=s.flash_attn, n_head_kv=shape.n_head_kv,
                                      n_embd_head_k=shape.n_embd_head_k,
                                      n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source,
-                                     memory=shape.memory, n_swa=shape.n_swa,
+                                     memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext,
                                      recurrent_rows=self.target.model.recurrent_rows)
             except CorruptState as exc:
                 raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc

@@ -25,7 +25,7 @@ from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, check_link, common_prefix, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
 from engine.checkpoints.graph import default_line
-from engine.checkpoints.format import (FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
+from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
                                        Header, encode_metadata, write_sections)
 from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.kvstate import check_state_for
@@ -217,7 +217,8 @@ class Runtime:
             flash_attn=s.flash_attn, kv_unified=s.kv_unified, n_seq_max=s.n_seq_max,
             n_tokens=len(self.kv_tokens), n_tokens_total=len(conv.tokens),
             n_generated=n_generated, created_unix_ns=time.time_ns(), conversation_id=conv.id,
-            library=loaded_library().identity, title=conv.title, kind=kind, memory=shape.memory)
+            library=loaded_library().identity, title=conv.title, kind=kind, memory=shape.memory,
+            flags=FLAG_CELL_EXT if shape.cell_ext else 0)
 
     @functools.cached_property
     def target(self) -> Target:
@@ -273,7 +274,7 @@ class Runtime:
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind)
         if parent is not None:
-            header = replace(header, flags=FLAG_DELTA, parent_n_tokens=p0)
+            header = replace(header, flags=header.flags | FLAG_DELTA, parent_n_tokens=p0)
         meta_json = self.metadata_for(conv)
         meta_json["checkpoint_id"] = checkpoint_id
         line = line or default_line(conv.id)
@@ -420,7 +421,7 @@ def runtime_shape(model: Model) -> ModelShape:
     """The loaded model's shape, read the one way (engine.model_shape) with llama.cpp's own
     answer for the memory kind."""
     try:
-        shape = read_model_shape(model.path, memory=model.memory_kind)
+        shape = read_model_shape(model.path, memory=model.memory_kind, cell_ext=model.has_cell_ext)
     except (GGUFError, OSError) as exc:
         raise GenerationError(f"could not read the model's shape from {model.path}: {exc}") from exc
     if shape.n_vocab != model.shape.n_vocab or shape.n_layer != model.shape.n_layer:

@@ -85,6 +85,7 @@ REQUIRED_SYMBOLS = (
     "llama_supports_gpu_offload",
     "llama_model_is_recurrent",
     "llama_model_is_hybrid",
+    "llama_model_rope_type",
 )
 
 

@@ -29,6 +29,9 @@ ProgressCallback = Callable[[float], bool]
 #: CPU-only build it is the same as 0.
 GPU_LAYERS_ALL = -1
 
+#: llama.h's LLAMA_ROPE_TYPE_MROPE / _IMROPE (GGML_ROPE_TYPE_MROPE = 8, | NEOX 2 | 32)
+ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE = 8, 40
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -238,6 +241,13 @@ class Model:
         """llama.cpp's memory kind for this model: 0 attention, 1 recurrent, 2 hybrid
         (the values of engine.model_shape)."""
         return 1 if self.is_recurrent else 2 if self.is_hybrid else 0
+
+    @property
+    def has_cell_ext(self) -> bool:
+        """Whether llama.cpp's KV cells carry 2D positions (M-RoPE: Qwen2-VL, Qwen3-VL,
+        Qwen3.5): 12 more bytes per cell in a sequence state."""
+        # enum llama_rope_type llama_model_rope_type(const struct llama_model * model)
+        return int(self._ll.llama_model_rope_type(self.ptr)) in (ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE)
 
     @property
     def can_abort_mid_batch(self) -> bool:

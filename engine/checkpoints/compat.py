@@ -40,6 +40,7 @@ class ModelIdentity:
     n_embd_head_k: int
     n_embd_head_v: int
     memory: int = MEMORY_ATTENTION
+    cell_ext: bool = False
     #: bytes of one recurrent R and S row (0: unknown, or no recurrent layers); not in a
     #: header: the state walk compares them with the rows a file holds
     recurrent_rows: tuple[int, int] = (0, 0)
@@ -50,7 +51,8 @@ class ModelIdentity:
         return cls(name=name, fingerprint=fingerprint, n_vocab=shape.n_vocab,
                    n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
                    n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
-                   memory=shape.memory, recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
+                   memory=shape.memory, cell_ext=shape.cell_ext,
+                   recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ModelIdentity":
@@ -67,7 +69,7 @@ class ModelIdentity:
         return cls(name=name, fingerprint=header.model_fingerprint, n_vocab=header.n_vocab,
                    n_layer=header.n_layer, n_head_kv=header.n_head_kv,
                    n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
-                   memory=header.memory)
+                   memory=header.memory, cell_ext=header.cell_ext)
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,9 @@ def _model_problem(model: ModelIdentity, header: Header, meta: dict | None) -> I
         return IncompatibleModel(
             f"the checkpoint holds {memory_name(header.memory, header.n_swa)} memory; the model "
             f"{model.name or ''} has {memory_name(model.memory, header.n_swa)} memory".replace("  ", " "))
+    if header.cell_ext != model.cell_ext:
+        return IncompatibleModel("the checkpoint's KV cells and the model's differ in their "
+                                 "position layout (M-RoPE)")
     mismatched = [f"{name} {theirs} (model: {ours})" for name, theirs, ours in (
         ("n_vocab", header.n_vocab, model.n_vocab), ("n_layer", header.n_layer, model.n_layer),
         ("n_head_kv", header.n_head_kv, model.n_head_kv),

@@ -21,8 +21,9 @@ Header (offsets in bytes)::
 
       0  8  magic            b"\\x89KVC\\r\\n\\x1a\\n"  (PNG-style: catches text-mode copies)
       8  2  format_version   2 (1: files written before memory kinds, read as attention)
-     10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA;
-                             other bits must be 0
+     10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA,
+                             bit 3 CELL_EXT (version 2: the KV cells carry M-RoPE 2D
+                             positions, see kvstate); other bits must be 0
      12  4  header_len       256
      16 16  model_fingerprint  see engine.checkpoints.fingerprint
      32  8  model_size       bytes of the GGUF file
@@ -135,7 +136,8 @@ EXTENSION = ".kvckpt"
 FLAG_HAS_LOGITS = 1 << 0
 FLAG_PREFILL_PENDING = 1 << 1
 FLAG_DELTA = 1 << 2
-KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA
+FLAG_CELL_EXT = 1 << 3
+KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA | FLAG_CELL_EXT
 
 KIND_MANUAL, KIND_PAUSE, KIND_AUTOSAVE, KIND_EXIT = 0, 1, 2, 3
 KIND_NAMES = {KIND_MANUAL: "manual", KIND_PAUSE: "pause", KIND_AUTOSAVE: "autosave",
@@ -215,6 +217,11 @@ class Header:
     @property
     def is_delta(self) -> bool:
         return bool(self.flags & FLAG_DELTA)
+
+    @property
+    def cell_ext(self) -> bool:
+        """The KV cells carry llama.cpp's cell extension (M-RoPE positions, Qwen3.5/VL)."""
+        return bool(self.flags & FLAG_CELL_EXT)
 
     @property
     def has_logits(self) -> bool:
@@ -299,7 +306,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     if crc32(raw[:-4]) != crc:
         raise CorruptHeader("header checksum mismatch: the header is damaged")
     problems = []
-    if flags & ~KNOWN_FLAGS:
+    if flags & ~KNOWN_FLAGS or (version == 1 and flags & FLAG_CELL_EXT):
         problems.append(f"unknown flags 0x{flags:04x}")
     if version == 1:
         if memory or state_layout:
@@ -541,7 +548,7 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     state_view = memoryview(state).cast("B")
     flags = (FLAG_HAS_LOGITS if logits is not None else 0) | (
         FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0) | (
-        header.flags & FLAG_DELTA)
+        header.flags & (FLAG_DELTA | FLAG_CELL_EXT))
     header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
                      logits_len=len(logits_bytes), state_len=len(state_view))
     parts = tuple(memoryview(p).cast("B") for p in (meta_bytes, tokens_bytes, logits_bytes)) + (state_view,)

@@ -7,7 +7,9 @@ The blob that ``llama_state_seq_get_data`` writes (llama.cpp commit 0c1e57098,
     then one block per KV cache (two for sliding-window models: full, then SWA):
       uint32 n_stream
       per stream: uint32 cell_count; if cell_count > 0:
-        cell_count x (int32 pos, uint32 n_seq_id, n_seq_id x int32 seq_id)
+        cell_count x (int32 pos, uint32 n_seq_id, [ext], n_seq_id x int32 seq_id)
+        (ext: int32 x, int32 y, int32 token, when the model's rope is M-RoPE: the
+        header's CELL_EXT flag)
         uint32 v_trans, uint32 n_layer
         n_layer x (int32 type_k, uint64 k_row_size, cell_count * k_row_size bytes)
         if not v_trans: n_layer x (int32 type_v, uint64 v_row_size, cell_count * v_row_size bytes)
@@ -57,6 +59,8 @@ class StateLayout:
     cell_tables: tuple[int, ...] = ()
     #: the recurrent block: (recurrent layers, R row bytes, S row bytes), or None
     recurrent: tuple[int, int, int] | None = None
+    #: int32 words per cell in the cell tables (3, or 6 with the M-RoPE extension)
+    cell_words: int = 3
 
 
 class _Reader:
@@ -85,7 +89,8 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
                 n_layer: int, type_k: int, type_v: int, flash_attn: bool,
                 n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
                 first_pos: int = 0, seq_id: int = 0, memory: int = MEMORY_ATTENTION,
-                n_swa: int = 0, recurrent_rows: tuple[int, int] | None = None) -> StateLayout:
+                n_swa: int = 0, recurrent_rows: tuple[int, int] | None = None,
+                cell_ext: bool = False) -> StateLayout:
     """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency.
 
     A delta state holds positions ``first_pos..n_tokens-1`` of sequence ``seq_id`` (1).
@@ -99,17 +104,17 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
         raise CorruptState(f"the KV state is not for sequence {seq_id}")
     if memory == MEMORY_ATTENTION:
         return _attention_blocks(r, None, n_tokens, n_ctx, n_layer, type_k, type_v, flash_attn,
-                                 n_head_kv, n_embd_head_k, n_embd_head_v, first_pos, seq_id)
+                                 n_head_kv, n_embd_head_k, n_embd_head_v, first_pos, seq_id, cell_ext)
     if memory not in (MEMORY_RECURRENT, MEMORY_HYBRID):
         raise CorruptState(f"unknown memory kind {memory}")
     attention = StateLayout(blocks=(), v_trans=not flash_attn)
     if memory == MEMORY_HYBRID:
         attention = _attention_blocks(r, 2 if n_swa else 1, n_tokens, n_ctx, n_layer, type_k, type_v,
                                       flash_attn, n_head_kv, n_embd_head_k, n_embd_head_v, first_pos,
-                                      seq_id)
+                                      seq_id, cell_ext)
     rec = _recurrent_block(r, n_tokens, n_layer, recurrent_rows)
     return StateLayout(blocks=attention.blocks, v_trans=attention.v_trans,
-                       cell_tables=attention.cell_tables, recurrent=rec)
+                       cell_tables=attention.cell_tables, recurrent=rec, cell_words=attention.cell_words)
 
 
 def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
@@ -156,7 +161,7 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
 def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, n_layer: int,
                       type_k: int, type_v: int, flash_attn: bool, n_head_kv: int,
                       n_embd_head_k: int, n_embd_head_v: int, first_pos: int,
-                      seq_id: int) -> StateLayout:
+                      seq_id: int, cell_ext: bool) -> StateLayout:
     """Walk KV-cache blocks: ``count`` of them, or (None) up to two, to the end of the blob."""
     n_new = n_tokens - first_pos
     max_row_k = 4 * n_head_kv * n_embd_head_k + 64
@@ -177,8 +182,9 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
             blocks.append((0, 0))
             continue
         tables.append(r.pos)
-        meta = np.frombuffer(r.take(12 * cells, "cell table"), dtype="<i4").reshape(cells, 3)
-        if not (meta[:, 1] == 1).all() or not (meta[:, 2] == seq_id).all():
+        words = 6 if cell_ext else 3
+        meta = np.frombuffer(r.take(4 * words * cells, "cell table"), dtype="<i4").reshape(cells, words)
+        if not (meta[:, 1] == 1).all() or not (meta[:, -1] == seq_id).all():
             raise CorruptState("the KV state's cells belong to other sequences")
         pos = meta[:, 0]
         # cells are written in slot order, not position order: a sliding-window cache is
@@ -226,7 +232,8 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
         raise CorruptState("the KV state holds no cache")
     if sum(layers for _, layers in blocks) > n_layer:
         raise CorruptState("the KV state has more layers than the model")
-    return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen), cell_tables=tuple(tables))
+    return StateLayout(blocks=tuple(blocks), v_trans=bool(v_trans_seen), cell_tables=tuple(tables),
+                       cell_words=6 if cell_ext else 3)
 
 
 def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
@@ -240,9 +247,10 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
     result for ``state`` (a writable uint8 array), whose cells each name one sequence.
     """
     state[4:8] = np.frombuffer(struct.pack("<i", seq_id), dtype=np.uint8)
+    words = layout.cell_words
     for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables):
-        table = state[offset:offset + 12 * cells].view("<i4").reshape(cells, 3)
-        table[:, 2] = seq_id
+        table = state[offset:offset + 4 * words * cells].view("<i4").reshape(cells, words)
+        table[:, -1] = seq_id
 
 
 def check_state_for(header, state: bytes | bytearray | memoryview,
@@ -261,4 +269,5 @@ def check_state_for(header, state: bytes | bytearray | memoryview,
                        flash_attn=header.flash_attn, n_head_kv=header.n_head_kv,
                        n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
                        first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0,
-                       memory=header.memory, n_swa=header.n_swa, recurrent_rows=recurrent_rows)
+                       memory=header.memory, n_swa=header.n_swa, recurrent_rows=recurrent_rows,
+                       cell_ext=header.cell_ext)
