@@ -11,6 +11,7 @@ from typing import Any
 from engine import APP_VERSION
 from engine.cli import EXIT_ERROR, EXIT_OK, human_size
 from engine.errors import AppError, CheckpointError
+from engine.model_shape import memory_name
 
 
 def cmd_validate(args) -> int:
@@ -27,14 +28,17 @@ def cmd_validate(args) -> int:
         chain = load_chain(path) if header.is_delta else [fmt.read_checkpoint(path)]
         data = chain[-1]
         print("CRC32 OK")
+        model = ModelIdentity.from_gguf(args.model) if args.model else None
+        rows = model.recurrent_rows if model is not None else None
         for item in chain:
             if item.header.n_tokens:
-                check_state_for(item.header, item.state)
-        print("KV state OK")
+                check_state_for(item.header, item.state, rows)
+        print(f"KV state OK ({memory_name(header.memory, header.n_swa)} memory, "
+              f"llama.cpp state layout {header.state_layout})")
         if header.is_delta:
             print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")
-        if args.model:
-            Target(ModelIdentity.from_gguf(args.model)).check(header, data.meta)
+        if model is not None:
+            Target(model).check(header, data.meta)
             print("Dimensions match model")
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
@@ -74,6 +78,7 @@ def _header_json(h) -> dict[str, Any]:
         "conversation_id": str(h.conversation_id),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(h.created_unix_ns / 1e9)),
         "model_fingerprint": h.model_fingerprint.hex(), "model_size": h.model_size,
+        "memory": memory_name(h.memory, h.n_swa), "state_layout": h.state_layout, "cell_ext": h.cell_ext,
         "n_vocab": h.n_vocab, "n_layer": h.n_layer, "n_head_kv": h.n_head_kv,
         "n_embd_head_k": h.n_embd_head_k, "n_embd_head_v": h.n_embd_head_v, "n_swa": h.n_swa,
         "n_ctx": h.n_ctx, "type_k": h.type_k, "type_v": h.type_v, "flash_attn": h.flash_attn,

@@ -1,0 +1,246 @@
+"""Every memory kind gets the whole checkpoint contract: recurrent (mamba2, rwkv7), hybrid
+(lfm2, qwen35, granitehybrid, falcon-h1) and plain attention (the tiny llama control).
+
+Tiny random-weight models (tests/tinymodels.py) prove exactness by the last logits and
+the sequence state's bytes, not by text.  Before this, every checkpoint of a recurrent or
+hybrid model was written, announced as saved, and refused on load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import memkit
+from conftest import ROOT, run_cli
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.compat import ModelIdentity
+from engine.checkpoints.format import (FORMAT_VERSION, HEADER_LEN, KIND_PAUSE, MEMORY_ATTENTION,
+                                       MEMORY_HYBRID, MEMORY_RECURRENT, pack_header, read_checkpoint,
+                                       read_header, unpack_header)
+from engine.checkpoints.kvstate import check_state_for
+from engine.checkpoints.store import Store
+from engine.errors import CorruptState
+from engine.generation import generate
+from engine.history import LineWriter
+from engine.runtime import Runtime
+from tinymodels import ARCHS, KIND
+
+MEMORY = {"recurrent": MEMORY_RECURRENT, "hybrid": MEMORY_HYBRID, "attention": MEMORY_ATTENTION}
+NOT_CONTROL = [a for a in ARCHS if KIND[a] != "attention"]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_path):
+    """Each arch's uninterrupted answer (greedy-free: temperature 0.8, fixed seed)."""
+    out = {}
+
+    def reference(arch: str) -> dict:
+        if arch not in out:
+            rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+            try:
+                result = generate(rt, memkit.conversation(rt))
+                out[arch] = memkit.fingerprint(rt, result.text)
+            finally:
+                rt.close()
+        return out[arch]
+    return reference
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shape_is_read_one_way(arch, tiny_model_path):
+    """`validate --model` (the file alone) and a loaded model agree on the shape, and the
+    memory kind is llama.cpp's."""
+    path = tiny_model_path(arch)
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        loaded = rt.target.model
+        assert loaded.memory == MEMORY[KIND[arch]]
+        assert dataclasses.replace(ModelIdentity.from_gguf(path), name="") == dataclasses.replace(loaded, name="")
+        if arch in ("lfm2", "granitehybrid"):   # layer 0 is recurrent: llama.cpp says 0 heads
+            assert rt.model.shape.n_head_kv == 0 and loaded.n_head_kv > 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pause_and_resume_in_a_new_process_is_exact(arch, tiny_model_path, references, tmp_path):
+    path = tiny_model_path(arch)
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        part = generate(rt, conv, stop_after=9)
+        assert part.finish_reason == "paused"
+        info = rt.save(tmp_path / "p.kvckpt", conv, KIND_PAUSE)
+    finally:
+        rt.close()
+    header = read_header(info.path)
+    assert (header.version, header.memory) == (FORMAT_VERSION, MEMORY[KIND[arch]])
+    assert header.cell_ext == (arch == "qwen35")   # M-RoPE cells
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "memkit.py"), str(path), str(info.path)],
+                          capture_output=True, text=True, timeout=300, cwd=str(ROOT), check=True)
+    resumed = json.loads(done.stdout.strip().splitlines()[-1])
+    reference = references(arch)
+    assert part.text + resumed["text"] == reference["text"]
+    assert (resumed["logits"], resumed["state"], resumed["n_tokens"]) == \
+        (reference["logits"], reference["state"], reference["n_tokens"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_autosave_chain_restores_exactly(arch, tiny_model_path, references, tmp_path):
+    """Deltas every 4 tokens: attention cells as deltas, the recurrent snapshot whole."""
+    path = tiny_model_path(arch)
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        saver = LineWriter(rt, Store(tmp_path), "line")
+        generate(rt, conv, autosave=saver, autosave_every=4, stop_after=13)
+        chain_infos = list(saver.chain)
+    finally:
+        rt.close()
+    assert [i.delta for i in chain_infos] == [False, True, True]
+    full = read_header(chain_infos[0].path)
+    for info in chain_infos[1:]:
+        h = read_header(info.path)
+        # a delta's state: its own 4 tokens' cells and, with a recurrent part, one
+        # snapshot; never the whole conversation's cells
+        if KIND[arch] != "recurrent":
+            assert h.state_len < full.state_len
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = rt.restore_chain(load_chain(chain_infos[-1].path))
+        rest = generate(rt, conv)
+        got = memkit.fingerprint(rt, rest.text)
+    finally:
+        rt.close()
+    reference = references(arch)
+    assert (got["logits"], got["state"]) == (reference["logits"], reference["state"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pause_inside_the_prompt_resumes_exactly(arch, tiny_model_path, tmp_path):
+    """A pause while the prompt is read: the memory holds exactly what the app counts (a
+    recurrent or hybrid memory cannot drop a half-done batch, so its decodes are never
+    cut), and resuming in a fresh context gives the uninterrupted run's logits."""
+    path = tiny_model_path(arch)
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        assert len(conv.tokens) > 4 * memkit.SETTINGS.n_batch
+        read = []   # the pause comes while the third chunk is being read
+        report = rt.prefill(conv.tokens, should_stop=lambda: len(read) >= 2,
+                            on_progress=lambda done, total: read.append(done))
+        assert report.aborted and 0 < len(rt.kv_tokens) < len(conv.tokens)
+        assert rt.ctx.pos_max(0) + 1 == len(rt.kv_tokens)
+        if KIND[arch] != "attention":
+            assert len(rt.kv_tokens) % memkit.SETTINGS.n_batch == 0
+        info = rt.save(tmp_path / "prefill.kvckpt", conv, KIND_PAUSE)
+        assert read_header(info.path).prefill_pending
+        rt.trim(0)
+        rt.prefill(conv.tokens)
+        expected = np.array(rt.logits(), copy=True)
+    finally:
+        rt.close()
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = rt.restore(read_checkpoint(info.path))
+        report = rt.prefill(conv.tokens)
+        assert report.n_reused == read_header(info.path).n_tokens
+        assert np.array_equal(rt.logits(), expected)
+    finally:
+        rt.close()
+
+
+def _recurrent_offset(state: np.ndarray, header) -> int:
+    """Where the recurrent block starts (after the attention block of a hybrid)."""
+    layout = check_state_for(header, state)
+    if not layout.blocks:
+        return 8
+    # the walk's own reader, re-run to the end of the attention block
+    from engine.checkpoints import kvstate
+    r = kvstate._Reader(memoryview(state).cast("B"))
+    r.pos = 8
+    kvstate._attention_blocks(r, len(layout.blocks), header.n_tokens, header.n_ctx, header.n_layer,
+                              header.type_k, header.type_v, header.flash_attn, header.n_head_kv,
+                              header.n_embd_head_k, header.n_embd_head_v, 0, 0, header.cell_ext)
+    return r.pos
+
+
+@pytest.mark.parametrize("arch", NOT_CONTROL)
+def test_a_corrupt_recurrent_state_is_refused_with_its_reason(arch, tiny_model_path, tmp_path):
+    path = tiny_model_path(arch)
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        generate(rt, conv, stop_after=3)
+        data = read_checkpoint(rt.save(tmp_path / "good.kvckpt", conv, KIND_PAUSE).path)
+        held = list(rt.kv_tokens)
+        base = _recurrent_offset(data.state, data.header)
+        cases = {
+            "two snapshots": (base, struct.pack("<I", 2), "snapshots"),
+            "wrong position": (base + 4, struct.pack("<i", 3), "position"),
+            "other sequences": (base + 8, struct.pack("<I", 1), "other sequences"),
+            "layout flag": (base + 12, struct.pack("<I", 1), "layout flag"),
+            "layer count": (base + 16, struct.pack("<I", 99), "layer count"),
+            "row type": (base + 20, struct.pack("<i", 1), "float32"),
+            "row size": (base + 24, struct.pack("<Q", 1 << 40), "impossible size"),
+        }
+        for name, (offset, patch, reason) in cases.items():
+            bad = data.state.copy()
+            bad[offset:offset + len(patch)] = np.frombuffer(patch, dtype=np.uint8)
+            with pytest.raises(CorruptState, match=reason):
+                rt.restore_chain([dataclasses.replace(data, state=bad)])
+            # refused before llama.cpp saw a byte: the cache still holds the conversation
+            assert rt.kv_tokens == held and rt.ctx.pos_max(0) + 1 == len(held), name
+        for bad in (data.state[:-3], np.concatenate([data.state, np.zeros(8, np.uint8)])):
+            with pytest.raises(CorruptState):
+                check_state_for(dataclasses.replace(data.header, state_len=len(bad)), bad)
+    finally:
+        rt.close()
+
+
+def test_a_version_1_file_still_loads(tiny_model_path, tmp_path):
+    """Files written before memory kinds (format version 1, attention only) keep loading."""
+    path = tiny_model_path("llama")
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        generate(rt, conv, stop_after=5)
+        info = rt.save(tmp_path / "v2.kvckpt", conv, KIND_PAUSE)
+        raw = bytearray(info.path.read_bytes())
+        old = dataclasses.replace(unpack_header(bytes(raw[:HEADER_LEN])), version=1)
+        raw[:HEADER_LEN] = pack_header(old)
+        assert raw[79] == 0 and raw[82:84] == b"\0\0" and raw[8] == 1
+        v1 = tmp_path / "v1.kvckpt"
+        v1.write_bytes(bytes(raw))
+        data = read_checkpoint(v1)
+        assert data.header.version == 1 and data.header.memory == MEMORY_ATTENTION
+        rt.trim(0)
+        restored = rt.restore(data)
+        assert restored.tokens == conv.tokens
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen35"])
+def test_cli_save_resume_validate(arch, tiny_model_path, tmp_path):
+    """The user's path: `run --stop-after --checkpoint-save`, `validate --model`, then
+    `run --checkpoint-load` in a new process continues the same text."""
+    model = str(tiny_model_path(arch))
+    common = ["-m", model, "-n", "20", "--temp", "0.8", "--seed", "5", "--ignore-eos", "-t", "2", "--json"]
+    full = json.loads(run_cli("run", "-p", "Hello there", *common, check=True).stdout)
+    saved = tmp_path / "a.kvckpt"
+    part = run_cli("run", "-p", "Hello there", *common, "--stop-after", "7", "--checkpoint-save", str(saved),
+                   check=True)
+    assert json.loads(part.stdout)["finish_reason"] == "paused"
+    valid = run_cli("validate", str(saved), "--model", model, check=True)
+    assert "Dimensions match model" in valid.stdout
+    assert f"{KIND[arch]} memory" in valid.stdout
+    rest = json.loads(run_cli("run", "--checkpoint-load", str(saved), *common[2:], check=True).stdout)
+    assert json.loads(part.stdout)["text"] + rest["text"] == full["text"]
