@@ -1,6 +1,8 @@
 """Desktop app entry point: ``checkpoint-chat-gui`` / ``checkpoint-chat gui``.
 
-Sets up logging and the crash trace (engine.crashlog: a crash inside llama.cpp leaves
+Sets up logging; on Linux, names the system libraries Qt's X11 plugin lacks and stops
+before Qt would abort with a message naming only one of them (gui.system_libs); sets up
+the crash trace (engine.crashlog: a crash inside llama.cpp leaves
 a trace, and the next start tells the user and offers the newest autosave), creates the
 QApplication with qasync as the asyncio event loop, gives it the app's icon (every
 window inherits it), and shows the main window, which starts loading the default model
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from engine import crashlog, paths
+from gui import system_libs
 
 log = logging.getLogger("gui")
 
@@ -95,6 +98,12 @@ def close_on_terminal_signals(window, signals=signal):
 
 
 def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    missing = system_libs.problem()        # before Qt loads: it would abort naming one library
+    if missing:
+        log.error("%s", missing)
+        return 1
+
     import qasync
     from PySide6.QtWidgets import QApplication
 
@@ -102,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
     from gui.session_end import SessionEndSaver
     from gui.settings import AppSettings
 
-    _setup_logging()
     crashes = crashlog.pending_crashes()   # before install(): our own trace file is not one
     crashlog.install()                     # a crash inside llama.cpp leaves a trace
     _warn_about_known_bad_qt()
