@@ -74,9 +74,9 @@ class ModelShape:
         return memory_name(self.memory, self.n_swa)
 
     @property
-    def can_trim(self) -> bool:
-        """Whether the memory can drop a tail (llama_memory_seq_rm of positions p..end)."""
-        return self.memory == MEMORY_ATTENTION and not self.n_swa
+    def has_recurrent(self) -> bool:
+        """A recurrent part: a fixed-size snapshot per sequence, which cannot drop a tail."""
+        return self.memory != MEMORY_ATTENTION
 
 
 def read_model_shape(path: str | os.PathLike, *, memory: int | None = None,

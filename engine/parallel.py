@@ -40,6 +40,7 @@ from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData
 from engine.checkpoints.kvstate import check_state, relabel_state
+from engine.snapshots import PromptSnapshot
 from engine.conversation import Conversation
 from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
@@ -64,6 +65,8 @@ class _Held:
     logits_len: int = -1             # the token count the logits belong to (-1: none)
     logits: np.ndarray | None = None  # a copy; None while they are a row of the last decode
     row: int = -1                    # that row (live logits)
+    #: a recurrent memory's state at the end of its last prompt (engine.snapshots)
+    snapshot: PromptSnapshot | None = None
 
 
 class ParallelRuntime:
@@ -206,9 +209,13 @@ class ParallelRuntime:
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)
+        snapshot = held.snapshot
         if n > 0 and self.ctx.seq_rm(seq, n, -1):
             del held.tokens[n:]
             self._forget_logits(seq)
+        elif snapshot is not None and snapshot.holds(held.tokens, n) and snapshot.put_back(self.ctx, seq):
+            del held.tokens[n:]
+            held.logits_len, held.logits, held.row = n, snapshot.logits, -1
         else:
             self.drop(seq)
         return len(self._held[seq].tokens)
@@ -250,6 +257,8 @@ class ParallelRuntime:
             held.tokens.extend(tokens)
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
+                if self.shape.has_recurrent:   # the end of a prompt: see engine.snapshots
+                    held.snapshot = PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq))
             else:
                 self._forget_logits(seq)
         return True

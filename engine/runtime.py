@@ -34,6 +34,7 @@ from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, Generatio
                            RestoreFailed, SaveFailed)
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
+from engine.snapshots import PromptSnapshot
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -91,6 +92,8 @@ class Runtime:
         # logits at the end of the last prefill, with the digest of the tokens they follow:
         # Regenerate trims back to there and samples again without re-decoding
         self._prompt_logits: tuple[int, str, np.ndarray] | None = None
+        # with a recurrent memory, the state there too (engine.snapshots): it cannot trim
+        self._prompt_snapshot: PromptSnapshot | None = None
         self._state_buffer: np.ndarray | None = None  # reused by every save (_state_bytes)
         #: seconds the last restore_chain took (structure checks + setting the state)
         self.last_restore_s = 0.0
@@ -136,8 +139,13 @@ class Runtime:
         """
         if n >= len(self.kv_tokens):
             return len(self.kv_tokens)
+        snapshot = self._prompt_snapshot
         if n > 0 and self.ctx.seq_rm(0, n, -1):
             del self.kv_tokens[n:]
+        elif snapshot is not None and snapshot.holds(self.kv_tokens, n) and snapshot.put_back(self.ctx, 0):
+            del self.kv_tokens[n:]
+            self._logits_len, self._logits_copy = n, snapshot.logits
+            return n
         else:
             self.ctx.clear()
             self.kv_tokens.clear()
@@ -193,6 +201,8 @@ class Runtime:
             self._set_live_logits()
             self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
                                    self.ctx.logits_last().copy())
+            if self.shape.has_recurrent:
+                self._prompt_snapshot = PromptSnapshot.take(self.ctx, 0, self.kv_tokens, self._prompt_logits[2])
         report.seconds = time.perf_counter() - started
         return report
 
@@ -393,7 +403,7 @@ class Runtime:
             self.ctx.clear()
             self.kv_tokens = []
         self._forget_logits()
-        self._prompt_logits = None
+        self._prompt_logits = self._prompt_snapshot = None
         try:
             for i, data in enumerate(chain):
                 if i < keep or not len(data.state):

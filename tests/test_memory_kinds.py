@@ -244,3 +244,67 @@ def test_cli_save_resume_validate(arch, tiny_model_path, tmp_path):
     assert f"{KIND[arch]} memory" in valid.stdout
     rest = json.loads(run_cli("run", "--checkpoint-load", str(saved), *common[2:], check=True).stdout)
     assert json.loads(part.stdout)["text"] + rest["text"] == full["text"]
+
+
+@pytest.mark.parametrize("arch", NOT_CONTROL)
+def test_regenerate_reads_nothing_again(arch, tiny_model_path):
+    """Regenerate goes back to the end of the prompt from the snapshot kept there (a
+    recurrent memory cannot drop the answer's tail): nothing is decoded again, and the same
+    seed draws the same answer, bit for bit."""
+    from engine.generation import discard_answer
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        first = generate(rt, conv)
+        logits_first = memkit.fingerprint(rt, first.text)
+        discard_answer(conv)
+        again = generate(rt, conv)
+        assert (again.n_reused_tokens, again.n_prefilled) == (again.n_prompt_tokens, 0)
+        assert memkit.fingerprint(rt, again.text) == logits_first
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "rwkv7"])
+def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path, tmp_path):
+    """The window's engine thread on a hybrid and a recurrent model: answers, Regenerate
+    (nothing read again), Continue, a second turn, Edit, three conversations in a cache of
+    two (evicted ones restored from their files), two answers at once."""
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    from enginekit import Recorder
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        w.autosave_every = 4
+        a = w.new_conversation(sampler=SamplerSettings(seed=3, temperature=0.8))
+        w.send(a, "Tell me about rivers.", n_predict=12)
+        first = rec.wait("finished")[-1][1]
+        w.regenerate(a)
+        regen = rec.wait("finished", 2)[-1][1]
+        assert regen.n_reused_tokens == regen.n_prompt_tokens > 0
+        w.continue_answer(a, n_predict=6)
+        w.send(a, "And lakes?", n_predict=8)
+        w.edit_message(a, 0, "Tell me about seas.", n_predict=8)
+        b = w.new_conversation(sampler=SamplerSettings(seed=4))
+        w.send(b, "Hi", n_predict=6)
+        c = w.new_conversation(sampler=SamplerSettings(seed=5))
+        w.send(c, "Yo", n_predict=6)
+        rec.wait("finished", 7)
+        for conv_id in (a, b, c):   # three conversations, two sequences: one comes from its files
+            w.show(conv_id)
+        rec.wait("activated", 3)
+        w.send(b, "A long answer, please", n_predict=20)
+        w.send(c, "Another long one", n_predict=20)
+        summaries = [e[1] for e in rec.wait("finished", 9)]
+        assert not rec.of("error"), rec.of("error")
+        assert [s.finish_reason for s in summaries] == ["length"] * 9
+        assert first.n_generated == regen.n_generated == 12
+        # some conversation was evicted, then restored from its files, not re-read
+        assert any(not resident and restored > 0 for _, _, resident, restored in rec.of("activated")), rec.of("activated")
+    finally:
+        w.shutdown()
+        assert w.join(60)
