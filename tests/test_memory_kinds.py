@@ -304,7 +304,8 @@ def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path,
         assert [s.finish_reason for s in summaries] == ["length"] * 9
         assert first.n_generated == regen.n_generated == 12
         # some conversation was evicted, then restored from its files, not re-read
-        assert any(not resident and restored > 0 for _, _, resident, restored in rec.of("activated")), rec.of("activated")
+        activations = rec.of("activated")
+        assert any(not resident and restored > 0 for _, _, resident, restored in activations), activations
     finally:
         w.shutdown()
         assert w.join(60)

@@ -58,3 +58,40 @@ def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, ch
     assert outcome.problems == []
     assert outcome.heads_lost == []
     assert outcome.orphans == [], "files no head needs were left behind"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkers(tiny_model_path):
+    """One checking runtime per tiny model of another memory kind (tests/tinymodels.py)."""
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    made = {}
+
+    def checker_for(arch: str):
+        if arch not in made:
+            made[arch] = Runtime(tiny_model_path(arch), ContextSettings(n_ctx=1024, n_threads=2))
+        return made[arch]
+    yield checker_for
+    for rt in made.values():
+        rt.close()
+
+
+#: the same compositions on a recurrent model and two hybrids (fewer examples each: the
+#: invariants are the same, the memory underneath is what differs)
+TINY_EXAMPLES = max(1, EXAMPLES // 3)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "lfm2", "qwen35"])
+@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=10))
+def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
+                                            tmp_path_factory):
+    model = tiny_model_path(arch)
+    driver, outcome = run_sequence(model, tmp_path_factory.mktemp(f"prop-{arch}"), actions,
+                                   tiny_checkers(arch))
+    print(f"{arch}: {len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
