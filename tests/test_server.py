@@ -342,3 +342,28 @@ def test_concurrent_streams_each_get_their_own_answer_as_alone(app_home, served)
     assert time.perf_counter() - started < 300
     assert [together[0], together[1]] == alone
     assert alone[0] != alone[1]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+def test_a_hybrid_and_a_recurrent_model_restore_every_turn_across_a_restart(arch, app_home, served,
+                                                                            tiny_model_path):
+    """Saves used to fail for these models with a warning, and nothing was cached after a
+    restart: now each turn is a head and the next turn, in a new server, restores it all."""
+    messages, usages = [], []
+    server = served(app_home, "-m", str(tiny_model_path(arch)))
+    for k, question in enumerate(["Hello there.", "Tell me more.", "And then?"], 1):
+        if k == 3:
+            assert server.stop() == 0
+            server = served(app_home, "-m", str(tiny_model_path(arch)))
+        client = server.client()
+        model = client.models.list().data[0].id
+        messages.append({"role": "user", "content": question})
+        text, usage, ext = ask(client, model, messages, stream=k == 2, max_tokens=8, seed=k,
+                               extra_body={"ignore_eos": True})
+        messages.append({"role": "assistant", "content": text})
+        usages.append(usage)
+        assert Path(ext["checkpoint"]).name in {h.path.name for h in heads()}
+        assert "could not save" not in server.stderr().lower()
+    for before, usage in zip(usages, usages[1:]):
+        assert usage.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
+    assert server.stop() == 0
