@@ -95,6 +95,8 @@ def begin_answer(conv: Conversation, runtime: Runtime, user_text: str, *, n_pred
     if not conv.messages and conv.title in ("", "New conversation"):
         conv.title = title_from(user_text)
     previous = _state_text(conv, runtime)
+    if previous is None:
+        previous = cut_to_history(conv, runtime)
     conv.messages.append(("user", user_text))
     prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
     if previous is not None and prompt.startswith(previous):
@@ -118,6 +120,33 @@ def _state_text(conv: Conversation, runtime: Runtime) -> str | None:
         return None
     before = chat_template.render(runtime.model, conv.chat_messages()[:-1], add_assistant=True)
     return before + a.text
+
+
+def cut_to_history(conv: Conversation, runtime: Runtime) -> str | None:
+    """After an edit (the messages cut back to an answer, no answer object), the text of
+    that history, with ``conv.tokens`` cut to the tokens the model saw for it.
+
+    A fresh tokenisation of the history may end one token otherwise than the model's own
+    tokens did (an answer's last token merged with the template's next text), and a
+    sliding-window or recurrent memory depends on where each token was decoded: a new turn
+    must follow the tokens the model saw, as a continuation of a checkpoint of that history
+    does.  The tokens are matched by their text, special tokens rendered empty on both sides.
+    """
+    if conv.answer is not None or not conv.tokens or not conv.messages or conv.messages[-1][0] != "assistant":
+        return None
+    model = runtime.model
+    text = chat_template.render(model, conv.chat_messages()[:-1], add_assistant=True) + conv.messages[-1][1]
+    target = b"".join(model.token_to_piece(t) for t in model.tokenize_prompt(text))
+    seen = 0
+    for n, token in enumerate(conv.tokens, 1):
+        piece = model.token_to_piece(token)
+        if target[seen:seen + len(piece)] != piece:
+            return None
+        seen += len(piece)
+        if seen == len(target):
+            conv.tokens = conv.tokens[:n]
+            return text
+    return None
 
 
 def commit_answer(conv: Conversation) -> None:

@@ -135,3 +135,26 @@ def test_from_turn_equals_continuing_that_history(model, temp, request, app_home
     bad = run_cli("run", *common, "--checkpoint-load", three["checkpoint"], "--from-turn", "9", "-p", "x")
     assert bad.returncode == 1 and "no turn 9" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     assert Path(edited["checkpoint"]).exists()
+
+
+@pytest.mark.parametrize("model", ["gemma", "lfm2", "mamba2"])
+def test_from_turn_on_a_single_file_equals_continuing_that_history(model, request, tiny_model_path, tmp_path,
+                                                                   app_home):
+    """The conversation saved to named files (`--checkpoint-save`: one whole file, no file of
+    turn 1's end in its chain): editing turn 2 starts from exactly the tokens turn 1 ended
+    with, decoded as they were, so a sliding-window, hybrid or recurrent model gives the
+    text of continuing a checkpoint of turn 1 (it kept one token fewer before)."""
+    path = str(request.getfixturevalue("gemma_path") if model == "gemma" else tiny_model_path(model))
+    common = ["-m", path, "--ctx-size", "1024", "-n", "16", "--temp", "0", "--json", "-t", "2"]
+
+    def run(*args):
+        return json.loads(run_cli("run", *common, *args, check=True).stdout.strip().splitlines()[-1])
+
+    a, b = tmp_path / "a.kvckpt", tmp_path / "b.kvckpt"
+    run("--system", "You are terse.", "-p", "Name three rivers.", "--checkpoint-save", str(a))
+    run("--checkpoint-load", str(a), "-p", "Which is longest?", "--checkpoint-save", str(b))
+    reference = run("--checkpoint-load", str(a), "-p", "Which is shortest?")
+    edited = run("--checkpoint-load", str(b), "--from-turn", "2", "-p", "Which is shortest?")
+    assert edited["text"] == reference["text"]
+    if model == "gemma":
+        assert edited["n_reused_tokens"] == reference["n_reused_tokens"]

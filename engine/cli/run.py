@@ -164,7 +164,7 @@ class RunSession:
     def conversation(self):
         """The restored conversation (or a new one), with the new message if any."""
         from engine.conversation import Conversation
-        from engine.generation import begin_answer
+        from engine.generation import begin_answer, cut_to_history
         args, rt = self.args, self.runtime
         if args.from_turn is not None and (self.chain is None or self.prompt is None):
             raise AppError("--from-turn K needs --checkpoint-load FILE and the new text of turn K (-p)")
@@ -175,6 +175,11 @@ class RunSession:
             conv = rt.restore_chain(chain)
             if kept is not None:      # turn K and what followed it stay on the old branch
                 conv.messages, conv.answer = kept, None
+                # the branch starts where that history ended, decoded as it was
+                if cut_to_history(conv, rt) is not None and rt.trim(len(conv.tokens)) < len(conv.tokens):
+                    print(f"note: this model's memory ({rt.shape.memory_name}) cannot go back to the end of "
+                          f"turn {args.from_turn - 1} and no checkpoint of it is left in this file's chain: "
+                          f"its {len(conv.tokens)} tokens are read again", file=sys.stderr)
             self.restore_s = self.read_s + rt.last_restore_s
             conv.sampler = sampler_from_args(args, conv.sampler)
             if args.stop:
@@ -203,8 +208,9 @@ class RunSession:
         return conv
 
     def chain_to_edit(self, turn: int):
-        """The files to restore for editing user turn ``turn`` (the state at the end of the
-        turn before it, when the chain still has that file), and the messages kept."""
+        """The files to restore for editing user turn ``turn``: the state at the end of the
+        turn before it when the chain still has that file (and None), else the whole chain
+        and the messages to keep of it."""
         from engine.branches import turn_end, user_turn_index
         from engine.conversation import Conversation
         from engine.generation import commit_answer
@@ -218,7 +224,12 @@ class RunSession:
             raise AppError(str(exc)) from None
         kept = full.messages[:index]
         k = turn_end(self.chain, kept)
-        return (self.chain[:k] if k else self.chain), kept
+        if k:
+            # the file of exactly that history: restored as it was saved, so the new turn's
+            # tokens follow its tokens as a continuation's would (a sliding-window or
+            # recurrent memory depends on where each token was decoded)
+            return self.chain[:k], None
+        return self.chain, kept
 
     def prepare_store(self, conv) -> None:
         """Prefix reuse, and the writer of the conversation's line in the store."""
