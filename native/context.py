@@ -21,6 +21,7 @@ import numpy as np
 
 from native.errors import ContextError, DecodeError, StateError
 from native.library import bindings
+from native.logs import take_errors
 from native.model import Model
 
 #: llama_decode return values (llama.h)
@@ -242,12 +243,13 @@ class Context:
         # every graph node (~600 per token), each call taking the GIL.
         self._abort_cb = ll.ggml_abort_callback(lambda _data: src.should_abort())
         self._no_abort_cb = ll.ggml_abort_callback()  # NULL: nothing to call
+        take_errors()   # what llama.cpp logs from here on is this call's
         # llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params)
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
-            raise ContextError(
-                f"llama.cpp could not create a context of {settings.n_ctx} tokens "
-                "(not enough memory, or unsupported settings)")
+            said = take_errors()
+            reason = f"llama.cpp said: {said[-1]}" if said else "not enough memory, or unsupported settings"
+            raise ContextError(f"llama.cpp could not create a context of {settings.n_ctx} tokens ({reason})")
         self._threads: ComputeThreads | None = None
         try:
             self._init_batch(ll, model, settings, threads)

@@ -8,6 +8,7 @@ still cost time inside the decode loop.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import threading
@@ -29,6 +30,8 @@ class _LineJoiner:
         self._lock = threading.Lock()
         self._buffer = ""
         self._level = logging.INFO
+        #: the last few error lines: llama.cpp says why a call failed only in its log
+        self.errors: collections.deque[str] = collections.deque(maxlen=4)
 
     def feed(self, level: int, text: str) -> None:
         with self._lock:
@@ -40,9 +43,20 @@ class _LineJoiner:
         for line in lines:
             if line.strip():
                 llama_log.log(level_now, "%s", line)
+                if level_now >= logging.ERROR:
+                    self.errors.append(line.strip())
 
 
 _joiner = _LineJoiner()
+
+
+def take_errors() -> list[str]:
+    """The error lines llama.cpp logged since the last call (at most the last four): a
+    failed call's reason, for its message (call once before the call to start afresh)."""
+    with _joiner._lock:
+        lines = list(_joiner.errors)
+        _joiner.errors.clear()
+    return lines
 _callback = None  # kept referenced for as long as llama.cpp may call it
 
 

@@ -309,3 +309,15 @@ def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path,
     finally:
         w.shutdown()
         assert w.join(60)
+
+
+def test_a_context_that_cannot_be_made_says_llama_cpps_reason(smollm_path):
+    from native.context import Context, ContextSettings, KV_TYPES
+    from native.errors import ContextError
+    from native.model import Model
+    model = Model(smollm_path)
+    try:
+        with pytest.raises(ContextError, match="quantized V cache requires flash_attn"):
+            Context(model, ContextSettings(n_ctx=512, flash_attn=False, type_v=KV_TYPES["q8_0"]))
+    finally:
+        model.close()
