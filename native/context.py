@@ -21,7 +21,7 @@ import numpy as np
 
 from native.errors import ContextError, DecodeError, StateError
 from native.library import bindings
-from native.logs import take_errors
+from native.logs import failure_reason, take_errors
 from native.model import Model
 
 #: llama_decode return values (llama.h)
@@ -247,8 +247,7 @@ class Context:
         # llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params)
         self._ptr = ll.llama_init_from_model(model.ptr, params)
         if not self._ptr:
-            said = take_errors()
-            reason = f"llama.cpp said: {said[-1]}" if said else "not enough memory, or unsupported settings"
+            reason = failure_reason("not enough memory, or unsupported settings")
             raise ContextError(f"llama.cpp could not create a context of {settings.n_ctx} tokens ({reason})")
         self._threads: ComputeThreads | None = None
         try:

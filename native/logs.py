@@ -57,6 +57,16 @@ def take_errors() -> list[str]:
         lines = list(_joiner.errors)
         _joiner.errors.clear()
     return lines
+
+
+def failure_reason(default: str) -> str:
+    """Why the llama.cpp call just made failed: the first error it logged since
+    :func:`take_errors` was last called, without the C function's name, or ``default``."""
+    lines = take_errors()
+    if not lines:
+        return default
+    head, _, rest = lines[0].partition(": ")
+    return "llama.cpp said: " + (rest if rest and head.isidentifier() else lines[0])
 _callback = None  # kept referenced for as long as llama.cpp may call it
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from native.errors import ModelLoadError
 from native.library import bindings
+from native.logs import failure_reason, take_errors
 
 if TYPE_CHECKING:
     from native.rpc import Workers
@@ -93,6 +94,7 @@ class Model:
                     return True
             self._progress_cb = ll.llama_progress_callback(on_progress)
             params.progress_callback = self._progress_cb
+        take_errors()   # what llama.cpp logs from here on is this load's
         # a worker that stops answering while the weights go out ends the load (bounded)
         with guard.watching() if guard is not None else contextlib.nullcontext():
             # llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params)
@@ -100,10 +102,10 @@ class Model:
                                                       else str(self.path).encode("utf-8"), params)
         if not self._ptr:
             self._stop_guard()
-            raise ModelLoadError(f"llama.cpp could not load the model {self.path} "
-                                 "(unsupported architecture, damaged file, or cancelled)")
+            reason = failure_reason("unsupported architecture, damaged file, or cancelled")
+            raise ModelLoadError(f"llama.cpp could not load the model {self.path} ({reason})")
         self._vocab = ll.llama_model_get_vocab(self._ptr)
-        self.shape = self._read_shape()
+        self.shape = self._read_shape(layers=not vocab_only)
         if workers is not None:
             from native.rpc import describe_plan, layer_plan
             self.placement = describe_plan(layer_plan(self.shape.n_layer, n_gpu_layers, self._split),
@@ -182,8 +184,11 @@ class Model:
             self._ll.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
-    def _read_shape(self) -> ModelShape:
+    def _read_shape(self, *, layers: bool = True) -> ModelShape:
         ll, m = self._ll, self._ptr
+        if not layers:   # vocab-only: llama.cpp has no layers, and aborts when asked for one's
+            return ModelShape(n_vocab=ll.llama_vocab_n_tokens(self._vocab), n_layer=0, n_head=0, n_head_kv=0,
+                              n_embd=0, n_embd_head_k=0, n_embd_head_v=0, n_ctx_train=0, n_swa=0)
         n_head = ll.llama_model_n_head(m)
         n_embd = ll.llama_model_n_embd(m)
         arch = self.meta("general.architecture") or ""

@@ -321,3 +321,17 @@ def test_a_context_that_cannot_be_made_says_llama_cpps_reason(smollm_path):
             Context(model, ContextSettings(n_ctx=512, flash_attn=False, type_v=KV_TYPES["q8_0"]))
     finally:
         model.close()
+
+
+def test_a_model_llama_cpp_refuses_says_why_and_vocab_only_loads(smollm_path, tmp_path):
+    from native.errors import ModelLoadError
+    from native.model import Model
+    bad = tmp_path / "no-arch.gguf"
+    bad.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(16))
+    with pytest.raises(ModelLoadError, match="unknown model architecture"):
+        Model(bad)
+    vocab = Model(smollm_path, vocab_only=True)   # used to abort the process (no layers)
+    try:
+        assert vocab.shape.n_vocab == 49152 and vocab.tokenize("hello", add_special=False)
+    finally:
+        vocab.close()
