@@ -62,7 +62,9 @@ def _sections(state_len: int, seed: int = 1):
     state = np.empty(state_len, dtype=np.uint8)
     state[:] = rng.integers(0, 256, state_len, dtype=np.uint8)
     meta = fmt.encode_metadata({"checkpoint_id": "ab" * 16, "title": "save path", "n": state_len})
-    return _header(n if state_len else 0, n), meta, tokens, logits, state
+    # no state: nothing decoded yet, so no logits either (the reader refuses logits without
+    # a token, and so the writer does)
+    return _header(n if state_len else 0, n), meta, tokens, logits if state_len else None, state
 
 
 # sizes around the thread threshold and the write chunk: empty, tiny, just below and at the
