@@ -44,6 +44,15 @@ def ggml_filenames(platform: str = sys.platform) -> tuple[str, ...]:
     return ("libggml.so",)
 
 
+def ggml_base_filenames(platform: str = sys.platform) -> tuple[str, ...]:
+    """ggml's base library: on Windows the device registry's names and memory live here."""
+    if platform == "win32":
+        return ("ggml-base.dll", "libggml-base.dll")
+    if platform == "darwin":
+        return ("libggml-base.dylib", "libggml-base.so")
+    return ("libggml-base.so",)
+
+
 def find_library_file(folder: Path, platform: str = sys.platform, *, source: str = "") -> Path:
     """The library inside ``folder``; the error names every path it tried and why.
 
@@ -382,6 +391,70 @@ def cuda_device_problem(folder: Path, device_kinds: list[str],
 
 # -- the loader's error, explained -------------------------------------------------------
 
+def _system32(environ: Mapping[str, str]) -> Path | None:
+    root = environ.get("SystemRoot") or environ.get("SYSTEMROOT") or environ.get("windir")
+    return Path(root) / "System32" if root else None
+
+
+def missing_dependencies(path: Path, places: list[Path], environ: Mapping[str, str] | None = None,
+                         *, depth: int = 4) -> list[str]:
+    """The DLLs ``path`` imports (directly, or through DLLs found in ``places``) that are
+    in none of ``places`` nor System32: what Windows' WinError 126 does not name.
+
+    API sets (``api-ms-win-*``, ``ext-ms-*``) are resolved by the loader, never files.
+    Names compare without case, as Windows does.
+    """
+    environ = os.environ if environ is None else environ
+    system32 = _system32(environ)
+    where = [p for p in [*places, system32] if p is not None]
+    listings: dict[Path, dict[str, Path]] = {}
+
+    def find(name: str) -> Path | None:
+        for folder in where:
+            if folder not in listings:
+                try:
+                    listings[folder] = {c.name.lower(): c for c in folder.iterdir()}
+                except OSError:
+                    listings[folder] = {}
+            hit = listings[folder].get(name.lower())
+            if hit is not None:
+                return hit
+        return None
+
+    missing: list[str] = []
+    seen: set[str] = set()
+    todo = [(path, 0)]
+    while todo:
+        current, level = todo.pop()
+        for name in pe_imports(current):
+            key = name.lower()
+            if key in seen or key.startswith(("api-ms-win-", "ext-ms-")):
+                continue
+            seen.add(key)
+            hit = find(name)
+            if hit is None:
+                missing.append(name)
+            elif level + 1 < depth and system32 is not None and hit.parent != system32:
+                todo.append((hit, level + 1))
+    return missing
+
+
+def _missing_named(folder: Path, platform: str, environ: Mapping[str, str]) -> str:
+    """"; it needs X, which is not in …" for a library in ``folder``, or ""."""
+    if platform != "win32":
+        return ""
+    try:
+        path = find_library_file(folder, platform)
+    except LibraryError:
+        return ""
+    places = [folder] + [d for d in cuda_bin_dirs(environ, platform) if d.is_dir()]
+    missing = missing_dependencies(path, places, environ)
+    if not missing:
+        return ""
+    return (f"; {path.name} needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not in {folder}, the CUDA folders or System32")
+
+
 def explain_load_failure(folder: Path, error: BaseException, platform: str = sys.platform,
                          environ: Mapping[str, str] | None = None) -> str:
     """Turn the OS loader's terse error into what was found and what is needed."""
@@ -406,6 +479,6 @@ def explain_load_failure(folder: Path, error: BaseException, platform: str = sys
                 f"(llama-cpp-python {BINDINGS_VERSION}) is needed")
     if "WinError 126" in text or "could not be found" in text or "one of its dependencies" in text:
         return (f"Windows could not load the llama library in {folder} or one of the DLLs it "
-                f"needs ({text.strip()}); keep every DLL of the llama.cpp release together in "
-                "that folder")
+                f"needs ({text.strip()}){_missing_named(folder, platform, environ)}; keep every "
+                "DLL of the llama.cpp release together in that folder")
     return f"could not load the llama library from {folder}: {text.strip()}"

@@ -33,7 +33,7 @@ from native.dllsearch import SAFE_WINMODE, PathGuard, prepare_windows_search
 from native.errors import LibraryError
 from native.libfile import (check_binary, cuda_bin_dirs, explain_load_failure, find_library_file,
                             missing_cuda_runtime, read_binary_kind)
-from native.sysinfo import list_devices_from, load_dynamic_backends
+from native.sysinfo import list_devices, list_devices_from, load_dynamic_backends
 from pecraft import pe_header, pe_image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,6 +270,35 @@ def test_path_guard_undoes_llama_cpp_prepending_path():
     assert "PATH" not in env2
 
 
+def test_path_guard_hides_a_stale_cuda_path_from_the_bindings_loader(tmp_path):
+    """llama_cpp calls os.add_dll_directory(CUDA_PATH/bin and /lib): WinError 3 if gone."""
+    whole = tmp_path / "v12.4"
+    for sub in ("bin", "lib"):
+        (whole / sub).mkdir(parents=True)
+    env = {"PATH": "p", "CUDA_PATH": str(tmp_path / "v12.2-removed"), "HIP_PATH": str(whole)}
+    with PathGuard(env, platform="win32"):
+        seen = dict(env)
+    assert "CUDA_PATH" not in seen and seen["HIP_PATH"] == str(whole)
+    assert env["CUDA_PATH"] == str(tmp_path / "v12.2-removed")      # put back afterwards
+    with PathGuard(env, platform="linux"):
+        assert "CUDA_PATH" in env
+
+
+def test_the_dll_a_library_misses_is_named_through_its_dependencies(tmp_path):
+    from native.libfile import missing_dependencies
+    system32 = tmp_path / "Windows" / "System32"
+    system32.mkdir(parents=True)
+    (system32 / "kernel32.dll").write_bytes(pe_header())
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "llama.dll").write_bytes(pe_image(["KERNEL32.dll", "ggml.dll", "api-ms-win-crt-heap-l1-1-0.dll"]))
+    (folder / "GGML.DLL").write_bytes(pe_image(["kernel32.dll", "libomp140.x86_64.dll"]))
+    env = {"SystemRoot": str(system32.parent)}
+    assert missing_dependencies(folder / "llama.dll", [folder], env) == ["libomp140.x86_64.dll"]
+    err = FileNotFoundError("Could not find module 'llama.dll' (or one of its dependencies).")
+    assert "llama.dll needs libomp140.x86_64.dll" in explain_load_failure(folder, err, "win32", env)
+
+
 def test_windows_load_failure_of_a_dependency_is_explained(tmp_path):
     folder = windows_folder(tmp_path, cuda_imports=None)
     err = FileNotFoundError("Could not find module 'llama.dll' (or one of its dependencies).")
@@ -348,6 +377,26 @@ def test_cuda_device_name_and_free_vram_are_listed():
     devs = list_devices_from(ggml)
     assert devs[0].kind == "GPU" and devs[0].description == "NVIDIA GeForce RTX 4090"
     assert devs[0].memory_free == 20 << 30 and devs[0].memory_total == 24 << 30
+
+
+def test_the_registry_is_read_from_ggml_and_ggml_base_together(tmp_path):
+    """Windows: ggml.dll lacks ggml_backend_dev_name & co., ggml-base.dll has them."""
+    full = FakeGgml(["CPU"], [("CPU", "AMD Ryzen", 0, 60 << 30, 64 << 30)])
+    split = {"ggml_backend_dev_name", "ggml_backend_dev_description", "ggml_backend_dev_type",
+             "ggml_backend_dev_memory", "ggml_backend_reg_name"}
+
+    class Only:
+        def __init__(self, names):
+            for name in names:
+                setattr(self, name, getattr(full, name))
+    names = [n for n in vars(full) if n.startswith("ggml_")]
+    libs = {"ggml.dll": Only([n for n in names if n not in split]), "ggml-base.dll": Only(split)}
+    for name in libs:
+        (tmp_path / name).write_bytes(pe_header())
+    devices = list_devices(tmp_path, "win32", opener=lambda path: libs[Path(path).name])
+    assert [(d.name, d.kind, d.memory_total) for d in devices] == [("CPU", "CPU", 64 << 30)]
+    (tmp_path / "ggml-base.dll").unlink()      # without it: no list, and no crash
+    assert list_devices(tmp_path, "win32", opener=lambda path: libs[Path(path).name]) == []
 
 
 def test_plugin_backends_load_from_the_library_folder(tmp_path):

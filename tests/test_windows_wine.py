@@ -1,0 +1,294 @@
+"""The Windows paths run for real: Windows CPython, llama.dll, the Windows loader (Wine tier).
+
+These tests run only on Windows; on Linux they are skipped.  ``installer/wine_tier.sh``
+runs them under Wine with the embeddable CPython 3.11 and a llama.dll cross-built with
+mingw-w64 from the pinned llama.cpp, and passes two folders in the environment:
+
+- ``CHECKPOINT_CHAT_WINE_FIXTURES``: broken llama.dll folders (installer/wine_fixtures.py
+  says what is wrong with each);
+- ``CHECKPOINT_CHAT_WINE_XOS``: the Linux run of the same seed (full answer, the part
+  before a pause, the resume of its checkpoint), a checkpoint the Windows CLI wrote and
+  Linux's resume of it.  ``CHECKPOINT_CHAT_XOS_PROMPT`` / ``_ARGS`` are the run's prompt
+  and flags.
+
+Nothing here is faked: ``LoadLibraryExW``, ``os.add_dll_directory``, ``GetProcAddress``,
+child processes, exit statuses, sharing violations and ``taskkill`` are Windows' (Wine's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.skipif(sys.platform != "win32",
+                                reason="Windows only: run by installer/wine_tier.sh under Wine")
+
+FIXTURES = Path(os.environ.get("CHECKPOINT_CHAT_WINE_FIXTURES", "no-fixtures"))
+XOS = Path(os.environ.get("CHECKPOINT_CHAT_WINE_XOS", "no-xos"))
+PROMPT = os.environ.get("CHECKPOINT_CHAT_XOS_PROMPT", "Name three rivers.")
+ARGS = os.environ.get("CHECKPOINT_CHAT_XOS_ARGS", "-n 24 -s 7 -t 1").split()
+
+
+def needs(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is prepared by installer/wine_tier.sh")
+    return path
+
+
+def child(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new Windows Python (a library is loaded once per process)."""
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, encoding="utf-8", errors="replace", timeout=timeout,
+                          env=full, cwd=str(ROOT))
+
+
+def bundled() -> Path:
+    from native.library import bundled_library_dir
+    folder = bundled_library_dir()
+    assert folder is not None and (folder / "llama.dll").is_file(), folder
+    return folder
+
+
+def text(path: Path) -> str:
+    """A CLI's stdout as saved, newlines as on Linux (Windows' text mode writes CRLF)."""
+    return path.read_bytes().decode("utf-8").replace("\r\n", "\n")
+
+
+# -- the native loader --------------------------------------------------------------------------
+
+def test_the_bundled_library_loads_through_the_real_dll_search():
+    done = child("""
+        import json, os
+        path_before = os.environ["PATH"]
+        from native import library, dllsearch
+        ll = library.bindings()
+        lib = library.loaded_library()
+        print(json.dumps({"path_kept": os.environ["PATH"] == path_before,
+                          "kept": len(dllsearch._kept), "version": lib.version,
+                          "devices": [[d.name, d.kind] for d in lib.devices]}))
+    """)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["path_kept"], "llama_cpp's PATH edit leaked"
+    assert report["kept"] >= 2          # the add_dll_directory handle and llama.dll itself
+    assert "device registry unavailable" not in done.stderr, done.stderr
+
+
+def test_devices_are_listed_on_windows():
+    """ggml_backend_dev_name & co. live in ggml-base.dll: GetProcAddress on ggml.dll misses them."""
+    from native.sysinfo import list_devices
+    done = child("""
+        import json
+        from native import library
+        library.bindings()
+        print(json.dumps([[d.name, d.kind, d.memory_total] for d in library.loaded_library().devices]))
+    """)
+    assert done.returncode == 0, done.stderr
+    devices = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [kind for _, kind, _ in devices] == ["CPU"], devices
+    assert devices[0][0] == "CPU" and devices[0][2] > 0
+    assert list_devices  # imported on Windows without loading anything
+
+
+def test_the_probe_child_accepts_the_bundled_build_from_a_path_with_spaces_and_accents(tmp_path):
+    folder = tmp_path / "Ünïcödé folder with spaces" / "llama bin"
+    shutil.copytree(bundled(), folder)
+    from native.probe import probe_library
+    report = probe_library(folder)
+    assert report.ok, report.reason
+    assert report.stage == "devices"
+    assert [d["kind"] for d in report.devices] == ["CPU"]
+
+
+def test_a_32_bit_dll_is_refused_by_the_loader_and_named():
+    from native.libfile import explain_load_failure
+    from native.dllsearch import SAFE_WINMODE
+    folder = needs(FIXTURES / "x86")
+    with pytest.raises(OSError) as caught:
+        ctypes.CDLL(str(folder / "llama.dll"), winmode=SAFE_WINMODE)
+    assert caught.value.winerror == 193
+    assert "not a 64-bit library for Windows" in explain_load_failure(folder, caught.value)
+
+
+def test_a_32_bit_dll_is_refused_before_loading():
+    from native.errors import LibraryError
+    from native.library import preflight
+    with pytest.raises(LibraryError, match="32-bit|x86"):
+        preflight(needs(FIXTURES / "x86"), source="--llama-lib")
+
+
+def test_a_dll_from_another_llama_cpp_is_refused_by_the_probe():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "foreign"))
+    assert not report.ok
+    assert report.stage == "symbols"
+    assert "functions this app calls" in report.reason and "0c1e57098" in report.reason
+
+
+def test_a_dll_of_another_abi_is_refused_by_the_probe():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "abi"))
+    assert not report.ok, report
+    assert report.stage == "abi"
+    assert "does not match these bindings" in report.reason and "n_ctx reads 0" in report.reason
+
+
+def test_a_dll_that_crashes_is_reported_with_the_stage_and_windows_status():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "crash"))
+    assert not report.ok
+    assert "access violation 0xC0000005" in report.reason, report.reason
+    assert "reading the default parameters" in report.reason
+
+
+def test_a_missing_dependency_is_named():
+    from native.dllsearch import SAFE_WINMODE
+    from native.libfile import explain_load_failure
+    folder = needs(FIXTURES / "missingdep")
+    with pytest.raises(OSError) as caught:
+        ctypes.CDLL(str(folder / "llama.dll"), winmode=SAFE_WINMODE)
+    assert "ggml-gone.dll" in explain_load_failure(folder, caught.value)
+
+
+def test_a_cpu_backend_missing_libomp140_is_named(tmp_path):
+    """llama.cpp's official CPU backends import libomp140.x86_64.dll (LLVM OpenMP)."""
+    from native.libfile import missing_dependencies
+    backend = needs(FIXTURES / "omp" / "ggml-cpu-haswell.dll")
+    assert missing_dependencies(backend, [backend.parent]) == ["libomp140.x86_64.dll"]
+
+
+def test_a_stale_cuda_path_does_not_break_loading(tmp_path):
+    done = child("""
+        from native import library
+        library.bindings()
+        print("loaded")
+    """, env={"CUDA_PATH": str(tmp_path / "CUDA" / "v12.4-removed")})
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+
+
+# -- files: atomic replace, sharing violations, non-ASCII folders --------------------------------
+
+def test_a_replace_waits_for_a_reader_that_holds_the_file_open(tmp_path):
+    """Python's open() shares read and write but not delete: os.replace fails until it closes."""
+    from engine.checkpoints.atomic import atomic_write
+    target = tmp_path / "Prüfung ü" / "held.kvckpt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        f = open({str(target)!r}, "rb")
+        print("open", flush=True)
+        time.sleep(1.0)
+        f.close()
+    """)], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "open"
+    start = time.monotonic()
+    with atomic_write(target) as f:
+        f.write(b"new")
+    waited = time.monotonic() - start
+    reader.wait(timeout=30)
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in target.parent.iterdir()] == ["held.kvckpt"]   # no temp file left
+    assert waited > 0.3, f"the replace did not meet the reader's handle ({waited:.2f} s)"
+
+
+def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
+    from engine.checkpoints import atomic
+    monkeypatch.setattr(atomic, "REPLACE_RETRY_S", 0.3)
+    target = tmp_path / "held.kvckpt"
+    target.write_bytes(b"old")
+    with open(target, "rb"):
+        with pytest.raises(OSError) as caught:
+            with atomic.atomic_write(target) as f:
+                f.write(b"new")
+    assert caught.value.winerror in atomic.TRANSIENT_WINERRORS
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["held.kvckpt"]
+
+
+# -- crash capture and liveness -----------------------------------------------------------------
+
+def test_liveness_probe_does_not_signal_a_live_process():
+    """os.kill(pid, 0) on Windows sends CTRL_C_EVENT: the probe must not."""
+    from engine.crashlog import _alive
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert _alive(sleeper.pid)
+        time.sleep(0.5)
+        assert sleeper.poll() is None, "the probe ended the process it looked at"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not _alive(sleeper.pid)
+
+
+def test_a_native_crash_leaves_a_trace_the_next_start_reports(app_home):
+    done = child("""
+        import ctypes
+        from engine import crashlog
+        crashlog.install()
+        ctypes.string_at(0)
+    """)
+    assert done.returncode & 0xFFFFFFFF == 0xC0000005, done.returncode
+    from engine.crashlog import pending_crashes
+    reports = pending_crashes()
+    assert len(reports) == 1 and not reports[0].killed
+    assert "access violation" in reports[0].excerpt.lower(), reports[0].excerpt
+
+
+def test_taskkill_leaves_an_empty_trace_reported_as_killed(app_home):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from engine import crashlog
+        crashlog.install()
+        print("ready", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    assert proc.stdout.readline().strip() == "ready"
+    subprocess.run(["taskkill", "/F", "/PID", str(proc.pid)], capture_output=True, check=True)
+    proc.wait(timeout=30)
+    from engine.crashlog import pending_crashes
+    reports = pending_crashes()
+    assert [r.killed for r in reports] == [True]
+
+
+# -- the CLI: save, pause, resume; the same bytes as Linux ---------------------------------------
+
+def cli(*args: str) -> str:
+    done = run_cli(*args, check=True)
+    return done.stdout.replace("\r\n", "\n")
+
+
+def test_the_windows_run_is_the_linux_run():
+    assert cli("run", "-p", PROMPT, *ARGS) == text(needs(XOS / "linux-full.txt"))
+
+
+def test_pause_save_and_resume_in_a_new_process_match_linux(tmp_path):
+    ckpt = tmp_path / "päuse ü" / "answer.kvckpt"
+    ckpt.parent.mkdir()
+    part = cli("run", "-p", PROMPT, *ARGS, "--stop-after", "10", "--checkpoint-save", str(ckpt))
+    assert part == text(needs(XOS / "linux-part.txt"))
+    assert cli("run", "--checkpoint-load", str(ckpt), "-n", "24", "-t", "1") == text(XOS / "linux-resume.txt")
+
+
+def test_a_checkpoint_written_on_linux_resumes_on_windows():
+    resumed = cli("run", "--checkpoint-load", str(needs(XOS / "linux.kvckpt")), "-n", "24", "-t", "1")
+    assert resumed == text(XOS / "linux-resume.txt")
+
+
+def test_a_checkpoint_written_on_windows_resumes_on_linux():
+    assert needs(XOS / "windows.kvckpt").stat().st_size > 0
+    assert text(needs(XOS / "linux-resumes-windows.txt")) == text(XOS / "linux-resume.txt")
