@@ -139,7 +139,9 @@ def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
         if not text.strip():   # killed without a trace (SIGKILL, End task, power loss)
             reports.append(CrashReport(path, when, "no trace", killed=True))
             continue
-        first = next((line for line in text.splitlines() if line.startswith("Fatal")), text.splitlines()[0])
+        # "Fatal Python error: Segmentation fault" (POSIX), "Windows fatal exception: access violation"
+        first = next((line for line in text.splitlines() if line.startswith(("Fatal", "Windows fatal"))),
+                     text.splitlines()[0])
         reports.append(CrashReport(path, when, first.strip()))
     return sorted(reports, key=lambda r: r.when)
 

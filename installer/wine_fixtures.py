@@ -12,6 +12,8 @@ them with the real Windows loader and expect the named refusal):
   read back as zeros (a build whose struct layouts differ).
 - ``crash``: as ``abi``, but reading the context defaults writes through NULL: the probe
   child dies with 0xC0000005 while reading the default parameters.
+- ``abort``: as ``crash``, but it prints a GGML_ASSERT line and calls abort(), as
+  llama.cpp does on a failed check.
 - ``missingdep``: imports ``ggml-gone.dll``, which is nowhere (WinError 126).
 - ``omp``: ``ggml-cpu-haswell.dll`` imports ``libomp140.x86_64.dll`` as llama.cpp's
   official CPU backends do; the file is absent, as on a machine without it.
@@ -42,15 +44,19 @@ def symbols(bindings_source: Path) -> list[str]:
     return list(dict.fromkeys(list(REQUIRED_SYMBOLS) + names))
 
 
-def stub_source(names: list[str], *, crash: bool) -> str:
+def stub_source(names: list[str], *, crash: str = "") -> str:
     # A struct returned by value: on Windows x64 the caller passes the buffer in RCX and
     # expects it back in RAX.  Zero 16 bytes of it (every parameter struct is larger).
     special = {"llama_context_default_params", "llama_model_default_params"}
-    lines = ["#include <string.h>"]
+    lines = ["#include <stdio.h>", "#include <stdlib.h>", "#include <string.h>"]
     for name in names:
         if name in special:
-            body = ("*(volatile int *)0 = 1; return out;" if crash and name == "llama_context_default_params"
-                    else "memset(out, 0, 16); return out;")
+            body = "memset(out, 0, 16); return out;"
+            if crash == "segv" and name == "llama_context_default_params":
+                body = "*(volatile int *)0 = 1; return out;"
+            if crash == "abort" and name == "llama_context_default_params":
+                body = 'fputs("GGML_ASSERT(n_ctx > 0) failed\\n", stderr); fflush(stderr); abort(); return out;'
+
             lines.append(f"__declspec(dllexport) void *{name}(void *out) {{ {body} }}")
         else:
             lines.append(f"__declspec(dllexport) void *{name}(void) {{ return 0; }}")
@@ -88,9 +94,10 @@ def main(out: Path, bindings_source: Path) -> None:
         work = Path(tmp)
         dll(CC32, "__declspec(dllexport) int llama_backend_init(void) { return 0; }\n",
             out / "x86" / "llama.dll", work)
-        dll(CC64, stub_source(["llama_backend_init"], crash=False), out / "foreign" / "llama.dll", work)
-        dll(CC64, stub_source(names, crash=False), out / "abi" / "llama.dll", work)
-        dll(CC64, stub_source(names, crash=True), out / "crash" / "llama.dll", work)
+        dll(CC64, stub_source(["llama_backend_init"]), out / "foreign" / "llama.dll", work)
+        dll(CC64, stub_source(names), out / "abi" / "llama.dll", work)
+        dll(CC64, stub_source(names, crash="segv"), out / "crash" / "llama.dll", work)
+        dll(CC64, stub_source(names, crash="abort"), out / "abort" / "llama.dll", work)
         dll(CC64, importing_source("ggml_gone_init"), out / "missingdep" / "llama.dll", work,
             import_library(work, "ggml-gone.dll", "ggml_gone_init"))
         dll(CC64, importing_source("omp_get_max_threads"), out / "omp" / "ggml-cpu-haswell.dll", work,

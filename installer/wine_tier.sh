@@ -204,7 +204,12 @@ export WINEPREFIX="$WORK/prefix"
 LINUX_PY="${LINUX_PY:-$( for p in "$ROOT/.venv-ci/bin/python" "$ROOT/.venv/bin/python"; do [ -x "$p" ] && { echo "$p"; break; }; done )}"
 LINUX_PY="${LINUX_PY:-python3}"
 
-step "prefix: a fresh Wine prefix (Windows 10), the llama DLLs beside the bindings"
+# The Windows user has a space and non-ASCII letters in its name, so the profile, %TEMP%,
+# %LOCALAPPDATA% (the store) and every test's tmp_path have them too.  Wine maps file names
+# through the Unix locale: without UTF-8 such names cannot be created at all.
+WIN_USER="Zoë Müller"
+export LANG=C.UTF-8 USER="$WIN_USER" LOGNAME="$WIN_USER"
+step "prefix: a fresh Wine prefix (Windows 10, user '$WIN_USER'), the llama DLLs beside the bindings"
 $WINE wineboot -i >/dev/null 2>&1
 $WINE winecfg -v win10 >/dev/null 2>&1
 # A crash must end the process with its status, not start winedbg and wait.
@@ -236,6 +241,7 @@ step "fixtures: broken llama.dll folders (mingw-w64)"
 # at start when its stdout is a regular file under Wine.
 winpy() {
     timeout "${WINPY_TIMEOUT:-600}" env -i HOME="$HOME" PATH="/usr/bin:/bin" WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all \
+        LANG="$LANG" USER="$USER" LOGNAME="$LOGNAME" \
         ${DISPLAY:+DISPLAY="$DISPLAY"} "${WINENV[@]}" $WINE "$WINPY/python.exe" "$@" 2>&1 | cat
 }
 XOS="$WORK/xos"; mkdir -p "$XOS"

@@ -77,12 +77,13 @@ def system_root(tmp_path: Path, driver: bool = True) -> Path:
 
 def test_precedence_cli_then_settings_then_env_then_bundled(tmp_path):
     env = {library.APP_ENV_VAR: str(tmp_path / "env")}
-    assert library.choose_library("/cli", "/settings", env) == library.LibraryChoice(Path("/cli"), "--llama-lib")
-    assert library.choose_library(None, "/settings", env) == library.LibraryChoice(Path("/settings"), "Settings")
+    cli, settings = library.absolute("/cli"), library.absolute("/settings")   # C:\cli on Windows
+    assert library.choose_library("/cli", "/settings", env) == library.LibraryChoice(cli, "--llama-lib")
+    assert library.choose_library(None, "/settings", env) == library.LibraryChoice(settings, "Settings")
     assert library.choose_library(None, None, env) == library.LibraryChoice(tmp_path / "env", library.APP_ENV_VAR)
     assert library.choose_library(None, None, {}) is None
     assert library.choose_library("", "  ", {library.APP_ENV_VAR: ""}) is None, "blank means unset"
-    assert library.choose_library_dir(None, "/settings", env) == Path("/settings")
+    assert library.choose_library_dir(None, "/settings", env) == settings
 
 
 def test_llama_cpp_own_variable_is_not_a_user_setting():
@@ -109,7 +110,7 @@ def test_missing_file_names_every_path_tried(tmp_path):
     text = str(err.value)
     assert str(tmp_path / "llama.dll") in text and str(tmp_path / "libllama.dll") in text
     assert "(from Settings)" in text
-    with pytest.raises(LibraryError, match=str(tmp_path / "libllama.so")):
+    with pytest.raises(LibraryError, match=re.escape(str(tmp_path / "libllama.so"))):
         find_library_file(tmp_path, "linux")
 
 
@@ -146,7 +147,7 @@ def test_other_processor_and_garbage_are_refused(tmp_path):
 
 def test_real_bundled_library_reads_as_64_bit():
     kind = read_binary_kind(library.find_library_file(library.bundled_library_dir()))
-    assert (kind.format, kind.bits) == ("ELF", 64)
+    assert (kind.format, kind.bits) == ("PE" if sys.platform == "win32" else "ELF", 64)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the dynamic linker's own message")
@@ -474,6 +475,32 @@ def test_probe_reports_a_hang(tmp_path):
         sys.executable, "-c", "import time; print('{\"stage\": \"backend_init\"}', flush=True); "
                               "time.sleep(30)"])
     assert not report.ok and "did not answer within 2 s while llama_backend_init" in report.reason
+
+
+def test_the_detail_is_what_the_library_said_not_faulthandlers_dump():
+    """faulthandler's dump ends with "Extension modules: ...": the detail is the line before it."""
+    stderr = ("GGML_ASSERT(hparams.n_ctx > 0) failed\n"
+              "Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
+              '  File "native/library.py", line 300 in check_abi\n\n'
+              "Extension modules: numpy.core._multiarray_umath, isal.isal_zlib (total: 2)\n")
+    report = probe.interpret(Path("/x"), -6, '{"stage": "abi"}\n', stderr)
+    assert "[GGML_ASSERT(hparams.n_ctx > 0) failed]" in report.reason, report.reason
+    report = probe.interpret(Path("/x"), -11, '{"stage": "abi"}\n', stderr.split("\n", 1)[1])
+    assert "[Fatal Python error: Aborted]" in report.reason
+    traceback = ('Traceback (most recent call last):\n  File "x", line 1\n    f()\n'
+                 "OSError: exception: access violation\n")
+    assert "[OSError: exception: access violation]" in probe.interpret(Path("C:/x"), 1, "", traceback).reason
+
+
+def test_the_probe_child_gets_faulthandler_off_windows_only(tmp_path):
+    seen = {}
+
+    def run(argv, **kwargs):
+        seen[kwargs.get("creationflags", 0)] = kwargs["env"].get("PYTHONFAULTHANDLER")
+        return subprocess.CompletedProcess(argv, 0, stdout=b'{"ok": true}\n', stderr=b"")
+    probe.probe_library(tmp_path, platform="linux", run=run)
+    probe.probe_library(tmp_path, platform="win32", run=run)
+    assert seen == {0: "1", probe.CREATE_NO_WINDOW: None}
 
 
 def test_interpret_windows_access_violation():

@@ -171,7 +171,14 @@ def test_probe_refuses_a_cuda_folder_that_comes_up_on_the_cpu(tmp_path):
     """End to end in a real child: the real (CPU) library beside a stand-in CUDA backend."""
     folder = tmp_path / "cuda-build"
     shutil.copytree(library.bundled_library_dir(), folder, symlinks=True)
-    (folder / "libggml-cuda.so").write_bytes(b"stand-in: its presence marks a CUDA build")
+    if sys.platform == "win32":
+        # (the Wine tier) the stand-in's import table names the CUDA runtime, and copies of
+        # a harmless DLL of the build play that runtime, so the real loader preloads them
+        (folder / "ggml-cuda.dll").write_bytes(pe_image(["KERNEL32.dll", *RUNTIME12]))
+        for name in RUNTIME12:
+            shutil.copy(folder / "libwinpthread-1.dll", folder / name)
+    else:
+        (folder / "libggml-cuda.so").write_bytes(b"stand-in: its presence marks a CUDA build")
     report = probe.probe_library(folder, timeout_s=120)
     assert not report.ok and report.stage == "devices", report
     assert "found no CUDA device" in report.reason and "CPU only" in report.reason
