@@ -17,11 +17,19 @@ def _crashed(returncode: int) -> bool:
     return returncode & 0xFFFFFFFF == 0xC0000005 if sys.platform == "win32" else returncode < 0
 
 
+#: A fault in a native thread, as llama.cpp's compute threads would have it.  On Windows
+#: ctypes turns an access violation inside a foreign call into OSError (no crash), and
+#: faulthandler._sigsegv() raises SIGSEGV, which the C runtime ends with status 3: a thread
+#: that starts at address 16 is the real thing there.
+_CRASH = {"win32": ("import ctypes; k = ctypes.windll.kernel32; k.CreateThread.restype = ctypes.c_void_p; "
+                    "k.CreateThread.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, "
+                    "ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]; "
+                    "k.WaitForSingleObject(ctypes.c_void_p(k.CreateThread(None, 0, 16, None, 0, None)), 30000)")}
+
+
 def _crash_in_child(env=None) -> int:
-    # a segfault in C, as a bad llama.dll would cause (on Windows ctypes.string_at(0) is no
-    # crash: ctypes turns an access violation inside a foreign call into OSError)
     code = ("from engine import crashlog; crashlog.install(); "
-            "import faulthandler; faulthandler._sigsegv()")
+            + _CRASH.get(sys.platform, "import faulthandler; faulthandler._sigsegv()"))
     return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=env or dict(os.environ),
                           capture_output=True).returncode
 
