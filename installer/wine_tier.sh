@@ -209,12 +209,19 @@ LINUX_PY="${LINUX_PY:-python3}"
 # through the Unix locale: without UTF-8 such names cannot be created at all.
 WIN_USER="Zoë Müller"
 export LANG=C.UTF-8 USER="$WIN_USER" LOGNAME="$WIN_USER"
+# A display for Wine's user32 (the CLI's hidden session window, Qt's windows platform):
+# without one, creating any window fails.
+for n in $(seq 90 120); do [ -e "/tmp/.X11-unix/X$n" ] || [ -e "/tmp/.X$n-lock" ] || break; done
+Xvfb ":$n" -screen 0 1280x1024x24 -nolisten tcp >/dev/null 2>&1 &
+XVFB_PID=$!
+export DISPLAY=":$n"
+cleanup() { WINEPREFIX="$WORK/prefix" $WINESERVER -k 2>/dev/null || true; kill "$XVFB_PID" 2>/dev/null || true; rm -rf "$WORK"; }
 step "prefix: a fresh Wine prefix (Windows 10, user '$WIN_USER'), the llama DLLs beside the bindings"
 $WINE wineboot -i >/dev/null 2>&1
 $WINE winecfg -v win10 >/dev/null 2>&1
-# A crash must end the process with its status, not start winedbg and wait.
-$WINE reg add 'HKLM\Software\Microsoft\Windows NT\CurrentVersion\AeDebug' /v Auto /d 0 /f >/dev/null 2>&1
-$WINE reg delete 'HKLM\Software\Microsoft\Windows NT\CurrentVersion\AeDebug' /v Debugger /f >/dev/null 2>&1 || true
+# A crash must end the process with its status (0xC0000005): with a display, Wine's crash
+# dialog would end it with 0 instead.
+$WINE reg add 'HKCU\Software\Wine\WineDbg' /v ShowCrashDialog /t REG_DWORD /d 0 /f >/dev/null 2>&1
 rm -rf "$WINPY/Lib/site-packages/llama_cpp/lib" && mkdir -p "$WINPY/Lib/site-packages/llama_cpp/lib"
 cp "$LLAMA"/*.dll "$WINPY/Lib/site-packages/llama_cpp/lib/"
 winpath() { $WINE winepath -w "$1" 2>/dev/null | tr -d '\r'; }
@@ -247,7 +254,7 @@ winpy() {
 XOS="$WORK/xos"; mkdir -p "$XOS"
 PROMPT="Name three rivers."
 CLI_ARGS=(-n 24 -s 7 -t 1)
-WINENV=(CHECKPOINT_CHAT_WINE_FIXTURES="$(winpath "$WORK/fixtures")" CHECKPOINT_CHAT_WINE_XOS="$(winpath "$XOS")"
+WINENV=(CHECKPOINT_CHAT_TEST_QT_PLATFORM=windows CHECKPOINT_CHAT_WINE_FIXTURES="$(winpath "$WORK/fixtures")" CHECKPOINT_CHAT_WINE_XOS="$(winpath "$XOS")"
         CHECKPOINT_CHAT_XOS_PROMPT="$PROMPT" CHECKPOINT_CHAT_XOS_ARGS="${CLI_ARGS[*]}")
 
 step "linux: the same seed on Linux ($LINUX_PY): full answer, pause + save, resume"
@@ -263,9 +270,40 @@ step "windows: pause + save with the Windows CLI; Linux resumes that checkpoint"
 [ -s "$XOS/windows.kvckpt" ] || { echo "the Windows CLI wrote no checkpoint:"; cat "$XOS/windows-part.log"; exit 1; }
 linux_cli run --checkpoint-load "$XOS/windows.kvckpt" -n 24 -t 1 > "$XOS/linux-resumes-windows.txt" 2>>"$XOS/linux.log"
 
+if [ "$FROZEN" = 1 ]; then
+    step "frozen: PyInstaller under Wine builds installer/checkpoint_chat.spec (~3 min)"
+    if [ ! -f "$WINPY/.pyinstaller" ]; then
+        rm -rf "$WORK/pyi-wheels"
+        # pywin32-ctypes is a Windows-only dependency the host's resolver leaves out
+        retry win_pip_download -d "$WORK/pyi-wheels" pyinstaller pywin32-ctypes pefile
+        winpy -m pip install -q --no-index --no-warn-script-location --find-links "$(winpath "$WORK/pyi-wheels")" \
+            pyinstaller pywin32-ctypes
+        touch "$WINPY/.pyinstaller"
+    fi
+    FROZEN_OUT="$WORK/frozen"
+    (cd "$ROOT" && WINENV+=(CHECKPOINT_CHAT_BUNDLE_MODEL=1) && WINPY_TIMEOUT=900 winpy -m PyInstaller --noconfirm \
+        --log-level WARN --distpath "$(winpath "$FROZEN_OUT/dist")" --workpath "$(winpath "$FROZEN_OUT/work")" \
+        installer/checkpoint_chat.spec > "$WORK/pyinstaller.log")
+    APP="$FROZEN_OUT/dist/CheckpointChat"
+    [ -f "$APP/checkpoint-chat.exe" ] && [ -f "$APP/CheckpointChat.exe" ] \
+        || { tail -30 "$WORK/pyinstaller.log"; echo "PyInstaller built no executables"; exit 1; }
+    du -sh "$APP" | sed 's/^/frozen folder: /'
+    # the frozen CLI: pause + save, then resume in a new process (compared with Linux by the tests)
+    frozen() { timeout 300 env -i HOME="$HOME" PATH=/usr/bin:/bin WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all \
+        LANG="$LANG" USER="$USER" LOGNAME="$LOGNAME" DISPLAY="$DISPLAY" \
+        CHECKPOINT_CHAT_HOME="$(winpath "$WORK/frozen-home")" $WINE "$APP/checkpoint-chat.exe" "$@" \
+        2> >(cat >> "$XOS/frozen.log") | cat; }
+    frozen run -p "$PROMPT" "${CLI_ARGS[@]}" --stop-after 10 --checkpoint-save "$(winpath "$XOS/frozen.kvckpt")" \
+        > "$XOS/frozen-part.txt"
+    frozen run --checkpoint-load "$(winpath "$XOS/frozen.kvckpt")" -n 24 -t 1 > "$XOS/frozen-resume.txt"
+fi
+
 step "tests: pytest with the Windows Python under Wine (the last line is pytest's summary)"
-WIN_TESTS=(tests/test_windows_wine.py tests/test_windows_native.py tests/test_windows_session_end.py
-    tests/test_crashlog.py tests/test_library.py tests/test_paths_unicode.py)
+# test_windows_wine.py last: its last test ends the session for Qt (aboutToQuit)
+WIN_TESTS=(tests/test_windows_native.py tests/test_windows_session_end.py tests/test_crashlog.py
+    tests/test_library.py tests/test_paths_unicode.py
+    tests/test_gui_window.py::test_type_send_stream_pause_resume_equals_uninterrupted
+    tests/test_windows_wine.py)
 cd "$ROOT"
 set +e
 WINPY_TIMEOUT=1800 winpy -m pytest -p no:cacheprovider -q -rfEs --timeout 300 "${WIN_TESTS[@]}"

@@ -70,7 +70,7 @@ def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
     raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=fmt.KIND_AUTOSAVE,
                                                    created_unix_ns=header.created_unix_ns + 1))
     autosave.write_bytes(bytes(raw))
-    assert _crash_in_child() < 0
+    assert _crashed(_crash_in_child())
     done = run_cli("run", "-m", str(smollm_path), "-p", "Hello", "-n", "2", "--ctx-size", "512")
     assert done.returncode == 0, done.stderr
     assert "crashed in an earlier run" in done.stderr

@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -288,3 +289,93 @@ def test_a_checkpoint_written_on_linux_resumes_on_windows():
 def test_a_checkpoint_written_on_windows_resumes_on_linux():
     assert needs(XOS / "windows.kvckpt").stat().st_size > 0
     assert text(needs(XOS / "linux-resumes-windows.txt")) == text(XOS / "linux-resume.txt")
+
+
+def test_the_frozen_cli_saves_and_resumes_as_linux_does():
+    """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
+    part = XOS / "frozen-part.txt"
+    if not part.is_file():
+        pytest.skip("the frozen app is built by installer/wine_tier.sh --frozen")
+    assert text(part) == text(XOS / "linux-part.txt")
+    assert text(XOS / "frozen-resume.txt") == text(XOS / "linux-resume.txt")
+
+
+# -- session end: real WM_QUERYENDSESSION / WM_ENDSESSION (Wine's user32, under Xvfb) ------------
+
+WM_QUERYENDSESSION, WM_ENDSESSION, ENDSESSION_LOGOFF = 0x0011, 0x0016, 0x80000000
+
+
+def user32():
+    u = ctypes.WinDLL("user32", use_last_error=True)
+    # HWND FindWindowW(LPCWSTR lpClassName, LPCWSTR lpWindowName)
+    u.FindWindowW.argtypes, u.FindWindowW.restype = [ctypes.c_wchar_p, ctypes.c_wchar_p], ctypes.c_void_p
+    # LRESULT SendMessageW(HWND hWnd, UINT Msg, WPARAM wParam, LPARAM lParam)
+    u.SendMessageW.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_ssize_t]
+    u.SendMessageW.restype = ctypes.c_ssize_t
+    return u
+
+
+def test_the_cli_saves_the_answer_when_windows_ends_the_session(tmp_path):
+    """installer/README.md W2.3, automated: the hidden window gets the pair, the run saves."""
+    from engine.shutdown import SessionEndWindow
+    u = user32()
+    ckpt = tmp_path / "session end.kvckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", "-p", "Write a long story about a dragon.",
+                             "-n", "4000", "--ignore-eos", "-t", "1", "--checkpoint-save", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT))
+    try:
+        first = proc.stdout.read(8)                 # the answer is streaming
+        assert first, proc.stderr.read().decode("utf-8", "replace")
+        deadline = time.monotonic() + 30
+        while not (hwnd := u.FindWindowW(SessionEndWindow.CLASS_NAME, None)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hwnd, "the CLI's hidden session window was not created"
+        assert u.SendMessageW(hwnd, WM_QUERYENDSESSION, 0, ENDSESSION_LOGOFF) == 1
+        start = time.monotonic()
+        u.SendMessageW(hwnd, WM_ENDSESSION, 1, ENDSESSION_LOGOFF)   # returns once saved
+        waited = time.monotonic() - start
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + 1, err.decode("utf-8", "replace")
+    assert ckpt.is_file() and waited < 10
+    assert run_cli("validate", str(ckpt)).returncode == 0
+    resumed = cli("run", "--checkpoint-load", str(ckpt), "-n", "4", "-t", "1")
+    assert resumed.strip()
+
+
+def test_the_window_saves_the_answer_when_windows_ends_the_session(qtbot, make_window):
+    """Qt's windows platform turns the real message into commitDataRequest: the answer in
+    progress is saved as an exit checkpoint before WM_QUERYENDSESSION is answered.
+    Last in this file: WM_ENDSESSION makes Qt emit aboutToQuit."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QGuiApplication
+
+    from engine.checkpoints.format import KIND_EXIT
+    from gui.session_end import SessionEndSaver
+    if QGuiApplication.platformName() != "windows":
+        pytest.skip("needs Qt's windows platform (the tier runs it under Xvfb)")
+    w = make_window(n_predict=400)
+    saves = []
+    w.bridge.checkpoint_saved.connect(lambda *args: saves.append(args))
+    saver = SessionEndSaver(w, wait_s=60)
+    saver.connect_to(QGuiApplication.instance())
+    with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+        w.prompt_edit.setFocus()
+        qtbot.keyClicks(w.prompt_edit, "Write a long story about a dragon who guards a library.")
+        qtbot.keyClick(w.prompt_edit, Qt.Key.Key_Return)
+    hwnd, answers = int(w.winId()), {}
+
+    def windows_ends_the_session():
+        u = user32()
+        answers["query"] = u.SendMessageW(hwnd, WM_QUERYENDSESSION, 0, ENDSESSION_LOGOFF)
+        answers["end"] = u.SendMessageW(hwnd, WM_ENDSESSION, 1, ENDSESSION_LOGOFF)
+    sender = threading.Thread(target=windows_ends_the_session, daemon=True)
+    sender.start()
+    qtbot.waitUntil(lambda: not sender.is_alive(), timeout=90_000)
+    assert answers["query"] == 1
+    assert saver.outcome == "saved"
+    exit_saves = [args for args in saves if args[4] == KIND_EXIT]
+    assert exit_saves and Path(exit_saves[0][1]).is_file()
+    assert exit_saves[0][0].paused, "the answer was paused mid-way, not finished"
