@@ -15,6 +15,8 @@ them with the real Windows loader and expect the named refusal):
 - ``abort``: as ``crash``, but it prints a GGML_ASSERT line and calls abort(), as
   llama.cpp does on a failed check.
 - ``missingdep``: imports ``ggml-gone.dll``, which is nowhere (WinError 126).
+- ``driver``: ``nvcuda.dll``, a stand-in NVIDIA driver for the test prefix's System32
+  only: ``cuDriverGetVersion`` says CUDA 11.8, ``cuInit`` finds no device.
 - ``omp``: ``ggml-cpu-haswell.dll`` imports ``libomp140.x86_64.dll`` as llama.cpp's
   official CPU backends do; the file is absent, as on a machine without it.
 
@@ -68,6 +70,13 @@ def importing_source(function: str) -> str:
             f"__declspec(dllexport) int llama_backend_init(void) {{ return {function}(); }}\n")
 
 
+#: An NVIDIA driver that supports CUDA 11.8 and sees no GPU (CUDA_ERROR_NO_DEVICE).
+DRIVER_SOURCE = """\
+__declspec(dllexport) int cuDriverGetVersion(int *version) { *version = 11080; return 0; }
+__declspec(dllexport) int cuInit(unsigned int flags) { (void)flags; return 100; }
+"""
+
+
 def run(*cmd: str) -> None:
     subprocess.run(cmd, check=True)
 
@@ -100,6 +109,7 @@ def main(out: Path, bindings_source: Path) -> None:
         dll(CC64, stub_source(names, crash="abort"), out / "abort" / "llama.dll", work)
         dll(CC64, importing_source("ggml_gone_init"), out / "missingdep" / "llama.dll", work,
             import_library(work, "ggml-gone.dll", "ggml_gone_init"))
+        dll(CC64, DRIVER_SOURCE, out / "driver" / "nvcuda.dll", work)
         dll(CC64, importing_source("omp_get_max_threads"), out / "omp" / "ggml-cpu-haswell.dll", work,
             import_library(work, "libomp140.x86_64.dll", "omp_get_max_threads"))
     print(f"fixtures: {', '.join(sorted(p.name for p in out.iterdir()))} ({len(names)} functions)")

@@ -242,6 +242,8 @@ winpath "$ROOT" > "$WINPY/Lib/site-packages/checkpoint_chat_checkout.pth"
 
 step "fixtures: broken llama.dll folders (mingw-w64)"
 "$HOST_PY" "$ROOT/installer/wine_fixtures.py" "$WORK/fixtures" "$WINPY/Lib/site-packages/llama_cpp/llama_cpp.py"
+# a stand-in NVIDIA driver (CUDA 11.8, no GPU) in this test prefix only: the CUDA paths run
+cp "$WORK/fixtures/driver/nvcuda.dll" "$WINEPREFIX/drive_c/windows/system32/nvcuda.dll"
 
 # Windows Python under Wine, with a clean environment: the host's PIP_*, PYTHON*, QT_* and
 # CHECKPOINT_CHAT_* (Linux paths) must not reach it.  Output through a pipe: CPython dies

@@ -16,7 +16,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from native.errors import LibraryError
 
@@ -376,16 +376,67 @@ def cuda_runtime_to_bundle(folder: Path, platform: str = sys.platform,
     return list(runtime.found)
 
 
-def cuda_device_problem(folder: Path, device_kinds: list[str],
-                        platform: str = sys.platform) -> str | None:
-    """Why a CUDA build would silently run on the CPU: its backend is there, no GPU came up."""
+def driver_cuda_version(platform: str = sys.platform,
+                        environ: Mapping[str, str] | None = None) -> int | None:
+    """The CUDA version the installed NVIDIA driver supports (12040 for 12.4), or None.
+
+    ``cuDriverGetVersion`` of the driver library (System32\\nvcuda.dll, libcuda.so.1): it
+    answers without a GPU and without initialising CUDA.
+    """
+    if platform != sys.platform:
+        return None
+    import ctypes
+    environ = os.environ if environ is None else environ
+    try:
+        if platform == "win32":
+            system32 = _system32(environ)
+            if system32 is None or not (system32 / "nvcuda.dll").is_file():
+                return None
+            lib = ctypes.WinDLL(str(system32 / "nvcuda.dll"))  # type: ignore[attr-defined]
+        elif platform == "linux":
+            lib = ctypes.CDLL("libcuda.so.1")
+        else:
+            return None
+        version = ctypes.c_int(0)
+        # CUresult cuDriverGetVersion(int *driverVersion)
+        lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuDriverGetVersion.restype = ctypes.c_int
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
+            return None
+        return version.value
+    except (OSError, AttributeError):
+        return None
+
+
+def _runtime_major(backend: Path, platform: str) -> tuple[str, int] | None:
+    """The CUDA runtime the backend imports and its major version ("cudart64_12.dll", 12)."""
+    for name in cuda_runtime_names(backend, platform) if platform == "win32" else ():
+        match = re.fullmatch(r"cudart64_(\d+)\.dll", name, re.I)
+        if match:
+            return name, int(match.group(1))
+    return None
+
+
+def cuda_device_problem(folder: Path, device_kinds: list[str], platform: str = sys.platform,
+                        driver_version: Callable[[], int | None] | None = None) -> str | None:
+    """Why a CUDA build would silently run on the CPU: its backend is there, no GPU came up.
+
+    When the driver supports an older CUDA than the build's runtime needs (a driver too
+    old for cudart64_12), that is said first: updating the driver is then the fix.
+    """
     backend = cuda_backend_file(folder, platform)
     if backend is None or any(kind in ("GPU", "iGPU") for kind in device_kinds):
         return None
+    driver = (driver_version or (lambda: driver_cuda_version(platform)))()
+    runtime = _runtime_major(backend, platform)
+    old_driver = ""
+    if driver is not None and runtime is not None and driver < runtime[1] * 1000:
+        old_driver = (f"; the NVIDIA driver here supports CUDA {driver // 1000}.{driver % 1000 // 10} "
+                      f"but {runtime[0]} needs CUDA {runtime[1]} or newer: update the NVIDIA driver")
     return (f"the llama library in {folder} was built with CUDA ({backend.name}) but llama.cpp "
             f"found no CUDA device (devices: {', '.join(device_kinds) or 'none'}), so it would "
-            "run on the CPU only; check that the NVIDIA driver sees the GPU (nvidia-smi lists "
-            "it), or choose a CPU build of llama.cpp (Settings, --llama-lib or "
+            f"run on the CPU only{old_driver}; check that the NVIDIA driver sees the GPU (nvidia-smi "
+            "lists it), or choose a CPU build of llama.cpp (Settings, --llama-lib or "
             "CHECKPOINT_CHAT_LLAMA_LIB)")
 
 

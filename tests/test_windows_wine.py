@@ -181,6 +181,48 @@ def test_a_cpu_backend_missing_libomp140_is_named(tmp_path):
     assert missing_dependencies(backend, [backend.parent]) == ["libomp140.x86_64.dll"]
 
 
+RUNTIME12 = ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll")
+
+
+def cuda_standin(tmp_path: Path) -> Path:
+    """The real CPU build dressed as a CUDA 12 build: ggml-cuda.dll's import table names
+    cudart and cublas (cublas needs cublasLt), and copies of a harmless DLL of the build
+    play the three runtime DLLs, so Windows really loads them."""
+    from pecraft import pe_image
+    folder = tmp_path / "cuda build"
+    shutil.copytree(bundled(), folder)
+    (folder / "ggml-cuda.dll").write_bytes(pe_image(["KERNEL32.dll", "cudart64_12.dll", "cublas64_12.dll"]))
+    for name in RUNTIME12:
+        shutil.copy(folder / "libwinpthread-1.dll", folder / name)
+    return folder
+
+
+def test_every_cuda_runtime_dll_is_preloaded_dependencies_first(tmp_path):
+    folder = cuda_standin(tmp_path)
+    done = child(f"""
+        import ctypes, json
+        from pathlib import Path
+        from native.dllsearch import prepare_windows_search
+        done = prepare_windows_search(Path({str(folder / "llama.dll")!r}))
+        k = ctypes.WinDLL("kernel32")
+        k.GetModuleHandleW.argtypes, k.GetModuleHandleW.restype = [ctypes.c_wchar_p], ctypes.c_void_p
+        print(json.dumps({{"preloaded": [p.name for p in done.preloaded],
+                           "in_process": [bool(k.GetModuleHandleW(str(p))) for p in done.preloaded]}}))
+    """)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["preloaded"] == list(RUNTIME12) and all(report["in_process"]), report
+
+
+def test_a_cuda_build_on_a_driver_too_old_is_refused_with_the_fix(tmp_path):
+    system32 = Path(os.environ.get("SystemRoot", r"C:\Windows")) / "System32"
+    needs(system32 / "nvcuda.dll")            # the tier's stand-in driver: CUDA 11.8, no GPU
+    from native.probe import probe_library
+    report = probe_library(cuda_standin(tmp_path))
+    assert not report.ok and report.stage == "devices", report
+    assert "supports CUDA 11.8 but cudart64_12.dll needs CUDA 12 or newer" in report.reason, report.reason
+
+
 def test_a_stale_cuda_path_does_not_break_loading(tmp_path):
     done = child("""
         from native import library
