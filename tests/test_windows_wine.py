@@ -342,6 +342,25 @@ def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     assert text(XOS / "frozen-resume.txt") == text(XOS / "linux-resume.txt")
 
 
+def test_the_installer_installs_associates_and_uninstalls_keeping_data():
+    """Setup.exe from installer/checkpoint_chat.iss (installer/wine_tier.sh --installer):
+    a silent all-users install, the .kvckpt association and Start menu entry, the
+    installed CLI, then an uninstall that removes the program and keeps the user's store."""
+    facts_file = XOS / "installer.txt"
+    if not facts_file.is_file():
+        pytest.skip("the installer is built and run by installer/wine_tier.sh --installer")
+    facts = dict(line.split("=", 1) for line in facts_file.read_text("utf-8").splitlines() if "=" in line)
+    assert int(facts["setup_bytes"]) > 10 << 20
+    assert facts["installed_exe"] == "yes"
+    assert facts["assoc"] == "CheckpointChat.Checkpoint"
+    assert facts["open_command"].endswith('CheckpointChat.exe" "%1"'), facts["open_command"]
+    assert facts["start_menu"].startswith("Checkpoint Chat")
+    assert text(XOS / "installed-part.txt") == text(XOS / "linux-part.txt")
+    assert int(facts["store_before"]) >= 1, "the installed CLI saved into the user's store"
+    assert facts["uninstalled"] == "yes" and facts["assoc_after"] == ""
+    assert facts["store_after"] == facts["store_before"], "uninstalling kept the checkpoints"
+
+
 # -- session end: real WM_QUERYENDSESSION / WM_ENDSESSION (Wine's user32, under Xvfb) ------------
 
 WM_QUERYENDSESSION, WM_ENDSESSION, ENDSESSION_LOGOFF = 0x0011, 0x0016, 0x80000000
