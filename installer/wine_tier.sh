@@ -71,8 +71,9 @@ if want apt; then
         missing+=(wine32:i386)
     fi
     if [ ${#missing[@]} -gt 0 ]; then
-        apt-get update -q >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+        [ "$(id -u)" = 0 ] || { echo "installing ${missing[*]} needs root" >&2; exit 1; }
+        retry apt-get update -q >/dev/null
+        retry env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
     fi
     echo "wine: $($WINE --version)"
 fi
@@ -227,7 +228,8 @@ XVFB_PID=$!
 export DISPLAY=":$n"
 cleanup() { WINEPREFIX="$WORK/prefix" $WINESERVER -k 2>/dev/null || true; kill "$XVFB_PID" 2>/dev/null || true; rm -rf "$WORK"; }
 step "prefix: a fresh Wine prefix (Windows 10, user '$WIN_USER'), the llama DLLs beside the bindings"
-$WINE wineboot -i >/dev/null 2>&1
+# (no Mono/Gecko install prompts with a display)
+WINEDLLOVERRIDES="mscoree,mshtml=" $WINE wineboot -i >/dev/null 2>&1
 $WINE winecfg -v win10 >/dev/null 2>&1
 # A crash must end the process with its status (0xC0000005): with a display, Wine's crash
 # dialog would end it with 0 instead.
