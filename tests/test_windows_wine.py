@@ -403,9 +403,9 @@ def test_the_cli_saves_the_answer_when_windows_ends_the_session(tmp_path):
     assert ckpt.is_file() and waited < 10
     assert run_cli("validate", str(ckpt)).returncode == 0
     # the answer goes on (its text may be whitespace: the run's seed was random)
-    resumed = json.loads(cli("run", "--checkpoint-load", str(ckpt), "-n", "4", "-t", "1", "--json")
-                         .strip().splitlines()[-1])
-    assert resumed["n_generated"] == 4, resumed
+    resumed = json.loads(cli("run", "--checkpoint-load", str(ckpt), "-n", "4000", "--stop-after", "4",
+                             "-t", "1", "--json").strip().splitlines()[-1])
+    assert resumed["n_generated"] == 4 and resumed["finish_reason"] == "paused", resumed
 
 
 def test_the_window_saves_the_answer_when_windows_ends_the_session(qtbot, make_window):
