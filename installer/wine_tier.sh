@@ -50,7 +50,7 @@ step() { printf '\n== [%4ss] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
 want() { [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]; }
 # The host's pip settings (index mirrors, find-links) must not leak into downloads of
 # Windows wheels, nor through Wine into the Windows pip.
-host_pip() { env -u PIP_FIND_LINKS -u PIP_CONSTRAINT "$HOST_PY" -m pip "$@"; }
+host_pip() { PIP_CONFIG_FILE=/dev/null env -u PIP_FIND_LINKS -u PIP_CONSTRAINT -u PIP_EXTRA_INDEX_URL "$HOST_PY" -m pip "$@"; }
 # A package index that answers "no versions" once in a while must not fail the tier.
 retry() { local n; for n in 1 2 3; do "$@" && return 0; echo "retrying ($n): $*" >&2; sleep $((n * 5)); done; return 1; }
 
