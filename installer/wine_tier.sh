@@ -364,7 +364,7 @@ fi
 step "tests: pytest with the Windows Python under Wine (the last line is pytest's summary)"
 # test_windows_wine.py last: its last test ends the session for Qt (aboutToQuit)
 WIN_TESTS=(tests/test_windows_native.py tests/test_windows_session_end.py tests/test_crashlog.py
-    tests/test_library.py tests/test_paths_unicode.py
+    tests/test_library.py tests/test_paths_unicode.py tests/test_single_instance.py
     tests/test_gui_window.py::test_type_send_stream_pause_resume_equals_uninterrupted
     tests/test_windows_wine.py)
 cd "$ROOT"
