@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,13 +70,54 @@ def install(folder: Path | None = None) -> Path:
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
+    if sys.platform == "win32":
+        return _alive_windows(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OSError):
-        return os.name != "nt"  # POSIX: exists but not ours; Windows: os.kill(…, 0) is not a probe
+        return True   # exists, but not ours
     return True
+
+
+# processthreadsapi.h / winnt.h
+PROCESS_QUERY_LIMITED_INFORMATION = 0x1000
+STILL_ACTIVE = 259
+ERROR_ACCESS_DENIED = 5
+
+
+def _alive_windows(pid: int, kernel32=None) -> bool:
+    """Whether process ``pid`` is running, without touching it.
+
+    ``os.kill(pid, 0)`` is no probe on Windows: 0 is ``CTRL_C_EVENT``, sent to every
+    process sharing the console (a second command in the same terminal interrupted the
+    first).  ``OpenProcess`` + ``GetExitCodeProcess`` only look.  A process that exists
+    but refuses to be opened (another user's) counts as alive.
+    """
+    import ctypes
+    from ctypes import wintypes
+    if kernel32 is None:
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        # HANDLE OpenProcess(DWORD dwDesiredAccess, BOOL bInheritHandle, DWORD dwProcessId)
+        kernel32.OpenProcess.argtypes = [wintypes.DWORD, wintypes.BOOL, wintypes.DWORD]
+        kernel32.OpenProcess.restype = wintypes.HANDLE
+        # BOOL GetExitCodeProcess(HANDLE hProcess, LPDWORD lpExitCode)
+        kernel32.GetExitCodeProcess.argtypes = [wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD)]
+        kernel32.GetExitCodeProcess.restype = wintypes.BOOL
+        # BOOL CloseHandle(HANDLE hObject)
+        kernel32.CloseHandle.argtypes = [wintypes.HANDLE]
+        kernel32.CloseHandle.restype = wintypes.BOOL
+    handle = kernel32.OpenProcess(PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
+    if not handle:
+        return ctypes.get_last_error() == ERROR_ACCESS_DENIED
+    try:
+        code = wintypes.DWORD(0)
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == STILL_ACTIVE
+    finally:
+        kernel32.CloseHandle(handle)
 
 
 def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
@@ -97,7 +139,9 @@ def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
         if not text.strip():   # killed without a trace (SIGKILL, End task, power loss)
             reports.append(CrashReport(path, when, "no trace", killed=True))
             continue
-        first = next((line for line in text.splitlines() if line.startswith("Fatal")), text.splitlines()[0])
+        # "Fatal Python error: Segmentation fault" (POSIX), "Windows fatal exception: access violation"
+        first = next((line for line in text.splitlines() if line.startswith(("Fatal", "Windows fatal"))),
+                     text.splitlines()[0])
         reports.append(CrashReport(path, when, first.strip()))
     return sorted(reports, key=lambda r: r.when)
 

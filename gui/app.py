@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import qasync
     from PySide6.QtWidgets import QApplication
 
+    from gui import single_instance
     from gui.main_window import MainWindow
     from gui.session_end import SessionEndSaver
     from gui.settings import AppSettings
@@ -116,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     _warn_about_known_bad_qt()
     app = QApplication.instance() or QApplication([sys.argv[0]])
     configure_application(app)
+    # a double-clicked .kvckpt arrives as an argument: import it and offer to resume; when
+    # the app already runs, that instance does it (the model is not loaded twice)
+    opened = [Path(a) for a in (argv or []) if a.lower().endswith(".kvckpt")]
+    if single_instance.hand_over(opened):
+        return 0
+    instance = single_instance.InstanceServer(parent=app)
+    instance.listen()
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     closed = asyncio.Event()
@@ -125,10 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     session_end = SessionEndSaver(window, parent=window)     # sign-out, shutdown, upgrade
     session_end.connect_to(app)
     close_on_terminal_signals(window)                        # Ctrl+C in the terminal that started it
+    instance.files_received.connect(lambda files: single_instance.bring_forward(window, files))
     window.show()
     window.start()
-    # a double-clicked .kvckpt arrives as an argument: import it and offer to resume
-    opened = [Path(a) for a in (argv or []) if a.lower().endswith(".kvckpt")]
     if opened:
         window.import_files(opened)
     if crashes:

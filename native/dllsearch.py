@@ -114,21 +114,41 @@ def prepare_windows_search(library: Path, *, environ: Mapping[str, str] | None =
     return done
 
 
+#: Roots llama-cpp-python's loader passes to ``os.add_dll_directory`` (``bin`` and ``lib``).
+BINDINGS_DLL_ROOTS = ("CUDA_PATH", "HIP_PATH")
+
+
 class PathGuard:
     """Puts PATH back as it was when the block exits (step 4 above).
 
-    Only PATH is restored, and only if something changed it inside the block.
+    Only PATH is restored, and only if something changed it inside the block.  On Windows
+    it also hides, inside the block, a ``CUDA_PATH`` / ``HIP_PATH`` whose ``bin`` or ``lib``
+    folder is gone (a CUDA uninstalled, a stale variable): llama-cpp-python's loader calls
+    ``os.add_dll_directory`` on both, which raises WinError 3 for a missing folder, and
+    the app then failed to load a CPU library.  The folders that exist were already added
+    by :func:`prepare_windows_search`.
     """
 
-    def __init__(self, environ: MutableMapping[str, str] | None = None) -> None:
+    def __init__(self, environ: MutableMapping[str, str] | None = None,
+                 platform: str = sys.platform) -> None:
         self._environ = os.environ if environ is None else environ
+        self._platform = platform
         self._before: str | None = None
+        self._hidden: dict[str, str] = {}
 
     def __enter__(self) -> "PathGuard":
         self._before = self._environ.get("PATH")
+        if self._platform == "win32":
+            for name in BINDINGS_DLL_ROOTS:
+                root = self._environ.get(name)
+                if root is not None and not all((Path(root) / sub).is_dir() for sub in ("bin", "lib")):
+                    self._hidden[name] = self._environ.pop(name)
+                    log.info("%s=%s lacks bin or lib: hidden from llama-cpp-python's loader", name, root)
         return self
 
     def __exit__(self, *exc) -> None:
+        self._environ.update(self._hidden)
+        self._hidden = {}
         now = self._environ.get("PATH")
         if now == self._before:
             return

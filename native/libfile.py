@@ -16,7 +16,7 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from native.errors import LibraryError
 
@@ -42,6 +42,15 @@ def ggml_filenames(platform: str = sys.platform) -> tuple[str, ...]:
     if platform == "darwin":
         return ("libggml.dylib", "libggml.so")
     return ("libggml.so",)
+
+
+def ggml_base_filenames(platform: str = sys.platform) -> tuple[str, ...]:
+    """ggml's base library: on Windows the device registry's names and memory live here."""
+    if platform == "win32":
+        return ("ggml-base.dll", "libggml-base.dll")
+    if platform == "darwin":
+        return ("libggml-base.dylib", "libggml-base.so")
+    return ("libggml-base.so",)
 
 
 def find_library_file(folder: Path, platform: str = sys.platform, *, source: str = "") -> Path:
@@ -367,20 +376,135 @@ def cuda_runtime_to_bundle(folder: Path, platform: str = sys.platform,
     return list(runtime.found)
 
 
-def cuda_device_problem(folder: Path, device_kinds: list[str],
-                        platform: str = sys.platform) -> str | None:
-    """Why a CUDA build would silently run on the CPU: its backend is there, no GPU came up."""
+def driver_cuda_version(platform: str = sys.platform,
+                        environ: Mapping[str, str] | None = None) -> int | None:
+    """The CUDA version the installed NVIDIA driver supports (12040 for 12.4), or None.
+
+    ``cuDriverGetVersion`` of the driver library (System32\\nvcuda.dll, libcuda.so.1): it
+    answers without a GPU and without initialising CUDA.
+    """
+    if platform != sys.platform:
+        return None
+    import ctypes
+    environ = os.environ if environ is None else environ
+    try:
+        if platform == "win32":
+            system32 = _system32(environ)
+            if system32 is None or not (system32 / "nvcuda.dll").is_file():
+                return None
+            lib = ctypes.WinDLL(str(system32 / "nvcuda.dll"))  # type: ignore[attr-defined]
+        elif platform == "linux":
+            lib = ctypes.CDLL("libcuda.so.1")
+        else:
+            return None
+        version = ctypes.c_int(0)
+        # CUresult cuDriverGetVersion(int *driverVersion)
+        lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuDriverGetVersion.restype = ctypes.c_int
+        if lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
+            return None
+        return version.value
+    except (OSError, AttributeError):
+        return None
+
+
+def _runtime_major(backend: Path, platform: str) -> tuple[str, int] | None:
+    """The CUDA runtime the backend imports and its major version ("cudart64_12.dll", 12)."""
+    for name in cuda_runtime_names(backend, platform) if platform == "win32" else ():
+        match = re.fullmatch(r"cudart64_(\d+)\.dll", name, re.I)
+        if match:
+            return name, int(match.group(1))
+    return None
+
+
+def cuda_device_problem(folder: Path, device_kinds: list[str], platform: str = sys.platform,
+                        driver_version: Callable[[], int | None] | None = None) -> str | None:
+    """Why a CUDA build would silently run on the CPU: its backend is there, no GPU came up.
+
+    When the driver supports an older CUDA than the build's runtime needs (a driver too
+    old for cudart64_12), that is said first: updating the driver is then the fix.
+    """
     backend = cuda_backend_file(folder, platform)
     if backend is None or any(kind in ("GPU", "iGPU") for kind in device_kinds):
         return None
+    driver = (driver_version or (lambda: driver_cuda_version(platform)))()
+    runtime = _runtime_major(backend, platform)
+    old_driver = ""
+    if driver is not None and runtime is not None and driver < runtime[1] * 1000:
+        old_driver = (f"; the NVIDIA driver here supports CUDA {driver // 1000}.{driver % 1000 // 10} "
+                      f"but {runtime[0]} needs CUDA {runtime[1]} or newer: update the NVIDIA driver")
     return (f"the llama library in {folder} was built with CUDA ({backend.name}) but llama.cpp "
             f"found no CUDA device (devices: {', '.join(device_kinds) or 'none'}), so it would "
-            "run on the CPU only; check that the NVIDIA driver sees the GPU (nvidia-smi lists "
-            "it), or choose a CPU build of llama.cpp (Settings, --llama-lib or "
+            f"run on the CPU only{old_driver}; check that the NVIDIA driver sees the GPU (nvidia-smi "
+            "lists it), or choose a CPU build of llama.cpp (Settings, --llama-lib or "
             "CHECKPOINT_CHAT_LLAMA_LIB)")
 
 
 # -- the loader's error, explained -------------------------------------------------------
+
+def _system32(environ: Mapping[str, str]) -> Path | None:
+    root = environ.get("SystemRoot") or environ.get("SYSTEMROOT") or environ.get("windir")
+    return Path(root) / "System32" if root else None
+
+
+def missing_dependencies(path: Path, places: list[Path], environ: Mapping[str, str] | None = None,
+                         *, depth: int = 4) -> list[str]:
+    """The DLLs ``path`` imports (directly, or through DLLs found in ``places``) that are
+    in none of ``places`` nor System32: what Windows' WinError 126 does not name.
+
+    API sets (``api-ms-win-*``, ``ext-ms-*``) are resolved by the loader, never files.
+    Names compare without case, as Windows does.
+    """
+    environ = os.environ if environ is None else environ
+    system32 = _system32(environ)
+    where = [p for p in [*places, system32] if p is not None]
+    listings: dict[Path, dict[str, Path]] = {}
+
+    def find(name: str) -> Path | None:
+        for folder in where:
+            if folder not in listings:
+                try:
+                    listings[folder] = {c.name.lower(): c for c in folder.iterdir()}
+                except OSError:
+                    listings[folder] = {}
+            hit = listings[folder].get(name.lower())
+            if hit is not None:
+                return hit
+        return None
+
+    missing: list[str] = []
+    seen: set[str] = set()
+    todo = [(path, 0)]
+    while todo:
+        current, level = todo.pop()
+        for name in pe_imports(current):
+            key = name.lower()
+            if key in seen or key.startswith(("api-ms-win-", "ext-ms-")):
+                continue
+            seen.add(key)
+            hit = find(name)
+            if hit is None:
+                missing.append(name)
+            elif level + 1 < depth and system32 is not None and hit.parent != system32:
+                todo.append((hit, level + 1))
+    return missing
+
+
+def _missing_named(folder: Path, platform: str, environ: Mapping[str, str]) -> str:
+    """"; it needs X, which is not in …" for a library in ``folder``, or ""."""
+    if platform != "win32":
+        return ""
+    try:
+        path = find_library_file(folder, platform)
+    except LibraryError:
+        return ""
+    places = [folder] + [d for d in cuda_bin_dirs(environ, platform) if d.is_dir()]
+    missing = missing_dependencies(path, places, environ)
+    if not missing:
+        return ""
+    return (f"; {path.name} needs {', '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not in {folder}, the CUDA folders or System32")
+
 
 def explain_load_failure(folder: Path, error: BaseException, platform: str = sys.platform,
                          environ: Mapping[str, str] | None = None) -> str:
@@ -406,6 +530,6 @@ def explain_load_failure(folder: Path, error: BaseException, platform: str = sys
                 f"(llama-cpp-python {BINDINGS_VERSION}) is needed")
     if "WinError 126" in text or "could not be found" in text or "one of its dependencies" in text:
         return (f"Windows could not load the llama library in {folder} or one of the DLLs it "
-                f"needs ({text.strip()}); keep every DLL of the llama.cpp release together in "
-                "that folder")
+                f"needs ({text.strip()}){_missing_named(folder, platform, environ)}; keep every "
+                "DLL of the llama.cpp release together in that folder")
     return f"could not load the llama library from {folder}: {text.strip()}"

@@ -97,7 +97,13 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
     env.pop("LLAMA_CPP_LIB_PATH", None)
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONFAULTHANDLER"] = "1"   # a crash leaves a Python traceback on stderr
+    if platform != "win32":
+        # a crash leaves a Python traceback on stderr.  Not on Windows: there the exit
+        # status names the cause, and faulthandler also reports exceptions that are then
+        # handled (an access violation ctypes turns into OSError), burying the detail.
+        env["PYTHONFAULTHANDLER"] = "1"
+    else:
+        env.pop("PYTHONFAULTHANDLER", None)
     env["PYTHONIOENCODING"] = "utf-8"
     argv = list(command) if command else probe_command(folder)
     extra = {"creationflags": CREATE_NO_WINDOW} if platform == "win32" else {}
@@ -147,6 +153,25 @@ def _last_stage(stdout: str) -> str:
     return stages[-1] if stages else ""
 
 
+#: Lines that start faulthandler's dump (POSIX signal, Windows exception).
+_DUMP_STARTS = ("Fatal Python error", "Windows fatal exception")
+
+
+def _detail(stderr: str) -> str:
+    """The child's last words: the line llama.cpp printed before dying (a GGML_ASSERT), else
+    the first line of faulthandler's dump, else the last line of a Python traceback.
+
+    faulthandler's dump (thread stacks, then "Extension modules: ...") comes after what
+    the library printed: reading from the end would name a Python module instead.
+    """
+    lines = [ln.rstrip() for ln in stderr.splitlines()]
+    dump = next((i for i, ln in enumerate(lines) if ln.startswith(_DUMP_STARTS)), None)
+    before = lines if dump is None else lines[:dump]
+    said = next((ln.strip() for ln in reversed(before)
+                 if ln.strip() and not ln.startswith(("  File", "    ", "Traceback"))), "")
+    return said or ("" if dump is None else lines[dump].strip())
+
+
 def interpret(folder: Path, returncode: int, stdout: str, stderr: str) -> ProbeReport:
     """The child's output and exit status, as a report (pure: tested without a child)."""
     lines = _lines(stdout)
@@ -158,8 +183,7 @@ def interpret(folder: Path, returncode: int, stdout: str, stderr: str) -> ProbeR
                            answer.get("version", ""), answer.get("system_info", ""),
                            stage=stage, devices=answer.get("devices", []))
     where = STAGES.get(stage, "starting")
-    detail = next((ln.strip() for ln in reversed(stderr.splitlines())
-                   if ln.strip() and not ln.startswith(("  File", "Current thread", "Fatal Python"))), "")
+    detail = _detail(stderr)
     detail = f" [{detail[:200]}]" if detail else ""
     if -255 <= returncode < 0:                       # POSIX: killed by a signal
         how, cause = f"crashed ({_signal_name(-returncode)})", _MISMATCH

@@ -10,6 +10,13 @@ the release's own programs load with ``ggml_backend_load_all()``, which searches
 *executable's* folder (python.exe's, for us).  libllama does not do it itself, so a
 release folder would come up with no device at all; :func:`load_dynamic_backends`
 loads them from the library's folder when the registry is empty.
+
+On Windows the registry is split over two DLLs: ``ggml.dll`` exports
+``ggml_backend_dev_count/get``, ``ggml_backend_reg_count/get`` and the plug-in loader,
+``ggml-base.dll`` the rest (``ggml_backend_dev_name/description/type/memory``,
+``ggml_backend_reg_name``).  ``GetProcAddress`` finds only a DLL's own exports, unlike
+``dlsym``, which also searches libggml.so's dependencies: :class:`GgmlRegistry` looks each
+function up in both.
 """
 
 from __future__ import annotations
@@ -20,9 +27,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from native.libfile import ggml_filenames
+from native.errors import LibraryError
+from native.libfile import ggml_base_filenames, ggml_filenames, missing_dependencies
 
 log = logging.getLogger("native")
 
@@ -64,24 +72,51 @@ def _open(path: str):
     return ctypes.CDLL(path)
 
 
+class GgmlRegistry:
+    """ggml's registry functions, each from the first of its libraries that exports it."""
+
+    def __init__(self, libs: list[tuple[Path, Any]]) -> None:
+        self._libs = libs
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        for _path, lib in self._libs:
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                continue
+            setattr(self, name, fn)    # found once, then a plain attribute
+            return fn
+        raise AttributeError(f"function {name!r} not found in "
+                             f"{' or '.join(p.name for p, _ in self._libs)}")
+
+
+def _first_file(folder: Path, names: tuple[str, ...]) -> Path | None:
+    return next((folder / n for n in names if (folder / n).is_file()), None)
+
+
 def ggml_library(folder: Path, platform: str = sys.platform, opener: Opener = _open):
-    """ggml's core library in ``folder``, typed for the registry calls, or None."""
-    for name in ggml_filenames(platform):
-        path = folder / name
-        if not path.is_file():
+    """ggml's registry in ``folder`` (ggml and ggml-base together), typed, or None."""
+    libs = []
+    for path in (_first_file(folder, ggml_filenames(platform)),
+                 _first_file(folder, ggml_base_filenames(platform))):
+        if path is None:
             continue
         try:
-            lib = opener(str(path))
+            libs.append((path, opener(str(path))))
         except OSError as exc:
             log.warning("cannot open %s: %s", path, exc)
             return None
-        try:
-            _declare(lib)
-        except AttributeError as exc:
-            log.warning("ggml device registry unavailable in %s: %s", path, exc)
-            return None
-        return lib
-    return None
+    if not libs:
+        return None
+    registry = GgmlRegistry(libs)
+    try:
+        _declare(registry)
+    except AttributeError as exc:
+        log.warning("ggml device registry unavailable in %s: %s", folder, exc)
+        return None
+    return registry
 
 
 def _declare(lib) -> None:
@@ -157,7 +192,32 @@ def load_dynamic_backends(folder: Path, platform: str = sys.platform,
     load(os.fsencode(str(folder)) if platform != "win32" else str(folder).encode("utf-8"))
     names = list_backends(lib)
     log.info("loaded ggml backends from %s: %s", folder, ", ".join(names) or "none")
+    if "CPU" not in names:
+        problem = cpu_backend_problem(folder, platform)
+        if problem:
+            raise LibraryError(problem)
     return names
+
+
+def cpu_backend_problem(folder: Path, platform: str = sys.platform,
+                        environ: Mapping[str, str] | None = None) -> str | None:
+    """Why the CPU plug-ins in ``folder`` did not load, when a DLL they need is missing.
+
+    ggml's loader skips a plug-in that fails to load without saying why.  The official
+    release's CPU backends (ggml-cpu-haswell.dll, ...) import LLVM's OpenMP runtime
+    ``libomp140.x86_64.dll``, which ships in the release zip, not with Windows.
+    """
+    if platform != "win32":
+        return None
+    plugins = sorted(folder.glob("ggml-cpu*.dll"))
+    missing = sorted({name for p in plugins for name in missing_dependencies(p, [folder], environ)})
+    if not plugins or not missing:
+        return None
+    hint = (" (LLVM's OpenMP runtime: it comes in llama.cpp's release zip; copy it beside "
+            "llama.dll)" if any(n.lower().startswith("libomp") for n in missing) else "")
+    return (f"llama.cpp's CPU backend in {folder} ({', '.join(p.name for p in plugins)}) could not "
+            f"be loaded: it needs {', '.join(missing)}, which is not in that folder or in "
+            f"System32{hint}")
 
 
 def system_info() -> SystemInfo:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The Wine tier asks for Qt's real "windows" platform (under Xvfb) through a variable of
+# its own: Wine does not pass the Unix QT_* variables on.
+os.environ.setdefault("QT_QPA_PLATFORM", os.environ.get("CHECKPOINT_CHAT_TEST_QT_PLATFORM", "offscreen"))
 ROOT = Path(__file__).resolve().parent.parent
 
 

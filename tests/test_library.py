@@ -33,7 +33,7 @@ from native.dllsearch import SAFE_WINMODE, PathGuard, prepare_windows_search
 from native.errors import LibraryError
 from native.libfile import (check_binary, cuda_bin_dirs, explain_load_failure, find_library_file,
                             missing_cuda_runtime, read_binary_kind)
-from native.sysinfo import list_devices_from, load_dynamic_backends
+from native.sysinfo import list_devices, list_devices_from, load_dynamic_backends
 from pecraft import pe_header, pe_image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,12 +77,13 @@ def system_root(tmp_path: Path, driver: bool = True) -> Path:
 
 def test_precedence_cli_then_settings_then_env_then_bundled(tmp_path):
     env = {library.APP_ENV_VAR: str(tmp_path / "env")}
-    assert library.choose_library("/cli", "/settings", env) == library.LibraryChoice(Path("/cli"), "--llama-lib")
-    assert library.choose_library(None, "/settings", env) == library.LibraryChoice(Path("/settings"), "Settings")
+    cli, settings = library.absolute("/cli"), library.absolute("/settings")   # C:\cli on Windows
+    assert library.choose_library("/cli", "/settings", env) == library.LibraryChoice(cli, "--llama-lib")
+    assert library.choose_library(None, "/settings", env) == library.LibraryChoice(settings, "Settings")
     assert library.choose_library(None, None, env) == library.LibraryChoice(tmp_path / "env", library.APP_ENV_VAR)
     assert library.choose_library(None, None, {}) is None
     assert library.choose_library("", "  ", {library.APP_ENV_VAR: ""}) is None, "blank means unset"
-    assert library.choose_library_dir(None, "/settings", env) == Path("/settings")
+    assert library.choose_library_dir(None, "/settings", env) == settings
 
 
 def test_llama_cpp_own_variable_is_not_a_user_setting():
@@ -109,7 +110,7 @@ def test_missing_file_names_every_path_tried(tmp_path):
     text = str(err.value)
     assert str(tmp_path / "llama.dll") in text and str(tmp_path / "libllama.dll") in text
     assert "(from Settings)" in text
-    with pytest.raises(LibraryError, match=str(tmp_path / "libllama.so")):
+    with pytest.raises(LibraryError, match=re.escape(str(tmp_path / "libllama.so"))):
         find_library_file(tmp_path, "linux")
 
 
@@ -146,7 +147,7 @@ def test_other_processor_and_garbage_are_refused(tmp_path):
 
 def test_real_bundled_library_reads_as_64_bit():
     kind = read_binary_kind(library.find_library_file(library.bundled_library_dir()))
-    assert (kind.format, kind.bits) == ("ELF", 64)
+    assert (kind.format, kind.bits) == ("PE" if sys.platform == "win32" else "ELF", 64)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the dynamic linker's own message")
@@ -270,6 +271,35 @@ def test_path_guard_undoes_llama_cpp_prepending_path():
     assert "PATH" not in env2
 
 
+def test_path_guard_hides_a_stale_cuda_path_from_the_bindings_loader(tmp_path):
+    """llama_cpp calls os.add_dll_directory(CUDA_PATH/bin and /lib): WinError 3 if gone."""
+    whole = tmp_path / "v12.4"
+    for sub in ("bin", "lib"):
+        (whole / sub).mkdir(parents=True)
+    env = {"PATH": "p", "CUDA_PATH": str(tmp_path / "v12.2-removed"), "HIP_PATH": str(whole)}
+    with PathGuard(env, platform="win32"):
+        seen = dict(env)
+    assert "CUDA_PATH" not in seen and seen["HIP_PATH"] == str(whole)
+    assert env["CUDA_PATH"] == str(tmp_path / "v12.2-removed")      # put back afterwards
+    with PathGuard(env, platform="linux"):
+        assert "CUDA_PATH" in env
+
+
+def test_the_dll_a_library_misses_is_named_through_its_dependencies(tmp_path):
+    from native.libfile import missing_dependencies
+    system32 = tmp_path / "Windows" / "System32"
+    system32.mkdir(parents=True)
+    (system32 / "kernel32.dll").write_bytes(pe_header())
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    (folder / "llama.dll").write_bytes(pe_image(["KERNEL32.dll", "ggml.dll", "api-ms-win-crt-heap-l1-1-0.dll"]))
+    (folder / "GGML.DLL").write_bytes(pe_image(["kernel32.dll", "libomp140.x86_64.dll"]))
+    env = {"SystemRoot": str(system32.parent)}
+    assert missing_dependencies(folder / "llama.dll", [folder], env) == ["libomp140.x86_64.dll"]
+    err = FileNotFoundError("Could not find module 'llama.dll' (or one of its dependencies).")
+    assert "llama.dll needs libomp140.x86_64.dll" in explain_load_failure(folder, err, "win32", env)
+
+
 def test_windows_load_failure_of_a_dependency_is_explained(tmp_path):
     folder = windows_folder(tmp_path, cuda_imports=None)
     err = FileNotFoundError("Could not find module 'llama.dll' (or one of its dependencies).")
@@ -350,6 +380,26 @@ def test_cuda_device_name_and_free_vram_are_listed():
     assert devs[0].memory_free == 20 << 30 and devs[0].memory_total == 24 << 30
 
 
+def test_the_registry_is_read_from_ggml_and_ggml_base_together(tmp_path):
+    """Windows: ggml.dll lacks ggml_backend_dev_name & co., ggml-base.dll has them."""
+    full = FakeGgml(["CPU"], [("CPU", "AMD Ryzen", 0, 60 << 30, 64 << 30)])
+    split = {"ggml_backend_dev_name", "ggml_backend_dev_description", "ggml_backend_dev_type",
+             "ggml_backend_dev_memory", "ggml_backend_reg_name"}
+
+    class Only:
+        def __init__(self, names):
+            for name in names:
+                setattr(self, name, getattr(full, name))
+    names = [n for n in vars(full) if n.startswith("ggml_")]
+    libs = {"ggml.dll": Only([n for n in names if n not in split]), "ggml-base.dll": Only(split)}
+    for name in libs:
+        (tmp_path / name).write_bytes(pe_header())
+    devices = list_devices(tmp_path, "win32", opener=lambda path: libs[Path(path).name])
+    assert [(d.name, d.kind, d.memory_total) for d in devices] == [("CPU", "CPU", 64 << 30)]
+    (tmp_path / "ggml-base.dll").unlink()      # without it: no list, and no crash
+    assert list_devices(tmp_path, "win32", opener=lambda path: libs[Path(path).name]) == []
+
+
 def test_plugin_backends_load_from_the_library_folder(tmp_path):
     (tmp_path / "ggml.dll").write_bytes(pe_header())
     ggml = FakeGgml([], [])
@@ -425,6 +475,32 @@ def test_probe_reports_a_hang(tmp_path):
         sys.executable, "-c", "import time; print('{\"stage\": \"backend_init\"}', flush=True); "
                               "time.sleep(30)"])
     assert not report.ok and "did not answer within 2 s while llama_backend_init" in report.reason
+
+
+def test_the_detail_is_what_the_library_said_not_faulthandlers_dump():
+    """faulthandler's dump ends with "Extension modules: ...": the detail is the line before it."""
+    stderr = ("GGML_ASSERT(hparams.n_ctx > 0) failed\n"
+              "Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
+              '  File "native/library.py", line 300 in check_abi\n\n'
+              "Extension modules: numpy.core._multiarray_umath, isal.isal_zlib (total: 2)\n")
+    report = probe.interpret(Path("/x"), -6, '{"stage": "abi"}\n', stderr)
+    assert "[GGML_ASSERT(hparams.n_ctx > 0) failed]" in report.reason, report.reason
+    report = probe.interpret(Path("/x"), -11, '{"stage": "abi"}\n', stderr.split("\n", 1)[1])
+    assert "[Fatal Python error: Aborted]" in report.reason
+    traceback = ('Traceback (most recent call last):\n  File "x", line 1\n    f()\n'
+                 "OSError: exception: access violation\n")
+    assert "[OSError: exception: access violation]" in probe.interpret(Path("C:/x"), 1, "", traceback).reason
+
+
+def test_the_probe_child_gets_faulthandler_off_windows_only(tmp_path):
+    seen = {}
+
+    def run(argv, **kwargs):
+        seen[kwargs.get("creationflags", 0)] = kwargs["env"].get("PYTHONFAULTHANDLER")
+        return subprocess.CompletedProcess(argv, 0, stdout=b'{"ok": true}\n', stderr=b"")
+    probe.probe_library(tmp_path, platform="linux", run=run)
+    probe.probe_library(tmp_path, platform="win32", run=run)
+    assert seen == {0: "1", probe.CREATE_NO_WINDOW: None}
 
 
 def test_interpret_windows_access_violation():

@@ -20,3 +20,22 @@ def test_checkpoint_in_non_ascii_folder(smollm_path, tmp_path):
     resumed = json.loads(run_cli("run", "--checkpoint-load", str(path), "--json",
                                  check=True).stdout.strip().splitlines()[-1])
     assert resumed["n_generated"] == 6
+
+
+def test_json_output_survives_a_cp1252_pipe():
+    """Windows writes pipes in the ANSI code page: `list --json` of a Chinese folder crashed."""
+    import io
+    from engine.cli.output import print_json, tolerate_unencodable
+    value = {"path": "C:\\\u68c0\u67e5\u70b9\\\u5bf9\u8bdd.kvckpt", "text": "ça va \U0001f409"}
+    pipe = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", newline="\n")
+    print_json(value, stream=pipe, indent=2)
+    pipe.flush()
+    assert json.loads(pipe.buffer.getvalue().decode("cp1252")) == value
+    utf8 = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", newline="\n")
+    print_json(value, stream=utf8)
+    utf8.flush()
+    assert "\u68c0\u67e5\u70b9" in utf8.buffer.getvalue().decode("utf-8")   # readable where it can be
+    tolerate_unencodable(pipe)
+    print("saved to \u68c0\u67e5\u70b9", file=pipe)
+    pipe.flush()
+    assert pipe.buffer.getvalue().decode("cp1252").endswith("saved to \\u68c0\\u67e5\\u70b9\n")

@@ -167,11 +167,32 @@ def test_cuda_build_without_a_gpu_device_is_said_so(tmp_path):
     assert cuda_device_problem(cpu_only, ["CPU"], "win32") is None
 
 
+def test_a_driver_too_old_for_the_runtime_is_named_first(tmp_path):
+    folder = cuda_folder(tmp_path)                        # ggml-cuda.dll imports cudart64_12
+    text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda: 11080)
+    assert "supports CUDA 11.8 but cudart64_12.dll needs CUDA 12 or newer" in text
+    assert "update the NVIDIA driver" in text and "CPU only" in text
+    for current in (12040, None):                         # new enough, or no driver to ask
+        text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda: current)
+        assert "found no CUDA device" in text and "update the NVIDIA driver" not in text
+
+
 def test_probe_refuses_a_cuda_folder_that_comes_up_on_the_cpu(tmp_path):
     """End to end in a real child: the real (CPU) library beside a stand-in CUDA backend."""
     folder = tmp_path / "cuda-build"
     shutil.copytree(library.bundled_library_dir(), folder, symlinks=True)
-    (folder / "libggml-cuda.so").write_bytes(b"stand-in: its presence marks a CUDA build")
+    if sys.platform == "win32":
+        system32 = Path(os.environ.get("SystemRoot", r"C:\Windows")) / "System32"
+        if not (system32 / "nvcuda.dll").is_file():
+            pytest.skip("needs an NVIDIA driver (nvcuda.dll): without one the folder is refused earlier")
+        # (the Wine tier, whose prefix has a stand-in driver) the stand-in backend's import
+        # table names the CUDA runtime, and copies of a harmless DLL of the build play
+        # that runtime, so the real loader preloads them
+        (folder / "ggml-cuda.dll").write_bytes(pe_image(["KERNEL32.dll", *RUNTIME12]))
+        for name in RUNTIME12:
+            shutil.copy(folder / "libwinpthread-1.dll", folder / name)
+    else:
+        (folder / "libggml-cuda.so").write_bytes(b"stand-in: its presence marks a CUDA build")
     report = probe.probe_library(folder, timeout_s=120)
     assert not report.ok and report.stage == "devices", report
     assert "found no CUDA device" in report.reason and "CPU only" in report.reason

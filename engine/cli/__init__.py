@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         return _start_gui(gui_main, argv)
     from engine.cli.parser import build_parser
     args = build_parser().parse_args(argv)
+    from engine.cli.output import tolerate_unencodable
+    tolerate_unencodable()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # llama.cpp's own log (including the error lines it prints when a pause aborts a
     # prefill) is for -v; failures reach the user as one sentence of ours instead

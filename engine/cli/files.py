@@ -10,6 +10,7 @@ from typing import Any
 
 from engine import APP_VERSION
 from engine.cli import EXIT_ERROR, EXIT_OK, human_size
+from engine.cli.output import print_json
 from engine.errors import AppError, CheckpointError
 from engine.model_shape import memory_name
 
@@ -153,8 +154,7 @@ def cmd_inspect(args) -> int:
     g, node = _graph_of(path)
     place = _node_json(node, g) if node is not None else None
     if args.json:
-        print(json.dumps({"header": _header_json(header), "metadata": meta, "graph": place},
-                         ensure_ascii=False, indent=2))
+        print_json({"header": _header_json(header), "metadata": meta, "graph": place}, indent=2)
         return EXIT_OK
     for key, value in _header_json(header).items():
         print(f"{key:18} {value}")
@@ -195,7 +195,7 @@ def cmd_list(args) -> int:
         out += [{"path": str(u.path), "size": u.size, "valid": False, "error": u.error,
                  "id": None, "parent": None, "conversation": None, "head": False}
                 for u in g.unreadable]
-        print(json.dumps(out, ensure_ascii=False, indent=2))
+        print_json(out, indent=2)
         return EXIT_OK
     if not nodes and not g.unreadable:
         print("no checkpoints")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli import EXIT_OK, human_size
+from engine.cli.output import print_json
 from engine.errors import AppError
 
 #: run's options a parallel run does not offer (yet), with how to say them
@@ -64,7 +65,7 @@ def cmd_run_parallel(args, prompts: list[str]) -> int:
             guard.save_finished()
     if args.json:
         for outcome in outcomes:
-            print(json.dumps(outcome, ensure_ascii=False))
+            print_json(outcome)
         print(json.dumps(summary))
     return guard.exit_status if guard.requested else EXIT_OK
 

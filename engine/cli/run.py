@@ -10,7 +10,6 @@ so that scripts and tests can wait for a stage instead of sleeping.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import uuid
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli import EXIT_OK, human_size
+from engine.cli.output import print_json
 from engine.errors import AppError, CheckpointError
 
 
@@ -89,7 +89,7 @@ def cmd_run(args) -> int:
         finally:
             guard.save_finished()  # a waiting console-close handler may let the process go
     if args.json:
-        print(json.dumps(outcome, ensure_ascii=False))
+        print_json(outcome)
     return guard.exit_status if guard.requested else EXIT_OK
 
 

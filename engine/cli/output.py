@@ -1,0 +1,34 @@
+"""Writing the CLI's output so that no file name or answer text can make it fail.
+
+On Windows, Python writes a pipe or a file in the ANSI code page (cp1252 on an en-US
+machine): a checkpoint folder named in Chinese, or an answer with an emoji, raised
+``UnicodeEncodeError`` in ``list --json`` when its output was piped (seen under the Wine
+tier).  JSON falls back to ``\\uXXXX`` escapes, which every JSON reader decodes to the
+same text; other text is written with backslash escapes instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def tolerate_unencodable(*streams) -> None:
+    """Characters a stream's encoding lacks become backslash escapes instead of errors."""
+    for stream in streams or (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", "") == "strict":
+            reconfigure(errors="backslashreplace")
+
+
+def print_json(value: Any, *, stream=None, **dumps_args) -> None:
+    """``value`` as JSON on ``stream`` (stdout): readable text where the stream's encoding
+    allows, ASCII escapes where it does not."""
+    stream = sys.stdout if stream is None else stream
+    text = json.dumps(value, ensure_ascii=False, **dumps_args)
+    try:
+        text.encode(getattr(stream, "encoding", None) or "utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, **dumps_args)
+    print(text, file=stream)

@@ -1,0 +1,444 @@
+"""The Windows paths run for real: Windows CPython, llama.dll, the Windows loader (Wine tier).
+
+These tests run only on Windows; on Linux they are skipped.  ``installer/wine_tier.sh``
+runs them under Wine with the embeddable CPython 3.11 and a llama.dll cross-built with
+mingw-w64 from the pinned llama.cpp, and passes two folders in the environment:
+
+- ``CHECKPOINT_CHAT_WINE_FIXTURES``: broken llama.dll folders (installer/wine_fixtures.py
+  says what is wrong with each);
+- ``CHECKPOINT_CHAT_WINE_XOS``: the Linux run of the same seed (full answer, the part
+  before a pause, the resume of its checkpoint), a checkpoint the Windows CLI wrote and
+  Linux's resume of it.  ``CHECKPOINT_CHAT_XOS_PROMPT`` / ``_ARGS`` are the run's prompt
+  and flags.
+
+Nothing here is faked: ``LoadLibraryExW``, ``os.add_dll_directory``, ``GetProcAddress``,
+child processes, exit statuses, sharing violations and ``taskkill`` are Windows' (Wine's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.skipif(sys.platform != "win32",
+                                reason="Windows only: run by installer/wine_tier.sh under Wine")
+
+FIXTURES = Path(os.environ.get("CHECKPOINT_CHAT_WINE_FIXTURES", "no-fixtures"))
+XOS = Path(os.environ.get("CHECKPOINT_CHAT_WINE_XOS", "no-xos"))
+PROMPT = os.environ.get("CHECKPOINT_CHAT_XOS_PROMPT", "Name three rivers.")
+ARGS = os.environ.get("CHECKPOINT_CHAT_XOS_ARGS", "-n 24 -s 7 -t 1").split()
+
+
+def needs(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"{path} is prepared by installer/wine_tier.sh")
+    return path
+
+
+def child(code: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new Windows Python (a library is loaded once per process)."""
+    full = dict(os.environ)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, encoding="utf-8", errors="replace", timeout=timeout,
+                          env=full, cwd=str(ROOT))
+
+
+def bundled() -> Path:
+    from native.library import bundled_library_dir
+    folder = bundled_library_dir()
+    assert folder is not None and (folder / "llama.dll").is_file(), folder
+    return folder
+
+
+def text(path: Path) -> str:
+    """A CLI's stdout as saved, newlines as on Linux (Windows' text mode writes CRLF)."""
+    return path.read_bytes().decode("utf-8").replace("\r\n", "\n")
+
+
+# -- the native loader --------------------------------------------------------------------------
+
+def test_the_bundled_library_loads_through_the_real_dll_search():
+    done = child("""
+        import json, os
+        path_before = os.environ["PATH"]
+        from native import library, dllsearch
+        ll = library.bindings()
+        lib = library.loaded_library()
+        print(json.dumps({"path_kept": os.environ["PATH"] == path_before,
+                          "kept": len(dllsearch._kept), "version": lib.version,
+                          "devices": [[d.name, d.kind] for d in lib.devices]}))
+    """)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["path_kept"], "llama_cpp's PATH edit leaked"
+    assert report["kept"] >= 2          # the add_dll_directory handle and llama.dll itself
+    assert "device registry unavailable" not in done.stderr, done.stderr
+
+
+def test_devices_are_listed_on_windows():
+    """ggml_backend_dev_name & co. live in ggml-base.dll: GetProcAddress on ggml.dll misses them."""
+    from native.sysinfo import list_devices
+    done = child("""
+        import json
+        from native import library
+        library.bindings()
+        print(json.dumps([[d.name, d.kind, d.memory_total] for d in library.loaded_library().devices]))
+    """)
+    assert done.returncode == 0, done.stderr
+    devices = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [kind for _, kind, _ in devices] == ["CPU"], devices
+    assert devices[0][0] == "CPU" and devices[0][2] > 0
+    assert list_devices  # imported on Windows without loading anything
+
+
+def test_the_probe_child_accepts_the_bundled_build_from_a_path_with_spaces_and_accents(tmp_path):
+    folder = tmp_path / "Ünïcödé folder with spaces" / "llama bin"
+    shutil.copytree(bundled(), folder)
+    from native.probe import probe_library
+    report = probe_library(folder)
+    assert report.ok, report.reason
+    assert report.stage == "devices"
+    assert [d["kind"] for d in report.devices] == ["CPU"]
+
+
+def test_a_32_bit_dll_is_refused_by_the_loader_and_named():
+    from native.libfile import explain_load_failure
+    from native.dllsearch import SAFE_WINMODE
+    folder = needs(FIXTURES / "x86")
+    with pytest.raises(OSError) as caught:
+        ctypes.CDLL(str(folder / "llama.dll"), winmode=SAFE_WINMODE)
+    assert caught.value.winerror == 193
+    assert "not a 64-bit library for Windows" in explain_load_failure(folder, caught.value)
+
+
+def test_a_32_bit_dll_is_refused_before_loading():
+    from native.errors import LibraryError
+    from native.library import preflight
+    with pytest.raises(LibraryError, match="32-bit|x86"):
+        preflight(needs(FIXTURES / "x86"), source="--llama-lib")
+
+
+def test_a_dll_from_another_llama_cpp_is_refused_by_the_probe():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "foreign"))
+    assert not report.ok
+    assert report.stage == "symbols"
+    assert "functions this app calls" in report.reason and "0c1e57098" in report.reason
+
+
+def test_a_dll_of_another_abi_is_refused_by_the_probe():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "abi"))
+    assert not report.ok, report
+    assert report.stage == "abi"
+    assert "does not match these bindings" in report.reason and "n_ctx reads 0" in report.reason
+
+
+def test_a_dll_that_crashes_is_reported_with_the_stage_and_the_fault():
+    """On Windows ctypes turns an access violation inside a call into OSError: the child
+    exits 1 and its traceback's last line, not faulthandler's dump, is the detail."""
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "crash"))
+    assert not report.ok
+    assert "while reading the default parameters back" in report.reason, report.reason
+    assert "[OSError: exception: access violation writing 0x0000000000000000]" in report.reason
+
+
+def test_a_dll_that_aborts_is_reported_with_its_last_message():
+    from native.probe import probe_library
+    report = probe_library(needs(FIXTURES / "abort"))
+    assert not report.ok
+    assert "while reading the default parameters back" in report.reason, report.reason
+    assert "[GGML_ASSERT(n_ctx > 0) failed]" in report.reason, report.reason
+
+
+def test_a_missing_dependency_is_named():
+    from native.dllsearch import SAFE_WINMODE
+    from native.libfile import explain_load_failure
+    folder = needs(FIXTURES / "missingdep")
+    with pytest.raises(OSError) as caught:
+        ctypes.CDLL(str(folder / "llama.dll"), winmode=SAFE_WINMODE)
+    assert "ggml-gone.dll" in explain_load_failure(folder, caught.value)
+
+
+def test_a_cpu_backend_missing_libomp140_is_named(tmp_path):
+    """llama.cpp's official CPU backends import libomp140.x86_64.dll (LLVM OpenMP)."""
+    from native.libfile import missing_dependencies
+    backend = needs(FIXTURES / "omp" / "ggml-cpu-haswell.dll")
+    assert missing_dependencies(backend, [backend.parent]) == ["libomp140.x86_64.dll"]
+
+
+RUNTIME12 = ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll")
+
+
+def cuda_standin(tmp_path: Path) -> Path:
+    """The real CPU build dressed as a CUDA 12 build: ggml-cuda.dll's import table names
+    cudart and cublas (cublas needs cublasLt), and copies of a harmless DLL of the build
+    play the three runtime DLLs, so Windows really loads them."""
+    from pecraft import pe_image
+    folder = tmp_path / "cuda build"
+    shutil.copytree(bundled(), folder)
+    (folder / "ggml-cuda.dll").write_bytes(pe_image(["KERNEL32.dll", "cudart64_12.dll", "cublas64_12.dll"]))
+    for name in RUNTIME12:
+        shutil.copy(folder / "libwinpthread-1.dll", folder / name)
+    return folder
+
+
+def test_every_cuda_runtime_dll_is_preloaded_dependencies_first(tmp_path):
+    folder = cuda_standin(tmp_path)
+    done = child(f"""
+        import ctypes, json
+        from pathlib import Path
+        from native.dllsearch import prepare_windows_search
+        done = prepare_windows_search(Path({str(folder / "llama.dll")!r}))
+        k = ctypes.WinDLL("kernel32")
+        k.GetModuleHandleW.argtypes, k.GetModuleHandleW.restype = [ctypes.c_wchar_p], ctypes.c_void_p
+        print(json.dumps({{"preloaded": [p.name for p in done.preloaded],
+                           "in_process": [bool(k.GetModuleHandleW(str(p))) for p in done.preloaded]}}))
+    """)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["preloaded"] == list(RUNTIME12) and all(report["in_process"]), report
+
+
+def test_a_cuda_build_on_a_driver_too_old_is_refused_with_the_fix(tmp_path):
+    system32 = Path(os.environ.get("SystemRoot", r"C:\Windows")) / "System32"
+    needs(system32 / "nvcuda.dll")            # the tier's stand-in driver: CUDA 11.8, no GPU
+    from native.probe import probe_library
+    report = probe_library(cuda_standin(tmp_path))
+    assert not report.ok and report.stage == "devices", report
+    assert "supports CUDA 11.8 but cudart64_12.dll needs CUDA 12 or newer" in report.reason, report.reason
+
+
+def test_a_stale_cuda_path_does_not_break_loading(tmp_path):
+    done = child("""
+        from native import library
+        library.bindings()
+        print("loaded")
+    """, env={"CUDA_PATH": str(tmp_path / "CUDA" / "v12.4-removed")})
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+
+
+# -- files: atomic replace, sharing violations, non-ASCII folders --------------------------------
+
+def test_a_replace_waits_for_a_reader_that_holds_the_file_open(tmp_path):
+    """Python's open() shares read and write but not delete: os.replace fails until it closes."""
+    from engine.checkpoints.atomic import atomic_write
+    target = tmp_path / "Prüfung ü" / "held.kvckpt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    reader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        f = open({str(target)!r}, "rb")
+        print("open", flush=True)
+        time.sleep(1.0)
+        f.close()
+    """)], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "open"
+    start = time.monotonic()
+    with atomic_write(target) as f:
+        f.write(b"new")
+    waited = time.monotonic() - start
+    reader.wait(timeout=30)
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in target.parent.iterdir()] == ["held.kvckpt"]   # no temp file left
+    assert waited > 0.3, f"the replace did not meet the reader's handle ({waited:.2f} s)"
+
+
+def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
+    from engine.checkpoints import atomic
+    monkeypatch.setattr(atomic, "REPLACE_RETRY_S", 0.3)
+    target = tmp_path / "held.kvckpt"
+    target.write_bytes(b"old")
+    with open(target, "rb"):
+        with pytest.raises(OSError) as caught:
+            with atomic.atomic_write(target) as f:
+                f.write(b"new")
+    assert caught.value.winerror in atomic.TRANSIENT_WINERRORS
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["held.kvckpt"]
+
+
+# -- crash capture and liveness -----------------------------------------------------------------
+
+def test_liveness_probe_does_not_signal_a_live_process():
+    """os.kill(pid, 0) on Windows sends CTRL_C_EVENT: the probe must not."""
+    from engine.crashlog import _alive
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert _alive(sleeper.pid)
+        time.sleep(0.5)
+        assert sleeper.poll() is None, "the probe ended the process it looked at"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not _alive(sleeper.pid)
+
+
+def test_taskkill_leaves_an_empty_trace_reported_as_killed(app_home):
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from engine import crashlog
+        crashlog.install()
+        print("ready", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    assert proc.stdout.readline().strip() == "ready"
+    subprocess.run(["taskkill", "/F", "/PID", str(proc.pid)], capture_output=True, check=True)
+    proc.wait(timeout=30)
+    from engine.crashlog import pending_crashes
+    reports = pending_crashes()
+    assert [r.killed for r in reports] == [True]
+
+
+# -- the CLI: save, pause, resume; the same bytes as Linux ---------------------------------------
+
+def cli(*args: str) -> str:
+    done = run_cli(*args, check=True)
+    return done.stdout.replace("\r\n", "\n")
+
+
+def test_the_windows_run_is_the_linux_run():
+    assert cli("run", "-p", PROMPT, *ARGS) == text(needs(XOS / "linux-full.txt"))
+
+
+def test_pause_save_and_resume_in_a_new_process_match_linux(tmp_path):
+    ckpt = tmp_path / "päuse ü" / "answer.kvckpt"
+    ckpt.parent.mkdir()
+    part = cli("run", "-p", PROMPT, *ARGS, "--stop-after", "10", "--checkpoint-save", str(ckpt))
+    assert part == text(needs(XOS / "linux-part.txt"))
+    assert cli("run", "--checkpoint-load", str(ckpt), "-n", "24", "-t", "1") == text(XOS / "linux-resume.txt")
+
+
+def test_a_checkpoint_written_on_linux_resumes_on_windows():
+    resumed = cli("run", "--checkpoint-load", str(needs(XOS / "linux.kvckpt")), "-n", "24", "-t", "1")
+    assert resumed == text(XOS / "linux-resume.txt")
+
+
+def test_a_checkpoint_written_on_windows_resumes_on_linux():
+    assert needs(XOS / "windows.kvckpt").stat().st_size > 0
+    assert text(needs(XOS / "linux-resumes-windows.txt")) == text(XOS / "linux-resume.txt")
+
+
+def test_the_frozen_cli_saves_and_resumes_as_linux_does():
+    """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
+    part = XOS / "frozen-part.txt"
+    if not part.is_file():
+        pytest.skip("the frozen app is built by installer/wine_tier.sh --frozen")
+    assert text(part) == text(XOS / "linux-part.txt")
+    assert text(XOS / "frozen-resume.txt") == text(XOS / "linux-resume.txt")
+
+
+def test_the_installer_installs_associates_and_uninstalls_keeping_data():
+    """Setup.exe from installer/checkpoint_chat.iss (installer/wine_tier.sh --installer):
+    a silent all-users install, the .kvckpt association and Start menu entry, the
+    installed CLI, then an uninstall that removes the program and keeps the user's store."""
+    facts_file = XOS / "installer.txt"
+    if not facts_file.is_file():
+        pytest.skip("the installer is built and run by installer/wine_tier.sh --installer")
+    facts = dict(line.split("=", 1) for line in facts_file.read_text("utf-8").splitlines() if "=" in line)
+    assert int(facts["setup_bytes"]) > 10 << 20
+    assert facts["installed_exe"] == "yes"
+    assert facts["assoc"] == "CheckpointChat.Checkpoint"
+    assert facts["open_command"].endswith('CheckpointChat.exe" "%1"'), facts["open_command"]
+    assert facts["start_menu"].startswith("Checkpoint Chat")
+    assert text(XOS / "installed-part.txt") == text(XOS / "linux-part.txt")
+    assert int(facts["store_before"]) >= 1, "the installed CLI saved into the user's store"
+    assert facts["uninstalled"] == "yes" and facts["assoc_after"] == ""
+    assert facts["store_after"] == facts["store_before"], "uninstalling kept the checkpoints"
+
+
+# -- session end: real WM_QUERYENDSESSION / WM_ENDSESSION (Wine's user32, under Xvfb) ------------
+
+WM_QUERYENDSESSION, WM_ENDSESSION, ENDSESSION_LOGOFF = 0x0011, 0x0016, 0x80000000
+
+
+def user32():
+    u = ctypes.WinDLL("user32", use_last_error=True)
+    # HWND FindWindowW(LPCWSTR lpClassName, LPCWSTR lpWindowName)
+    u.FindWindowW.argtypes, u.FindWindowW.restype = [ctypes.c_wchar_p, ctypes.c_wchar_p], ctypes.c_void_p
+    # LRESULT SendMessageW(HWND hWnd, UINT Msg, WPARAM wParam, LPARAM lParam)
+    u.SendMessageW.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_ssize_t]
+    u.SendMessageW.restype = ctypes.c_ssize_t
+    return u
+
+
+def test_the_cli_saves_the_answer_when_windows_ends_the_session(tmp_path):
+    """installer/README.md W2.3, automated: the hidden window gets the pair, the run saves."""
+    from engine.shutdown import SessionEndWindow
+    u = user32()
+    ckpt = tmp_path / "session end.kvckpt"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", "-p", "Write a long story about a dragon.",
+                             "-n", "4000", "--ignore-eos", "-t", "1", "--checkpoint-save", str(ckpt)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT))
+    try:
+        first = proc.stdout.read(8)                 # the answer is streaming
+        assert first, proc.stderr.read().decode("utf-8", "replace")
+        deadline = time.monotonic() + 30
+        while not (hwnd := u.FindWindowW(SessionEndWindow.CLASS_NAME, None)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert hwnd, "the CLI's hidden session window was not created"
+        assert u.SendMessageW(hwnd, WM_QUERYENDSESSION, 0, ENDSESSION_LOGOFF) == 1
+        start = time.monotonic()
+        u.SendMessageW(hwnd, WM_ENDSESSION, 1, ENDSESSION_LOGOFF)   # returns once saved
+        waited = time.monotonic() - start
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + 1, err.decode("utf-8", "replace")
+    assert ckpt.is_file() and waited < 10
+    assert run_cli("validate", str(ckpt)).returncode == 0
+    # the answer goes on (its text may be whitespace: the run's seed was random)
+    resumed = json.loads(cli("run", "--checkpoint-load", str(ckpt), "-n", "4000", "--stop-after", "4",
+                             "-t", "1", "--json").strip().splitlines()[-1])
+    assert resumed["n_generated"] == 4 and resumed["finish_reason"] == "paused", resumed
+
+
+def test_the_window_saves_the_answer_when_windows_ends_the_session(qtbot, make_window):
+    """Qt's windows platform turns the real message into commitDataRequest: the answer in
+    progress is saved as an exit checkpoint before WM_QUERYENDSESSION is answered.
+    Last in this file: WM_ENDSESSION makes Qt emit aboutToQuit."""
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QGuiApplication
+
+    from engine.checkpoints.format import KIND_EXIT
+    from gui.session_end import SessionEndSaver
+    if QGuiApplication.platformName() != "windows":
+        pytest.skip("needs Qt's windows platform (the tier runs it under Xvfb)")
+    w = make_window(n_predict=400)
+    saves = []
+    w.bridge.checkpoint_saved.connect(lambda *args: saves.append(args))
+    saver = SessionEndSaver(w, wait_s=60)
+    saver.connect_to(QGuiApplication.instance())
+    with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+        w.prompt_edit.setFocus()
+        qtbot.keyClicks(w.prompt_edit, "Write a long story about a dragon who guards a library.")
+        qtbot.keyClick(w.prompt_edit, Qt.Key.Key_Return)
+    hwnd, answers = int(w.winId()), {}
+
+    def windows_ends_the_session():
+        u = user32()
+        answers["query"] = u.SendMessageW(hwnd, WM_QUERYENDSESSION, 0, ENDSESSION_LOGOFF)
+        answers["end"] = u.SendMessageW(hwnd, WM_ENDSESSION, 1, ENDSESSION_LOGOFF)
+    sender = threading.Thread(target=windows_ends_the_session, daemon=True)
+    sender.start()
+    qtbot.waitUntil(lambda: not sender.is_alive(), timeout=90_000)
+    assert answers["query"] == 1
+    assert saver.outcome == "saved"
+    exit_saves = [args for args in saves if args[4] == KIND_EXIT]
+    assert exit_saves and Path(exit_saves[0][1]).is_file()
+    assert exit_saves[0][0].paused, "the answer was paused mid-way, not finished"
