@@ -25,8 +25,8 @@ from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, check_link, common_prefix, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
 from engine.checkpoints.graph import default_line
-from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
-                                       Header, encode_metadata, write_sections)
+from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, STATE_LAYOUT, TRAILER_LEN,
+                                       CheckpointData, Header, encode_metadata, write_sections)
 from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
@@ -480,7 +480,25 @@ def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
             check_state_for(data.header, data.state, rows)
     for prev, data in zip(chain, chain[1:]):
         check_link(prev, data)
-    last = chain[-1]
+    return _conversation_of(chain[-1])
+
+
+def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
+    """The conversation of a chain whose states this llama.cpp cannot take (written in another
+    llama.cpp state layout: IncompatibleState), to be read again from its tokens.
+
+    Checked as :func:`checked_chain` checks, but for the state layout and the states' own
+    structure: the states are not used.  Another model or context is still refused."""
+    if not chain:
+        raise BrokenChain("no checkpoint to restore")
+    for data in chain:
+        target.check(replace(data.header, state_layout=STATE_LAYOUT), data.meta)
+    for prev, data in zip(chain, chain[1:]):
+        check_link(prev, data)
+    return _conversation_of(chain[-1])
+
+
+def _conversation_of(last: CheckpointData) -> Conversation:
     conv_json = last.meta.get("conversation")
     try:
         conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},

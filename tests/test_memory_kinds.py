@@ -9,6 +9,7 @@ hybrid model was written, announced as saved, and refused on load.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 import json
 import struct
 import subprocess
@@ -335,3 +336,29 @@ def test_a_model_llama_cpp_refuses_says_why_and_vocab_only_loads(smollm_path, tm
         assert vocab.shape.n_vocab == 49152 and vocab.tokenize("hello", add_special=False)
     finally:
         vocab.close()
+
+
+def test_a_checkpoint_of_another_llama_cpp_state_layout_is_read_again(smollm_path, tmp_path, app_home):
+    """A llama.cpp upgrade never strands a conversation: a file whose recorded state layout
+    this build cannot take still opens — its text is read again, with a notice, and it is
+    saved anew in the current layout (a full file, no delta on the old one)."""
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    common = ["-n", "16", "--temp", "0.7", "--seed", "3", "--ignore-eos", "-t", "2", "-c", "1024", "--json"]
+    full = json.loads(run_cli("run", "-p", "Tell me about owls.", *common, check=True).stdout)
+    saved = tmp_path / "old.kvckpt"
+    part = json.loads(run_cli("run", "-p", "Tell me about owls.", *common, "--stop-after", "6",
+                              "--checkpoint-save", str(saved), check=True).stdout)
+    raw = bytearray(saved.read_bytes())
+    raw[:HEADER_LEN] = pack_header(dataclasses.replace(unpack_header(bytes(raw[:HEADER_LEN])), state_layout=2))
+    saved.write_bytes(bytes(raw))
+    valid = run_cli("validate", str(saved), "--model", str(smollm_path), check=True).stdout
+    assert "state layout 2" in valid and "reads its" in valid and "Dimensions match model" in valid
+    done = run_cli("run", "--checkpoint-load", str(saved), *common, check=True)
+    assert "read again" in done.stderr
+    rest = json.loads(done.stdout)
+    assert rest["n_reused_tokens"] == 0
+    assert part["text"] + rest["text"] == full["text"]
+    head = read_checkpoint(rest["checkpoint"])
+    assert head.header.state_layout == 1 and not head.header.is_delta
+    assert Path(rest["checkpoint"]).name in {h.path.name for h in Graph.scan(Store()).heads}

@@ -120,11 +120,11 @@ class Target:
 
     def problem(self, header: Header, meta: dict | None = None) -> CheckpointError | None:
         """The error restoring ``header`` here would raise, or None when it fits."""
-        if header.state_layout != STATE_LAYOUT:
-            return IncompatibleState(
-                f"the checkpoint's state was written in llama.cpp state layout "
-                f"{header.state_layout}; this build of llama.cpp reads layout {STATE_LAYOUT}")
-        if self.model is not None:
+        if self.model is not None:   # a loaded model: this build of llama.cpp, its layout
+            if header.state_layout != STATE_LAYOUT:
+                return IncompatibleState(
+                    f"the checkpoint's state was written in llama.cpp state layout "
+                    f"{header.state_layout}; this build of llama.cpp reads layout {STATE_LAYOUT}")
             error = _model_problem(self.model, header, meta)
             if error is not None:
                 return error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +32,20 @@ def cmd_validate(args) -> int:
         print("CRC32 OK")
         model = ModelIdentity.from_gguf(args.model) if args.model else None
         rows = model.recurrent_rows if model is not None else None
-        for item in chain:
-            if item.header.n_tokens:
-                check_state_for(item.header, item.state, rows)
-        print(f"KV state OK ({memory_name(header.memory, header.n_swa)} memory, "
-              f"llama.cpp state layout {header.state_layout})")
+        if header.state_layout != fmt.STATE_LAYOUT:
+            print(f"KV state not read: it was written in llama.cpp state layout {header.state_layout} "
+                  f"(this build reads layout {fmt.STATE_LAYOUT}); opening it reads its "
+                  f"{header.n_tokens} tokens again")
+        else:
+            for item in chain:
+                if item.header.n_tokens:
+                    check_state_for(item.header, item.state, rows)
+            print(f"KV state OK ({memory_name(header.memory, header.n_swa)} memory, "
+                  f"llama.cpp state layout {header.state_layout})")
         if header.is_delta:
             print(f"Chain OK (a full checkpoint and {len(chain) - 1} delta(s))")
         if model is not None:
-            Target(model).check(header, data.meta)
+            Target(model).check(replace(header, state_layout=fmt.STATE_LAYOUT), data.meta)
             print("Dimensions match model")
     except CheckpointError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)

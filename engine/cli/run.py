@@ -102,6 +102,8 @@ class RunSession:
         self.control = control
         self.guard = guard
         self.chain = None        # the checkpoint continued, base first
+        #: its states were of another llama.cpp layout: read again, its files no parent of ours
+        self.read_again = False
         self.runtime = None
         self.writer = None       # engine.history.LineWriter, when saving into the store
         self.side_writer = None  # --checkpoint-save P with autosaves: deltas beside P
@@ -172,7 +174,7 @@ class RunSession:
             chain, kept = self.chain, None
             if args.from_turn is not None:
                 chain, kept = self.chain_to_edit(args.from_turn)
-            conv = rt.restore_chain(chain)
+            conv = self.restore_or_read_again(chain)
             if kept is not None:      # turn K and what followed it stay on the old branch
                 conv.messages, conv.answer = kept, None
                 # the branch starts where that history ended, decoded as it was
@@ -206,6 +208,22 @@ class RunSession:
         elif args.n_predict is not None:
             conv.answer.n_predict = args.n_predict
         return conv
+
+    def restore_or_read_again(self, chain):
+        """The chain restored; or, when its states were written by another llama.cpp (state
+        layout), its conversation read again from its tokens, saved anew at the end."""
+        from engine.errors import IncompatibleState
+        from engine.runtime import text_of_chain
+        rt = self.runtime
+        try:
+            return rt.restore_chain(chain)
+        except IncompatibleState as exc:
+            conv = text_of_chain(chain, rt.target)
+            rt.trim(0)
+            print(f"note: {exc}; its {chain[-1].header.n_tokens} tokens are read again, and it is "
+                  "saved anew in this layout", file=sys.stderr)
+            self.read_again = True
+            return conv
 
     def chain_to_edit(self, turn: int):
         """The files to restore for editing user turn ``turn``: the state at the end of the
@@ -252,12 +270,14 @@ class RunSession:
             side = Store(beside_folder(Path(self.args.checkpoint_save)))
             self.side_writer = LineWriter.starting(self.runtime, side, uuid.uuid4().hex)
         if not self.args.checkpoint_save:
+            # files of another state layout are no parent of a file of ours: a full one comes first
+            chain = [] if self.read_again else self.chain
             if self.chain and self.args.from_turn is not None:   # an edit: a new branch
                 from engine.history import saved_info
-                infos = [saved_info(d) for d in self.chain] if store.contains(self.chain[-1].path) else []
+                infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
                 self.writer = LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
-            elif self.chain:
-                self.writer = LineWriter.continuing(self.runtime, store, self.chain)
+            elif chain:
+                self.writer = LineWriter.continuing(self.runtime, store, chain)
             else:
                 self.writer = LineWriter.starting(self.runtime, store, default_line(conv.id))
 
