@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, Q
                                QWidget)
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_NAMES
+from engine.commands import Action
 from engine.models import default_model_path
 from engine.checkpoints.store import Store
 from engine.worker import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
@@ -655,16 +656,17 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             text = "In the cache"
         self.statusBar().showMessage(text, 6000)
 
-    @Slot(str, str)
-    def _on_bridge_engine_failed(self, action: str, message: str) -> None:
+    @Slot(object, str)
+    def _on_bridge_engine_failed(self, action: Action, message: str) -> None:
+        """What failed decides what the window does (the action's kind, not its wording)."""
         self.save_progress.hide()
         self._update_buttons()
-        if action == "fork the conversation":
+        if action is Action.FORK:
             self._pending_fork = None
-        if action == "continue with this model" and self.current in self._unopened:
+        if action is Action.CONTINUE_WITH_LOADED_MODEL and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
-        if action == "open the checkpoint" and self._opening is not None:
+        if action is Action.OPEN_CHECKPOINT and self._opening is not None:
             conv_id, path = self._opening
             self._opening = None
             if conv_id == self.current:

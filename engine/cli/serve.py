@@ -20,6 +20,7 @@ import sys
 import threading
 
 from engine.cli import EXIT_OK
+from engine.commands import Action
 from engine.errors import AppError
 from engine.worker import WorkerListener
 
@@ -49,8 +50,8 @@ class _ServeListener(WorkerListener):
         print(f"[ANSWER] {summary.n_prompt_tokens} prompt tokens ({summary.n_reused_tokens} restored), "
               f"{summary.n_generated} generated, {summary.finish_reason}{ttft}", file=sys.stderr, flush=True)
 
-    def on_error(self, action: str, message: str) -> None:
-        if action != "load the model":   # that one ends the command, as its one error line
+    def on_error(self, action: Action, message: str) -> None:
+        if action is not Action.LOAD_MODEL:   # that one ends the command, as its one error line
             print(f"warning: could not {action}: {message}", file=sys.stderr, flush=True)
 
     def on_notice(self, title: str, message: str) -> None:

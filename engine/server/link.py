@@ -22,7 +22,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from engine.server.engine_commands import SHUTTING_DOWN, RequestRefusal
+from engine.requests import SHUTTING_DOWN, RequestRefusal
 from engine.worker import ConversationSnapshot, GenerationSummary, WorkerListener
 
 log = logging.getLogger("engine")
