@@ -116,6 +116,10 @@ class ParallelRuntime:
     def fingerprint(self) -> bytes:
         return self._rt.fingerprint
 
+    def state_buffer_for(self, size: int) -> np.ndarray:
+        """The state buffer every save of this context reuses (Runtime.state_buffer_for)."""
+        return self._rt.state_buffer_for(size)
+
     @property
     def candidates(self):
         return self._rt.candidates
@@ -427,7 +431,7 @@ class SequenceView:
             source = prt.scratch
         try:
             size = ctx.state_size(source)
-            buf = prt._rt._state_buffer_for(size)   # reused, as Runtime's own saves do
+            buf = prt.state_buffer_for(size)   # reused, as Runtime's own saves do
             try:
                 state = buf[:ctx.state_get_into(buf, size, source)]
             except StateError as exc:

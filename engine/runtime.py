@@ -320,7 +320,7 @@ class Runtime:
             seq = 1
         try:
             size = self.ctx.state_size(seq)
-            buf = self._state_buffer_for(size)
+            buf = self.state_buffer_for(size)
             try:
                 written = self.ctx.state_get_into(buf, size, seq)
             except StateError as exc:
@@ -330,7 +330,7 @@ class Runtime:
             if p0:
                 self.ctx.seq_rm(1, -1, -1)
 
-    def _state_buffer_for(self, size: int) -> np.ndarray:
+    def state_buffer_for(self, size: int) -> np.ndarray:
         """The state buffer, grown when ``size`` no longer fits.
 
         Reusing it spares every save the page faults of fresh memory.  It grows with an

@@ -131,15 +131,15 @@ class ParallelRun:
         args, prt = self.args, self.prt
         convs = self.conversations()
         requested = time.perf_counter()
-        run = self
+        run, streaming = self, []
 
         class Progress:
             def on_prefill_progress(self, done: int, total: int) -> None:
                 pass
 
             def on_text(self, delta: str) -> None:
-                if not getattr(run, "_streaming", False):
-                    run._streaming = True
+                if not streaming:
+                    streaming.append(True)
                     run.stage("generating")
 
         jobs = []
