@@ -51,6 +51,7 @@ from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
 from engine import commands as cmd
+from engine.checkpoint_policy import head_kind
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk, RequestRefusal
@@ -1128,7 +1129,7 @@ class EngineWorker:
                 n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
                 text=result.text, ttft_s=result.ttft_s, restore_s=running.restore_s,
                 prefill_s=result.prefill_s))
-            kind = self._pause_kind if result.paused else KIND_MANUAL
+            kind = self._pause_kind if result.paused else KIND_MANUAL   # made truthful by _save
             if not result.paused:
                 from engine.generation import commit_answer
                 commit_answer(conv)
@@ -1193,11 +1194,7 @@ class EngineWorker:
             return False
 
     def _save(self, conv: Conversation, kind: int) -> None:
-        # the kind in the header is what a listing shows as "paused": keep it truthful
-        if conv.paused and kind == KIND_MANUAL:
-            kind = KIND_PAUSE
-        elif not conv.paused and kind in (KIND_PAUSE, KIND_EXIT):
-            kind = KIND_MANUAL
+        kind = head_kind(conv.paused, kind)   # engine.checkpoint_policy: a truthful kind
         self.listener.on_checkpoint_saving(conv.id, kind)
         info = self._writer(conv).save_head(conv, kind)
         self.sessions.named(conv.id).head = info.path

@@ -70,7 +70,7 @@ def server_options(args):
 
 
 def model_options(args):
-    from engine.cli.run import context_settings, model_path
+    from engine.cli.options import context_settings, model_path
     from engine.worker import ModelOptions
     settings = context_settings(args, None)
     return ModelOptions(path=model_path(args, None), n_ctx=settings.n_ctx, n_threads=settings.n_threads,
