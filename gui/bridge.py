@@ -19,8 +19,8 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from engine.commands import Action
-from engine.worker import (ConversationSnapshot, EngineWorker, GenerationSummary, ModelInfo,
-                           ModelOptions, WorkerListener)
+from engine.events import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions, WorkerListener
+from engine.worker import EngineWorker
 
 
 class _Listener(WorkerListener):

@@ -142,3 +142,17 @@ def test_the_window_reads_no_private_attribute_of_the_engine():
         if reads:
             bad[str(path.relative_to(ROOT))] = reads
     assert not bad
+
+
+def test_importing_the_engine_worker_loads_no_native_layer():
+    """The window imports the worker on the UI thread: the native layer (and libllama)
+    is loaded on the engine thread only."""
+    import subprocess
+    import sys
+    code = ("import sys, engine.worker, engine.events, engine.commands, engine.sessions, "
+            "engine.requests, engine.checkpoint_policy; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('native', 'llama_cpp') "
+            "or m in ('engine.runtime', 'engine.history', 'engine.parallel')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    assert out == "[]"

@@ -22,7 +22,7 @@ import threading
 from engine.cli import EXIT_OK
 from engine.commands import Action
 from engine.errors import AppError
-from engine.worker import WorkerListener
+from engine.events import WorkerListener
 
 API_KEY_ENV = "CHECKPOINT_CHAT_API_KEY"
 #: conversations kept open besides the one in the cache (EngineWorker.request_conversations_kept)
@@ -71,7 +71,7 @@ def server_options(args):
 
 def model_options(args):
     from engine.cli.options import context_settings, model_path
-    from engine.worker import ModelOptions
+    from engine.events import ModelOptions
     settings = context_settings(args, None)
     return ModelOptions(path=model_path(args, None), n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                         n_gpu_layers=args.n_gpu_layers, llama_lib=args.llama_lib, rpc_servers=args.rpc or "",

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 from engine.requests import SHUTTING_DOWN, RequestRefusal
-from engine.worker import ConversationSnapshot, GenerationSummary, WorkerListener
+from engine.events import ConversationSnapshot, GenerationSummary, WorkerListener
 
 log = logging.getLogger("engine")
 
