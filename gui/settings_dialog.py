@@ -6,7 +6,7 @@ from PySide6.QtWidgets import (QCheckBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QWidget)
 
 from engine.sampling import SamplerSettings
-from engine.events import ModelInfo
+from engine.worker import ModelInfo
 from gui.settings import SAMPLER_KEYS, AppSettings
 
 _MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers", "sequences")
