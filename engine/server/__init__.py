@@ -1,7 +1,7 @@
 """The local OpenAI-compatible server: a front end of the engine, like the window.
 
 HTTP runs on an asyncio loop; answers run on the engine thread.  The server speaks to
-the engine only through :class:`engine.worker.EngineWorker`'s public face (``complete``,
+the engine only through :class:`engine.worker.EngineWorker`'s public face (``complete``, ``model_info``,
 ``cancel_request``, ``add_listener`` and the listener's ``on_request_*`` callbacks); what
 the engine thread does for a request — find the conversation it continues or the stored
 checkpoint sharing its longest prefix, restore, generate, save — is the core's
