@@ -77,12 +77,12 @@ class Conversation:
     def transcript(self) -> list[dict[str, Any]]:
         """Messages plus the answer in progress, for display and the metadata block."""
         out = [{"role": r, "content": c} for r, c in self.chat_messages()]
-        if self.answer is not None and not self._answer_committed():
+        if self.answer is not None and not self.answer_committed():
             out.append({"role": "assistant", "content": self.answer.text,
                         "complete": self.answer.finished})
         return out
 
-    def _answer_committed(self) -> bool:
+    def answer_committed(self) -> bool:
         return bool(self.answer and self.answer.finished and self.messages
                     and self.messages[-1][0] == "assistant")
 

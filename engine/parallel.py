@@ -44,7 +44,8 @@ from engine.snapshots import PromptSnapshot
 from engine.conversation import Conversation
 from engine.errors import (CorruptState, GenerationError,
                            RestoreFailed, SaveFailed)
-from engine.runtime import Runtime, SaveInfo, checked_chain, files_in_cache
+from engine.restore import restore_into
+from engine.runtime import Runtime, SaveInfo
 from engine.sequences import Placement, SequenceTable
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
@@ -119,6 +120,10 @@ class ParallelRuntime:
     @property
     def fingerprint(self) -> bytes:
         return self._rt.fingerprint
+
+    def state_buffer_for(self, size: int) -> np.ndarray:
+        """The state buffer every save of this context reuses (Runtime.state_buffer_for)."""
+        return self._rt.state_buffer_for(size)
 
     @property
     def candidates(self):
@@ -340,57 +345,51 @@ class ParallelRuntime:
         return self.view(seq).save(path, conv, kind, parent, line=line, seq=seq_no, fresh=fresh)
 
     def restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
-        """Put a verified chain (a full file, then deltas on it) into sequence ``seq``.
-
-        Every file is checked (compatibility, state structure, links) before llama.cpp
-        sees a byte, so a refused chain leaves the sequence as it was; if llama.cpp
-        itself refuses a state, the sequence is emptied (RestoreFailed).
-        """
+        """Put a verified chain (a full file, then deltas on it) into sequence ``seq``
+        (engine.restore: every file is checked before llama.cpp sees a byte, so a refused
+        chain leaves the sequence as it was; if llama.cpp itself refuses a state, the
+        sequence is emptied: RestoreFailed)."""
         started = time.perf_counter()
         try:
-            return self._restore(chain, seq)
+            done = restore_into(_Slot(self, seq), chain, self.target)
         finally:
             self.last_restore_s = time.perf_counter() - started
-
-    def _restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
-        conv = checked_chain(chain, self.target)
-        last = chain[-1]
-        h = last.header
-        held = self._held[seq]
-        keep = files_in_cache(held.tokens, chain)
-        if keep and self.trim(seq, chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
-            keep = 0   # the memory cannot drop a tail (sliding window): restore it all
-        kept = chain[keep - 1].header.n_tokens if keep else 0
-        if self.cells_used() - len(self._held[seq].tokens) + h.n_tokens > self.ctx.n_ctx:
-            raise RestoreFailed(f"the context has no room for {h.n_tokens} more tokens; "
-                                "evict a conversation first")
-        if not keep:
-            self.drop(seq)
-        self._forget_logits(seq)
-        try:
-            for i, data in enumerate(chain):
-                if i < keep or not len(data.state):
-                    continue   # in the cache already; or no cells (empty, or metadata only)
-                if i == 0:
-                    self.ctx.state_set_from(data.state, len(data.state), seq)
-                else:   # a delta: through the scratch sequence, which shares its cells
-                    self.ctx.state_set_from(data.state, len(data.state), self.scratch)
-                    self.ctx.seq_cp(self.scratch, seq, -1, -1)
-                    self.ctx.seq_rm(self.scratch, -1, -1)
-        except StateError as exc:
-            self.drop(seq)
-            self.ctx.seq_rm(self.scratch, -1, -1)
-            raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
-        if h.n_tokens and self.ctx.pos_max(seq) != h.n_tokens - 1:
-            self.drop(seq)
-            raise RestoreFailed("the restored state does not hold the promised tokens")
-        held = self._held[seq]
-        held.tokens = [int(t) for t in last.tokens[:h.n_tokens]]
-        if last.logits is not None:
-            held.logits_len, held.logits = h.n_tokens, np.array(last.logits, copy=True)
         self.restores += 1
-        self.restored_tokens += h.n_tokens - kept
-        return conv
+        self.restored_tokens += done.n_restored
+        return done.conv
+
+
+class _Slot:
+    """Sequence ``seq`` of a ParallelRuntime as engine.restore changes one."""
+
+    def __init__(self, prt: ParallelRuntime, seq: int) -> None:
+        self.prt, self.ctx = prt, prt.ctx
+        self.seq, self.scratch = seq, prt.scratch
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prt.tokens(self.seq)
+
+    def trim(self, n: int) -> int:
+        return self.prt.trim(self.seq, n)
+
+    def make_room(self, n_tokens: int) -> None:
+        prt = self.prt
+        if prt.cells_used() - len(prt.tokens(self.seq)) + n_tokens > prt.ctx.n_ctx:
+            raise RestoreFailed(f"the context has no room for {n_tokens} more tokens; "
+                                "evict a conversation first")
+
+    def empty(self) -> None:
+        self.prt.drop(self.seq)
+
+    def forget_logits(self) -> None:
+        self.prt._forget_logits(self.seq)
+
+    def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        held = self.prt._held[self.seq]
+        held.tokens = tokens
+        if logits is not None:
+            held.logits_len, held.logits = len(tokens), np.array(logits, copy=True)
 
 
 class SequenceView:
@@ -439,7 +438,7 @@ class SequenceView:
             source = prt.scratch
         try:
             size = ctx.state_size(source)
-            buf = prt._rt._state_buffer_for(size)   # reused, as Runtime's own saves do
+            buf = prt.state_buffer_for(size)   # reused, as Runtime's own saves do
             try:
                 state = buf[:ctx.state_get_into(buf, size, source)]
             except StateError as exc:

@@ -22,18 +22,18 @@ import numpy as np
 
 from engine import APP_VERSION
 from engine.checkpoints.atomic import atomic_write
-from engine.checkpoints.chain import ParentRef, check_link, common_prefix, tokens_digest
+from engine.checkpoints.chain import ParentRef, common_prefix, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
 from engine.checkpoints.graph import default_line
-from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, STATE_LAYOUT, TRAILER_LEN,
-                                       CheckpointData, Header, encode_metadata, write_sections)
+from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
+                                       Header, encode_metadata, write_sections)
 from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
-from engine.errors import (BrokenChain, CorruptMetadata, CorruptState, GenerationError,
-                           RestoreFailed, SaveFailed)
+from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
+from engine.restore import restore_into
 from engine.snapshots import PromptSnapshot
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
@@ -340,7 +340,7 @@ class Runtime:
             seq = 1
         try:
             size = self.ctx.state_size(seq)
-            buf = self._state_buffer_for(size)
+            buf = self.state_buffer_for(size)
             try:
                 written = self.ctx.state_get_into(buf, size, seq)
             except StateError as exc:
@@ -350,7 +350,7 @@ class Runtime:
             if p0:
                 self.ctx.seq_rm(1, -1, -1)
 
-    def _state_buffer_for(self, size: int) -> np.ndarray:
+    def state_buffer_for(self, size: int) -> np.ndarray:
         """The state buffer, grown when ``size`` no longer fits.
 
         Reusing it spares every save the page faults of fresh memory.  It grows with an
@@ -386,46 +386,41 @@ class Runtime:
         """
         started = time.perf_counter()
         try:
-            return self._restore_chain(chain)
+            return restore_into(_Slot(self), chain, self.target).conv
         finally:
             self.last_restore_s = time.perf_counter() - started
 
-    def _files_in_cache(self, chain: Sequence[CheckpointData]) -> int:
-        return files_in_cache(self.kv_tokens, chain)
 
-    def _restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
-        conv = checked_chain(chain, self.target)
-        last = chain[-1]
-        h = last.header
-        keep = self._files_in_cache(chain)
-        if keep and self.trim(chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
-            keep = 0   # the memory cannot drop a tail (sliding window): restore it all
-        if not keep:
-            self.ctx.clear()
-            self.kv_tokens = []
-        self._forget_logits()
-        self._prompt_logits = self._prompt_snapshot = None
-        try:
-            for i, data in enumerate(chain):
-                if i < keep or not len(data.state):
-                    continue   # in the cache already; or no cells (empty, or metadata only)
-                if i == 0:
-                    self.ctx.state_set_from(data.state, len(data.state), 0)
-                else:
-                    self.ctx.state_set_from(data.state, len(data.state), 1)
-                    self.ctx.seq_cp(1, 0, -1, -1)
-                    self.ctx.seq_rm(1, -1, -1)
-        except StateError as exc:
-            self.ctx.clear()
-            raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
-        if h.n_tokens and self.ctx.pos_max() != h.n_tokens - 1:
-            self.ctx.clear()
-            raise RestoreFailed("the restored state does not hold the promised tokens")
-        self.kv_tokens = [int(t) for t in last.tokens[:h.n_tokens]]
-        if last.logits is not None:
-            self._logits_len = h.n_tokens
-            self._logits_copy = last.logits
-        return conv
+class _Slot:
+    """A Runtime's sequence 0 as engine.restore changes one (scratch: sequence 1)."""
+    seq, scratch = 0, 1
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.ctx = rt.ctx
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.rt.kv_tokens
+
+    def trim(self, n: int) -> int:
+        return self.rt.trim(n)
+
+    def make_room(self, n_tokens: int) -> None:
+        pass   # its own context: n_ctx was checked with the chain's compatibility
+
+    def empty(self) -> None:
+        self.ctx.clear()
+        self.rt.kv_tokens = []
+
+    def forget_logits(self) -> None:
+        self.rt._forget_logits()
+        self.rt._prompt_logits = self.rt._prompt_snapshot = None
+
+    def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        self.rt.kv_tokens = tokens
+        if logits is not None:
+            self.rt._logits_len, self.rt._logits_copy = len(tokens), logits
 
 
 def runtime_shape(model: Model) -> ModelShape:
@@ -448,65 +443,6 @@ def chunk_end(pos: int, total: int, step: int) -> int:
     or beside other sequences, interrupted or not: a prompt's cache is then built from
     the same pieces whichever way it was decoded."""
     return min(total, (pos // step + 1) * step)
-
-
-def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> int:
-    """How many leading files of ``chain`` a cache holding ``cached`` holds already,
-    token for token.
-
-    Switching between branches of one conversation restores only what differs: the
-    shared files stay in the cache and only the rest of the chain is applied.
-    """
-    last = chain[-1]
-    shared = common_prefix(cached, last.tokens[:last.header.n_tokens])
-    for k in range(len(chain), 0, -1):
-        if 0 < chain[k - 1].header.n_tokens <= shared:
-            return k
-    return 0
-
-
-def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
-    """Check a chain (a full checkpoint, then deltas on it) before llama.cpp sees a byte:
-    every file's compatibility with ``target`` and state structure, the links between them,
-    the last file's conversation.  Returns that conversation, or raises with the reason."""
-    if not chain:
-        raise BrokenChain("no checkpoint to restore")
-    if chain[0].header.is_delta:
-        raise BrokenChain("the chain does not start with a full checkpoint")
-    rows = target.model.recurrent_rows if target.model is not None else None
-    for data in chain:
-        target.check(data.header, data.meta)
-        if data.header.n_tokens:
-            check_state_for(data.header, data.state, rows)
-    for prev, data in zip(chain, chain[1:]):
-        check_link(prev, data)
-    return _conversation_of(chain[-1])
-
-
-def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
-    """The conversation of a chain whose states this llama.cpp cannot take (written in another
-    llama.cpp state layout: IncompatibleState), to be read again from its tokens.
-
-    Checked as :func:`checked_chain` checks, but for the state layout and the states' own
-    structure: the states are not used.  Another model or context is still refused."""
-    if not chain:
-        raise BrokenChain("no checkpoint to restore")
-    for data in chain:
-        target.check(replace(data.header, state_layout=STATE_LAYOUT), data.meta)
-    for prev, data in zip(chain, chain[1:]):
-        check_link(prev, data)
-    return _conversation_of(chain[-1])
-
-
-def _conversation_of(last: CheckpointData) -> Conversation:
-    conv_json = last.meta.get("conversation")
-    try:
-        conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                      [int(t) for t in last.tokens])
-    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
-        raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
-    conv.id = last.header.conversation_id
-    return conv
 
 
 def _name_still_free(path: Path) -> None:

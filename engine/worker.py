@@ -3,14 +3,23 @@
 llama.cpp's context is not thread-safe and a decode may take seconds, so the desktop
 app never touches the :class:`~engine.runtime.Runtime` itself.  :class:`EngineWorker`
 starts one thread that owns the model, the context and every conversation object;
-other threads call its public methods, which only put a command on a queue (or, for
-:meth:`EngineWorker.pause`, set a flag) and return at once.  Results come back through
-the plain callbacks of a :class:`WorkerListener`, called *on the engine thread*: a GUI
-turns them into queued Qt signals, a test can record them.  Several front ends may share
-one worker (``add_listener``: the window and its local server); the server's requests
-are commands of their own (engine.server.engine_commands).  This module never imports
-Qt, and it imports the native layer only on the engine thread (loading libllama is
-itself a native call the UI thread must not make).
+other threads hand it typed commands (engine.commands: :meth:`EngineWorker.submit`, or
+the public methods that make them), which only go on a queue (or, for
+:meth:`EngineWorker.pause`, set a flag) and return at once; the thread's loop only
+dispatches each command to its handler.  Results come back through the plain
+callbacks of a :class:`~engine.events.WorkerListener`, called *on the engine thread*
+with the values of engine.events: a GUI turns them into queued Qt signals, a test can
+record them; a failure comes with its command's kind (engine.commands.Action).  Several
+front ends may share one worker (``add_listener``: the window and its local server);
+the server's requests are served by the worker's :class:`~engine.requests.RequestDesk`.
+This module never imports Qt or a front end (engine/cli, engine/server), and it imports
+the native layer only on the engine thread (loading libllama is itself a native call
+the UI thread must not make).
+
+Everything the worker knows of one conversation is in its session (engine.sessions),
+one table of them: ending a conversation releases it all in one place.  Which
+checkpoint to write and when is engine.checkpoint_policy's rule; restoring a chain is
+engine.restore's.
 
 What the worker adds to the engine API is bookkeeping for "never recompute twice":
 
@@ -40,151 +49,26 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from engine.checkpoints import graph
-from engine.checkpoints.compat import Target
-from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, Header
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
 from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
+from engine import commands as cmd
+from engine.checkpoint_policy import head_kind
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
+from engine.events import (FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo,
+                           ModelOptions, WorkerListener)
+from engine.requests import CompletionRequest, EngineHooks, RequestDesk
 from engine.sampling import SamplerSettings, random_seed
-from engine.server.engine_commands import ANSWER_ACTION, RequestCommands, RequestRefusal
+from engine.sessions import RunningAnswer, SessionTable
 
 log = logging.getLogger("engine")
-
-
-# -- what crosses the thread boundary: plain, immutable data ---------------------------------
-
-@dataclass(frozen=True)
-class ModelOptions:
-    path: Path
-    n_ctx: int = 4096
-    n_threads: int = 0
-    n_gpu_layers: int = 0
-    llama_lib: str | None = None
-    #: remote workers "host:port, ..." that take the n_gpu_layers (native.rpc); "": none
-    rpc_servers: str = ""
-    #: the rest of the context settings (native.context.ContextSettings): None keeps the
-    #: default; the command line's flags (`serve`) set them, the window does not
-    n_batch: int | None = None
-    flash_attn: bool | None = None
-    type_k: int | None = None
-    type_v: int | None = None
-    main_gpu: int = 0
-    rpc_timeout: float | None = None     # seconds a remote worker may take (None: native.rpc's)
-    #: conversations the cache holds at once (engine.parallel): resident ones switch without
-    #: a restore, and up to this many answers generate together
-    sequences: int = 4
-
-    def context_overrides(self) -> dict:
-        """ContextSettings fields these options set beyond n_ctx and n_threads."""
-        out = {name: getattr(self, name) for name in ("flash_attn", "type_k", "type_v")
-               if getattr(self, name) is not None}
-        if self.n_batch:
-            out["n_batch"] = out["n_ubatch"] = self.n_batch
-        return out
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The loaded model as the UI may know it (no native object inside)."""
-    name: str
-    path: Path
-    architecture: str
-    size: int
-    n_ctx: int
-    backend: str
-    library_path: str
-    library_version: str
-    #: what checkpoints must fit (engine.checkpoints.compat): the rule the Runtime uses,
-    #: as a frozen value other threads may use without waiting for a generation
-    target: Target | None = field(default=None, repr=False, compare=False)
-    #: the sampler this model starts with, and where that came from (engine.sampling)
-    sampling_defaults: SamplerSettings = field(default_factory=SamplerSettings)
-    sampling_source: str = ""
-    #: conversations resident at once, and how many answers one decode may hold with each
-    #: bit-identical to its run alone (engine.parallel.ParallelRuntime.exact_width)
-    sequences: int = 1
-    exact_width: int = 1
-
-    def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
-        """Why a checkpoint cannot be restored into this model, or None."""
-        return self.target.incompatibility(header, meta) if self.target is not None else None
-
-
-@dataclass(frozen=True)
-class ConversationSnapshot:
-    """A copy of a conversation for display; the engine thread keeps the original."""
-    id: uuid.UUID
-    title: str
-    transcript: tuple[dict, ...]
-    paused: bool
-    n_tokens: int
-    n_ctx: int
-    seed: int
-    checkpoint: Path | None
-    checkpoint_size: int = 0
-    #: per transcript entry: its alternatives among the conversation's branches
-    #: (engine.branches.Alternatives), or None where there is only the one shown
-    alternatives: tuple = ()
-
-
-@dataclass(frozen=True)
-class GenerationSummary:
-    conversation_id: uuid.UUID
-    finish_reason: str
-    n_generated: int
-    n_prompt_tokens: int
-    n_reused_tokens: int
-    tokens_per_s: float
-    text: str
-    #: seconds from the command starting on the engine thread to the first token, the
-    #: restore below included; None when the answer paused before its first token
-    ttft_s: float | None = None
-    #: bringing the conversation into the cache from its checkpoint chain first (read,
-    #: verify, set state; with a switch, saving the conversation the cache held when its
-    #: newest tokens were not on disk yet); 0.0 when the cache already held it
-    restore_s: float = 0.0
-    #: decoding the prompt tokens the cache lacked, nothing else
-    prefill_s: float = 0.0
-
-
-class WorkerListener:
-    """Callbacks the engine thread makes; override what you need.  They must return fast."""
-
-    def on_model_loading(self, fraction: float) -> None: ...
-    def on_model_loaded(self, info: ModelInfo) -> None: ...
-    def on_model_failed(self, message: str) -> None: ...
-    def on_conversation_changed(self, snap: ConversationSnapshot) -> None: ...
-    def on_generation_started(self, snap: ConversationSnapshot) -> None: ...
-    def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None: ...
-    def on_text(self, conv_id: uuid.UUID, delta: str) -> None: ...
-    def on_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
-                    tokens_per_s: float) -> None: ...
-    def on_generation_finished(self, summary: GenerationSummary) -> None: ...
-    def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None: ...
-    def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
-                            seconds: float, kind: int) -> None: ...
-    def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
-    #: a conversation was brought into the cache for use: ``resident`` (it was there: nothing
-    #: restored), else ``n_restored`` tokens restored from its files in ``seconds``
-    def on_conversation_activated(self, conv_id: uuid.UUID, resident: bool, n_restored: int,
-                                  seconds: float) -> None: ...
-    def on_exported(self, source: Path, target: Path) -> None: ...
-    def on_notice(self, title: str, message: str) -> None: ...
-    def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None: ...
-    def on_error(self, action: str, message: str) -> None: ...
-    def on_stopped(self) -> None: ...
-    # requests of another front end (engine.server): each one is tagged with the id it
-    # was submitted with; its answer's own callbacks above carry its conversation's id
-    def on_request_started(self, request_id: str, snap: ConversationSnapshot) -> None: ...
-    def on_request_finished(self, request_id: str, conv_id: uuid.UUID, checkpoint: Path | None) -> None: ...
-    def on_request_failed(self, request_id: str, refusal: RequestRefusal) -> None: ...
 
 
 class _Listeners:
@@ -245,24 +129,12 @@ class _Relay:
 
 
 @dataclass(frozen=True)
-class _Wait:
-    """When a queued command may run (engine thread, between two generation steps)."""
-    conv: uuid.UUID | None = None   # not while this conversation is answering
-    sequence: bool = False          # not while every sequence holds a running answer
-    everything: bool = False        # not while any answer runs
+class _Queued:
+    """A command on the engine thread's queue: when it may run, and its answer's number."""
+    command: cmd.Command | None     # None: shutdown's item
+    wait: cmd.Wait
+    number: int = 0                 # an answer's (engine.sessions: what a pause covers)
 
-
-@dataclass
-class _Running:
-    """An answer the Batcher is generating."""
-    job: Any                        # engine.concurrent.Job
-    restore_s: float
-    action: str                     # the command's (a failure is reported as this action)
-    request_id: str | None = None
-
-
-#: GenerationSummary.finish_reason of an answer stopped by a failure (reported with on_error)
-FINISH_ERROR = "error"
 
 def _failed(conv_id: uuid.UUID, conv: Conversation | None) -> GenerationSummary:
     """The summary of an answer a failure stopped (or never let start)."""
@@ -271,23 +143,25 @@ def _failed(conv_id: uuid.UUID, conv: Conversation | None) -> GenerationSummary:
                              n_reused_tokens=0, tokens_per_s=0.0, text="")
 
 
-_NOW = _Wait()
-_IDLE = _Wait(everything=True)
 #: shutdown's queue item: it runs after every command and answer before it
-_STOP = ("stop", None, (), _IDLE)
+_STOP = _Queued(None, cmd.IDLE)
 #: Tokens a new message must leave free for its answer, or the window offers a new branch.
 ANSWER_ROOM = 128
 
 
-class EngineWorker(RequestCommands):
+class EngineWorker:
     """Owns the Runtime on a dedicated thread; every public method is thread-safe.
 
     More than one front end may share it (the window and the local server):
     :meth:`add_listener` adds another listener, told everything the first one is.
     """
 
-    #: a request needs a sequence of its own (engine.server.engine_commands)
-    _request_wait = _Wait(sequence=True)
+    #: How many conversations served to requests stay open (in memory, their line leased)
+    #: besides the one in the cache; older ones are let go and reopened from the store
+    #: when a request continues them.  None keeps every one open: the window's way, whose
+    #: list refers to them; a server of its own (``serve``) sets a bound, or a long-running
+    #: one would hold a file descriptor per conversation it ever served.
+    request_conversations_kept: int | None = None
 
     def __init__(self, listener: WorkerListener, store: Store | None = None) -> None:
         self._listeners = _Listeners(listener)
@@ -300,29 +174,23 @@ class EngineWorker(RequestCommands):
         self._stopping = threading.Event()
         self._generating = threading.Event()  # set while any answer runs
         self._busy = 0                       # commands queued or running
-        self._busy_lock = threading.Lock()
-        # answers (send/resume/regenerate) are numbered as they are submitted; a pause
-        # covers every answer submitted before it, including those not started yet: all
-        # of them (pause()) or one conversation's (pause(conv_id))
-        self._answers_submitted = 0
-        self._pause_upto = 0
-        self._pause_upto_for: dict[uuid.UUID, int] = {}
+        #: every conversation's session (engine.sessions); its lock is this one, so that a
+        #: pause, the start of an answer and the command count are ordered
+        self._busy_lock = threading.RLock()
+        self.sessions = SessionTable(self._busy_lock)
         self._answer_running = 0             # engine thread: the number of the answer command it runs
-        self._answer_action: str | None = None   # and its action (what a failure is reported as)
-        #: the running answers' pause controls (engine.generation.Control), by conversation,
-        #: under _busy_lock: the only engine-thread state other threads touch
-        self._controls: dict[uuid.UUID, Any] = {}
+        self._answer_action: cmd.Action | None = None   # and its action (what a failure is reported as)
         # engine-thread state
         self.runtime = None                  # engine.parallel.ParallelRuntime
         self._batcher = None                 # engine.concurrent.Batcher over it
-        self._answers: dict[uuid.UUID, _Running] = {}
-        self._deferred: list[tuple] = []     # commands waiting (see _Wait), in arrival order
+        self._deferred: list[_Queued] = []   # commands waiting (see engine.commands.Wait), in order
         self.model_info: ModelInfo | None = None
-        self._convs: dict[uuid.UUID, Conversation] = {}
-        self._paths: dict[uuid.UUID, Path] = {}      # each conversation's head file
-        self._writers: dict[uuid.UUID, Any] = {}     # engine.history.LineWriter, per runtime
         self._template_noticed = None        # the runtime whose template problem was told
-        self._init_requests()
+        #: the server's requests (engine.requests), served through the hooks handed here
+        self.requests = RequestDesk(self, EngineHooks(
+            start_answer=self._generate, open_checkpoint=self._do_open_checkpoint,
+            notice_template_problem=self._notice_template_problem, end_session=self._end_session))
+        self._dispatch = self._handlers()
 
     # -- listeners ------------------------------------------------------------------------------
     @property
@@ -357,6 +225,11 @@ class EngineWorker(RequestCommands):
             return self._busy == 0 and not self._generating.is_set()
 
     @property
+    def stopping(self) -> bool:
+        """Shutdown was asked for: no new answer starts."""
+        return self._stopping.is_set()
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -374,102 +247,110 @@ class EngineWorker(RequestCommands):
         return not self._thread.is_alive()
 
     # -- commands (any thread) -------------------------------------------------------------
-    def _submit(self, action: str, fn: Callable, *args, wait: _Wait = _NOW) -> None:
+    def submit(self, command: cmd.Command) -> None:
+        """Queue ``command`` (engine.commands) for the engine thread; returns at once.
+
+        An answer's command is numbered now: a pause from here on covers it, even before
+        it starts (see :meth:`pause`).
+        """
+        number = self.sessions.number_answer(command.conv_id) if isinstance(command, cmd.AnswerCommand) else 0
         with self._busy_lock:
             self._busy += 1
-        self._queue.put((action, fn, args, wait))
+        self._queue.put(_Queued(command, command.wait(), number))
 
     def load_model(self, options: ModelOptions) -> None:
         """Load a model (after every running answer has stopped)."""
-        self._submit("load the model", self._do_load_model, options, wait=_IDLE)
+        self.submit(cmd.LoadModel(options))
 
     def set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
-        self._submit("change the sampler", self._do_set_sampler, conv_id, sampler, wait=_Wait(conv_id))
+        self.submit(cmd.SetSampler(conv_id, sampler))
 
     def new_conversation(self, *, system_prompt: str = "",
                          sampler: SamplerSettings | None = None) -> uuid.UUID:
         conv = Conversation(system_prompt=system_prompt, sampler=sampler or SamplerSettings())
-        self._submit("create a conversation", self._do_adopt, conv)
+        self.submit(cmd.NewConversation(conv))
         return conv.id
 
-    def _submit_answer(self, action: str, fn: Callable, conv_id: uuid.UUID, *args) -> None:
-        """A command that generates: a pause may arrive before it starts (see pause).  It
-        waits while its conversation answers, and while no sequence is free."""
-        with self._busy_lock:
-            self._answers_submitted += 1
-            number = self._answers_submitted
-        self._submit(action, self._answer_command, number, action, fn, conv_id, *args,
-                     wait=_Wait(conv_id, sequence=True))
-
-    def _answer_command(self, number: int, action: str, fn: Callable, conv_id: uuid.UUID, *args) -> None:
-        self._answer_running, self._answer_action = number, action
-        try:
-            fn(conv_id, *args)
-        except Exception:
-            # refused before its answer could start (or while starting): the front ends hear
-            # which conversation's answer ended, then the error itself (on_error)
-            if conv_id not in self._answers:
-                self.listener.on_generation_finished(_failed(conv_id, self._convs.get(conv_id)))
-            raise
-        finally:
-            self._answer_running, self._answer_action = 0, None
-
     def send(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
-        self._submit_answer("generate", self._do_send, conv_id, text, n_predict)
+        self.submit(cmd.Send(conv_id, text, n_predict))
 
     def resume(self, conv_id: uuid.UUID, n_predict: int | None = None) -> None:
-        self._submit_answer("resume", self._do_resume, conv_id, n_predict)
+        self.submit(cmd.Resume(conv_id, n_predict))
 
     def regenerate(self, conv_id: uuid.UUID) -> None:
         """A new answer to the same prompt, on a new branch: the old answer stays one of
         its alternatives (engine.branches)."""
-        self._submit_answer("regenerate", self._do_regenerate, conv_id)
+        self.submit(cmd.Regenerate(conv_id))
 
     def edit_message(self, conv_id: uuid.UUID, index: int, text: str, n_predict: int = -1) -> None:
         """Replace user message ``index`` (of the transcript's messages, system prompt not
         counted) and answer it, on a new branch; the turns after it stay on the old one."""
-        self._submit_answer("edit the message", self._do_edit_message, conv_id, index, text, n_predict)
+        self.submit(cmd.EditMessage(conv_id, index, text, n_predict))
 
     def edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         """Start the conversation over with another system prompt, on a new branch."""
-        self._submit("edit the system prompt", self._do_edit_system_prompt, conv_id, text, wait=_Wait(conv_id))
+        self.submit(cmd.EditSystemPrompt(conv_id, text))
 
     def continue_answer(self, conv_id: uuid.UUID, n_predict: int = -1) -> None:
         """Generate more of a finished answer (past the end the model chose)."""
-        self._submit_answer("continue the answer", self._do_continue_answer, conv_id, n_predict)
+        self.submit(cmd.ContinueAnswer(conv_id, n_predict))
+
+    def send_in_new_branch(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
+        """When the context is full: a new branch that keeps the system prompt and the most
+        recent turns that fit with ``text`` and room for an answer (decoded once, then
+        checkpointed like any other); the full conversation stays on its branch."""
+        self.submit(cmd.SendInNewBranch(conv_id, text, n_predict))
 
     def switch_branch(self, conv_id: uuid.UUID, head: str | Path) -> None:
         """Show another branch of a conversation: restore only what differs from the cache."""
-        self._submit("switch branch", self._do_switch_branch, conv_id, Path(head), wait=_Wait(conv_id))
+        self.submit(cmd.SwitchBranch(conv_id, Path(head)))
 
     def fork(self, conv_id: uuid.UUID, index: int) -> uuid.UUID:
         """A new conversation on this one's files: up to and including answer ``index``, or,
         at a message of the user's, everything before it (so the fork is ready for a new
         message).  ``index`` counts the messages, the system prompt not included."""
         new_id = uuid.uuid4()
-        self._submit("fork the conversation", self._do_fork, conv_id, index, new_id, wait=_Wait(conv_id))
+        self.submit(cmd.Fork(conv_id, index, new_id))
         return new_id
 
     def open_checkpoint(self, path: str | Path) -> None:
         """Restore a checkpoint into the cache and make its conversation known."""
-        self._submit("open the checkpoint", self._do_open_checkpoint, Path(path), wait=_Wait(sequence=True))
+        self.submit(cmd.OpenCheckpoint(Path(path)))
 
     def show(self, conv_id: uuid.UUID) -> None:
         """Report a conversation's snapshot again (on_conversation_changed), and bring it
         into the cache now, so that its next answer starts at once (on_conversation_activated
         says whether it was resident or how much was restored)."""
-        self._submit("show the conversation", self._do_show, conv_id)
+        self.submit(cmd.Show(conv_id))
 
     def rename(self, conv_id: uuid.UUID, title: str) -> None:
-        self._submit("rename the conversation", self._do_rename, conv_id, title, wait=_Wait(conv_id))
+        self.submit(cmd.Rename(conv_id, title))
 
     def delete_conversation(self, conv_id: uuid.UUID) -> None:
         """Forget a conversation and delete every file that only it needs."""
-        self._submit("delete the conversation", self._do_delete, conv_id, wait=_Wait(conv_id))
+        self.submit(cmd.Delete(conv_id))
 
     def export(self, path: str | Path, target: str | Path) -> None:
         """Write ``path``'s checkpoint as one self-contained file (a chain is compacted)."""
-        self._submit("export the checkpoint", self._do_export, Path(path), Path(target), wait=_Wait(sequence=True))
+        self.submit(cmd.Export(Path(path), Path(target)))
+
+    def complete(self, request: CompletionRequest) -> None:
+        """Answer a server's ``request`` when its turn comes (engine.requests; the listener
+        hears how it went with the request's id)."""
+        self.requests.submitted(request.request_id)
+        self.submit(cmd.Complete(request))
+
+    def cancel_request(self, request_id: str) -> None:
+        """The client went away: skip the request, or pause its answer (saved as a pause)."""
+        self.requests.cancel(request_id)
+
+    def continue_with_loaded_model(self, path: str | Path) -> uuid.UUID:
+        """A conversation made with another model, continued with the loaded one: its
+        transcript becomes a new branch, decoded once when it next answers."""
+        from engine.checkpoints.format import read_header
+        conv_id = read_header(path).conversation_id   # 256 bytes; the rest on the engine thread
+        self.submit(cmd.ContinueWithLoadedModel(conv_id, Path(path)))
+        return conv_id
 
     def pause(self, conv_id: uuid.UUID | None = None, *, kind: int = KIND_PAUSE) -> None:
         """Ask the answer of ``conv_id`` (None: every answer) to stop within one token;
@@ -482,21 +363,13 @@ class EngineWorker(RequestCommands):
         kept and stops that answer before its first token.
         """
         self._pause_kind = kind
-        with self._busy_lock:
-            if conv_id is None:
-                self._pause_upto = self._answers_submitted
-                controls = list(self._controls.values())
-            else:
-                self._pause_upto_for[conv_id] = self._answers_submitted
-                controls = [self._controls[conv_id]] if conv_id in self._controls else []
-        for control in controls:
+        for control in self.sessions.pause(conv_id):
             control.request_pause()
 
     @property
     def answering(self) -> set[uuid.UUID]:
         """The conversations whose answers are running (any thread)."""
-        with self._busy_lock:
-            return set(self._controls)
+        return self.sessions.answering()
 
     # -- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -508,19 +381,18 @@ class EngineWorker(RequestCommands):
                     continue
                 if item is _STOP:
                     break
-                action, fn, args, _ = item
                 try:
-                    fn(*args)
+                    self._execute(item)
                 except Exception as exc:  # noqa: BLE001 - one bad command must not kill the thread
-                    self._report_error(action, exc)
+                    self._report_error(item.command.action, exc)
                 finally:
                     with self._busy_lock:
                         self._busy -= 1
             self._save_residents_if_dirty(KIND_EXIT)
         except Exception as exc:  # noqa: BLE001
-            self._report_error("save before exit", exc)
+            self._report_error(cmd.Action.SAVE_BEFORE_EXIT, exc)
         finally:
-            self._close_writers()
+            self.sessions.close_writers()
             self._collect_superseded()
             if self.runtime is not None:
                 self.runtime.close()
@@ -550,18 +422,56 @@ class EngineWorker(RequestCommands):
                 continue
             return item
 
-    def _must_wait(self, item, earlier) -> bool:
-        wait: _Wait = item[3]
+    def _execute(self, item: _Queued) -> None:
+        """Run one command: the handler its type names, with its fields as arguments."""
+        command = item.command
+        handler = self._dispatch[type(command)]
+        if not isinstance(command, cmd.AnswerCommand):
+            handler(*command.arguments())
+            return
+        self._answer_running, self._answer_action = item.number, command.action
+        try:
+            handler(*command.arguments())
+        except Exception:
+            # refused before its answer could start (or while starting): the front ends hear
+            # which conversation's answer ended, then the error itself (on_error)
+            conv_id = command.conv_id
+            if not self.sessions.is_answering(conv_id):
+                conv = self.sessions.conversation(conv_id)
+                if conv is None:
+                    self.sessions.end(conv_id)   # named by this command alone: nothing to keep
+                self.listener.on_generation_finished(_failed(conv_id, conv))
+            raise
+        finally:
+            self._answer_running, self._answer_action = 0, None
+
+    def _handlers(self) -> dict[type, Callable]:
+        """Each command type's handler (engine.commands)."""
+        return {
+            cmd.LoadModel: self._do_load_model, cmd.NewConversation: self._do_adopt,
+            cmd.SetSampler: self._do_set_sampler, cmd.Rename: self._do_rename,
+            cmd.Delete: self._do_delete, cmd.Show: self._do_show,
+            cmd.EditSystemPrompt: self._do_edit_system_prompt, cmd.SwitchBranch: self._do_switch_branch,
+            cmd.Fork: self._do_fork, cmd.ContinueWithLoadedModel: self._do_continue_with_loaded_model,
+            cmd.Send: self._do_send, cmd.Resume: self._do_resume, cmd.Regenerate: self._do_regenerate,
+            cmd.EditMessage: self._do_edit_message, cmd.ContinueAnswer: self._do_continue_answer,
+            cmd.SendInNewBranch: self._do_send_in_new_branch, cmd.OpenCheckpoint: self._do_open_checkpoint,
+            cmd.Export: self._do_export, cmd.Complete: self.requests.serve,
+        }
+
+    def _must_wait(self, item: _Queued, earlier: list[_Queued]) -> bool:
+        wait = item.wait
         if wait.everything and earlier:
             return True
-        if any(e[3].everything or (wait.conv is not None and e[3].conv == wait.conv) for e in earlier):
+        if any(e.wait.everything or (wait.conv is not None and e.wait.conv == wait.conv) for e in earlier):
             return True
+        answering = self.sessions.any_running
         if wait.everything:
-            return bool(self._answers)
-        if wait.conv is not None and wait.conv in self._answers:
+            return answering
+        if self.sessions.is_answering(wait.conv):
             return True
         # (with no answer running nothing would free a sequence: the command runs, and says so)
-        if wait.sequence and self._answers and self.runtime is not None and wait.conv not in self.runtime.table:
+        if wait.sequence and answering and self.runtime is not None and wait.conv not in self.runtime.table:
             table = self.runtime.table
             return table.free == 0 and table.victim() is None
         return False
@@ -584,7 +494,7 @@ class EngineWorker(RequestCommands):
         if report.deleted:
             log.info("cleaned up the store: %s", report.describe())
 
-    def _report_error(self, action: str, exc: BaseException, *, quiet: bool = False) -> str:
+    def _report_error(self, action: cmd.Action, exc: BaseException, *, quiet: bool = False) -> str:
         """Log ``exc`` (unless ``quiet``: logged already) and tell the listener."""
         from native.errors import NativeError
         if isinstance(exc, (AppError, NativeError, OSError)):
@@ -631,12 +541,12 @@ class EngineWorker(RequestCommands):
                                  n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,
                                  progress=progress, workers=workers)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
-            self._report_error("load the model", exc)
+            self._report_error(cmd.Action.LOAD_MODEL, exc)
             self.listener.on_model_failed(str(exc))
             return
         self.runtime = rt
         self._batcher = self._new_batcher()
-        self._close_writers()  # they wrote from the previous runtime's cache; heads stay in _paths
+        self.sessions.close_writers()  # they wrote from the previous runtime's cache; heads stay
         self._collect_superseded()
         try:
             info = system_info()
@@ -671,15 +581,23 @@ class EngineWorker(RequestCommands):
         return self._need_runtime().view_of(conv.id)
 
     def _conv(self, conv_id: uuid.UUID) -> Conversation:
-        conv = self._convs.get(conv_id)
+        conv = self.sessions.conversation(conv_id)
         if conv is None:
             raise AppError("that conversation is not open")
         return conv
 
+    def _end_session(self, conv_id: uuid.UUID) -> None:
+        """Forget a conversation: its session (its writer lets go of its line) and its
+        sequence of the cache.  Its files stay."""
+        self.sessions.end(conv_id)
+        if self.runtime is not None:
+            self.runtime.forget(conv_id)
+
     def snapshot(self, conv: Conversation, *, branches: bool = True) -> ConversationSnapshot:
         """A copy for display; ``branches`` adds the alternatives (reads the store's heads,
         so the autosave path, every few tokens, goes without)."""
-        path = self._paths.get(conv.id)
+        session = self.sessions.get(conv.id)
+        path = session.head if session is not None else None
         size = 0
         if path is not None:
             try:
@@ -702,7 +620,7 @@ class EngineWorker(RequestCommands):
             checkpoint=path, checkpoint_size=size, alternatives=alternatives)
 
     def _do_adopt(self, conv: Conversation) -> None:
-        self._convs[conv.id] = conv
+        self.sessions.adopt(conv)
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_show(self, conv_id: uuid.UUID) -> None:
@@ -715,11 +633,11 @@ class EngineWorker(RequestCommands):
         (a switch in the window): the listener hears whether anything was restored."""
         from engine.checkpoints.format import read_header
         rt = self.runtime
-        if rt is None or conv.id in self._answers:
+        session = self.sessions.named(conv.id)
+        if rt is None or session.answer is not None:
             return
-        writer = self._writers.get(conv.id)
-        head = writer.head.path if writer is not None and writer.head else self._paths.get(conv.id)
-        if conv.id not in rt.table:
+        head = session.head_path
+        if not session.resident_in(rt):
             if head is None:
                 return
             try:
@@ -739,7 +657,7 @@ class EngineWorker(RequestCommands):
     def _do_rename(self, conv_id: uuid.UUID, title: str) -> None:
         conv = self._conv(conv_id)
         conv.title = title
-        if self._paths.get(conv_id) is not None:
+        if self.sessions.named(conv_id).head is not None:
             # the title lives in the checkpoint's header: rewrite the file (a delta of
             # metadata when the cache holds the head's tokens)
             self._activate(conv)
@@ -748,13 +666,7 @@ class EngineWorker(RequestCommands):
             self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_delete(self, conv_id: uuid.UUID) -> None:
-        self._convs.pop(conv_id, None)
-        self._paths.pop(conv_id, None)
-        writer = self._writers.pop(conv_id, None)
-        if writer is not None:
-            writer.close()
-        if self.runtime is not None:
-            self.runtime.forget(conv_id)
+        self._end_session(conv_id)
         report = graph.delete_conversation(self.store, conv_id)
         log.info("deleted conversation %s: %s", conv_id, report.describe())
         self.listener.on_conversation_deleted(conv_id)
@@ -771,17 +683,15 @@ class EngineWorker(RequestCommands):
         data = chain[-1]
         rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
         conv_id = data.header.conversation_id
-        if conv_id in self._answers:
+        if self.sessions.is_answering(conv_id):
             raise AppError("that conversation is answering now; pause it first")
-        if conv_id in self._convs:
-            self._save_if_dirty(self._convs[conv_id], KIND_MANUAL)
+        if self.sessions.conversation(conv_id) is not None:
+            self._save_if_dirty(self.sessions.conversation(conv_id), KIND_MANUAL)
         conv = rt.view_of(conv_id).restore_chain(chain)
-        self._convs[conv.id] = conv
-        old = self._writers.pop(conv.id, None)
-        if old is not None:
-            old.close()   # its lease: this writer may continue the same line
-        writer = self._writers[conv.id] = LineWriter.continuing(rt.view_of(conv.id), self.store, chain)
-        self._paths[conv.id] = writer.head.path if writer.head else Path(path)
+        session = self.sessions.adopt(conv)
+        session.close_writer()   # its lease: this writer may continue the same line
+        writer = self.sessions.set_writer(conv.id, LineWriter.continuing(rt.view_of(conv.id), self.store, chain))
+        session.head = writer.head.path if writer.head else Path(path)
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_export(self, source: Path, target: Path) -> None:
@@ -835,13 +745,6 @@ class EngineWorker(RequestCommands):
         self._notice_template_problem(rt)
         self._generate(conv)
 
-    def send_in_new_branch(self, conv_id: uuid.UUID, text: str, n_predict: int = -1) -> None:
-        """When the context is full: a new branch that keeps the system prompt and the most
-        recent turns that fit with ``text`` and room for an answer (decoded once, then
-        checkpointed like any other); the full conversation stays on its branch."""
-        self._submit_answer("continue in a new branch", self._do_send_in_new_branch, conv_id, text,
-                            n_predict)
-
     def _do_send_in_new_branch(self, conv_id: uuid.UUID, text: str, n_predict: int) -> None:
         from engine import chat_template
         from engine.generation import begin_answer, commit_answer
@@ -867,15 +770,6 @@ class EngineWorker(RequestCommands):
         begin_answer(conv, rt, text, n_predict=n_predict)
         self._generate(conv)
 
-    def continue_with_loaded_model(self, path: str | Path) -> uuid.UUID:
-        """A conversation made with another model, continued with the loaded one: its
-        transcript becomes a new branch, decoded once when it next answers."""
-        from engine.checkpoints.format import read_header
-        conv_id = read_header(path).conversation_id   # 256 bytes; the rest on the engine thread
-        self._submit("continue with this model", self._do_continue_with_loaded_model, conv_id, Path(path),
-                     wait=_Wait(conv_id))
-        return conv_id
-
     def _do_continue_with_loaded_model(self, conv_id: uuid.UUID, path: Path) -> None:
         from engine.checkpoints.format import read_metadata
         from engine.history import LineWriter
@@ -890,12 +784,11 @@ class EngineWorker(RequestCommands):
             conv.answer.finish_reason = "interrupted"   # its tokens belong to the other model
         from engine.generation import commit_answer
         commit_answer(conv)
-        old = self._writers.pop(conv_id, None)
-        if old is not None:
-            old.close()
-        self._convs[conv_id] = conv
-        self._paths.pop(conv_id, None)
-        self._writers[conv_id] = LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex)
+        session = self.sessions.named(conv_id)
+        session.close_writer()
+        self.sessions.adopt(conv)
+        session.head = None
+        self.sessions.set_writer(conv_id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex))
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _notice_template_problem(self, rt) -> None:
@@ -944,7 +837,7 @@ class EngineWorker(RequestCommands):
         chain's file of it (exact for every model), when the chain still has one."""
         from engine.branches import turn_end
         from engine.checkpoints.chain import load_chain
-        writer = self._writers.get(conv.id)
+        writer = self.sessions.named(conv.id).writer
         if writer is None or not writer.chain:
             return
         try:
@@ -984,16 +877,14 @@ class EngineWorker(RequestCommands):
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")
         rt.check_compatible(data.header, data.meta)
-        if conv_id in self._convs:
-            self._save_if_dirty(self._convs[conv_id], KIND_MANUAL)   # the branch shown so far keeps its state
+        if self.sessions.conversation(conv_id) is not None:   # the branch shown so far keeps its state
+            self._save_if_dirty(self.sessions.conversation(conv_id), KIND_MANUAL)
         view = rt.view_of(conv_id)
         conv = view.restore_chain(chain)     # the shared files stay in the cache
-        self._convs[conv.id] = conv
-        old = self._writers.pop(conv.id, None)
-        if old is not None:
-            old.close()
-        writer = self._writers[conv.id] = LineWriter.continuing(view, self.store, chain)
-        self._paths[conv.id] = writer.head.path if writer.head else head
+        session = self.sessions.adopt(conv)
+        session.close_writer()
+        writer = self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
+        session.head = writer.head.path if writer.head else head
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_fork(self, conv_id: uuid.UUID, index: int, new_id: uuid.UUID) -> None:
@@ -1002,14 +893,14 @@ class EngineWorker(RequestCommands):
         from engine.history import LineWriter
         conv = self._conv(conv_id)
         messages = conv.messages + ([("assistant", conv.answer.text)]
-                                    if conv.answer is not None and not conv._answer_committed() else [])
+                                    if conv.answer is not None and not conv.answer_committed() else [])
         if not 0 <= index < len(messages):
             raise GenerationError(f"there is no message {index + 1} to fork at")
         kept = messages[:index] if messages[index][0] == "user" else messages[:index + 1]
         fork = Conversation(id=new_id, title=f"{conv.title} (fork)", system_prompt=conv.system_prompt,
                             messages=list(kept), sampler=conv.sampler, stop_strings=list(conv.stop_strings))
         # the newest file of this conversation's chain that holds exactly those messages
-        writer = self._writers.get(conv.id)
+        writer = self.sessions.named(conv.id).writer
         chain = list(writer.chain) if writer is not None else []
         for k in range(len(chain), 0, -1):
             try:
@@ -1023,15 +914,14 @@ class EngineWorker(RequestCommands):
                 fork.tokens = [int(t) for t in data.tokens]
                 view = self._view(fork)
                 view.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
-                self._convs[fork.id] = fork
-                fork_writer = self._writers[fork.id] = LineWriter.starting(
-                    view, self.store, default_line(fork.id), chain[:k])
-                info = fork_writer.save_head(fork, KIND_MANUAL)   # a delta of metadata only
-                self._paths[fork.id] = info.path
+                session = self.sessions.adopt(fork)
+                fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
+                    view, self.store, default_line(fork.id), chain[:k]))
+                session.head = fork_writer.save_head(fork, KIND_MANUAL).path   # a delta of metadata only
                 self.listener.on_conversation_changed(self.snapshot(fork))
                 return
         # no file holds that point (compacted away): the fork decodes its prompt when used
-        self._convs[fork.id] = fork
+        self.sessions.adopt(fork)
         self.listener.on_conversation_changed(self.snapshot(fork))
 
     def _branch(self, conv: Conversation) -> None:
@@ -1043,11 +933,10 @@ class EngineWorker(RequestCommands):
         from engine.history import LineWriter
         self._activate(conv)
         self._save_if_dirty(conv, KIND_MANUAL)
-        old = self._writers.pop(conv.id, None)
-        chain = list(old.chain) if old is not None else []
-        if old is not None:
-            old.close()
-        self._writers[conv.id] = LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex, chain)
+        session = self.sessions.named(conv.id)
+        chain = list(session.writer.chain) if session.writer is not None else []
+        session.close_writer()
+        self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex, chain))
 
     def _generate(self, conv: Conversation, *, skip_eog_once: bool = False,
                   request_id: str | None = None) -> bool:
@@ -1058,7 +947,8 @@ class EngineWorker(RequestCommands):
         rt = self._need_runtime()
         if self._stopping.is_set():
             return False
-        if conv.id in self._answers:
+        session = self.sessions.adopt(conv)
+        if session.answer is not None:
             raise GenerationError("this conversation is answering already")
         requested = time.perf_counter()
         rt.last_restore_s = 0.0
@@ -1071,22 +961,17 @@ class EngineWorker(RequestCommands):
             raise
         restore_s = time.perf_counter() - requested if rt.last_restore_s else 0.0
         control = Control()
-        with self._busy_lock:
-            number = self._answer_running
-            pending = (0 < number <= self._pause_upto or 0 < number <= self._pause_upto_for.get(conv.id, 0)
-                       or self._request_cancelled(request_id))
-            self._controls[conv.id] = control
-            if request_id is not None:
-                self._request_convs[request_id] = conv.id
-        if pending:
+        others = self.sessions.any_running
+        if self.sessions.begin_answer(session, self._answer_running, control, request_id,
+                                      lambda: self.requests.cancelled(request_id)):
             control.request_pause()   # asked for before this answer started
-        elif not self._answers:
+        elif not others:
             self._pause_kind = KIND_PAUSE
         job = Job(conv, rt.table.seq_of(conv.id), control=control, listener=_Relay(self.listener, conv),
                   autosave_every=self.autosave_every, skip_eog_once=skip_eog_once,
                   checkpoint_prompt=prompt_checkpoint)
-        action = ANSWER_ACTION if request_id is not None else self._answer_action or "generate"
-        self._answers[conv.id] = _Running(job, restore_s, action, request_id)
+        action = cmd.Action.ANSWER_REQUEST if request_id is not None else self._answer_action or cmd.Action.SEND
+        session.answer = RunningAnswer(job, restore_s, action, request_id)
         self._generating.set()
         rt.table.start(conv.id)
         try:
@@ -1097,13 +982,10 @@ class EngineWorker(RequestCommands):
             raise
         return True
 
-    def _end_answer(self, conv: Conversation, *, durable: bool = True) -> _Running:
-        running = self._answers.pop(conv.id)
+    def _end_answer(self, conv: Conversation, *, durable: bool = True) -> RunningAnswer:
         with self._busy_lock:
-            self._controls.pop(conv.id, None)
-            if running.request_id is not None:
-                self._request_convs.pop(running.request_id, None)
-            if not self._answers:
+            running = self.sessions.end_answer(self.sessions.named(conv.id))
+            if not self.sessions.any_running:
                 self._generating.clear()
         if self.runtime is not None and conv.id in self.runtime.table:
             self.runtime.table.finish(conv.id, durable=durable)
@@ -1113,7 +995,7 @@ class EngineWorker(RequestCommands):
         """An answer stopped (Batcher callback, between two decodes): report it, save its
         sequence, and tell the request it served."""
         conv, result = job.conv, job.result
-        running = self._answers[conv.id]
+        running = self.sessions.named(conv.id).answer
         self._batcher.done.clear()   # the Batcher's record of ended jobs: the worker keeps none
         saved = False
         try:
@@ -1123,22 +1005,22 @@ class EngineWorker(RequestCommands):
                 n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
                 text=result.text, ttft_s=result.ttft_s, restore_s=running.restore_s,
                 prefill_s=result.prefill_s))
-            kind = self._pause_kind if result.paused else KIND_MANUAL
+            kind = self._pause_kind if result.paused else KIND_MANUAL   # made truthful by _save
             if not result.paused:
                 from engine.generation import commit_answer
                 commit_answer(conv)
             self._save(conv, kind)
             saved = True
         except Exception as exc:  # noqa: BLE001 - the other answers go on
-            self._report_error("save the answer", exc)
+            self._report_error(cmd.Action.SAVE_ANSWER, exc)
             if running.request_id is not None:
-                self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
+                self.requests.ended(running.request_id, None, str(exc) or type(exc).__name__)
                 running.request_id = None
         finally:
             self._end_answer(conv, durable=saved)
         if running.request_id is not None:
             try:
-                self._request_ended(running.request_id, conv.id)
+                self.requests.ended(running.request_id, conv.id)
             except Exception:  # noqa: BLE001 - a front end's failure must not stop the other answers
                 log.exception("could not report the end of request %s", running.request_id)
 
@@ -1146,13 +1028,13 @@ class EngineWorker(RequestCommands):
         """A decode failed (a bug, a native error): every running answer stops where it is,
         saved where the cache holds its tokens, and the failure is reported once."""
         message = None
-        for conv_id in list(self._answers):
-            conv = self._answers[conv_id].job.conv
+        for session in self.sessions.running():
+            conv_id, conv = session.id, session.answer.job.conv
             running = self._end_answer(conv, durable=self._save_after_failure(conv))
             try:
                 # each front end hears which answer ended, under the action that started it
                 if running.request_id is not None:   # as a request's other failures are told
-                    self._request_ended(running.request_id, None, str(exc) or type(exc).__name__)
+                    self.requests.ended(running.request_id, None, str(exc) or type(exc).__name__)
                     self.listener.on_error(running.action, str(exc) or type(exc).__name__)
                 else:
                     message = self._report_error(running.action, exc, quiet=message is not None)
@@ -1162,19 +1044,14 @@ class EngineWorker(RequestCommands):
         self._batcher = self._new_batcher()   # the failed one's state is not to be trusted
 
     # -- checkpoints --------------------------------------------------------------------------
-    def _close_writers(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
-
     def _writer(self, conv: Conversation):
         """This conversation's line writer (a new line for a conversation with no files)."""
         from engine.history import LineWriter
-        writer = self._writers.get(conv.id)
-        if writer is None:
-            writer = self._writers[conv.id] = LineWriter.starting(
-                self._view(conv), self.store, default_line(conv.id))
-        return writer
+        session = self.sessions.named(conv.id)
+        if session.writer is None:
+            self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store,
+                                                                  default_line(conv.id)))
+        return session.writer
 
     def _save_after_failure(self, conv: Conversation) -> bool:
         """Save what the cache holds of ``conv`` after a failure; False when its sequence
@@ -1193,14 +1070,10 @@ class EngineWorker(RequestCommands):
             return False
 
     def _save(self, conv: Conversation, kind: int) -> None:
-        # the kind in the header is what a listing shows as "paused": keep it truthful
-        if conv.paused and kind == KIND_MANUAL:
-            kind = KIND_PAUSE
-        elif not conv.paused and kind in (KIND_PAUSE, KIND_EXIT):
-            kind = KIND_MANUAL
+        kind = head_kind(conv.paused, kind)   # engine.checkpoint_policy: a truthful kind
         self.listener.on_checkpoint_saving(conv.id, kind)
         info = self._writer(conv).save_head(conv, kind)
-        self._paths[conv.id] = info.path
+        self.sessions.named(conv.id).head = info.path
         if self.runtime is not None and conv.id in self.runtime.table:
             self.runtime.table.saved(conv.id)   # evicting it now loses nothing
         self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
@@ -1210,9 +1083,9 @@ class EngineWorker(RequestCommands):
         try:
             info = self._writer(conv).autosave(conv)
         except CheckpointError as exc:
-            self.listener.on_error("autosave", str(exc))
+            self.listener.on_error(cmd.Action.AUTOSAVE, str(exc))
             return
-        self._paths[conv.id] = info.path
+        self.sessions.named(conv.id).head = info.path
         self.listener.on_checkpoint_saved(self.snapshot(conv, branches=False), info.path, info.size,
                                           info.seconds, KIND_AUTOSAVE)
         try:
@@ -1224,10 +1097,11 @@ class EngineWorker(RequestCommands):
 
     def _save_if_dirty(self, conv: Conversation, kind: int) -> None:
         """Save ``conv`` unless its head holds exactly what its sequence holds."""
-        if self.runtime is None or conv.id not in self.runtime.table or conv.id in self._answers:
+        session = self.sessions.named(conv.id)
+        if not session.resident_in(self.runtime) or session.answer is not None:
             return
         kv = self._view(conv).kv_tokens
-        writer = self._writers.get(conv.id)
+        writer = session.writer
         head = writer.head if writer is not None else None
         saved = head is not None and head.n_tokens == len(kv) and head.tokens_digest == tokens_digest(kv)
         if kv and not saved and conv.tokens[:len(kv)] == kv:
@@ -1239,12 +1113,12 @@ class EngineWorker(RequestCommands):
         if self.runtime is None:
             return
         for key in self.runtime.table.residents():
-            conv = self._convs.get(key)
+            conv = self.sessions.conversation(key)
             if conv is not None:
                 try:
                     self._save_if_dirty(conv, kind)
                 except Exception as exc:  # noqa: BLE001 - the others are saved all the same
-                    self._report_error("save before closing", exc)
+                    self._report_error(cmd.Action.SAVE_BEFORE_CLOSING, exc)
 
     def _activate(self, conv: Conversation, *, running: bool = False):
         """Give ``conv`` a sequence and make it hold as much of ``conv`` as possible
@@ -1261,8 +1135,8 @@ class EngineWorker(RequestCommands):
         rt = self._need_runtime()
         placement = rt.place(conv.id, running=running)
         view = rt.view_of(conv.id)
-        writer = self._writers.get(conv.id)
-        head = writer.head.path if writer is not None and writer.head else self._paths.get(conv.id)
+        session = self.sessions.named(conv.id)
+        writer, head = session.writer, session.head_path
         if head is None:
             self._writer(conv)
             return placement
@@ -1273,11 +1147,11 @@ class EngineWorker(RequestCommands):
             chain = load_chain(head)
             self._restore_prefix(chain, conv, in_cache)
             if writer is None:
-                self._writers[conv.id] = LineWriter.continuing(view, self.store, chain)
+                self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
         except CheckpointError as exc:
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is
-                self._writers[conv.id] = LineWriter.starting(view, self.store, uuid.uuid4().hex)
+                self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))
         return placement
 
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from engine.worker import (ConversationSnapshot, EngineWorker, GenerationSummary, ModelInfo,
-                           ModelOptions, WorkerListener)
+from engine.commands import Action
+from engine.events import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions, WorkerListener
+from engine.worker import EngineWorker
 
 
 class _Listener(WorkerListener):
@@ -78,7 +79,7 @@ class _Listener(WorkerListener):
     def on_exported(self, source: Path, target: Path) -> None:
         self.b.checkpoint_exported.emit(str(source), str(target))
 
-    def on_error(self, action: str, message: str) -> None:
+    def on_error(self, action: Action, message: str) -> None:
         self.b.engine_failed.emit(action, message)
 
     def on_stopped(self) -> None:
@@ -108,7 +109,8 @@ class EngineBridge(QObject):
         notice_posted(str, str): something the user should know once (title, sentence).
         context_full(UUID, str, str): a message did not fit (its text, the explanation);
             nothing was generated: offer EngineWorker.send_in_new_branch.
-        engine_failed(str, str): what was being done, and why it failed.
+        engine_failed(Action, str): what failed (engine.commands.Action: a front end tells
+            failures apart by it), and why.
         engine_stopped(): the engine thread saved what it had to and exited.
     """
 
@@ -128,7 +130,7 @@ class EngineBridge(QObject):
     checkpoint_exported = Signal(str, str)
     notice_posted = Signal(str, str)
     context_full = Signal(object, str, str)
-    engine_failed = Signal(str, str)
+    engine_failed = Signal(object, str)
     engine_stopped = Signal()
 
     _text_pending = Signal()

@@ -20,9 +20,10 @@ from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, Q
                                QWidget)
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_NAMES
+from engine.commands import Action
 from engine.models import default_model_path
 from engine.checkpoints.store import Store
-from engine.worker import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
+from engine.events import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser
 from gui.chat_state import ChatState
@@ -108,6 +109,22 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     # -- construction ---------------------------------------------------------------------------
     def _build_widgets(self) -> None:
+        splitter = QSplitter(self)
+        splitter.addWidget(self._build_list_pane())
+        splitter.addWidget(self._build_chat_pane())
+        splitter.setStretchFactor(1, 1)
+        splitter.setSizes([220, 880])
+        self.setCentralWidget(splitter)
+        self._build_status_bar()
+        # keyboard order: list -> chat -> prompt -> buttons
+        QWidget.setTabOrder(self.conversation_list, self.chat_view)
+        QWidget.setTabOrder(self.chat_view, self.prompt_edit)
+        QWidget.setTabOrder(self.prompt_edit, self.send_button)
+        QWidget.setTabOrder(self.send_button, self.pause_button)
+        QWidget.setTabOrder(self.pause_button, self.resume_button)
+        QWidget.setTabOrder(self.resume_button, self.regenerate_button)
+
+    def _build_list_pane(self) -> QWidget:
         self.conversation_list = ConversationList(self)
         self.conversation_list.currentItemChanged.connect(self._on_list_current_changed)
         self.conversation_list.new_requested.connect(self.new_conversation)
@@ -121,7 +138,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         lv.setContentsMargins(0, 0, 0, 0)
         lv.addWidget(new_button)
         lv.addWidget(self.conversation_list, 1)
+        return left
 
+    def _build_chat_pane(self) -> QWidget:
         self.model_status = QLabel("Loading model…", self)
         self.model_status.setObjectName("modelStatus")
         self.model_status.setAccessibleName("Model status")
@@ -160,14 +179,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         rv.addWidget(self.offer_bar)
         rv.addWidget(self.prompt_edit)
         rv.addLayout(buttons)
+        return right
 
-        splitter = QSplitter(self)
-        splitter.addWidget(left)
-        splitter.addWidget(right)
-        splitter.setStretchFactor(1, 1)
-        splitter.setSizes([220, 880])
-        self.setCentralWidget(splitter)
-
+    def _build_status_bar(self) -> None:
         sb = self.statusBar()
         self.speed_label = QLabel("", self)
         self.speed_label.setObjectName("tokensPerSecond")
@@ -189,14 +203,6 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         sb.addPermanentWidget(self.save_progress)
         sb.addPermanentWidget(self.checkpoint_label)
         sb.addPermanentWidget(self.context_usage)
-
-        # keyboard order: list -> chat -> prompt -> buttons
-        QWidget.setTabOrder(self.conversation_list, self.chat_view)
-        QWidget.setTabOrder(self.chat_view, self.prompt_edit)
-        QWidget.setTabOrder(self.prompt_edit, self.send_button)
-        QWidget.setTabOrder(self.send_button, self.pause_button)
-        QWidget.setTabOrder(self.pause_button, self.resume_button)
-        QWidget.setTabOrder(self.resume_button, self.regenerate_button)
 
     def _button(self, text: str, name: str, accessible: str, slot) -> QPushButton:
         b = QPushButton(text, self)
@@ -655,16 +661,17 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             text = "In the cache"
         self.statusBar().showMessage(text, 6000)
 
-    @Slot(str, str)
-    def _on_bridge_engine_failed(self, action: str, message: str) -> None:
+    @Slot(object, str)
+    def _on_bridge_engine_failed(self, action: Action, message: str) -> None:
+        """What failed decides what the window does (the action's kind, not its wording)."""
         self.save_progress.hide()
         self._update_buttons()
-        if action == "fork the conversation":
+        if action is Action.FORK:
             self._pending_fork = None
-        if action == "continue with this model" and self.current in self._unopened:
+        if action is Action.CONTINUE_WITH_LOADED_MODEL and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
-        if action == "open the checkpoint" and self._opening is not None:
+        if action is Action.OPEN_CHECKPOINT and self._opening is not None:
             conv_id, path = self._opening
             self._opening = None
             if conv_id == self.current:

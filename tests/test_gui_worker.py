@@ -14,7 +14,7 @@ import pytest
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
 from engine.sampling import SamplerSettings
 from engine.checkpoints.store import Store
-from engine.worker import EngineWorker, ModelOptions
+from engine.worker import EngineWorker, ModelOptions, WorkerListener
 from enginekit import Recorder
 
 
@@ -149,11 +149,18 @@ def test_a_pause_before_the_first_token_stops_the_answer_there(worker):
     queued stops it before its first token, saved, and Resume loses nothing."""
     w, rec = worker
     gate = threading.Event()
-    w._submit("hold the engine thread", gate.wait)     # the answer below stays queued
+
+    class Hold(WorkerListener):   # the engine thread waits in the first callback it makes
+        def on_conversation_changed(self, snap):
+            gate.wait()
+    hold = Hold()
+    w.add_listener(hold)
+    w.new_conversation()                                 # held there: the answer below stays queued
     conv = w.new_conversation(sampler=SamplerSettings(seed=11, ignore_eos=True))
     w.send(conv, "Tell me about mountains.", n_predict=12)
     w.pause()
     gate.set()
+    w.remove_listener(hold)
     summary = rec.wait("finished")[-1][1]
     assert summary.finish_reason == "paused" and summary.n_generated == 0
     saved = rec.wait("saved")[-1]

@@ -246,7 +246,7 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
     request continuing the first restores it from its head on disk."""
     from enginekit import Recorder
     from engine.checkpoints.store import Store
-    from engine.server.engine_commands import CompletionRequest
+    from engine.requests import CompletionRequest
     from engine.worker import EngineWorker, ModelOptions
 
     class Requests(Recorder):
@@ -282,7 +282,7 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
         conv_a, answer_a = complete(first)
         for question in ("Name a tree.", "Name a bird."):
             complete([("user", question)])
-        assert conv_a not in w._convs and conv_a not in w._writers and len(w._writers) <= 2
+        assert conv_a not in w.sessions and sum(1 for s in w.sessions if s.writer is not None) <= 2
         conv, again = complete(first + [("assistant", answer_a.text), ("user", "Another one.")])
         assert conv == conv_a and again.n_reused_tokens == answer_a.n_prompt_tokens + answer_a.n_generated
         w.complete(CompletionRequest(request_id="long", messages=(("user", "word " * 1500),)))

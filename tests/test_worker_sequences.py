@@ -141,7 +141,7 @@ def test_an_evicted_conversation_comes_back_exactly(smollm_path, tmp_path):
 
 
 def test_requests_beyond_the_free_sequences_wait_and_the_rest_run_at_once(smollm_path, tmp_path):
-    from engine.server.engine_commands import CompletionRequest
+    from engine.requests import CompletionRequest
 
     class Requests(Recorder):
         def on_request_started(self, request_id, snap):

@@ -1,4 +1,8 @@
-"""The ``checkpoint-chat`` command line: a front end, like the window.
+"""The ``checkpoint-chat`` command line: a front end of the engine, like the window.
+
+The engine's core is everything in ``engine/`` but this package and ``engine/server``
+(the other front end): the generation loop, sessions, checkpoints and their policy.
+The command line builds on it and the core never imports it (tests/test_boundaries.py).
 
 Subcommands: ``run`` (generate, pause, resume: engine.cli.run), the file commands
 ``validate``, ``inspect``, ``list``, ``compact`` (engine.cli.files), ``info``,

@@ -81,14 +81,15 @@ class ParallelRun:
         self.guard = guard
         self.prt = None
         self.saved: dict[int, Any] = {}      # prompt index -> SaveInfo
-        self.writers: dict[int, Any] = {}    # prompt index -> LineWriter (store or side folder)
+        #: prompt index -> where its files go (engine.checkpoint_policy.Checkpoints)
+        self.checkpoints: dict[int, Any] = {}
 
     def stage(self, name: str) -> None:
         if self.args.progress:
             print(f"[STAGE] {name}", file=sys.stderr, flush=True)
 
     def run(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        from engine.cli.run import context_settings, model_path
+        from engine.cli.options import context_settings, model_path
         from engine.parallel import ParallelRuntime
         from native.library import bindings, choose_library
         args = self.args
@@ -104,13 +105,13 @@ class ParallelRun:
         try:
             return self.generate()
         finally:
-            for writer in self.writers.values():
-                writer.close()
+            for checkpoints in self.checkpoints.values():
+                checkpoints.close()
             self.prt.close()
 
     def conversations(self):
         from engine.chat_template import template_problem
-        from engine.cli.run import sampler_from_args
+        from engine.cli.options import sampler_from_args
         from engine.conversation import Conversation
         from engine.generation import begin_answer
         from engine.sampling import defaults_for_model, random_seed
@@ -132,26 +133,25 @@ class ParallelRun:
         args, prt = self.args, self.prt
         convs = self.conversations()
         requested = time.perf_counter()
-        run = self
+        run, streaming = self, []
 
         class Progress:
             def on_prefill_progress(self, done: int, total: int) -> None:
                 pass
 
             def on_text(self, delta: str) -> None:
-                if not getattr(run, "_streaming", False):
-                    run._streaming = True
+                if not streaming:
+                    streaming.append(True)
                     run.stage("generating")
 
         jobs = []
         for k, conv in enumerate(convs):
             placement = prt.place(conv.id, running=True)
+            checkpoints = self.checkpoints[k] = self.checkpoints_for(k, conv, placement.seq)
             jobs.append(Job(conv, placement.seq, control=self.control, listener=Progress(),
                             stop_after=args.stop_after, confidence=bool(args.json),
-                            autosave_every=args.checkpoint_save_interval))
-            writer = self.writer_for(k, conv, placement.seq)
-            if writer is not None:
-                self.writers[k] = writer
+                            autosave_every=args.checkpoint_save_interval,
+                            checkpoint_prompt=checkpoints.prompt_checkpoint))
         index = {id(job): k for k, job in enumerate(jobs)}
         batcher = Batcher(prt, on_stopped=lambda job: self.save(index[id(job)], job),
                           autosave=lambda job: self.autosave(index[id(job)], job))
@@ -175,47 +175,36 @@ class ParallelRun:
         from engine.checkpoints.store import slugify
         return Path(self.args.checkpoint_save) / f"{k + 1}-{slugify(conv.title)}.kvckpt"
 
-    def writer_for(self, k: int, conv, seq: int):
-        """The line writer of conversation ``k``: its line in the store; or, with
-        --checkpoint-save and autosaves, a line in a hidden folder beside its file."""
-        import uuid
+    def checkpoints_for(self, k: int, conv, seq: int):
+        """Where conversation ``k``'s files go (engine.checkpoint_policy): its line in the
+        store; or, with --checkpoint-save, its own file in that folder (and its autosaves,
+        with --checkpoint-save-interval, in a hidden folder beside it)."""
+        from engine.checkpoint_policy import Checkpoints
         from engine.checkpoints.graph import default_line
         from engine.checkpoints.store import Store
-        from engine.cli.run import beside_folder
         from engine.history import LineWriter
         view = self.prt.view(seq)
-        if not self.args.checkpoint_save:
-            return LineWriter.starting(view, Store(), default_line(conv.id))
-        if self.args.checkpoint_save_interval:
-            return LineWriter.starting(view, Store(beside_folder(self.path_for(k, conv))), uuid.uuid4().hex)
-        return None
+        named = self.path_for(k, conv) if self.args.checkpoint_save else None
+        return Checkpoints(view, named=named, autosave_every=self.args.checkpoint_save_interval,
+                           store_line=lambda: LineWriter.starting(view, Store(), default_line(conv.id)))
 
     def autosave(self, k: int, job) -> None:
         from engine.errors import CheckpointError
         try:
-            self.writers[k].autosave(job.conv)
+            self.checkpoints[k].autosave(job.conv)
         except CheckpointError as exc:
             print(f"warning: autosave of conversation {k + 1} failed: {exc}", file=sys.stderr)
 
     def save(self, k: int, job) -> None:
         """Save conversation ``k`` the moment its answer stops (the others go on)."""
-        import shutil
-        from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+        from engine.checkpoint_policy import stop_kind
         from engine.generation import commit_answer
         args, prt, conv = self.args, self.prt, job.conv
         if len(self.saved) == 0:
             self.stage("saving")
-        kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if job.result.paused else KIND_MANUAL)
+        kind = stop_kind(job.result.paused, exiting=self.guard.requested)
         commit_answer(conv)
-        writer = self.writers.get(k)
-        if args.checkpoint_save:
-            info = prt.save(self.path_for(k, conv), conv, job.seq, kind)
-            if writer is not None:     # the file, whole and durable, holds all they held
-                writer.close()
-                del self.writers[k]
-                shutil.rmtree(writer.store.folder, ignore_errors=True)
-        else:
-            info = writer.save_head(conv, kind)
+        info = self.checkpoints[k].save_head(conv, kind)
         prt.table.finish(conv.id)      # durable now: evicting it would lose nothing
         self.saved[k] = info
         if not args.json:

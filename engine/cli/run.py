@@ -10,7 +10,6 @@ so that scripts and tests can wait for a stage instead of sleeping.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import uuid
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli import EXIT_OK, human_size
+from engine.cli.options import context_settings, model_path, sampler_from_args
 from engine.cli.output import print_json
 from engine.errors import AppError, CheckpointError
 
@@ -43,14 +43,10 @@ def report_previous_crash() -> None:
               f"{autosave}", file=sys.stderr)
 
 
-def beside_folder(path: Path) -> Path:
-    """Where the autosaves of a run saving to ``path`` go: a hidden folder beside it."""
-    return path.with_name(f".{path.name}.autosaves")
-
-
 def newer_autosave_beside(path: Path) -> Path | None:
     """The newest autosave beside ``path`` when a run saving to it ended before writing
     it (a crash, a kill): it holds more than ``path`` does."""
+    from engine.checkpoint_policy import beside_folder
     from engine.checkpoints.graph import Graph
     folder = beside_folder(path)
     if not folder.is_dir():
@@ -105,8 +101,7 @@ class RunSession:
         #: its states were of another llama.cpp layout: read again, its files no parent of ours
         self.read_again = False
         self.runtime = None
-        self.writer = None       # engine.history.LineWriter, when saving into the store
-        self.side_writer = None  # --checkpoint-save P with autosaves: deltas beside P
+        self.checkpoints = None  # engine.checkpoint_policy.Checkpoints: where its files go
         self.reuse = None
         # Timings as the user lives them (see outcome): the checkpoint's read + verify
         # happens before the model loads, which time to first token does not count
@@ -157,10 +152,8 @@ class RunSession:
             checkpoint = self.save(conv, result)
             return self.outcome(conv, result, checkpoint)
         finally:
-            if self.writer is not None:
-                self.writer.close()
-            if self.side_writer is not None:   # a failure before the end: they hold the newest state
-                self.side_writer.close()
+            if self.checkpoints is not None:   # after a failure the autosaves hold the newest state
+                self.checkpoints.close()
             self.runtime.close()
 
     def conversation(self):
@@ -213,7 +206,7 @@ class RunSession:
         """The chain restored; or, when its states were written by another llama.cpp (state
         layout), its conversation read again from its tokens, saved anew at the end."""
         from engine.errors import IncompatibleState
-        from engine.runtime import text_of_chain
+        from engine.restore import text_of_chain
         rt = self.runtime
         try:
             return rt.restore_chain(chain)
@@ -250,10 +243,12 @@ class RunSession:
         return self.chain, kept
 
     def prepare_store(self, conv) -> None:
-        """Prefix reuse, and the writer of the conversation's line in the store."""
-        from engine.checkpoints.graph import default_line
+        """Prefix reuse, and where the conversation's checkpoints go: with --checkpoint-save
+        P, autosaves are deltas in a hidden folder beside P, and P itself is written once,
+        whole, at the end; otherwise the conversation's line in the store grows by deltas
+        (engine.checkpoint_policy)."""
+        from engine.checkpoint_policy import Checkpoints
         from engine.checkpoints.store import Store
-        from engine.history import LineWriter
         store = self.store = Store()
         if self.args.reuse_prefix and self.chain is None:
             from engine.prefix_reuse import reuse_stored_prefix
@@ -263,23 +258,23 @@ class RunSession:
                 self.restore_s = time.perf_counter() - started
             if not self.args.json:
                 print(f"[PREFIX] {self.reuse.describe()}", file=sys.stderr)
-        # with --checkpoint-save P, autosaves are deltas in a hidden folder beside P, and P
-        # itself is written once, whole, at the end; otherwise the conversation's line in
-        # the store grows by deltas (on the loaded file when it is a store head)
-        if self.args.checkpoint_save and self.args.checkpoint_save_interval:
-            side = Store(beside_folder(Path(self.args.checkpoint_save)))
-            self.side_writer = LineWriter.starting(self.runtime, side, uuid.uuid4().hex)
-        if not self.args.checkpoint_save:
-            # files of another state layout are no parent of a file of ours: a full one comes first
-            chain = [] if self.read_again else self.chain
-            if self.chain and self.args.from_turn is not None:   # an edit: a new branch
-                from engine.history import saved_info
-                infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
-                self.writer = LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
-            elif chain:
-                self.writer = LineWriter.continuing(self.runtime, store, chain)
-            else:
-                self.writer = LineWriter.starting(self.runtime, store, default_line(conv.id))
+        self.checkpoints = Checkpoints(self.runtime, named=self.args.checkpoint_save or None,
+                                       autosave_every=self.args.checkpoint_save_interval,
+                                       store_line=lambda: self.store_line(store, conv))
+
+    def store_line(self, store, conv):
+        """The writer of the conversation's line in ``store``: on the loaded file when it
+        is a store head; an edit (--from-turn) is a new branch."""
+        from engine.checkpoints.graph import default_line
+        from engine.history import LineWriter, saved_info
+        # files of another state layout are no parent of a file of ours: a full one comes first
+        chain = [] if self.read_again else self.chain
+        if self.chain and self.args.from_turn is not None:
+            infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
+            return LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
+        if chain:
+            return LineWriter.continuing(self.runtime, store, chain)
+        return LineWriter.starting(self.runtime, store, default_line(conv.id))
 
     def generate(self, conv):
         from engine.generation import generate
@@ -287,7 +282,7 @@ class RunSession:
 
         def autosave(c) -> None:
             try:
-                (session.writer or session.side_writer).autosave(c)
+                session.checkpoints.autosave(c)
             except CheckpointError as exc:
                 print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
@@ -310,25 +305,21 @@ class RunSession:
         return generate(runtime, conv, control=self.control, listener=Printer(),
                         stop_after=args.stop_after,
                         autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave,
-                        checkpoint_prompt=self.writer.policy.prompt_checkpoint if self.writer else 0,
+                        checkpoint_prompt=self.checkpoints.prompt_checkpoint,
                         confidence=bool(args.json), requested_at=self.requested_at)
 
     def save(self, conv, result):
         """The pause / exit / end checkpoint; returns its SaveInfo."""
-        from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+        from engine.checkpoint_policy import stop_kind
         from engine.generation import commit_answer
         args = self.args
         # every run ends with its conversation's head: in the store (a delta on what it
         # continued, so the next run, an edit of any turn or a branch builds on it), or
         # in the file --checkpoint-save names
         self.stage("saving")
-        kind = KIND_EXIT if self.guard.requested else (KIND_PAUSE if result.paused else KIND_MANUAL)
+        kind = stop_kind(result.paused, exiting=self.guard.requested)
         commit_answer(conv)
-        if args.checkpoint_save:
-            checkpoint = self.runtime.save(Path(args.checkpoint_save), conv, kind)
-            self.drop_side_autosaves()   # P, whole and durable, holds all they held
-        else:
-            checkpoint = self.writer.save_head(conv, kind)
+        checkpoint = self.checkpoints.save_head(conv, kind)
         if not args.json and not result.text.endswith("\n"):
             print()
         print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
@@ -336,19 +327,6 @@ class RunSession:
         # no prune here: each save retires what it supersedes on its own line, and how
         # much superseded history to keep is the window's setting, not this run's
         return checkpoint
-
-    def drop_side_autosaves(self) -> None:
-        """P holds all this run's autosaves held: delete them, and the folder once empty.
-        Another run's files there (a crashed run's, pointed at when P was loaded) stay."""
-        if self.side_writer is not None:
-            writer, self.side_writer = self.side_writer, None
-            store = writer.store
-            writer.close()
-            for info in writer.chain:
-                if info.line == writer.line:
-                    info.path.unlink(missing_ok=True)
-            if not store.files():
-                shutil.rmtree(store.folder, ignore_errors=True)
 
     def outcome(self, conv, result, checkpoint) -> dict[str, Any]:
         """The ``--json`` result.  ``ttft_s`` counts from the request once the model is
@@ -367,56 +345,3 @@ class RunSession:
             "prefix_reuse": reuse.how if reuse else None,
             "prefix_source": str(reuse.source) if reuse and reuse.source else None,
         }
-
-
-# -- turning arguments into settings ---------------------------------------------------------------
-
-def context_settings(args, header):
-    from native.context import KV_TYPES, ContextSettings
-    from native.errors import ContextError
-
-    def kv_type(name: str | None, fallback: int) -> int:
-        if name is None:
-            return fallback
-        if name not in KV_TYPES:
-            raise ContextError(f"unknown KV cache type {name!r} (choose from {', '.join(KV_TYPES)})")
-        return KV_TYPES[name]
-
-    base = ContextSettings()
-    n_ctx = args.ctx_size or (header.n_ctx if header else base.n_ctx)
-    return ContextSettings(
-        n_ctx=n_ctx, n_batch=args.batch_size or base.n_batch,
-        n_ubatch=args.batch_size or base.n_ubatch, n_threads=args.threads or 0,
-        flash_attn=(args.flash_attn == "on") if args.flash_attn else (header.flash_attn if header else base.flash_attn),
-        type_k=kv_type(args.cache_type_k, header.type_k if header else base.type_k),
-        type_v=kv_type(args.cache_type_v, header.type_v if header else base.type_v),
-        n_seq_max=header.n_seq_max if header else base.n_seq_max,
-        kv_unified=header.kv_unified if header else base.kv_unified)
-
-
-def sampler_from_args(args, base):
-    """The flags given, over ``base``: a resumed answer's sampler, or the model's defaults."""
-    from engine.sampling import SamplerSettings, random_seed
-    if args.seed is None:
-        seed = base.seed          # a resumed answer keeps its seed
-    elif args.seed < 0:
-        seed = random_seed()      # llama.cpp's convention: -1 means random
-    else:
-        seed = args.seed
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    return SamplerSettings(
-        temperature=pick(args.temp, base.temperature), top_k=pick(args.top_k, base.top_k),
-        top_p=pick(args.top_p, base.top_p), min_p=pick(args.min_p, base.min_p),
-        repeat_penalty=pick(args.repeat_penalty, base.repeat_penalty),
-        repeat_last_n=pick(args.repeat_last_n, base.repeat_last_n), seed=seed,
-        ignore_eos=pick(args.ignore_eos, base.ignore_eos))
-
-
-def model_path(args, meta: dict | None) -> Path:
-    from engine.models import default_model_path
-    if args.model:
-        return Path(args.model)
-    stored = ((meta or {}).get("model") or {}).get("path")
-    if stored and Path(stored).is_file():
-        return Path(stored)
-    return default_model_path()

@@ -20,8 +20,9 @@ import sys
 import threading
 
 from engine.cli import EXIT_OK
+from engine.commands import Action
 from engine.errors import AppError
-from engine.worker import WorkerListener
+from engine.events import WorkerListener
 
 API_KEY_ENV = "CHECKPOINT_CHAT_API_KEY"
 #: conversations kept open besides the one in the cache (EngineWorker.request_conversations_kept)
@@ -49,8 +50,8 @@ class _ServeListener(WorkerListener):
         print(f"[ANSWER] {summary.n_prompt_tokens} prompt tokens ({summary.n_reused_tokens} restored), "
               f"{summary.n_generated} generated, {summary.finish_reason}{ttft}", file=sys.stderr, flush=True)
 
-    def on_error(self, action: str, message: str) -> None:
-        if action != "load the model":   # that one ends the command, as its one error line
+    def on_error(self, action: Action, message: str) -> None:
+        if action is not Action.LOAD_MODEL:   # that one ends the command, as its one error line
             print(f"warning: could not {action}: {message}", file=sys.stderr, flush=True)
 
     def on_notice(self, title: str, message: str) -> None:
@@ -69,8 +70,8 @@ def server_options(args):
 
 
 def model_options(args):
-    from engine.cli.run import context_settings, model_path
-    from engine.worker import ModelOptions
+    from engine.cli.options import context_settings, model_path
+    from engine.events import ModelOptions
     settings = context_settings(args, None)
     return ModelOptions(path=model_path(args, None), n_ctx=settings.n_ctx, n_threads=settings.n_threads,
                         n_gpu_layers=args.n_gpu_layers, llama_lib=args.llama_lib, rpc_servers=args.rpc or "",

@@ -1,9 +1,12 @@
-"""The local OpenAI-compatible server: HTTP on an asyncio loop, answers on the engine thread.
+"""The local OpenAI-compatible server: a front end of the engine, like the window.
 
-* :mod:`engine.server.engine_commands` — what the engine thread does for a request
-  (a mixin of :class:`engine.worker.EngineWorker`): find the conversation the request
-  continues, or the stored checkpoint sharing its longest prefix, restore it, generate,
-  save the answer as a head.  No HTTP, no asyncio.
+HTTP runs on an asyncio loop; answers run on the engine thread.  The server speaks to
+the engine only through :class:`engine.worker.EngineWorker`'s public face (``complete``, ``model_info``,
+``cancel_request``, ``add_listener`` and the listener's ``on_request_*`` callbacks); what
+the engine thread does for a request — find the conversation it continues or the stored
+checkpoint sharing its longest prefix, restore, generate, save — is the core's
+(:mod:`engine.requests`).  Nothing in the engine core imports this package (a test says so).
+
 * :mod:`engine.server.schema` — request validation: JSON bodies into typed requests,
   every problem an :class:`~engine.server.schema.ApiError` with OpenAI's error shape.
 * :mod:`engine.server.shapes` — OpenAI's response objects (completions, chunks, usage).
@@ -13,6 +16,5 @@
   :class:`~engine.server.app.LocalServer`, which the CLI (``serve``) and the window
   start on their own loops.
 
-Only ``app`` and ``link`` import aiohttp/asyncio; ``engine_commands`` is imported by the
-worker and so by the window at start-up, and must stay light.
+Only ``app`` and ``link`` import aiohttp/asyncio.
 """

@@ -29,8 +29,8 @@ from pathlib import Path
 from aiohttp import web
 
 from engine.server import shapes
-from engine.server.engine_commands import (CANCELLED, CONTEXT_LENGTH_EXCEEDED, INVALID, MODEL_NOT_FOUND,
-                                           NOT_READY, SHUTTING_DOWN, CompletionRequest, RequestRefusal)
+from engine.requests import (CANCELLED, CONTEXT_LENGTH_EXCEEDED, INVALID, MODEL_NOT_FOUND, NOT_READY,
+                             SHUTTING_DOWN, CompletionRequest, RequestRefusal)
 from engine.server.link import EngineLink, Job
 from engine.server.schema import ApiError, Generation, parse_body, parse_chat, parse_completion
 

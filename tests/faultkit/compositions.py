@@ -92,11 +92,11 @@ class Driver:
         return self.convs[slot]
 
     def paused(self, conv_id) -> bool:
-        c = self.worker._convs.get(conv_id)   # read between commands only: the thread is idle
+        c = self.worker.sessions.conversation(conv_id)   # read between commands only: the thread is idle
         return c is not None and c.paused
 
     def has_answer(self, conv_id) -> bool:
-        c = self.worker._convs.get(conv_id)
+        c = self.worker.sessions.conversation(conv_id)
         return c is not None and c.answer is not None
 
     def run(self, kind: str, slot: int, n: int) -> None:
@@ -128,7 +128,7 @@ class Driver:
     def do_resume(self, slot, n):
         c = self._answered(slot, paused=True)
         if self.paused(c):
-            self.worker.resume(c, n_predict=self.worker._convs[c].answer.n_generated + n)
+            self.worker.resume(c, n_predict=self.worker.sessions.conversation(c).answer.n_generated + n)
 
     def do_regenerate(self, slot, n):
         c = self._answered(slot)
@@ -138,7 +138,7 @@ class Driver:
     def do_edit(self, slot, n):
         """Edit the conversation's first message: a new branch; the old turns stay."""
         c = self._answered(slot)
-        conv = self.worker._convs.get(c)
+        conv = self.worker.sessions.conversation(c)
         if conv is not None and conv.messages and conv.messages[0][0] == "user":
             self.worker.edit_message(c, 0, PROMPTS[(slot + n + 2) % len(PROMPTS)], n)
 
@@ -146,9 +146,10 @@ class Driver:
         """Show another branch of the conversation (restoring only what differs)."""
         from engine.branches import branches_of
         c = self._answered(slot)
+        session = self.worker.sessions.get(c)
+        writer = session.writer if session is not None else None
         others = [b for b in branches_of(self.store, c)
-                  if self.worker._writers.get(c) is None or self.worker._writers[c].head is None
-                  or b.head != self.worker._writers[c].head.path]
+                  if writer is None or writer.head is None or b.head != writer.head.path]
         if others:
             self.worker.switch_branch(c, others[pick % len(others)].head)
 
@@ -245,7 +246,7 @@ def check(driver: Driver, runtime) -> Outcome:
     # a file some head builds on (a CLI run may have continued it on a branch of its own)
     from engine.checkpoints.chain import tokens_digest
     for c in live:
-        conv = driver.worker._convs.get(c)   # the engine thread has stopped: safe to read
+        conv = driver.worker.sessions.conversation(c)   # the engine thread has stopped: safe to read
         if conv is None:
             continue
         if not any(n.conversation_id == c and g.reachable(n) and g.chain_problem(n) is None

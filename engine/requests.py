@@ -1,7 +1,13 @@
 """The engine thread's side of a server request: continue, restore, generate, save.
 
-:class:`RequestCommands` is a mixin of :class:`engine.worker.EngineWorker`; its public
-methods are thread-safe like the worker's, the ``_do_`` ones run on the engine thread.
+:class:`RequestDesk` belongs to an :class:`engine.worker.EngineWorker` (its
+``requests``): the worker's public ``complete`` and ``cancel_request`` reach it from any
+thread, and the worker's ``Complete`` command (engine.commands) runs :meth:`RequestDesk.serve`
+on the engine thread.  It sees the worker through its public face (``sessions``,
+``runtime``, ``model_info``, ``store``, ``listener``, ``snapshot``, ``stopping``) and the
+few engine-thread operations the worker hands it (:class:`EngineHooks`).  The HTTP side
+(engine.server) only builds :class:`CompletionRequest` values and reads the listener's
+``on_request_*`` callbacks: this module is the core's, and imports no front end.
 A request (:class:`CompletionRequest`) is served from its longest stored prefix:
 
 1. **By transcript.**  A chat request carries the whole conversation.  When a
@@ -15,12 +21,12 @@ A request (:class:`CompletionRequest`) is served from its longest stored prefix:
    (engine.prefix_reuse); its first save builds on that checkpoint's files when they
    are a prefix of it.
 
-Either way the answer is generated and saved by the worker's own ``_generate`` (the
-window sees it like any other: a conversation in its list), and the listener hears
+Either way the answer is generated and saved as every answer is (the window sees it
+like any other: a conversation in its list), and the listener hears
 ``on_request_started`` / ``on_request_finished`` / ``on_request_failed`` with the
 request's id, and the answer's own callbacks with its conversation's id.
 
-A request whose client went away (:meth:`RequestCommands.cancel_request`) is skipped
+A request whose client went away (:meth:`RequestDesk.cancel`) is skipped
 if it has not started, and paused like the Pause button if it has: the checkpoint is
 kept.  Requests are answered concurrently, each in a sequence of the cache beside the
 window's answers (engine.concurrent); while every sequence is busy they wait, in order.
@@ -32,8 +38,9 @@ import logging
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from engine.commands import Action
 from engine.conversation import Answer, Conversation, title_from
 from engine.errors import AppError, CheckpointError
 from engine.sampling import SamplerSettings, random_seed
@@ -49,7 +56,7 @@ SHUTTING_DOWN = "shutting_down"
 INVALID = "invalid_request"
 FAILED = "failed"
 #: the action an answer's failure is reported under (WorkerListener.on_error)
-ANSWER_ACTION = "answer a request"
+ANSWER_ACTION = Action.ANSWER_REQUEST
 
 
 @dataclass(frozen=True)
@@ -81,122 +88,128 @@ class _Refused(Exception):
         self.refusal = RequestRefusal(reason, message)
 
 
-class RequestCommands:
-    """EngineWorker's commands for server requests (see the module docstring)."""
+@dataclass(frozen=True)
+class EngineHooks:
+    """The engine-thread operations a request needs of its worker, handed over by it."""
+    #: start ``conv``'s answer for request ``request_id``; False when the engine stops
+    start_answer: Callable[..., bool]
+    #: restore a checkpoint's chain and make its conversation known (OpenCheckpoint)
+    open_checkpoint: Callable[[Path], None]
+    #: tell the user once when the loaded model's chat template could not be used
+    notice_template_problem: Callable[[Any], None]
+    #: forget a conversation: its session and its sequence (its files stay)
+    end_session: Callable[[uuid.UUID], None]
 
-    #: How many conversations served to requests stay open (in memory, their line leased)
-    #: besides the one in the cache; older ones are let go and reopened from the store
-    #: when a request continues them.  None keeps every one open: the window's way, whose
-    #: list refers to them; a server of its own (``serve``) sets a bound, or a long-running
-    #: one would hold a file descriptor per conversation it ever served.
-    request_conversations_kept: int | None = None
 
-    def _init_requests(self) -> None:
-        self._requests_pending: set[str] = set()      # submitted, not finished
-        self._requests_cancelled: set[str] = set()    # of those, the ones whose client left
-        #: requests whose answers run, and their conversations (under _busy_lock)
-        self._request_convs: dict[str, uuid.UUID] = {}
-        self._served: dict[uuid.UUID, None] = {}      # conversations requests used, oldest first
+class RequestDesk:
+    """The requests of one worker (see the module docstring)."""
+
+    def __init__(self, engine, hooks: EngineHooks) -> None:
+        self.engine = engine               # engine.worker.EngineWorker, its public face
+        self.hooks = hooks
+        self.sessions = engine.sessions
+        self._lock = engine.sessions.lock   # the lock that starts and ends answers
+        self._pending: set[str] = set()     # submitted, not finished
+        self._cancelled: set[str] = set()   # of those, the ones whose client left
 
     # -- any thread -------------------------------------------------------------------------------
-    def complete(self, request: CompletionRequest) -> None:
-        """Answer ``request`` when its turn comes (the listener hears how it went)."""
-        with self._busy_lock:
-            self._requests_pending.add(request.request_id)
-        self._submit(ANSWER_ACTION, self._do_complete, request, wait=self._request_wait)
+    def submitted(self, request_id: str) -> None:
+        """``request_id`` is on its way to the engine thread."""
+        with self._lock:
+            self._pending.add(request_id)
 
-    def cancel_request(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> None:
         """The client went away: skip the request, or pause its answer (saved as a pause).
 
         The pause is requested under the lock that ends the request, so it can never
         reach the command after it.
         """
-        with self._busy_lock:
-            if request_id not in self._requests_pending:
+        with self._lock:
+            if request_id not in self._pending:
                 return
-            self._requests_cancelled.add(request_id)
-            conv_id = self._request_convs.get(request_id)
-            control = self._controls.get(conv_id) if conv_id is not None else None
+            self._cancelled.add(request_id)
+            control = self.sessions.control_of_request(request_id)
         if control is not None:
             control.request_pause()
 
-    def _request_cancelled(self, request_id: str | None) -> bool:
-        """Whether ``request_id``'s client left (called with ``_busy_lock`` held)."""
-        return request_id is not None and request_id in self._requests_cancelled
+    def cancelled(self, request_id: str | None) -> bool:
+        """Whether ``request_id``'s client left (called with the sessions' lock held)."""
+        return request_id is not None and request_id in self._cancelled
 
     # -- the engine thread ------------------------------------------------------------------------
-    def _do_complete(self, request: CompletionRequest) -> None:
-        rid = request.request_id
-        with self._busy_lock:
-            cancelled = rid in self._requests_cancelled
+    def serve(self, request: CompletionRequest) -> None:
+        """Answer ``request`` (the engine thread's ``Complete`` command)."""
+        rid, engine = request.request_id, self.engine
+        with self._lock:
+            cancelled = rid in self._cancelled
         answering = False
         try:
             if cancelled:
                 raise _Refused(CANCELLED, "the client went away before its request was served")
-            if self._stopping.is_set():
-                raise _Refused(SHUTTING_DOWN, "the server is shutting down")
-            rt = self.runtime
-            if rt is None or self.model_info is None:
-                raise _Refused(NOT_READY, "the model is still loading (or failed to load); try again")
-            if request.model_path is not None and Path(request.model_path) != self.model_info.path:
-                raise _Refused(MODEL_NOT_FOUND, f"the model was changed to {self.model_info.path.name} "
-                                                "while the request waited")
+            rt = self._ready(request)
             conv = self._request_conversation(request, rt)
-            if self.request_conversations_kept is not None:   # only `serve` lets them go
-                self._served.pop(conv.id, None)
-                self._served[conv.id] = None
-            self.listener.on_request_started(rid, self.snapshot(conv, branches=False))
+            if engine.request_conversations_kept is not None:   # only `serve` lets them go
+                self.sessions.mark_served(self.sessions.named(conv.id))
+            engine.listener.on_request_started(rid, engine.snapshot(conv, branches=False))
             answering = True
-            if not self._generate(conv, request_id=rid):
+            if not self.hooks.start_answer(conv, request_id=rid):
                 raise _Refused(SHUTTING_DOWN, "the server is shutting down")
         except _Refused as exc:
-            self._request_ended(rid, None, refusal=exc.refusal)
+            self.ended(rid, None, refusal=exc.refusal)
         except Exception as exc:  # noqa: BLE001 - one request must not stop the engine thread
             from native.errors import NativeError
             if isinstance(exc, (AppError, NativeError, OSError)):
                 log.warning("could not answer request %s: %s", rid, exc)
             else:
                 log.exception("unexpected failure while answering request %s", rid)
-            self._request_ended(rid, None, str(exc) or type(exc).__name__)
+            self.ended(rid, None, str(exc) or type(exc).__name__)
             if answering:   # the other front ends saw the answer start: they hear how it ended
-                self.listener.on_error(ANSWER_ACTION, str(exc) or type(exc).__name__)
+                engine.listener.on_error(ANSWER_ACTION, str(exc) or type(exc).__name__)
 
-    def _request_ended(self, rid: str, conv_id: uuid.UUID | None, failure: str | None = None, *,
-                       refusal: RequestRefusal | None = None) -> None:
+    def _ready(self, request: CompletionRequest):
+        """The runtime to answer ``request`` with; refused when there is none to use."""
+        engine = self.engine
+        if engine.stopping:
+            raise _Refused(SHUTTING_DOWN, "the server is shutting down")
+        rt, info = engine.runtime, engine.model_info
+        if rt is None or info is None:
+            raise _Refused(NOT_READY, "the model is still loading (or failed to load); try again")
+        if request.model_path is not None and Path(request.model_path) != info.path:
+            raise _Refused(MODEL_NOT_FOUND, f"the model was changed to {info.path.name} "
+                                            "while the request waited")
+        return rt
+
+    def ended(self, rid: str, conv_id: uuid.UUID | None, failure: str | None = None, *,
+              refusal: RequestRefusal | None = None) -> None:
         """Tell the listener how request ``rid`` ended: answered by ``conv_id`` (its answer
         saved), or refused, or failed."""
-        with self._busy_lock:
-            self._request_convs.pop(rid, None)
-            self._requests_pending.discard(rid)
-            self._requests_cancelled.discard(rid)
+        listener = self.engine.listener
+        with self._lock:
+            self._pending.discard(rid)
+            self._cancelled.discard(rid)
         if refusal is not None:
-            self.listener.on_request_failed(rid, refusal)
+            listener.on_request_failed(rid, refusal)
         elif conv_id is None:
-            self.listener.on_request_failed(rid, RequestRefusal(FAILED, failure or "the answer failed"))
+            listener.on_request_failed(rid, RequestRefusal(FAILED, failure or "the answer failed"))
         else:
-            self.listener.on_request_finished(rid, conv_id, self._paths.get(conv_id))
+            session = self.sessions.get(conv_id)
+            listener.on_request_finished(rid, conv_id, session.head if session is not None else None)
             self._let_go_of_served()
 
     def _let_go_of_served(self) -> None:
         """Close the oldest served conversations beyond ``request_conversations_kept``
         (saved already: their heads are in the store, where a request finds them again)."""
-        keep = self.request_conversations_kept
+        keep = self.engine.request_conversations_kept
         if keep is None:
             return
-        for conv_id in list(self._served)[:max(0, len(self._served) - keep)]:
-            if conv_id in self._answers:
-                continue
-            del self._served[conv_id]
-            writer = self._writers.pop(conv_id, None)
-            if writer is not None:
-                writer.close()
-            self._convs.pop(conv_id, None)
-            self._paths.pop(conv_id, None)
-            if self.runtime is not None:
-                self.runtime.forget(conv_id)
+        served = self.sessions.served()
+        for session in served[:max(0, len(served) - keep)]:
+            if session.answer is None:
+                self.hooks.end_session(session.id)
 
     def _request_sampler(self, request: CompletionRequest) -> SamplerSettings:
-        base = self.model_info.sampling_defaults if self.model_info is not None else SamplerSettings()
+        info = self.engine.model_info
+        base = info.sampling_defaults if info is not None else SamplerSettings()
         seed = random_seed() if request.seed is None else request.seed
         return replace(base, **dict(request.sampling), seed=seed)
 
@@ -218,7 +231,7 @@ class RequestCommands:
         if not request.messages or request.messages[-1][0] != "user":
             raise _Refused(INVALID, "the last message must be the user's")
         history, text = [tuple(m) for m in request.messages[:-1]], request.messages[-1][1]
-        self._notice_template_problem(rt)
+        self.hooks.notice_template_problem(rt)
         conv = self._continuable(history, rt)
         if conv is not None:
             before = (list(conv.messages), conv.answer, list(conv.tokens), conv.sampler, list(conv.stop_strings))
@@ -266,26 +279,27 @@ class RequestCommands:
         from engine.checkpoints.graph import Graph
         if not any(role == "assistant" for role, _ in history):
             return None   # nothing answered yet: the token prefix does as well
-        for conv in list(self._convs.values()):
+        for conv in [s.conv for s in self.sessions.open()]:
             if conv.paused or conv.answer is None or not conv.tokens:
                 continue
             if [tuple(m) for m in conv.chat_messages()] == history and self._fits_runtime(conv, rt):
                 return conv
-        graph = Graph.scan(self.store)
+        store = self.engine.store
+        graph = Graph.scan(store)
         for conv_id in dict.fromkeys(h.conversation_id for h in graph.heads):
-            for branch in branches_of(self.store, conv_id, graph):
+            for branch in branches_of(store, conv_id, graph):
                 node = graph.nodes.get(branch.head.name)
-                if conv_id in self._answers:
+                if self.sessions.is_answering(conv_id):
                     break   # answering now (another request's): this one starts its own
                 if branch.paused or list(branch.messages) != history or node is None \
                         or rt.target.problem(node.header) is not None:
                     continue
                 try:
-                    self._do_open_checkpoint(branch.head)
+                    self.hooks.open_checkpoint(branch.head)
                 except (CheckpointError, OSError) as exc:
                     log.info("cannot continue %s for a request (%s)", branch.head.name, exc)
                     continue
-                conv = self._convs.get(conv_id)
+                conv = self.sessions.conversation(conv_id)
                 if conv is not None and [tuple(m) for m in conv.chat_messages()] == history:
                     return conv
         return None
@@ -295,7 +309,8 @@ class RequestCommands:
         from engine.checkpoints.format import read_header
         if conv.id in rt.table:
             return True
-        path = self._paths.get(conv.id)
+        session = self.sessions.get(conv.id)
+        path = session.head if session is not None else None
         if path is None:
             return False
         try:
@@ -310,19 +325,20 @@ class RequestCommands:
         from engine.checkpoints.graph import default_line
         from engine.history import LineWriter, saved_info
         from engine.prefix_reuse import reuse_stored_prefix
+        store = self.engine.store
         view = rt.view_of(conv.id)
         chain = ()
         try:
-            reuse = reuse_stored_prefix(view, self.store.folder, conv.tokens)
-            chain = reuse.chain if reuse.chain and self.store.contains(reuse.chain[-1].path) else ()
+            reuse = reuse_stored_prefix(view, store.folder, conv.tokens)
+            chain = reuse.chain if reuse.chain and store.contains(reuse.chain[-1].path) else ()
             log.info("request: %s", reuse.describe())
         except (CheckpointError, OSError) as exc:
             log.info("no stored prefix used (%s)", exc)
-        self._convs[conv.id] = conv
+        self.sessions.adopt(conv)
         # the restored chain (verified by the restore) is what the first save builds on
-        self._writers[conv.id] = LineWriter.starting(view, self.store, default_line(conv.id),
-                                                     [saved_info(d) for d in chain])
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.sessions.set_writer(conv.id, LineWriter.starting(view, store, default_line(conv.id),
+                                                              [saved_info(d) for d in chain]))
+        self.engine.listener.on_conversation_changed(self.engine.snapshot(conv))
 
 
 def new_request_id() -> str:

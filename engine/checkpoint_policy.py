@@ -1,0 +1,139 @@
+"""Which checkpoint to write, and when: one rule for the window, ``run``, ``run --parallel``
+and ``serve``.
+
+Every conversation's history is a line of files in the store (engine.history.LineWriter
+writes it; engine.checkpoints.graph reads it).  What is written, and when:
+
+==================================  ==========================  ====================================
+moment                              kind                        what and where
+==================================  ==========================  ====================================
+every ``autosave_every`` generated  autosave                    a delta on the newest file of the
+tokens (0: never), and once after                               line the cache still starts with
+a prefill of at least                                           (engine.history); with a named
+``ChainPolicy.prompt_checkpoint``                               file: on a line of its own in a
+tokens (a line in the store only)                               hidden folder beside it
+                                                                (:func:`beside_folder`)
+the answer stops: finished          manual                      the line's new head (a delta), or
+                                                                the named file, written whole; its
+                                                                autosaves beside it then go
+the answer stops: paused            pause                       the same
+the answer stops because the        exit                        the same
+program ends (Ctrl+C, close,
+console closed, log-off)
+leaving a conversation whose head   manual (exit at the end)    the line's new head, if the cache
+lags the cache (another model,                                  holds more than it
+another branch, exit)
+==================================  ==========================  ====================================
+
+A head's kind is truthful (:func:`head_kind`): a listing shows pause and exit as
+"paused", so a paused conversation is never saved as manual and a finished one never as
+a pause or an exit.  Compaction (autosaves folded into one delta on the last milestone,
+a full file once a chain is long) is ``engine.history.ChainPolicy``'s.  Pruning
+superseded files under a disk budget is the window's setting (the engine worker's
+``autosave_budget``); a command-line run only retires what each save supersedes on its
+own line.
+
+:class:`Checkpoints` is this rule for one conversation of a command-line run (``run``,
+``run --parallel``); the engine worker applies the same rule to each session (with
+:func:`head_kind`, and a LineWriter per session).
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.store import Store
+from engine.conversation import Conversation
+
+if TYPE_CHECKING:   # the engine worker imports this module on the UI thread: no native layer
+    from engine.history import LineWriter
+    from engine.runtime import SaveInfo
+
+
+def head_kind(paused: bool, asked: int = KIND_MANUAL) -> int:
+    """The kind a head is written with: the one ``asked`` (a pause, an exit, a manual
+    save), made truthful for a conversation that is ``paused`` or not."""
+    if paused and asked == KIND_MANUAL:
+        return KIND_PAUSE
+    if not paused and asked in (KIND_PAUSE, KIND_EXIT):
+        return KIND_MANUAL
+    return asked
+
+
+def stop_kind(paused: bool, *, exiting: bool) -> int:
+    """The kind of the head an answer's stop writes: exit when the program ends, else a
+    pause when it was paused, else manual (:func:`head_kind`)."""
+    return head_kind(paused, KIND_EXIT if exiting else KIND_PAUSE)
+
+
+def beside_folder(path: Path) -> Path:
+    """Where the autosaves of a run saving to ``path`` go: a hidden folder beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.autosaves")
+
+
+class Checkpoints:
+    """One conversation's checkpoints in a command-line run (see the module docstring).
+
+    ``named``: its head goes into this file, written whole, and its autosaves (when
+    ``autosave_every``) onto a line of their own beside it, deleted once the file is
+    written.  Otherwise ``store_line()`` makes the writer of its line in the store,
+    which takes its autosaves and its head alike.
+    """
+
+    def __init__(self, runtime, *, named: Path | None = None, autosave_every: int = 0,
+                 store_line: Callable[[], LineWriter] | None = None) -> None:
+        self.runtime = runtime         # engine.runtime.Runtime, or one sequence's view
+        self.named = Path(named) if named is not None else None
+        self.autosave_every = max(0, autosave_every)
+        self.writer: LineWriter | None = None
+        self._beside = False           # the writer's line is the named file's autosaves
+        if self.named is None:
+            if store_line is None:
+                raise ValueError("a conversation's checkpoints need a named file or a line in a store")
+            self.writer = store_line()
+        elif self.autosave_every:
+            from engine.history import LineWriter
+            self.writer = LineWriter.starting(runtime, Store(beside_folder(self.named)), uuid.uuid4().hex)
+            self._beside = True
+
+    @property
+    def prompt_checkpoint(self) -> int:
+        """Tokens of prefill worth an autosave before the first token (0: never): only a
+        line in the store keeps one (a named file's autosaves go once it is written)."""
+        return self.writer.policy.prompt_checkpoint if self.writer is not None and not self._beside else 0
+
+    def autosave(self, conv: Conversation) -> SaveInfo | None:
+        """An autosave of what the cache holds (nothing when no line takes autosaves)."""
+        return self.writer.autosave(conv) if self.writer is not None else None
+
+    def save_head(self, conv: Conversation, kind: int) -> SaveInfo:
+        """The checkpoint an answer's stop writes (see :func:`stop_kind`)."""
+        if self.named is None:
+            return self.writer.save_head(conv, kind)
+        info = self.runtime.save(self.named, conv, kind)
+        self.drop_autosaves_beside()   # the file, whole and durable, holds all they held
+        return info
+
+    def drop_autosaves_beside(self) -> None:
+        """The named file holds all this run's autosaves held: delete them, and their
+        folder once empty.  Another run's files there (a crashed run's) stay."""
+        if not self._beside or self.writer is None:
+            return
+        writer, self.writer = self.writer, None
+        writer.close()
+        for info in writer.chain:
+            if info.line == writer.line:
+                info.path.unlink(missing_ok=True)
+        if not writer.store.files():
+            shutil.rmtree(writer.store.folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """Let go of the line (after a failure the autosaves beside stay: they hold the
+        newest state)."""
+        if self.writer is not None:
+            self.writer.close()

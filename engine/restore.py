@@ -1,0 +1,173 @@
+"""Restoring a checkpoint chain into one sequence of a context: the one way it is done.
+
+A chain is a full checkpoint followed by zero or more deltas on it (engine.checkpoints.chain).
+:func:`restore_into` puts one into a sequence, for the single-sequence
+:class:`engine.runtime.Runtime` (sequence 0, scratch sequence 1) and for every sequence
+of an :class:`engine.parallel.ParallelRuntime` (its own scratch sequence) alike; each
+supplies a :class:`SequenceSlot`: what the sequence holds and how to change that.
+
+1. **Check** every file before llama.cpp sees a byte (:func:`checked_chain`): each
+   file's compatibility with the target and its state's structure, the links between
+   them, the last file's conversation.  A refused chain leaves the sequence as it was.
+2. **Keep** the files the sequence holds already (:func:`files_in_cache`): switching
+   between branches of one conversation applies only what differs.  The sequence is
+   trimmed to the last of them; a memory that cannot drop a tail (sliding window,
+   recurrent) is restored whole instead.
+3. **Apply** the rest: the base into the sequence, each delta through the scratch
+   sequence, which shares its cells (``seq_cp``) and is emptied after.
+4. **Verify** that the sequence holds the promised positions; the logits saved with
+   the last file become the sequence's (no re-decode).
+
+If llama.cpp itself refuses a state that passed every check, the sequence is emptied
+(:class:`~engine.errors.RestoreFailed`); its conversation then re-decodes its prompt
+the next time it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from engine.checkpoints.chain import check_link, common_prefix
+from engine.checkpoints.compat import Target
+from engine.checkpoints.format import STATE_LAYOUT, CheckpointData
+from engine.checkpoints.kvstate import check_state_for
+from engine.conversation import Conversation
+from engine.errors import BrokenChain, CorruptMetadata, RestoreFailed
+from native.errors import StateError
+
+
+class SequenceSlot(Protocol):
+    """One sequence of a context, as :func:`restore_into` changes it."""
+    ctx: object          # native.context.Context
+    seq: int             # the sequence restored into
+    scratch: int         # a sequence free for applying deltas
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The tokens the sequence holds now."""
+
+    def trim(self, n: int) -> int:
+        """Keep the first ``n`` tokens; returns how many were kept (0: it was emptied)."""
+
+    def make_room(self, n_tokens: int) -> None:
+        """Raise RestoreFailed when the context cannot hold ``n_tokens`` in this sequence."""
+
+    def empty(self) -> None:
+        """Drop every cell of the sequence, and what it knew of them."""
+
+    def forget_logits(self) -> None: ...
+
+    def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        """The sequence holds ``tokens`` now, with ``logits`` after them (None: none saved)."""
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore_into` did."""
+    conv: Conversation
+    n_tokens: int        # tokens the sequence holds now
+    n_restored: int      # of those, put there by this restore (the rest were held already)
+
+
+def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target) -> Restored:
+    """Restore ``chain`` into ``slot``'s sequence (see the module docstring)."""
+    conv = checked_chain(chain, target)
+    last = chain[-1]
+    n = last.header.n_tokens
+    keep = files_in_cache(slot.tokens, chain)
+    if keep and slot.trim(chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
+        keep = 0   # the memory cannot drop a tail (sliding window): restore it all
+    kept = chain[keep - 1].header.n_tokens if keep else 0
+    slot.make_room(n)
+    if not keep:
+        slot.empty()
+    slot.forget_logits()
+    _apply(slot, chain, keep)
+    if n and slot.ctx.pos_max(slot.seq) != n - 1:
+        slot.empty()
+        raise RestoreFailed("the restored state does not hold the promised tokens")
+    slot.restored([int(t) for t in last.tokens[:n]], last.logits)
+    return Restored(conv, n, n - kept)
+
+
+def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int) -> None:
+    """Set the states of ``chain[keep:]`` into the slot's sequence."""
+    ctx, scratch_used = slot.ctx, False
+    try:
+        for i, data in enumerate(chain):
+            if i < keep or not len(data.state):
+                continue   # in the cache already; or no cells (empty, or metadata only)
+            if i == 0:
+                ctx.state_set_from(data.state, len(data.state), slot.seq)
+            else:   # a delta: through the scratch sequence, which shares its cells
+                scratch_used = True
+                ctx.state_set_from(data.state, len(data.state), slot.scratch)
+                ctx.seq_cp(slot.scratch, slot.seq, -1, -1)
+                ctx.seq_rm(slot.scratch, -1, -1)
+    except StateError as exc:
+        slot.empty()
+        if scratch_used:
+            ctx.seq_rm(slot.scratch, -1, -1)
+        raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
+
+
+def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> int:
+    """How many leading files of ``chain`` a cache holding ``cached`` holds already,
+    token for token.
+
+    Switching between branches of one conversation restores only what differs: the
+    shared files stay in the cache and only the rest of the chain is applied.
+    """
+    last = chain[-1]
+    shared = common_prefix(cached, last.tokens[:last.header.n_tokens])
+    for k in range(len(chain), 0, -1):
+        if 0 < chain[k - 1].header.n_tokens <= shared:
+            return k
+    return 0
+
+
+def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
+    """Check a chain (a full checkpoint, then deltas on it) before llama.cpp sees a byte:
+    every file's compatibility with ``target`` and state structure, the links between them,
+    the last file's conversation.  Returns that conversation, or raises with the reason."""
+    if not chain:
+        raise BrokenChain("no checkpoint to restore")
+    if chain[0].header.is_delta:
+        raise BrokenChain("the chain does not start with a full checkpoint")
+    rows = target.model.recurrent_rows if target.model is not None else None
+    for data in chain:
+        target.check(data.header, data.meta)
+        if data.header.n_tokens:
+            check_state_for(data.header, data.state, rows)
+    for prev, data in zip(chain, chain[1:]):
+        check_link(prev, data)
+    return _conversation_of(chain[-1])
+
+
+def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
+    """The conversation of a chain whose states this llama.cpp cannot take (written in another
+    llama.cpp state layout: IncompatibleState), to be read again from its tokens.
+
+    Checked as :func:`checked_chain` checks, but for the state layout and the states' own
+    structure: the states are not used.  Another model or context is still refused."""
+    if not chain:
+        raise BrokenChain("no checkpoint to restore")
+    for data in chain:
+        target.check(replace(data.header, state_layout=STATE_LAYOUT), data.meta)
+    for prev, data in zip(chain, chain[1:]):
+        check_link(prev, data)
+    return _conversation_of(chain[-1])
+
+
+def _conversation_of(last: CheckpointData) -> Conversation:
+    conv_json = last.meta.get("conversation")
+    try:
+        conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
+                                      [int(t) for t in last.tokens])
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
+    conv.id = last.header.conversation_id
+    return conv
