@@ -61,7 +61,8 @@ from engine.checkpoints.store import Store
 from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
 from engine.conversation import Conversation
-from engine.errors import AppError, CheckpointError, ContextFull, GenerationError
+from engine.errors import AppError, CheckpointError, ContextFull, GenerationError, IncompatibleState
+from engine.restore import text_of_chain
 from engine.events import (FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo,
                            ModelOptions, WorkerListener)
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk
@@ -681,17 +682,31 @@ class EngineWorker:
         rt = self._need_runtime()
         chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
-        rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
+        try:
+            rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
+            other_layout = None
+        except IncompatibleState as exc:     # another llama.cpp's state: its text is read again
+            other_layout = exc
+            text_of_chain(chain, rt.target)  # anything else wrong is refused all the same
         conv_id = data.header.conversation_id
         if self.sessions.is_answering(conv_id):
             raise AppError("that conversation is answering now; pause it first")
         if self.sessions.conversation(conv_id) is not None:
             self._save_if_dirty(self.sessions.conversation(conv_id), KIND_MANUAL)
-        conv = rt.view_of(conv_id).restore_chain(chain)
+        view = rt.view_of(conv_id)
+        conv = view.restore_chain(chain) if other_layout is None else text_of_chain(chain, rt.target)
         session = self.sessions.adopt(conv)
         session.close_writer()   # its lease: this writer may continue the same line
-        writer = self.sessions.set_writer(conv.id, LineWriter.continuing(rt.view_of(conv.id), self.store, chain))
-        session.head = writer.head.path if writer.head else Path(path)
+        if other_layout is None:
+            writer = self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
+            session.head = writer.head.path if writer.head else Path(path)
+        else:   # its files are no parent of ours: the next save is a full file in this layout
+            self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))
+            session.head = None
+            self.listener.on_notice(
+                "Checkpoint from another llama.cpp",
+                f"{other_layout}. Its {data.header.n_tokens} tokens are read again when it continues, "
+                "and it is saved anew in this layout.")
         self.listener.on_conversation_changed(self.snapshot(conv))
 
     def _do_export(self, source: Path, target: Path) -> None:

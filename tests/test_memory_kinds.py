@@ -362,3 +362,47 @@ def test_a_checkpoint_of_another_llama_cpp_state_layout_is_read_again(smollm_pat
     head = read_checkpoint(rest["checkpoint"])
     assert head.header.state_layout == 1 and not head.header.is_delta
     assert Path(rest["checkpoint"]).name in {h.path.name for h in Graph.scan(Store()).heads}
+
+
+def test_the_window_reads_a_checkpoint_of_another_layout_again(tiny_model_path, tmp_path):
+    """Opened in the window's engine: a notice says why, Resume reads its tokens again,
+    and its new head is a full file in this layout."""
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    from enginekit import Recorder
+
+    class Listener(Recorder):
+        def on_notice(self, title, message):
+            self._add("notice", title, message)
+
+    path = tiny_model_path("lfm2")
+    rt = Runtime(path, memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        generate(rt, conv, stop_after=5)
+        info = rt.save(tmp_path / "old.kvckpt", conv, KIND_PAUSE)
+    finally:
+        rt.close()
+    raw = bytearray(info.path.read_bytes())
+    raw[:HEADER_LEN] = pack_header(dataclasses.replace(unpack_header(bytes(raw[:HEADER_LEN])), state_layout=7))
+    info.path.write_bytes(bytes(raw))
+    rec = Listener()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(path, n_ctx=1024, n_threads=2))
+        rec.wait("loaded")
+        w.open_checkpoint(info.path)
+        (_, title, message), = rec.wait("notice")
+        assert "state layout 7" in message and "read again" in message
+        conv_id = rec.wait("changed")[-1][1].id
+        w.set_sampler(conv_id, SamplerSettings(temperature=0.8, seed=11, ignore_eos=True))
+        w.resume(conv_id)
+        summary = rec.wait("finished")[-1][1]
+        assert summary.finish_reason == "length" and summary.n_reused_tokens == 0
+        head = read_header(rec.wait("saved")[-1][2])
+        assert head.state_layout == 1 and not head.is_delta
+        assert not rec.of("error")
+    finally:
+        w.shutdown()
+        assert w.join(60)
