@@ -30,9 +30,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
 from engine.gguf import read_metadata
 
-MEMORY_ATTENTION, MEMORY_RECURRENT, MEMORY_HYBRID = 0, 1, 2
 MEMORY_NAMES = {MEMORY_ATTENTION: "attention", MEMORY_RECURRENT: "recurrent", MEMORY_HYBRID: "hybrid"}
 
 RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
@@ -40,6 +40,8 @@ RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", 
 #: KV cells carry a 2D position, 12 more bytes per cell in a state
 MROPE_ARCHS = frozenset({"qwen2vl", "paddleocr", "qwen3vl", "qwen3vlmoe", "qwen35", "qwen35moe",
                          "qwen4exp", "qwen3tts"})
+#: ... and those that use M-RoPE only when the file has rope sections (llama_hparams::use_mrope)
+MROPE_IF_SECTIONS = frozenset({"glm4", "glm4moe", "bailingmoe3", "hunyuan_vl", "dflash"})
 HYBRID_ARCHS = frozenset({
     "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
     "nemotron_h_moe", "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next",
@@ -68,6 +70,8 @@ class ModelShape:
     n_embd_r: int = 0       # recurrent R row, in float32 elements (0: unknown or none)
     n_embd_s: int = 0       # recurrent S row
     cell_ext: bool = False  # KV cells carry M-RoPE positions (format.FLAG_CELL_EXT)
+    #: layer 0's KV head count: what format version 1 headers recorded as n_head_kv
+    n_head_kv_first: int = 0
 
     @property
     def memory_name(self) -> str:
@@ -91,7 +95,9 @@ def shape_from_metadata(meta: dict[str, Any], default_name: str = "", *, memory:
                         cell_ext: bool | None = None) -> ModelShape:
     arch = str(meta.get("general.architecture", ""))
     if cell_ext is None:
-        cell_ext = arch in MROPE_ARCHS
+        sections = meta.get(f"{arch}.rope.dimension_sections")
+        cell_ext = arch in MROPE_ARCHS or (arch in MROPE_IF_SECTIONS and isinstance(sections, list)
+                                           and len(sections) >= 2 and sections[0] > 0 and sections[1] > 0)
 
     def value(key: str) -> Any:
         return meta.get(f"{arch}.{key}")
@@ -113,6 +119,8 @@ def shape_from_metadata(meta: dict[str, Any], default_name: str = "", *, memory:
     n_embd = num("embedding_length")
     n_head = per_layer("attention.head_count")
     n_head_kv = per_layer("attention.head_count_kv", n_head)
+    heads_kv = value("attention.head_count_kv")
+    first_kv = int(heads_kv[0]) if isinstance(heads_kv, list) and heads_kv else n_head_kv
     if memory == MEMORY_RECURRENT:
         n_head_kv = 0
     head = n_embd // n_head if n_head else 0
@@ -123,9 +131,11 @@ def shape_from_metadata(meta: dict[str, Any], default_name: str = "", *, memory:
     r, s = (_recurrent_rows(value, num, n_embd) if memory != MEMORY_ATTENTION else (0, 0))
     return ModelShape(
         name=str(meta.get("general.name", default_name)), architecture=arch, memory=memory,
-        n_vocab=int(n_vocab), n_layer=num("block_count"), n_head_kv=n_head_kv,
+        # llama.cpp's n_layer leaves out the multi-token-prediction layers (Qwen3.5, GLM)
+        n_vocab=int(n_vocab), n_layer=num("block_count") - num("nextn_predict_layers"), n_head_kv=n_head_kv,
         n_embd_head_k=head_k, n_embd_head_v=head_v, n_swa=num("attention.sliding_window"),
-        n_embd_r=r, n_embd_s=s, cell_ext=cell_ext and n_head_kv > 0)
+        n_embd_r=r, n_embd_s=s, cell_ext=cell_ext and n_head_kv > 0,
+        n_head_kv_first=0 if memory == MEMORY_RECURRENT else first_kv)
 
 
 def _recurrent_rows(value, num, n_embd: int) -> tuple[int, int]:

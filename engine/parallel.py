@@ -210,7 +210,8 @@ class ParallelRuntime:
     # -- decoding -------------------------------------------------------------------------
     def trim(self, seq: int, n: int) -> int:
         """Keep only the first ``n`` tokens of ``seq``; returns how many were kept
-        (a memory that cannot drop a tail, sliding window or recurrent, is emptied)."""
+        (a memory that cannot drop a tail, sliding window or recurrent, is emptied, unless
+        it goes back to the end of its last prompt: see engine.snapshots)."""
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)

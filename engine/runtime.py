@@ -135,7 +135,9 @@ class Runtime:
     def trim(self, n: int) -> int:
         """Keep only the first ``n`` cached tokens; returns how many were kept.
 
-        Sliding-window and recurrent memories cannot drop a tail; they are cleared.
+        A memory that cannot drop a tail (sliding window past its window, recurrent) is
+        cleared, unless it is going back to the end of the last prompt: a recurrent memory
+        then puts back the snapshot taken there (engine.snapshots).
         """
         if n >= len(self.kv_tokens):
             return len(self.kv_tokens)
@@ -163,7 +165,8 @@ class Runtime:
         Decodes only the part not already cached, in chunks aligned to absolute
         multiples of the batch size, so an interrupted prefill resumed later splits the
         work exactly as an uninterrupted one would.  Stops early (``aborted``) when
-        ``should_stop`` turns true; the abort callback also interrupts a running chunk.
+        ``should_stop`` turns true; the abort callback also interrupts a running chunk,
+        except for recurrent and hybrid memories (Model.can_abort_mid_batch).
         """
         started = time.perf_counter()
         total = len(tokens)

@@ -29,10 +29,15 @@ class PromptSnapshot:
     logits: np.ndarray     # the next-token logits after them
 
     @classmethod
-    def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray) -> "PromptSnapshot":
-        size = ctx.state_size(seq)
-        buf = np.empty(size, dtype=np.uint8)
-        written = ctx.state_get_into(buf, size, seq)
+    def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray) -> "PromptSnapshot | None":
+        """The snapshot of ``seq`` now; None when it cannot be had (no memory for the copy,
+        llama.cpp refusing): a prompt that was read stays read, Regenerate reads it again."""
+        try:
+            size = ctx.state_size(seq)
+            buf = np.empty(size, dtype=np.uint8)
+            written = ctx.state_get_into(buf, size, seq)
+        except (StateError, MemoryError):
+            return None
         return cls(len(tokens), tokens_digest(tokens), buf[:written], np.array(logits, copy=True))
 
     def holds(self, tokens: Sequence[int], n: int) -> bool:

@@ -31,7 +31,7 @@ class _LineJoiner:
         self._buffer = ""
         self._level = logging.INFO
         #: the last few error lines: llama.cpp says why a call failed only in its log
-        self.errors: collections.deque[str] = collections.deque(maxlen=4)
+        self.errors: collections.deque[str] = collections.deque(maxlen=32)
 
     def feed(self, level: int, text: str) -> None:
         with self._lock:
@@ -40,19 +40,20 @@ class _LineJoiner:
             self._buffer += text
             *lines, self._buffer = self._buffer.split("\n")
             level_now = self._level
+            if level_now >= logging.ERROR:
+                self.errors.extend(line.strip() for line in lines if line.strip())
         for line in lines:
             if line.strip():
                 llama_log.log(level_now, "%s", line)
-                if level_now >= logging.ERROR:
-                    self.errors.append(line.strip())
 
 
 _joiner = _LineJoiner()
 
 
 def take_errors() -> list[str]:
-    """The error lines llama.cpp logged since the last call (at most the last four): a
-    failed call's reason, for its message (call once before the call to start afresh)."""
+    """The error lines llama.cpp logged since the last call (at most the last 32): a failed
+    call's reason, for its message (call once before the call to start afresh).  llama.cpp
+    logs from other threads too; a context or model is made on one thread at a time here."""
     with _joiner._lock:
         lines = list(_joiner.errors)
         _joiner.errors.clear()

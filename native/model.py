@@ -30,7 +30,7 @@ ProgressCallback = Callable[[float], bool]
 #: CPU-only build it is the same as 0.
 GPU_LAYERS_ALL = -1
 
-#: llama.h's LLAMA_ROPE_TYPE_MROPE / _IMROPE (GGML_ROPE_TYPE_MROPE = 8, | NEOX 2 | 32)
+#: llama.h's LLAMA_ROPE_TYPE_MROPE / _IMROPE (GGML_ROPE_TYPE_MROPE = 8; IMROPE = 8 | 32)
 ROPE_TYPE_MROPE, ROPE_TYPE_IMROPE = 8, 40
 
 
@@ -244,7 +244,7 @@ class Model:
     @property
     def memory_kind(self) -> int:
         """llama.cpp's memory kind for this model: 0 attention, 1 recurrent, 2 hybrid
-        (the values of engine.model_shape)."""
+        (the values of engine.checkpoints.format's MEMORY_*)."""
         return 1 if self.is_recurrent else 2 if self.is_hybrid else 0
 
     @property

@@ -27,7 +27,7 @@ from engine.checkpoints.format import (FORMAT_VERSION, HEADER_LEN, KIND_PAUSE, M
                                        read_header, unpack_header)
 from engine.checkpoints.kvstate import check_state_for
 from engine.checkpoints.store import Store
-from engine.errors import CorruptState
+from engine.errors import CorruptState, SaveFailed
 from engine.generation import generate
 from engine.history import LineWriter
 from engine.runtime import Runtime
@@ -134,7 +134,7 @@ def test_pause_inside_the_prompt_resumes_exactly(arch, tiny_model_path, tmp_path
     try:
         conv = memkit.conversation(rt)
         assert len(conv.tokens) > 4 * memkit.SETTINGS.n_batch
-        read = []   # the pause comes while the third chunk is being read
+        read = []   # the pause comes once two chunks are read, before the third
         report = rt.prefill(conv.tokens, should_stop=lambda: len(read) >= 2,
                             on_progress=lambda done, total: read.append(done))
         assert report.aborted and 0 < len(rt.kv_tokens) < len(conv.tokens)
@@ -406,3 +406,46 @@ def test_the_window_reads_a_checkpoint_of_another_layout_again(tiny_model_path, 
     finally:
         w.shutdown()
         assert w.join(60)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "llama"])
+def test_only_an_attention_memory_is_cut_inside_a_decode(arch, tiny_model_path):
+    """After an abort llama.cpp cannot remove a half-done batch from a recurrent state (the
+    removal fails and is ignored): those decodes are never cut; an attention one is."""
+    from native.context import DECODE_ABORTED, DECODE_OK
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        tokens = memkit.conversation(rt).tokens[:memkit.SETTINGS.n_batch]
+        asked = []
+        rc = rt.ctx.decode(tokens, 0, abortable=True, should_abort=lambda: asked.append(1) or True)
+        if KIND[arch] == "attention":
+            assert rc == DECODE_ABORTED and asked
+        else:
+            assert rc == DECODE_OK and not asked
+            assert rt.ctx.pos_max(0) == len(tokens) - 1
+    finally:
+        rt.close()
+
+
+def test_a_save_the_walk_refuses_writes_nothing(tiny_model_path, tmp_path, monkeypatch):
+    """A state that could not be loaded again is never announced as saved: the save fails,
+    the file it would replace is untouched, and no temporary file is left."""
+    import engine.runtime as runtime_module
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        generate(rt, conv, stop_after=3)
+        target = tmp_path / "p.kvckpt"
+        rt.save(target, conv, KIND_PAUSE)
+        before = target.read_bytes()
+        generate(rt, conv, stop_after=2)
+
+        def refuse(*_args, **_kwargs):
+            raise CorruptState("the recurrent state's rows are not float32")
+        monkeypatch.setattr(runtime_module, "check_state_for", refuse)
+        with pytest.raises(SaveFailed, match="could not be loaded again.*nothing was saved"):
+            rt.save(target, conv, KIND_PAUSE)
+        assert target.read_bytes() == before
+        assert [p.name for p in tmp_path.iterdir()] == ["p.kvckpt"]
+    finally:
+        rt.close()

@@ -41,6 +41,8 @@ class ModelIdentity:
     n_embd_head_v: int
     memory: int = MEMORY_ATTENTION
     cell_ext: bool = False
+    #: layer 0's KV head count, which version 1 headers recorded (0: as n_head_kv)
+    n_head_kv_first: int = 0
     #: bytes of one recurrent R and S row (0: unknown, or no recurrent layers); not in a
     #: header: the state walk compares them with the rows a file holds
     recurrent_rows: tuple[int, int] = (0, 0)
@@ -51,7 +53,7 @@ class ModelIdentity:
         return cls(name=name, fingerprint=fingerprint, n_vocab=shape.n_vocab,
                    n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
                    n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
-                   memory=shape.memory, cell_ext=shape.cell_ext,
+                   memory=shape.memory, cell_ext=shape.cell_ext, n_head_kv_first=shape.n_head_kv_first,
                    recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
 
     @classmethod
@@ -114,7 +116,8 @@ class Target:
         m, c = self.model, self.context
         if m is None or c is None:
             raise ValueError("a key needs both the model and the context")
-        values = [getattr(m, f.name) for f in fields(m) if f.name not in ("name", "recurrent_rows")]
+        values = [getattr(m, f.name) for f in fields(m)
+                  if f.name not in ("name", "recurrent_rows", "n_head_kv_first")]
         values += [getattr(c, f.name) for f in fields(c)]
         return ":".join(v.hex() if isinstance(v, bytes) else str(int(v)) for v in values)
 
@@ -156,15 +159,16 @@ def _model_problem(model: ModelIdentity, header: Header, meta: dict | None) -> I
         return IncompatibleModel(f"this checkpoint was made with {made_with(meta)}; the model is "
                                  f"{model.name or 'another one'} (model fingerprints differ)")
     if header.memory != model.memory:
-        return IncompatibleModel(
-            f"the checkpoint holds {memory_name(header.memory, header.n_swa)} memory; the model "
-            f"{model.name or ''} has {memory_name(model.memory, header.n_swa)} memory".replace("  ", " "))
+        return IncompatibleModel(f"the checkpoint holds {memory_name(header.memory, header.n_swa)} memory; "
+                                 f"the model has {memory_name(model.memory)} memory")
     if header.cell_ext != model.cell_ext:
         return IncompatibleModel("the checkpoint's KV cells and the model's differ in their "
                                  "position layout (M-RoPE)")
     mismatched = [f"{name} {theirs} (model: {ours})" for name, theirs, ours in (
         ("n_vocab", header.n_vocab, model.n_vocab), ("n_layer", header.n_layer, model.n_layer),
-        ("n_head_kv", header.n_head_kv, model.n_head_kv),
+        # version 1 headers recorded layer 0's count, now the largest of any layer
+        ("n_head_kv", header.n_head_kv,
+         model.n_head_kv_first if header.version == 1 and model.n_head_kv_first else model.n_head_kv),
         ("n_embd_head_k", header.n_embd_head_k, model.n_embd_head_k),
         ("n_embd_head_v", header.n_embd_head_v, model.n_embd_head_v)) if theirs != ours]
     if mismatched:

@@ -204,7 +204,9 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
             raise CorruptState("the KV state's caches disagree on the V layout")
         v_trans_seen = bool(v_trans)
         layers = r.u32("layer count")
-        if layers == 0 or layers > n_layer:
+        # a hybrid whose attention layers all slide keeps an empty full cache (LFM2 with a
+        # window): cells, no layers
+        if (layers == 0 and count is None) or layers > n_layer:
             raise CorruptState(f"the KV state has {layers} layers, the model {n_layer}")
         for _ in range(layers):
             if r.i32("K type") != type_k:

@@ -41,7 +41,7 @@ def block_hashes(tokens: Sequence[int]) -> list[str]:
     return out
 
 
-INDEX_VERSION = 3   # 3: keys are engine.checkpoints.compat.Target.key (every compared field)
+INDEX_VERSION = 4   # 3: keys are engine.checkpoints.compat.Target.key (every compared field); 4: with memory kinds
 
 
 def context_key(header: Header) -> str:

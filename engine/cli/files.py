@@ -31,7 +31,9 @@ def cmd_validate(args) -> int:
         data = chain[-1]
         print("CRC32 OK")
         model = ModelIdentity.from_gguf(args.model) if args.model else None
-        rows = model.recurrent_rows if model is not None else None
+        fits = model is not None and Target(model).problem(replace(header, state_layout=fmt.STATE_LAYOUT)) is None
+        # the model's recurrent rows only for a file of that model (else: "another model", below)
+        rows = model.recurrent_rows if fits else None
         if header.state_layout != fmt.STATE_LAYOUT:
             print(f"KV state not read: it was written in llama.cpp state layout {header.state_layout} "
                   f"(this build reads layout {fmt.STATE_LAYOUT}); opening it reads its "

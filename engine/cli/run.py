@@ -171,7 +171,8 @@ class RunSession:
             if kept is not None:      # turn K and what followed it stay on the old branch
                 conv.messages, conv.answer = kept, None
                 # the branch starts where that history ended, decoded as it was
-                if cut_to_history(conv, rt) is not None and rt.trim(len(conv.tokens)) < len(conv.tokens):
+                if cut_to_history(conv, rt) is not None and rt.trim(len(conv.tokens)) < len(conv.tokens) \
+                        and not self.read_again:
                     print(f"note: this model's memory ({rt.shape.memory_name}) cannot go back to the end of "
                           f"turn {args.from_turn - 1} and no checkpoint of it is left in this file's chain: "
                           f"its {len(conv.tokens)} tokens are read again", file=sys.stderr)
