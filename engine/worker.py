@@ -62,7 +62,6 @@ from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError, IncompatibleState
-from engine.restore import text_of_chain
 from engine.events import (FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo,
                            ModelOptions, WorkerListener)
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk
@@ -679,6 +678,7 @@ class EngineWorker:
     def _do_open_checkpoint(self, path: Path) -> None:
         from engine.checkpoints.chain import load_chain
         from engine.history import LineWriter
+        from engine.restore import text_of_chain
         rt = self._need_runtime()
         chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
