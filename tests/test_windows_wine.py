@@ -258,6 +258,39 @@ def test_a_replace_waits_for_a_reader_that_holds_the_file_open(tmp_path):
     assert waited > 0.3, f"the replace did not meet the reader's handle ({waited:.2f} s)"
 
 
+def test_a_replace_waits_for_a_scanner_holding_the_new_file_for_seconds(tmp_path):
+    """What an antivirus scanner does: it opens the new (temp) file as soon as it is closed
+    and reads it for seconds, without FILE_SHARE_DELETE; renaming it fails until then.
+    Held for 4 s: longer than the old 3 s budget, well within REPLACE_RETRY_S."""
+    from engine.checkpoints import atomic
+    target = tmp_path / "Virenprüfung" / "scanned.kvckpt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    scanner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, sys, time
+        folder = pathlib.Path({str(target.parent)!r})
+        for _ in range(600):
+            temps = [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+            if temps:
+                break
+            time.sleep(0.01)
+        f = open(temps[0], "rb")
+        print("open", flush=True)
+        time.sleep(4.0)
+        f.close()
+    """)], stdout=subprocess.PIPE, text=True)
+    with atomic.atomic_write(target) as f:
+        f.write(b"new")
+        f.flush()
+        assert scanner.stdout.readline().strip() == "open"    # the scanner holds the new file
+        start = time.monotonic()
+    waited = time.monotonic() - start
+    scanner.wait(timeout=30)
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in target.parent.iterdir()] == ["scanned.kvckpt"]
+    assert 3.0 < waited < atomic.REPLACE_RETRY_S, f"{waited:.2f} s"
+
+
 def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
     from engine.checkpoints import atomic
     monkeypatch.setattr(atomic, "REPLACE_RETRY_S", 0.3)
@@ -268,6 +301,7 @@ def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
             with atomic.atomic_write(target) as f:
                 f.write(b"new")
     assert caught.value.winerror in atomic.TRANSIENT_WINERRORS
+    assert "another program" in str(caught.value) and "over 0.3 s" in str(caught.value), caught.value
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["held.kvckpt"]
 
