@@ -306,6 +306,28 @@ def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["held.kvckpt"]
 
 
+def test_the_rpc_cache_folder_reaches_the_ansi_api_as_itself(tmp_path):
+    """ggml-rpc.cpp opens its cache through std::filesystem::path(const char *): with MSVC,
+    the ANSI code page.  Whatever cache_dir_argument gives, the ANSI API must find the
+    folder (tmp_path lies under 'Zoë Müller'; the second folder's letters are in no
+    Western code page)."""
+    from native.rpc import RpcError, _short_path_name, cache_dir_argument
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    # BOOL CreateDirectoryA(LPCSTR lpPathName, LPSECURITY_ATTRIBUTES lpSecurityAttributes)
+    kernel32.CreateDirectoryA.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    kernel32.CreateDirectoryA.restype = ctypes.c_int
+    for folder in (tmp_path / "rpc cache", tmp_path / "缓存 ü"):
+        folder.mkdir()
+        try:
+            arg, note = cache_dir_argument(folder)
+        except RpcError:
+            assert not (_short_path_name(str(folder)) or "").isascii(), "an ASCII short name was there"
+            continue
+        assert arg != str(folder).encode("utf-8"), "UTF-8 is not what the ANSI API reads"
+        assert kernel32.CreateDirectoryA(arg + b"\\made by ggml", None), ctypes.get_last_error()
+        assert (folder / "made by ggml").is_dir(), (arg, note)
+
+
 # -- crash capture and liveness -----------------------------------------------------------------
 
 def test_liveness_probe_does_not_signal_a_live_process():
