@@ -327,3 +327,19 @@ def test_mutex_workaround_and_app_dependencies_and_arch():
     assert "pip install --quiet -e $Repo" in text and "if ($created)" in text
     native = text.split('if ($Arch -eq "native")', 1)[1].split("\n}", 1)[0]
     assert "nvidia-smi --query-gpu=compute_cap" in native and "throw" in native
+
+
+def test_paths_with_spaces_and_any_msvc_toolset():
+    """MSVC 14.44 (VS 17.14) and a %TEMP% under 'C:\\Users\\Zoë Müller': no toolset folder name
+    is assumed (cl.exe comes from the developer shell's PATH), Invoke-Logged quotes every
+    argument holding a space itself, and the build gets a plain TEMP before pip runs."""
+    text = ps1()
+    code = "\n".join(ln for ln in text.split("#>", 1)[1].splitlines() if not ln.lstrip().startswith("#"))
+    assert not re.search(r"MSVC\\14\.|14\.4\d\.\d{5}", code), "a toolset folder name"
+    assert 'foreach ($tool in @("cl", "cmake", "ninja"))' in text
+    logged = text.split("function Invoke-Logged", 1)[1].split("\n}", 1)[0]
+    assert "-ArgumentList $quoted" in logged and """'"' + $_ + '"'""" in logged
+    assert '"`"$' not in text, "quoted twice once Invoke-Logged quotes"
+    temp = text.index("$env:TEMP = $plain")
+    assert "ShortPath" in text and temp < text.index("pip\", \"install\", \"--no-cache-dir\"")
+    assert '$env:TMP = $plain' in text
