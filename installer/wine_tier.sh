@@ -19,7 +19,8 @@
 # tests.  --frozen adds the PyInstaller build of installer/checkpoint_chat.spec under Wine
 # and its CLI save/resume (~3 min more); --installer also compiles installer/checkpoint_chat.iss
 # with Inno Setup (npm innosetup@6.4.1; needs wine32:i386, which it installs), installs it
-# silently for all users, checks the association and Start menu entry, and uninstalls
+# silently for all users, checks the association and Start menu entry, opens a .kvckpt
+# through the association, installs again over planted stale files, and uninstalls
 # (~4 min more).  Neither is in the default CI run.
 set -euo pipefail
 ROOT="${CHECKPOINT_CHAT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
