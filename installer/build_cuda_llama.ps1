@@ -62,11 +62,13 @@ function Invoke-Native {
 }
 
 function Invoke-Logged {
-    # Runs $File with $Arguments (quote an argument that holds spaces), stdout and stderr
-    # into $Log; returns the exit status.  Start-Process keeps stderr away from PowerShell.
+    # Runs $File with $Arguments (paths with spaces welcome), stdout and stderr into $Log;
+    # returns the exit status.  Start-Process keeps stderr away from PowerShell.
     param([string]$File, [string[]]$Arguments, [string]$Log)
     $err = "$Log.stderr"
-    $p = Start-Process -FilePath $File -ArgumentList $Arguments -NoNewWindow -Wait -PassThru `
+    # Start-Process joins its arguments with spaces: each one that holds a space is quoted here
+    $quoted = @($Arguments | ForEach-Object { if ($_ -match '\s') { '"' + $_ + '"' } else { $_ } })
+    $p = Start-Process -FilePath $File -ArgumentList $quoted -NoNewWindow -Wait -PassThru `
         -RedirectStandardOutput $Log -RedirectStandardError $err
     Get-Content $err | Add-Content $Log
     Remove-Item $err
@@ -120,13 +122,28 @@ if (-not $vs) { throw "Visual Studio 2022 has no C++ tools: add the workload 'De
 Write-Host "Visual Studio: $vs"
 & (Join-Path $vs "Common7\Tools\Launch-VsDevShell.ps1") -Arch amd64 -HostArch amd64 -SkipAutomaticLocation | Out-Null
 Write-Host "MSVC toolset: $env:VCToolsVersion"
-foreach ($tool in @("cmake", "ninja")) {
+# cl.exe from the developer shell's PATH, whichever toolset folder (14.44.35207, ...) it is
+foreach ($tool in @("cl", "cmake", "ninja")) {
     if (-not (Get-Command $tool -ErrorAction SilentlyContinue)) {
         throw "$tool not found in the developer shell: add 'C++ CMake tools for Windows' to the Build Tools"
     }
 }
 
 # -- build ----------------------------------------------------------------------------------
+# pip builds in %TEMP%, under the user's profile: a user name with a space or accents
+# then reaches nvcc, cudafe++ and the command lines CMake writes, which do not all
+# cope.  The build gets a plain TEMP: the 8.3 short name, or a folder on the system drive.
+function Test-PlainPath([string]$Path) { return $Path -match '^[\x21-\x7E]+$' }
+if (-not (Test-PlainPath $env:TEMP)) {
+    $plain = (New-Object -ComObject Scripting.FileSystemObject).GetFolder($env:TEMP).ShortPath
+    if (-not (Test-PlainPath $plain)) {
+        $plain = Join-Path $env:SystemDrive "llama-build-temp"
+        New-Item -ItemType Directory -Force $plain | Out-Null
+    }
+    Write-Host "TEMP for the build: $plain (instead of '$env:TEMP')"
+    $env:TEMP = $plain
+    $env:TMP = $plain
+}
 $env:CMAKE_GENERATOR = "Ninja"
 $env:CMAKE_BUILD_PARALLEL_LEVEL = "$Jobs"
 # -DGGML_RPC=ON: remote workers (README, "More than one machine")
@@ -175,9 +192,8 @@ if ($Venv) {
     New-Item -ItemType Directory -Force $WheelDir | Out-Null
     $wheels = (Resolve-Path $WheelDir).Path
     $log = Join-Path $wheels "llama-cuda-build.log"
-    # Start-Process joins arguments with spaces: a folder with spaces goes in quotes
     $status = Invoke-Logged "py" @("-3", "-m", "pip", "wheel", "--no-cache-dir", "--no-deps", "-w",
-                                   "`"$wheels`"", "llama-cpp-python==0.3.36") $log
+                                   $wheels, "llama-cpp-python==0.3.36") $log
     if ($status) { Get-Content $log -Tail 40; throw "wheel build failed; full log: $log" }
     Get-ChildItem $WheelDir
 }

@@ -17,7 +17,7 @@
 ; settings and logs in %LOCALAPPDATA%\CheckpointChat (platformdirs) stay.
 ; An upgrade first deletes the old {app}\_internal (see [InstallDelete]): PyInstaller's
 ; folder of DLLs and .pyd files, where a file the new version no longer ships would
-; otherwise stay and could be loaded.  A running Checkpoint Chat is asked to close
+; otherwise stay and could be loaded; and any DLL or .pyd in {app} itself.  A running Checkpoint Chat is asked to close
 ; through the Restart Manager (CloseApplications, Inno's default): the app then pauses
 ; and saves as at sign-out (gui/session_end.py).
 
@@ -68,6 +68,11 @@ WizardStyle=modern
 [InstallDelete]
 ; the previous version's libraries: stale DLLs and .pyd files must not survive an upgrade
 Type: filesandordirs; Name: "{app}\_internal"
+; and what a build of another layout (PyInstaller before 6 put every library beside the
+; executables) left in the program folder itself; the uninstaller's unins000.* stay
+Type: files; Name: "{app}\*.dll"
+Type: files; Name: "{app}\*.pyd"
+Type: files; Name: "{app}\base_library.zip"
 
 [Files]
 Source: "..\dist\CheckpointChat\{#AppExe}"; DestDir: "{app}"; Flags: ignoreversion {#SignFlag}

@@ -19,7 +19,8 @@
 # tests.  --frozen adds the PyInstaller build of installer/checkpoint_chat.spec under Wine
 # and its CLI save/resume (~3 min more); --installer also compiles installer/checkpoint_chat.iss
 # with Inno Setup (npm innosetup@6.4.1; needs wine32:i386, which it installs), installs it
-# silently for all users, checks the association and Start menu entry, and uninstalls
+# silently for all users, checks the association and Start menu entry, opens a .kvckpt
+# through the association, installs again over planted stale files, and uninstalls
 # (~4 min more).  Neither is in the default CI run.
 set -euo pipefail
 ROOT="${CHECKPOINT_CHAT_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
@@ -302,6 +303,8 @@ if [ "$FROZEN" = 1 ]; then
     [ -f "$APP/checkpoint-chat.exe" ] && [ -f "$APP/CheckpointChat.exe" ] \
         || { tail -30 "$WORK/pyinstaller.log"; echo "PyInstaller built no executables"; exit 1; }
     du -sh "$APP" | sed 's/^/frozen folder: /'
+    # the executables, for the test that reads their version resources
+    mkdir -p "$XOS/exes" && cp "$APP/checkpoint-chat.exe" "$APP/CheckpointChat.exe" "$XOS/exes/"
     # the frozen CLI: pause + save, then resume in a new process (compared with Linux by the tests)
     frozen() { timeout 300 env -i HOME="$HOME" PATH=/usr/bin:/bin WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all \
         LANG="$LANG" USER="$USER" LOGNAME="$LOGNAME" DISPLAY="$DISPLAY" \
@@ -351,12 +354,35 @@ if [ "$INSTALLER" = 1 ]; then
         echo "start_menu=$(find "$WINEPREFIX/drive_c/ProgramData/Microsoft/Windows/Start Menu" -iname 'Checkpoint Chat*.lnk' | head -1 | sed 's|.*/||')"
         echo "store_before=$(find "$WINEPREFIX/drive_c/users/$WIN_USER/AppData/Local/CheckpointChat" -name '*.kvckpt' 2>/dev/null | wc -l)"
     } > "$XOS/installer.txt"
+    store_count() { find "$WINEPREFIX/drive_c/users/$WIN_USER/AppData/Local/CheckpointChat" -name '*.kvckpt' 2>/dev/null | wc -l; }
+    # a .kvckpt opened through the association (ShellExecute, as Explorer's double-click):
+    # the installed app starts with it and imports it into the store
+    OPENED="$WORK/Geöffnet von Explorer/shared answer.kvckpt"
+    mkdir -p "$(dirname "$OPENED")" && cp "$XOS/windows.kvckpt" "$OPENED"
+    before=$(store_count)
+    timeout 60 env -i HOME="$HOME" PATH=/usr/bin:/bin WINEPREFIX="$WINEPREFIX" WINEDEBUG=-all LANG="$LANG" \
+        USER="$USER" LOGNAME="$LOGNAME" DISPLAY="$DISPLAY" $WINE cmd /c start "" "$(winpath "$OPENED")" >/dev/null 2>&1 || true
+    opened=no
+    for _ in $(seq 120); do [ "$(store_count)" -gt "$before" ] && { opened=yes; break; }; sleep 1; done
+    echo "association_opened=$opened" >> "$XOS/installer.txt"
+    $WINE taskkill /F /IM CheckpointChat.exe >/dev/null 2>&1 || true
+    sleep 2
+    # installing over an older build: files it had and this one does not ship must go
+    echo old > "$PF/_internal/stale_from_old_build.pyd"; echo old > "$PF/stale_from_old_build.dll"
+    store_mid=$(store_count)
+    w32 "$SETUP" /VERYSILENT /SUPPRESSMSGBOXES /NORESTART /ALLUSERS "/LOG=$(winpath "$WORK/setup-again.log")" >/dev/null
+    {
+        echo "upgrade_stale=$(find "$PF" -name 'stale_from_old_build*' | wc -l)"
+        echo "upgrade_exe=$([ -f "$PF/CheckpointChat.exe" ] && [ -f "$PF/checkpoint-chat.exe" ] && [ -d "$PF/_internal" ] && echo yes || echo no)"
+        echo "upgrade_store_kept=$([ "$(store_count)" = "$store_mid" ] && echo yes || echo no)"
+        echo "store_before_uninstall=$(store_count)"
+    } >> "$XOS/installer.txt"
     w32 "$PF/unins000.exe" /VERYSILENT /SUPPRESSMSGBOXES /NORESTART >/dev/null
     for _ in $(seq 30); do [ -f "$PF/checkpoint-chat.exe" ] || break; sleep 1; done   # it finishes in a child
     {
         echo "uninstalled=$([ -e "$PF/checkpoint-chat.exe" ] || [ -e "$PF/_internal" ] && echo no || echo yes)"
         echo "assoc_after=$(regq 'HKLM\Software\Classes\.kvckpt')"
-        echo "store_after=$(find "$WINEPREFIX/drive_c/users/$WIN_USER/AppData/Local/CheckpointChat" -name '*.kvckpt' 2>/dev/null | wc -l)"
+        echo "store_after=$(store_count)"
     } >> "$XOS/installer.txt"
     cat "$XOS/installer.txt"
 fi

@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from native.errors import NativeError
 from native.rpc_guard import IO_TIMEOUT_S, SocketGuard, install_abort_handler
@@ -512,15 +512,62 @@ def port_problem(endpoint: Endpoint) -> str | None:
     return None
 
 
+def _short_path_name(path: str) -> str | None:
+    """The 8.3 short name of an existing ``path`` (Windows), or None."""
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    # DWORD GetShortPathNameW(LPCWSTR lpszLongPath, LPWSTR lpszShortPath, DWORD cchBuffer)
+    get = kernel32.GetShortPathNameW
+    get.argtypes = [ctypes.c_wchar_p, ctypes.c_wchar_p, ctypes.c_uint32]
+    get.restype = ctypes.c_uint32
+    size = get(path, None, 0)
+    if size == 0:
+        return None
+    buf = ctypes.create_unicode_buffer(size)
+    return buf.value if 0 < get(path, buf, size) < size else None
+
+
+def cache_dir_argument(folder: Path, *, windows: bool = os.name == "nt",
+                       short_path: Callable[[str], str | None] | None = None,
+                       ansi: str = "mbcs") -> tuple[bytes, str | None]:
+    """The ``const char *`` to give llama.cpp's RPC server for the weights cache ``folder``,
+    and a note for the user when it is not the folder's own name.
+
+    ggml-rpc.cpp makes a ``std::filesystem::path`` of it.  On POSIX that is the name's
+    bytes (``os.fsencode``).  On Windows a narrow string is read in the ANSI code page
+    (MSVC's ``std::filesystem``, which builds official releases and
+    installer/build_cuda_llama.ps1), while ``os.fsencode`` gives UTF-8: a profile such as
+    ``C:\\Users\\Zoë Müller`` became another folder, or none.  So on Windows: an ASCII name
+    as it is; else the folder's 8.3 short name when that is ASCII (any build reads it the
+    same way); else the name in the ANSI code page (``ansi``) when every letter has a byte
+    there; else :class:`RpcError`, naming the folder and what to do.  ``folder`` exists.
+    """
+    if not windows:
+        return os.fsencode(str(folder)), None
+    name = str(folder)
+    if name.isascii():
+        return name.encode("ascii"), None
+    short = (short_path or _short_path_name)(name)
+    if short and short.isascii():
+        return short.encode("ascii"), f"llama.cpp is given its short name {short}"
+    try:
+        return name.encode(ansi), None
+    except UnicodeEncodeError:
+        raise RpcError(f"llama.cpp cannot open the weights cache {name}: it reads the folder's name in "
+                       "Windows' ANSI code page, which lacks some of its letters, and the folder has no "
+                       "short (8.3) name. Choose a folder with a plain name (--cache C:\\rpc-cache) or "
+                       "run without --cache.") from None
+
+
 def serve(endpoint: Endpoint, devices: Sequence[Device], *, threads: int,
           cache_dir: Path | None = None) -> None:
     """Serve ``devices`` on ``endpoint`` until the process ends (llama.cpp's loop).
 
-    Returns only when llama.cpp could not start serving (it printed why).
+    Returns only when llama.cpp could not start serving (it printed why).  ``cache_dir``
+    must exist; :func:`cache_dir_argument` may refuse it (RpcError).
     """
     b = backend()
     array = (ctypes.c_void_p * len(devices))(*[d.ptr for d in devices])
-    cache = os.fsencode(str(cache_dir)) if cache_dir is not None else None
+    cache = cache_dir_argument(cache_dir)[0] if cache_dir is not None else None
     b.start_server(str(endpoint).encode(), cache, threads, len(devices), array)
 
 

@@ -203,7 +203,35 @@ def test_permanent_sharing_violation_is_a_clear_error_within_the_bound(tmp_path,
     elapsed = time.monotonic() - started
     assert info.value.winerror == 32
     assert 0.2 < elapsed < 1.5 and 3 <= len(attempts) < 40
+    assert f"tried {len(attempts)} times over 0.4 s" in str(info.value)
     assert target.read_bytes() == before and _leftovers(target.parent) == []
+
+
+def test_the_retry_waits_long_enough_for_a_scanner_backing_off_and_then_says_so(tmp_path, monkeypatch):
+    """The default schedule, on a clock of its own: pauses that grow to at most a second,
+    REPLACE_RETRY_S in all (a scanner reading a new file of some GB), never longer; the
+    error names the tries and the time."""
+    now = [0.0]
+    pauses = []
+
+    def sleep(s):
+        pauses.append(s)
+        now[0] += s
+    monkeypatch.setattr(atomic, "clock", lambda: now[0])
+    monkeypatch.setattr(atomic, "sleep", sleep)
+    attempts = inject_replace_failures(monkeypatch, 32, times=10**6)
+    src = tmp_path / "new"
+    src.write_bytes(b"x")
+    with pytest.raises(PermissionError) as info:
+        atomic.replace_with_retry(src, tmp_path / "held")
+    assert 5.0 <= atomic.REPLACE_RETRY_S <= 10.0, "a few seconds: a scanner's hold, not for ever"
+    assert sum(pauses) == pytest.approx(atomic.REPLACE_RETRY_S)
+    assert pauses[0] <= 0.01 and max(pauses) <= 1.0
+    assert pauses[:-1] == sorted(pauses[:-1]), "backing off"
+    assert len(attempts) == len(pauses) + 1 < 30
+    assert info.value.winerror == 32
+    assert f"tried {len(attempts)} times over {atomic.REPLACE_RETRY_S:.1f} s" in str(info.value)
+    assert "another program" in str(info.value) and src.exists()
 
 
 def test_permanent_sharing_violation_through_runtime_save(tmp_path, monkeypatch, smollm_runtime,

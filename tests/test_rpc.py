@@ -284,3 +284,28 @@ def test_cli_worker_names_an_unknown_device():
 def test_cli_info_says_the_rpc_backend_is_there():
     done = run_cli_quick("info")
     assert done.returncode == 0 and "RPC backend     yes" in done.stdout
+
+
+# -- the weights cache's name as llama.cpp reads it ----------------------------------------------
+
+def test_the_cache_folder_is_its_own_bytes_on_posix(tmp_path):
+    folder = tmp_path / "Zoë Müller" / "缓存"
+    assert rpc.cache_dir_argument(folder, windows=False) == (str(folder).encode("utf-8"), None)
+
+
+def test_on_windows_the_cache_folder_is_named_as_the_ansi_api_reads_it():
+    """MSVC's std::filesystem reads a char string in the ANSI code page, not UTF-8."""
+    never = lambda name: pytest.fail("an ASCII name needs no short name")   # noqa: E731
+    assert rpc.cache_dir_argument(r"C:\rpc cache", windows=True, short_path=never) == (b"C:\\rpc cache", None)
+    profile = r"C:\Users\Zoë Müller\AppData\Local\cache"
+    # the short name, ASCII, when the volume keeps them
+    short = r"C:\Users\ZOMLLE~1\AppData\Local\cache"
+    arg, note = rpc.cache_dir_argument(profile, windows=True, short_path=lambda name: short, ansi="cp1252")
+    assert arg == b"C:\\Users\\ZOMLLE~1\\AppData\\Local\\cache" and "short name" in note
+    # no short names (fsutil 8dot3name): the ANSI bytes, never UTF-8
+    for no_short in (lambda name: None, lambda name: name):
+        arg, note = rpc.cache_dir_argument(profile, windows=True, short_path=no_short, ansi="cp1252")
+        assert arg == profile.encode("cp1252") != profile.encode("utf-8") and note is None
+    # letters the code page lacks and no short name: refused, saying what to do
+    with pytest.raises(RpcError, match=r"缓存.*ANSI code page.*--cache C:\\rpc-cache"):
+        rpc.cache_dir_argument(r"C:\Users\Zoë\缓存", windows=True, short_path=lambda name: None, ansi="cp1252")

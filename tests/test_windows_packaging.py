@@ -129,12 +129,13 @@ DRIVER = textwrap.dedent("""
             seen["analysis"].append(kw["binaries"])
             self.pure, self.scripts, self.binaries, self.datas = [], scripts, kw["binaries"], kw["datas"]
     def EXE(*a, **kw):
-        seen["exe"].append({"name": kw["name"], "icon": kw["icon"], "console": kw["console"]})
+        seen["exe"].append({"name": kw["name"], "icon": kw["icon"], "console": kw["console"],
+                            "version": kw.get("version")})
     sys.platform = target
     spec = root + "/installer/checkpoint_chat.spec"
     code = compile(open(spec, encoding="utf-8").read(), spec, "exec")
     try:
-        exec(code, {"SPECPATH": root + "/installer", "Analysis": Analysis, "EXE": EXE,
+        exec(code, {"SPECPATH": root + "/installer", "workpath": fakes + "/work", "Analysis": Analysis, "EXE": EXE,
                     "PYZ": lambda *a, **k: None, "COLLECT": lambda *a, **k: None,
                     "__name__": "__main__"})
     except SystemExit as exc:
@@ -182,6 +183,40 @@ def test_spec_lists_llama_cpp_without_importing_it_and_sets_the_icon(tmp_path):
     icons = {e["name"]: e["icon"] for e in seen["exe"]}
     assert icons == {"checkpoint-chat": [str(RES / "checkpoint-chat.ico")],
                      "CheckpointChat": [str(RES / "checkpoint-chat.ico")]}
+
+
+def read_version_file(path: str) -> dict:
+    """PyInstaller's version file, evaluated as PyInstaller does (eval), with recorders for
+    its classes (PyInstaller.utils.win32.versioninfo's names and signatures)."""
+    def record(kind):
+        return lambda *args, **kw: {"kind": kind, "args": args, **kw}
+    names = {n: record(n) for n in ("VSVersionInfo", "FixedFileInfo", "StringFileInfo", "StringTable",
+                                     "StringStruct", "VarFileInfo", "VarStruct")}
+    info = eval(Path(path).read_text("utf-8"), names)   # noqa: S307 - our own build file
+    table = info["kids"][0]["args"][0][0]
+    strings = {s["args"][0]: s["args"][1] for s in table["args"][1]}
+    return {"ffi": info["ffi"], "table": table["args"][0], "strings": strings,
+            "translation": info["kids"][1]["args"][0][0]["args"]}
+
+
+def test_spec_gives_both_executables_a_version_resource(tmp_path):
+    """Explorer's Details tab, Task Manager and support tools read it (the Wine tier reads
+    the built exe's own resource with GetFileVersionInfoW)."""
+    from engine import APP_VERSION
+    site, _ = fake_site(tmp_path, cuda=False)
+    seen = run_spec(site)
+    numbers = tuple(int(n) for n in APP_VERSION.split(".")) + (0,) * (4 - len(APP_VERSION.split(".")))
+    described = {}
+    for exe in seen["exe"]:
+        info = read_version_file(exe["version"])
+        assert info["ffi"]["filevers"] == info["ffi"]["prodvers"] == numbers
+        assert info["table"] == "040904B0" and info["translation"] == ("Translation", [1033, 1200])
+        s = info["strings"]
+        assert s["FileVersion"] == s["ProductVersion"] == APP_VERSION
+        assert s["CompanyName"] == "Checkpoint Chat" and s["ProductName"] == "Checkpoint Chat"
+        assert s["OriginalFilename"] == exe["name"] + ".exe"
+        described[exe["name"]] = s["FileDescription"]
+    assert set(described) == {"checkpoint-chat", "CheckpointChat"} and len(set(described.values())) == 2
 
 
 def test_spec_bundles_the_cuda_runtime_explicitly(tmp_path):
@@ -241,6 +276,11 @@ def test_upgrades_replace_the_libraries_folder():
     text = iss_text()
     section = text.split("\n[InstallDelete]\n", 1)[1].split("\n[", 1)[0]
     assert 'Type: filesandordirs; Name: "{app}\\_internal"' in section
+    for pattern in ("*.dll", "*.pyd"):       # an older layout's libraries beside the exes
+        assert f'Type: files; Name: "{{app}}\\{pattern}"' in section
+    entries = [line for line in section.splitlines() if line.startswith("Type:")]
+    assert not any("unins" in e.lower() or '"{app}"' in e for e in entries)
+    assert '"{app}"' not in section and "{app}\\*\"" not in section
     assert not re.search(r"\{(local|user|common)appdata\}", section, re.I)
 
 
@@ -287,3 +327,19 @@ def test_mutex_workaround_and_app_dependencies_and_arch():
     assert "pip install --quiet -e $Repo" in text and "if ($created)" in text
     native = text.split('if ($Arch -eq "native")', 1)[1].split("\n}", 1)[0]
     assert "nvidia-smi --query-gpu=compute_cap" in native and "throw" in native
+
+
+def test_paths_with_spaces_and_any_msvc_toolset():
+    """MSVC 14.44 (VS 17.14) and a %TEMP% under 'C:\\Users\\Zoë Müller': no toolset folder name
+    is assumed (cl.exe comes from the developer shell's PATH), Invoke-Logged quotes every
+    argument holding a space itself, and the build gets a plain TEMP before pip runs."""
+    text = ps1()
+    code = "\n".join(ln for ln in text.split("#>", 1)[1].splitlines() if not ln.lstrip().startswith("#"))
+    assert not re.search(r"MSVC\\14\.|14\.4\d\.\d{5}", code), "a toolset folder name"
+    assert 'foreach ($tool in @("cl", "cmake", "ninja"))' in text
+    logged = text.split("function Invoke-Logged", 1)[1].split("\n}", 1)[0]
+    assert "-ArgumentList $quoted" in logged and """'"' + $_ + '"'""" in logged
+    assert '"`"$' not in text, "quoted twice once Invoke-Logged quotes"
+    temp = text.index("$env:TEMP = $plain")
+    assert "ShortPath" in text and temp < text.index("pip\", \"install\", \"--no-cache-dir\"")
+    assert '$env:TMP = $plain' in text

@@ -258,6 +258,39 @@ def test_a_replace_waits_for_a_reader_that_holds_the_file_open(tmp_path):
     assert waited > 0.3, f"the replace did not meet the reader's handle ({waited:.2f} s)"
 
 
+def test_a_replace_waits_for_a_scanner_holding_the_new_file_for_seconds(tmp_path):
+    """What an antivirus scanner does: it opens the new (temp) file as soon as it is closed
+    and reads it for seconds, without FILE_SHARE_DELETE; renaming it fails until then.
+    Held for 4 s: longer than the old 3 s budget, well within REPLACE_RETRY_S."""
+    from engine.checkpoints import atomic
+    target = tmp_path / "Virenprüfung" / "scanned.kvckpt"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    scanner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, sys, time
+        folder = pathlib.Path({str(target.parent)!r})
+        for _ in range(600):
+            temps = [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+            if temps:
+                break
+            time.sleep(0.01)
+        f = open(temps[0], "rb")
+        print("open", flush=True)
+        time.sleep(4.0)
+        f.close()
+    """)], stdout=subprocess.PIPE, text=True)
+    with atomic.atomic_write(target) as f:
+        f.write(b"new")
+        f.flush()
+        assert scanner.stdout.readline().strip() == "open"    # the scanner holds the new file
+        start = time.monotonic()
+    waited = time.monotonic() - start
+    scanner.wait(timeout=30)
+    assert target.read_bytes() == b"new"
+    assert [p.name for p in target.parent.iterdir()] == ["scanned.kvckpt"]
+    assert 3.0 < waited < atomic.REPLACE_RETRY_S, f"{waited:.2f} s"
+
+
 def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
     from engine.checkpoints import atomic
     monkeypatch.setattr(atomic, "REPLACE_RETRY_S", 0.3)
@@ -268,8 +301,31 @@ def test_a_replace_blocked_too_long_keeps_the_old_file(tmp_path, monkeypatch):
             with atomic.atomic_write(target) as f:
                 f.write(b"new")
     assert caught.value.winerror in atomic.TRANSIENT_WINERRORS
+    assert "another program" in str(caught.value) and "over 0.3 s" in str(caught.value), caught.value
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["held.kvckpt"]
+
+
+def test_the_rpc_cache_folder_reaches_the_ansi_api_as_itself(tmp_path):
+    """ggml-rpc.cpp opens its cache through std::filesystem::path(const char *): with MSVC,
+    the ANSI code page.  Whatever cache_dir_argument gives, the ANSI API must find the
+    folder (tmp_path lies under 'Zoë Müller'; the second folder's letters are in no
+    Western code page)."""
+    from native.rpc import RpcError, _short_path_name, cache_dir_argument
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+    # BOOL CreateDirectoryA(LPCSTR lpPathName, LPSECURITY_ATTRIBUTES lpSecurityAttributes)
+    kernel32.CreateDirectoryA.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    kernel32.CreateDirectoryA.restype = ctypes.c_int
+    for folder in (tmp_path / "rpc cache", tmp_path / "缓存 ü"):
+        folder.mkdir()
+        try:
+            arg, note = cache_dir_argument(folder)
+        except RpcError:
+            assert not (_short_path_name(str(folder)) or "").isascii(), "an ASCII short name was there"
+            continue
+        assert arg.isascii() or arg == str(folder).encode("mbcs"), (arg, note)   # never plain UTF-8
+        assert kernel32.CreateDirectoryA(arg + b"\\made by ggml", None), ctypes.get_last_error()
+        assert (folder / "made by ggml").is_dir(), (arg, note)
 
 
 # -- crash capture and liveness -----------------------------------------------------------------
@@ -342,14 +398,66 @@ def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     assert text(XOS / "frozen-resume.txt") == text(XOS / "linux-resume.txt")
 
 
+def version_resource(exe: Path) -> dict:
+    """The exe's version resource as Windows reads it (version.dll)."""
+    v = ctypes.WinDLL("version", use_last_error=True)
+    # DWORD GetFileVersionInfoSizeW(LPCWSTR lptstrFilename, LPDWORD lpdwHandle)
+    v.GetFileVersionInfoSizeW.argtypes = [ctypes.c_wchar_p, ctypes.c_void_p]
+    v.GetFileVersionInfoSizeW.restype = ctypes.c_uint32
+    # BOOL GetFileVersionInfoW(LPCWSTR lptstrFilename, DWORD dwHandle, DWORD dwLen, LPVOID lpData)
+    v.GetFileVersionInfoW.argtypes = [ctypes.c_wchar_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p]
+    # BOOL VerQueryValueW(LPCVOID pBlock, LPCWSTR lpSubBlock, LPVOID *lplpBuffer, PUINT puLen)
+    v.VerQueryValueW.argtypes = [ctypes.c_void_p, ctypes.c_wchar_p, ctypes.POINTER(ctypes.c_void_p),
+                                 ctypes.POINTER(ctypes.c_uint32)]
+    size = v.GetFileVersionInfoSizeW(str(exe), None)
+    assert size, f"{exe.name} has no version resource (error {ctypes.get_last_error()})"
+    block = ctypes.create_string_buffer(size)
+    assert v.GetFileVersionInfoW(str(exe), 0, size, block)
+
+    def query(sub: str):
+        ptr, n = ctypes.c_void_p(), ctypes.c_uint32()
+        return (ptr.value, n.value) if v.VerQueryValueW(block, sub, ctypes.byref(ptr), ctypes.byref(n)) else (None, 0)
+    ptr, _ = query("\\")
+    fixed = (ctypes.c_uint32 * 13).from_address(ptr)   # VS_FIXEDFILEINFO
+    found = {"file": (fixed[2] >> 16, fixed[2] & 0xFFFF, fixed[3] >> 16, fixed[3] & 0xFFFF),
+             "product": (fixed[4] >> 16, fixed[4] & 0xFFFF, fixed[5] >> 16, fixed[5] & 0xFFFF)}
+    for key in ("CompanyName", "FileDescription", "FileVersion", "ProductName", "ProductVersion",
+                "OriginalFilename"):
+        ptr, n = query(f"\\StringFileInfo\\040904B0\\{key}")
+        found[key] = ctypes.wstring_at(ptr, n).rstrip("\0") if ptr else None
+    return found
+
+
+def test_the_frozen_executables_carry_the_app_version():
+    """installer/checkpoint_chat.spec's version resources, read back from the built exes."""
+    from engine import APP_VERSION
+    folder = XOS / "exes"
+    if not folder.is_dir():
+        pytest.skip("the frozen app is built by installer/wine_tier.sh --frozen")
+    numbers = tuple(int(n) for n in APP_VERSION.split(".")) + (0,) * (4 - len(APP_VERSION.split(".")))
+    descriptions = set()
+    for name in ("checkpoint-chat.exe", "CheckpointChat.exe"):
+        found = version_resource(folder / name)
+        assert found["file"] == found["product"] == numbers, found
+        assert found["FileVersion"] == found["ProductVersion"] == APP_VERSION, found
+        assert found["CompanyName"] == found["ProductName"] == "Checkpoint Chat", found
+        assert found["OriginalFilename"] == name, found
+        descriptions.add(found["FileDescription"])
+    assert len(descriptions) == 2 and all(descriptions), descriptions
+
+
+def installer_facts() -> dict:
+    facts_file = XOS / "installer.txt"
+    if not facts_file.is_file():
+        pytest.skip("the installer is built and run by installer/wine_tier.sh --installer")
+    return dict(line.split("=", 1) for line in facts_file.read_text("utf-8").splitlines() if "=" in line)
+
+
 def test_the_installer_installs_associates_and_uninstalls_keeping_data():
     """Setup.exe from installer/checkpoint_chat.iss (installer/wine_tier.sh --installer):
     a silent all-users install, the .kvckpt association and Start menu entry, the
     installed CLI, then an uninstall that removes the program and keeps the user's store."""
-    facts_file = XOS / "installer.txt"
-    if not facts_file.is_file():
-        pytest.skip("the installer is built and run by installer/wine_tier.sh --installer")
-    facts = dict(line.split("=", 1) for line in facts_file.read_text("utf-8").splitlines() if "=" in line)
+    facts = installer_facts()
     assert int(facts["setup_bytes"]) > 10 << 20
     assert facts["installed_exe"] == "yes"
     assert facts["assoc"] == "CheckpointChat.Checkpoint"
@@ -358,7 +466,24 @@ def test_the_installer_installs_associates_and_uninstalls_keeping_data():
     assert text(XOS / "installed-part.txt") == text(XOS / "linux-part.txt")
     assert int(facts["store_before"]) >= 1, "the installed CLI saved into the user's store"
     assert facts["uninstalled"] == "yes" and facts["assoc_after"] == ""
-    assert facts["store_after"] == facts["store_before"], "uninstalling kept the checkpoints"
+    assert facts["store_after"] == facts["store_before_uninstall"], "uninstalling kept the checkpoints"
+
+
+def test_a_checkpoint_opened_through_the_association_reaches_the_installed_app():
+    """`cmd /c start "" file.kvckpt` (ShellExecute, what Explorer's double-click does) reads
+    the association Setup registered, starts the installed app with the file, and the app
+    imports it into the user's store."""
+    facts = installer_facts()
+    assert facts["association_opened"] == "yes"
+
+
+def test_installing_over_an_older_build_leaves_no_stale_files():
+    """[InstallDelete]: a library the old build had and this one does not ship (planted in
+    _internal and in the program folder) is gone after a second silent install; the
+    program works and the user's checkpoints stay."""
+    facts = installer_facts()
+    assert facts["upgrade_stale"] == "0"
+    assert facts["upgrade_exe"] == "yes" and facts["upgrade_store_kept"] == "yes"
 
 
 # -- session end: real WM_QUERYENDSESSION / WM_ENDSESSION (Wine's user32, under Xvfb) ------------

@@ -6,8 +6,12 @@ then fsync the folder on POSIX so the rename itself is durable.  On any failure 
 temp file is removed and the destination is untouched.
 
 On Windows ``os.replace`` fails with ERROR_ACCESS_DENIED / SHARING_VIOLATION /
-LOCK_VIOLATION (winerror 5 / 32 / 33) while an antivirus scanner or the search indexer
-holds the destination open; those are retried for a bounded time.
+LOCK_VIOLATION (winerror 5 / 32 / 33) while another program holds the destination or the
+new file open: an antivirus scanner opens every file the moment it is closed, and reads a
+large one for seconds; the search indexer, backup and sync tools do the same.  Those
+errors are retried with a growing pause (10 ms, doubling, at most 1 s) for
+:data:`REPLACE_RETRY_S` seconds in all, never longer; the error that ends it says how many
+tries over how long, and that another program kept the file open.
 
 A process killed mid-write (SIGKILL, power loss) leaves its temp file behind.  On POSIX
 the writer holds an ``flock`` on its temp file, which the kernel drops when the process
@@ -26,8 +30,9 @@ the rest of the file is still being produced, and the final fsync has less left 
 It is only a hint; durability still comes from the fsync.  Elsewhere it is None (macOS
 has no such call; Windows' FlushFileBuffers is a full, waiting flush).
 
-The module-level ``open_file``, ``fsync``, ``replace`` and ``start_writeback`` names are
-the seams tests use to inject failures (ENOSPC, EIO, sharing violations) or count calls.
+The module-level ``open_file``, ``fsync``, ``replace``, ``start_writeback``, ``clock`` and
+``sleep`` names are the seams tests use to inject failures (ENOSPC, EIO, sharing
+violations), count calls, or run the retry's schedule without waiting.
 """
 
 from __future__ import annotations
@@ -54,7 +59,11 @@ log = logging.getLogger("checkpoint")
 
 #: Windows errors caused by another process holding the file for a moment.
 TRANSIENT_WINERRORS = frozenset({5, 32, 33})
-REPLACE_RETRY_S = 3.0
+#: How long a replace is retried, in all: long enough for a scanner reading a new file of
+#: some GB, short enough that a file held for good is reported while the user waits.
+REPLACE_RETRY_S = 8.0
+REPLACE_FIRST_PAUSE_S = 0.01
+REPLACE_MAX_PAUSE_S = 1.0
 TEMP_SUFFIX = ".tmp"
 #: An empty file that marks a folder as a checkpoint store (see engine.checkpoints.store).
 STORE_MARKER = ".kvstore"
@@ -95,6 +104,8 @@ open_file = open
 fsync = os.fsync
 replace = os.replace
 start_writeback = _linux_start_writeback()
+clock = time.monotonic
+sleep = time.sleep
 
 
 def temp_path_for(path: Path) -> Path:
@@ -119,21 +130,34 @@ def _lock_for(folder: Path) -> ContextManager:
 
 
 def replace_with_retry(src: Path, dst: Path, budget_s: float | None = None) -> None:
-    """``replace(src, dst)``, retrying transient Windows sharing errors for ``budget_s``."""
+    """``replace(src, dst)``, retrying transient Windows sharing errors for ``budget_s``.
+
+    The pauses grow from REPLACE_FIRST_PAUSE_S to REPLACE_MAX_PAUSE_S; the last one is cut
+    to end at the deadline, so a file held for good costs ``budget_s`` and no more.  The
+    error that ends the retries is the last one, its message extended with the tries.
+    """
     # read at call time so that tests (and a future setting) can shorten the budget
     budget_s = REPLACE_RETRY_S if budget_s is None else budget_s
-    deadline = time.monotonic() + budget_s
-    delay = 0.01
+    started = clock()
+    deadline = started + budget_s
+    pause = REPLACE_FIRST_PAUSE_S
+    tries = 0
     while True:
+        tries += 1
         try:
             replace(src, dst)
             return
         except OSError as exc:
-            transient = getattr(exc, "winerror", None) in TRANSIENT_WINERRORS
-            if not transient or time.monotonic() + delay > deadline:
+            if getattr(exc, "winerror", None) not in TRANSIENT_WINERRORS:
                 raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+            left = deadline - clock()
+            if left <= 0:
+                exc.strerror = (f"{exc.strerror} (another program, such as an antivirus scanner or "
+                                f"the search indexer, kept the file open: tried {tries} times "
+                                f"over {clock() - started:.1f} s)")
+                raise
+            sleep(min(pause, left))
+            pause = min(pause * 2, REPLACE_MAX_PAUSE_S)
 
 
 def fsync_dir(folder: Path) -> None:

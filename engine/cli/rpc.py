@@ -38,8 +38,8 @@ def connect_workers(spec: str, timeout: float | None):
 def cmd_rpc_worker(args) -> int:
     from native.context import _physical_cores as physical_cores   # the app's one rule
     from native.library import bindings, choose_library
-    from native.rpc import (PROTOCOL, Endpoint, RpcError, device_memory, pick_devices, port_problem,
-                            serve)
+    from native.rpc import (PROTOCOL, Endpoint, RpcError, cache_dir_argument, device_memory,
+                            pick_devices, port_problem, serve)
 
     bindings(choose_library(cli_dir=args.llama_lib))
     endpoint = Endpoint(args.host.strip(), args.port)
@@ -53,18 +53,21 @@ def cmd_rpc_worker(args) -> int:
     if problem:
         raise RpcError(problem)
     cache = Path(args.cache).expanduser().resolve() if args.cache else None
+    cache_note = None
     if cache is not None:
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise RpcError(f"cannot use {cache} as the weights cache: {exc.strerror or exc}") from None
+        cache_note = cache_dir_argument(cache)[1]      # refuses a name llama.cpp cannot open
     threads = args.threads or physical_cores()
     print(f"Checkpoint Chat RPC worker: llama.cpp RPC protocol {'.'.join(map(str, PROTOCOL))}, "
           f"listening on {endpoint}")
     for d in devices:
         free, total = device_memory(d)
         print(f"  device {d.name}: {d.description}, {human_size(free)} free of {human_size(total)}")
-    print(f"  threads {threads}; weights cache: {cache or 'none'}")
+    print(f"  threads {threads}; weights cache: {cache or 'none'}"
+          + (f" ({cache_note})" if cache_note else ""))
     print(f"Clients use it with: checkpoint-chat run --rpc {endpoint} -ngl -1")
     print("It serves one client at a time. Ctrl+C stops it.", flush=True)
 
