@@ -78,6 +78,12 @@ class ModelShape:
         return memory_name(self.memory, self.n_swa)
 
     @property
+    def snapshot_recurrent_only(self) -> bool:
+        """Whether a prompt snapshot (engine.snapshots) may keep only the recurrent part:
+        a hybrid whose attention cells can drop a tail (no sliding window)."""
+        return self.memory == MEMORY_HYBRID and not self.n_swa
+
+    @property
     def has_recurrent(self) -> bool:
         """A recurrent part: a fixed-size snapshot per sequence, which cannot drop a tail."""
         return self.memory != MEMORY_ATTENTION

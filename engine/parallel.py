@@ -264,7 +264,8 @@ class ParallelRuntime:
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
                 if self.shape.has_recurrent:   # the end of a prompt: see engine.snapshots
-                    held.snapshot = PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq))
+                    held.snapshot = PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq),
+                                                        recurrent_only=self.shape.snapshot_recurrent_only)
             else:
                 self._forget_logits(seq)
         return True

@@ -205,7 +205,8 @@ class Runtime:
             self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
                                    self.ctx.logits_last().copy())
             if self.shape.has_recurrent:
-                self._prompt_snapshot = PromptSnapshot.take(self.ctx, 0, self.kv_tokens, self._prompt_logits[2])
+                self._prompt_snapshot = PromptSnapshot.take(self.ctx, 0, self.kv_tokens, self._prompt_logits[2],
+                                                            recurrent_only=self.shape.snapshot_recurrent_only)
         report.seconds = time.perf_counter() - started
         return report
 

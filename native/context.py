@@ -40,6 +40,10 @@ COMPUTE_PRIORITIES = ("normal", "low")
 log = logging.getLogger("native")
 
 
+#: llama.h's LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY: for a hybrid memory, its recurrent part only
+STATE_RECURRENT_ONLY = 1
+
+
 @dataclass(frozen=True)
 class ContextSettings:
     """Everything that shapes the KV cache, and so decides whether a state fits.
@@ -407,7 +411,11 @@ class Context:
         self._ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 
     # -- sequence state ------------------------------------------------------------------
-    def state_size(self, seq: int = 0) -> int:
+    def state_size(self, seq: int = 0, flags: int = 0) -> int:
+        """Bytes of ``seq``'s state; ``flags`` STATE_RECURRENT_ONLY: a hybrid's recurrent part."""
+        if flags:
+            # size_t llama_state_seq_get_size_ext(ctx, llama_seq_id seq_id, llama_state_seq_flags flags)
+            return int(self._ll.llama_state_seq_get_size_ext(self.ptr, seq, flags))
         # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id)
         return int(self._ll.llama_state_seq_get_size(self.ptr, seq))
 
@@ -420,21 +428,30 @@ class Context:
         # void llama_synchronize(struct llama_context * ctx)
         self._ll.llama_synchronize(self.ptr)
 
-    def state_get_into(self, buffer, size: int, seq: int = 0) -> int:
+    def state_get_into(self, buffer, size: int, seq: int = 0, flags: int = 0) -> int:
         """Copy ``seq``'s state into ``buffer`` (any writable ctypes-compatible buffer)."""
         self.synchronize()  # llama.cpp does it too; explicit, as the save depends on it
         dst = (ctypes.c_uint8 * size).from_buffer(buffer)
-        # size_t llama_state_seq_get_data(ctx, uint8_t * dst, size_t size, llama_seq_id seq_id)
-        written = int(self._ll.llama_state_seq_get_data(self.ptr, dst, size, seq))
+        if flags:
+            # size_t llama_state_seq_get_data_ext(ctx, uint8_t * dst, size_t size, llama_seq_id seq_id, flags)
+            written = int(self._ll.llama_state_seq_get_data_ext(self.ptr, dst, size, seq, flags))
+        else:
+            # size_t llama_state_seq_get_data(ctx, uint8_t * dst, size_t size, llama_seq_id seq_id)
+            written = int(self._ll.llama_state_seq_get_data(self.ptr, dst, size, seq))
         if written == 0:
             raise StateError("llama.cpp could not write the sequence state")
         return written
 
-    def state_set_from(self, buffer, size: int, seq: int = 0) -> int:
-        """Load ``seq``'s state from ``buffer``; on failure the sequence may be cleared."""
+    def state_set_from(self, buffer, size: int, seq: int = 0, flags: int = 0) -> int:
+        """Load ``seq``'s state from ``buffer``; on failure the sequence may be cleared.
+        With ``flags`` STATE_RECURRENT_ONLY only a hybrid's recurrent part is replaced."""
         src = (ctypes.c_uint8 * size).from_buffer(buffer)
-        # size_t llama_state_seq_set_data(ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id)
-        read = int(self._ll.llama_state_seq_set_data(self.ptr, src, size, seq))
+        if flags:
+            # size_t llama_state_seq_set_data_ext(ctx, const uint8_t * src, size_t size, dest_seq_id, flags)
+            read = int(self._ll.llama_state_seq_set_data_ext(self.ptr, src, size, seq, flags))
+        else:
+            # size_t llama_state_seq_set_data(ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id)
+            read = int(self._ll.llama_state_seq_set_data(self.ptr, src, size, seq))
         if read == 0:
             raise StateError("llama.cpp refused the sequence state")
         return read
