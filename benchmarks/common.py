@@ -12,9 +12,10 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 #: ggml_type id -> (bytes, elements) per block, for the theoretical KV size
 GGML_BLOCK = {0: (4, 1), 1: (2, 1), 8: (34, 32), 2: (18, 32), 3: (20, 32), 6: (22, 32),
@@ -138,7 +139,7 @@ class PeakRSS:
         self._thread: threading.Thread | None = None
         self.available = os.path.exists("/proc/self/status")
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         if not self.available:
             return self
         gc.collect()

@@ -32,8 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (MODEL_KEYS, Table, clock, ctx_size_for, greedy_conversation,
-                               model_path, prompt_tokens, ratio)
+from benchmarks.common import (
+    MODEL_KEYS,
+    Table,
+    clock,
+    ctx_size_for,
+    greedy_conversation,
+    model_path,
+    prompt_tokens,
+    ratio,
+)
 
 COUNTS = (1, 2, 4)
 

@@ -17,8 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (TYPE_NAMES, PeakRSS, Table, clock, greedy_conversation, kv_bytes,
-                               prompt_tokens, ratio, raw_read, raw_write)
+from benchmarks.common import (
+    TYPE_NAMES,
+    PeakRSS,
+    Table,
+    clock,
+    greedy_conversation,
+    kv_bytes,
+    prompt_tokens,
+    ratio,
+    raw_read,
+    raw_write,
+)
 
 MB = 1e6
 
@@ -63,8 +73,8 @@ def _floor_trial(rt, state_path: Path, n: int, token: int) -> float:
 
 def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Table]) -> None:
     from engine.checkpoints.format import read_checkpoint
-    from engine.generation import generate
     from engine.checkpoints.kvstate import check_state_for
+    from engine.generation import generate
 
     tokens = prompt_tokens(rt.model, n)
     conv = greedy_conversation(tokens)

@@ -29,8 +29,15 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (Table, clock, context_settings, ctx_size_for,  # noqa: E402
-                               greedy_conversation, model_path, prompt_tokens)
+from benchmarks.common import (  # noqa: E402
+    Table,
+    clock,
+    context_settings,
+    ctx_size_for,
+    greedy_conversation,
+    model_path,
+    prompt_tokens,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 _WORKER = ("import signal, sys; signal.alarm(600); from engine.cli import main; "

@@ -39,9 +39,19 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (MODEL_KEYS, Table, clock, context_settings, ctx_size_for,  # noqa: E402
-                               greedy_conversation, model_path, prompt_tokens, ratio, raw_read,
-                               raw_write)
+from benchmarks.common import (  # noqa: E402
+    MODEL_KEYS,
+    Table,
+    clock,
+    context_settings,
+    ctx_size_for,
+    greedy_conversation,
+    model_path,
+    prompt_tokens,
+    ratio,
+    raw_read,
+    raw_write,
+)
 from engine.checkpoints.atomic import wait_for_helper  # noqa: E402
 from engine.checkpoints.crc import crc32 as fast_crc32  # noqa: E402
 

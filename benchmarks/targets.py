@@ -6,7 +6,8 @@ no 8,192-token context) is still listed, with the size it was measured at.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _rows(tables: dict, name: str) -> list[dict[str, Any]]:

@@ -83,8 +83,9 @@ def wait_until(app, predicate, timeout: float) -> None:
 
 def synthesize_big_checkpoint(path: Path, size: int = 1 << 30) -> Path:
     """A structurally valid checkpoint with a ~1 GB state (random bytes, correct CRC)."""
-    from engine.checkpoints.format import Header, encode_metadata, pack_header, TRAILER_MAGIC
     import numpy as np
+
+    from engine.checkpoints.format import TRAILER_MAGIC, Header, encode_metadata, pack_header
     n_tokens = 4096
     tokens = np.arange(n_tokens, dtype="<i4").tobytes()
     meta = encode_metadata({"title": "synthetic 1 GB", "conversation": {}})
@@ -120,7 +121,7 @@ class Watchdog:
     than 2 ms are recorded too.
     """
 
-    def __init__(self, beat: "Heartbeat", late_ms: float = 15.0) -> None:
+    def __init__(self, beat: Heartbeat, late_ms: float = 15.0) -> None:
         import gc
         import threading
         self.beat, self.late_s = beat, late_ms / 1000
@@ -188,6 +189,7 @@ class Watchdog:
 def apply_levers(args) -> str:
     """Scheduling levers, applied to every context the window makes; returns a label."""
     import dataclasses
+
     import native.context as nc
     extra = {}
     if args.compute_priority:
@@ -220,6 +222,7 @@ def run_window(args) -> dict:
     os.environ["CHECKPOINT_CHAT_HOME"] = str(home)
     label = apply_levers(args)
     from PySide6.QtWidgets import QApplication
+
     from gui.main_window import MainWindow
     from gui.settings import AppSettings
     from gui.tasks import ensure_event_loop

@@ -44,6 +44,7 @@ def runtime_speed(path, tokens: int, threads: int) -> float:
 
 def worker_speed(path, tokens: int, threads: int, sequences: int) -> float:
     import queue
+
     from engine.checkpoints.store import Store
     from engine.sampling import SamplerSettings
     from engine.worker import EngineWorker, ModelOptions, WorkerListener

@@ -15,9 +15,9 @@ sharing it.  Showing alternative j opens the newest branch that has it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE, read_metadata
 from engine.checkpoints.graph import Graph

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 log = logging.getLogger("engine")
 
 Message = tuple[str, str]  # (role, content)
 
 # model -> why its template could not be used (weak: a closed model takes its entry along)
-_problems: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def template_problem(model) -> str | None:

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from engine.checkpoints.format import KIND_EXIT, KIND_MANUAL, KIND_PAUSE
 from engine.checkpoints.store import Store

@@ -8,8 +8,8 @@ saves the cache as one full file.  The result restores exactly as the chain does
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from engine.checkpoints.format import CheckpointData
 from engine.models import default_model_path

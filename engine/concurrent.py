@@ -34,8 +34,8 @@ tokens.  The seconds spent in these callbacks are not counted as generation time
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.conversation import Conversation
 from engine.errors import GenerationError

@@ -40,7 +40,7 @@ class Answer:
                 "pending": self.pending.hex()}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Answer":
+    def from_json(cls, data: dict[str, Any]) -> Answer:
         return cls(text=str(data.get("text", "")),
                    n_prompt_tokens=int(data.get("n_prompt_tokens", 0)),
                    n_generated=int(data.get("n_generated", 0)),
@@ -101,7 +101,7 @@ class Conversation:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], tokens: list[int]) -> "Conversation":
+    def from_json(cls, data: dict[str, Any], tokens: list[int]) -> Conversation:
         messages = []
         for item in data.get("messages", []):
             if not isinstance(item, dict):

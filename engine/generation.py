@@ -10,8 +10,9 @@ from __future__ import annotations
 import codecs
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
@@ -113,7 +113,7 @@ class LineWriter:
 
     @classmethod
     def starting(cls, runtime: Runtime, store: Store, line: str, chain: Sequence[SaveInfo] = (),
-                 **kwargs) -> "LineWriter":
+                 **kwargs) -> LineWriter:
         """A writer on ``line`` if its lease is free, else on a new line (a branch)."""
         lease = store.lease_line(line)
         if lease is None:
@@ -124,7 +124,7 @@ class LineWriter:
 
     @classmethod
     def continuing(cls, runtime: Runtime, store: Store, chain: Sequence[CheckpointData],
-                   **kwargs) -> "LineWriter":
+                   **kwargs) -> LineWriter:
         """A writer for a conversation restored from ``chain`` (files of ``store``, or not)."""
         line = line_to_continue(store, chain) or uuid.uuid4().hex
         # a branch still builds on the files it came from, when they are in this store

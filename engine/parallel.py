@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
@@ -40,13 +40,12 @@ from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData
 from engine.checkpoints.kvstate import check_state, relabel_state
-from engine.snapshots import PromptSnapshot
 from engine.conversation import Conversation
-from engine.errors import (CorruptState, GenerationError,
-                           RestoreFailed, SaveFailed)
+from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
 from engine.runtime import Runtime, SaveInfo
 from engine.sequences import Placement, SequenceTable
+from engine.snapshots import PromptSnapshot
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -136,7 +135,7 @@ class ParallelRuntime:
     check_compatible = Runtime.check_compatible   # against self.target: the files' shape
 
     # -- residency ------------------------------------------------------------------------
-    def view_of(self, key: Hashable) -> "ConversationView":
+    def view_of(self, key: Hashable) -> ConversationView:
         """Conversation ``key`` as a single-sequence Runtime (one object per key)."""
         view = self._views.get(key)
         if view is None:
@@ -334,7 +333,7 @@ class ParallelRuntime:
         return width
 
     # -- checkpoints ----------------------------------------------------------------------
-    def view(self, seq: int) -> "SequenceView":
+    def view(self, seq: int) -> SequenceView:
         """Sequence ``seq`` as the code that saves a Runtime sees one (LineWriter too)."""
         return SequenceView(self, seq)
 

@@ -8,9 +8,9 @@ decoded (``run --reuse-prefix``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from engine.checkpoints.chain import common_prefix, load_chain
 from engine.checkpoints.prefix_index import PrefixIndex

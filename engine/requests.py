@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.commands import Action
 from engine.conversation import Answer, Conversation, title_from

@@ -25,8 +25,9 @@ the next time it is used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

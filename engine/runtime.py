@@ -14,9 +14,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -24,10 +24,18 @@ from engine import APP_VERSION
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, common_prefix, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
-from engine.checkpoints.graph import default_line
-from engine.checkpoints.format import (FLAG_CELL_EXT, FLAG_DELTA, KIND_MANUAL, TRAILER_LEN, CheckpointData,
-                                       Header, encode_metadata, write_sections)
 from engine.checkpoints.fingerprint import model_fingerprint
+from engine.checkpoints.format import (
+    FLAG_CELL_EXT,
+    FLAG_DELTA,
+    KIND_MANUAL,
+    TRAILER_LEN,
+    CheckpointData,
+    Header,
+    encode_metadata,
+    write_sections,
+)
+from engine.checkpoints.graph import default_line
 from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, SaveFailed
@@ -257,7 +265,7 @@ class Runtime:
         }
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
-             parent: "SaveInfo | None" = None, *, line: str | None = None, seq: int = 0,
+             parent: SaveInfo | None = None, *, line: str | None = None, seq: int = 0,
              fresh: bool = False, landing=None) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 

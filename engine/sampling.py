@@ -17,8 +17,9 @@ sampler.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,7 +56,7 @@ class SamplerSettings:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "SamplerSettings":
+    def from_json(cls, data: dict[str, Any]) -> SamplerSettings:
         known = {f.name: f.type for f in fields(cls)}
         clean = {}
         for name, value in data.items():

@@ -28,8 +28,8 @@ decides, and tests replay it exactly.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Hashable, Iterator
 
 from engine.errors import AppError
 

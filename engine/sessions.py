@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from engine.conversation import Conversation
 

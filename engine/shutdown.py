@@ -48,7 +48,8 @@ import signal as _signal
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("engine")
 
@@ -186,7 +187,7 @@ class ShutdownGuard:
         return 1
 
     # -- install / uninstall -------------------------------------------------------------------
-    def install(self) -> "ShutdownGuard":
+    def install(self) -> ShutdownGuard:
         if threading.current_thread() is threading.main_thread():
             for name in SIGNAL_NAMES:
                 signum = getattr(self._signals, name, None)
@@ -240,7 +241,7 @@ class ShutdownGuard:
             # Keep the routine object: Windows may be calling it on another thread
             # right now; it is freed with the guard.
 
-    def __enter__(self) -> "ShutdownGuard":
+    def __enter__(self) -> ShutdownGuard:
         return self.install()
 
     def __exit__(self, *exc) -> None:

@@ -15,8 +15,8 @@ tokens only (speculative decoding): an answer is longer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class PromptSnapshot:
 
     @classmethod
     def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray, *,
-             recurrent_only: bool = False) -> "PromptSnapshot | None":
+             recurrent_only: bool = False) -> PromptSnapshot | None:
         """The snapshot of ``seq`` now; None when it cannot be had (no memory for the copy,
         llama.cpp refusing): a prompt that was read stays read, Regenerate reads it again."""
         flags = STATE_RECURRENT_ONLY if recurrent_only else 0

@@ -49,21 +49,20 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
-from engine.checkpoints import graph
-from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
-from engine.checkpoints.chain import tokens_digest
-from engine.checkpoints.graph import default_line
-from engine.checkpoints.store import Store
 from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
+from engine.checkpoints import graph
+from engine.checkpoints.chain import tokens_digest
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.graph import default_line
+from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError, IncompatibleState
-from engine.events import (FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo,
-                           ModelOptions, WorkerListener)
+from engine.events import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions, WorkerListener
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk
 from engine.sampling import SamplerSettings, random_seed
 from engine.sessions import RunningAnswer, SessionTable
@@ -608,7 +607,8 @@ class EngineWorker:
         transcript = tuple(dict(m) for m in conv.transcript())
         alternatives: tuple = ()
         if branches:
-            from engine.branches import alternatives as alternatives_at, branches_of
+            from engine.branches import alternatives as alternatives_at
+            from engine.branches import branches_of
             try:
                 alternatives = tuple(alternatives_at([(m["role"], m["content"]) for m in transcript],
                                                      branches_of(self.store, conv.id)))

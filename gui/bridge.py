@@ -26,7 +26,7 @@ from engine.worker import EngineWorker
 class _Listener(WorkerListener):
     """Runs on the engine thread: turns callbacks into signal emissions."""
 
-    def __init__(self, bridge: "EngineBridge") -> None:
+    def __init__(self, bridge: EngineBridge) -> None:
         self.b = bridge
 
     def on_model_loading(self, fraction: float) -> None:

@@ -25,8 +25,17 @@ from pathlib import Path
 
 from PySide6.QtCore import QModelIndex, QSortFilterProxyModel, Qt, Signal
 from PySide6.QtGui import QBrush, QDragEnterEvent, QDropEvent, QPalette, QStandardItem, QStandardItemModel
-from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QLabel, QLineEdit,
-                               QProgressBar, QPushButton, QTreeView, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QProgressBar,
+    QPushButton,
+    QTreeView,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.branches import branches_of
 from engine.checkpoints.compat import Target
@@ -50,7 +59,7 @@ class Row:
     model_name: str = ""
     chain_size: int = 0     # a head's chain, all files together
     chain_files: int = 1
-    children: tuple["Row", ...] = ()
+    children: tuple[Row, ...] = ()
     #: a branch: where it leaves the others ("message 3 (yours) · 120 tokens shared");
     #: a file of a branch's chain: "shared" when other branches build on it too
     fork: str = ""

@@ -20,17 +20,36 @@ conversation, switching to another branch).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
-from PySide6.QtGui import (QColor, QDesktopServices, QFont, QGuiApplication, QKeyEvent, QPalette,
-                           QTextBlockFormat, QTextCharFormat, QTextCursor, QTextFrameFormat)
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFrame, QHBoxLayout, QLabel,
-                               QPlainTextEdit, QPushButton, QTextBrowser, QVBoxLayout)
+from PySide6.QtGui import (
+    QColor,
+    QDesktopServices,
+    QFont,
+    QGuiApplication,
+    QKeyEvent,
+    QPalette,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFrameFormat,
+)
+from PySide6.QtWidgets import (
+    QDialog,
+    QDialogButtonBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QTextBrowser,
+    QVBoxLayout,
+)
 
-from gui.markdown import (LINK_SCHEMES, DocWriter, Theme, line_offset, parse, reset_block,
-                          stable_count)
+from gui.markdown import LINK_SCHEMES, DocWriter, Theme, line_offset, parse, reset_block, stable_count
 
 ROLE_LABELS = {"system": "System prompt", "user": "You", "assistant": "Assistant"}
 MESSAGE_LINK = "copy:"          # copy:<message>

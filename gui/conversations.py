@@ -19,8 +19,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QRect, Qt, Signal
 from PySide6.QtGui import QFont, QFontMetrics, QPalette
-from PySide6.QtWidgets import (QListWidget, QListWidgetItem, QMenu, QStyle, QStyledItemDelegate,
-                               QStyleOptionViewItem)
+from PySide6.QtWidgets import QListWidget, QListWidgetItem, QMenu, QStyle, QStyledItemDelegate, QStyleOptionViewItem
 
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE, Header

@@ -15,15 +15,26 @@ from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
-from PySide6.QtWidgets import (QFileDialog, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
-                               QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_NAMES
-from engine.commands import Action
-from engine.models import default_model_path
 from engine.checkpoints.store import Store
+from engine.commands import Action
 from engine.events import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions
+from engine.models import default_model_path
+from gui.branch_actions import BranchActions
 from gui.bridge import EngineBridge
 from gui.browser import CheckpointBrowser
 from gui.chat_state import ChatState
@@ -31,7 +42,6 @@ from gui.chat_view import ChatView, MessageEditor, OfferBar, PromptEdit
 from gui.conversations import PAUSED_MARK, ConversationList
 from gui.files import file_size_text
 from gui.settings import AppSettings
-from gui.branch_actions import BranchActions
 from gui.store_actions import StoreActions
 
 log = logging.getLogger("gui")

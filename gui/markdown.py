@@ -18,9 +18,9 @@ arrives later does not reach back into blocks already written; models hardly wri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Iterable
 
 from markdown_it import MarkdownIt
 from markdown_it.token import Token
@@ -29,9 +29,22 @@ from pygments.lexers.special import TextLexer
 from pygments.styles import get_style_by_name
 from pygments.util import ClassNotFound
 from PySide6.QtCore import Qt, QUrl
-from PySide6.QtGui import (QColor, QFont, QFontDatabase, QPalette, QTextBlockFormat, QTextCharFormat,
-                           QTextCursor, QTextFormat, QTextFrameFormat, QTextLength, QTextList,
-                           QTextListFormat, QTextTableCellFormat, QTextTableFormat)
+from PySide6.QtGui import (
+    QColor,
+    QFont,
+    QFontDatabase,
+    QPalette,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFormat,
+    QTextFrameFormat,
+    QTextLength,
+    QTextList,
+    QTextListFormat,
+    QTextTableCellFormat,
+    QTextTableFormat,
+)
 
 _PARSER = MarkdownIt("commonmark", {"html": False}).enable(["table", "strikethrough"])
 LINK_SCHEMES = ("http", "https", "mailto")

@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     truncated.write_bytes(bytes(data[: len(data) // 3]))
     # a checkpoint of another model: the same bytes under another fingerprint and title
     from dataclasses import replace
+
     from engine.checkpoints import format as fmt
     header = fmt.unpack_header(bytes(data[:fmt.HEADER_LEN]))
     foreign = bytearray(good.read_bytes())

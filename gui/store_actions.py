@@ -28,8 +28,7 @@ from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 from engine.checkpoints import graph
 from engine.checkpoints.compat import made_with
 from engine.checkpoints.format import read_header, read_metadata
-from engine.checkpoints.transfer import (MISSING_PARENT, FileCheck, chain_paths, check_file,
-                                         import_files)
+from engine.checkpoints.transfer import MISSING_PARENT, FileCheck, chain_paths, check_file, import_files
 from engine.errors import CheckpointError, IncompatibleModel
 from gui.browser import CheckpointBrowser, list_rows
 from gui.conversations import stored_conversations

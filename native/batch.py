@@ -11,7 +11,7 @@ one thread.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class SeqBatch:
             # void llama_batch_free(struct llama_batch batch)
             self._ll.llama_batch_free(self._batch)
 
-    def __enter__(self) -> "SeqBatch":
+    def __enter__(self) -> SeqBatch:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,9 +13,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -302,7 +302,7 @@ class Context:
         if ptr:
             self._ll.llama_free(ptr)
 
-    def __enter__(self) -> "Context":
+    def __enter__(self) -> Context:
         return self
 
     def __exit__(self, *exc) -> None:

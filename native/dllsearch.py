@@ -36,9 +36,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import Any
 
 from native.libfile import cuda_bin_dirs, locate_cuda_runtime
 
@@ -136,7 +137,7 @@ class PathGuard:
         self._before: str | None = None
         self._hidden: dict[str, str] = {}
 
-    def __enter__(self) -> "PathGuard":
+    def __enter__(self) -> PathGuard:
         self._before = self._environ.get("PATH")
         if self._platform == "win32":
             for name in BINDINGS_DLL_ROOTS:

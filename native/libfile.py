@@ -14,9 +14,9 @@ import os
 import re
 import struct
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 from native.errors import LibraryError
 

@@ -34,17 +34,24 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Mapping
+from typing import Any
 
-from native.dllsearch import (PathGuard, absolute, default_loader, dll_directories,  # noqa: F401
-                              prepare_windows_search)
+from native.dllsearch import PathGuard, absolute, default_loader, dll_directories, prepare_windows_search  # noqa: F401
 from native.errors import LibraryError
-from native.libfile import (BINDINGS_VERSION, REQUIRED_LLAMA_CPP_COMMIT,  # noqa: F401
-                            check_binary, cuda_device_problem, explain_load_failure,
-                            find_library_file, library_filenames, missing_cuda_runtime)
+from native.libfile import (  # noqa: F401
+    BINDINGS_VERSION,
+    REQUIRED_LLAMA_CPP_COMMIT,
+    check_binary,
+    cuda_device_problem,
+    explain_load_failure,
+    find_library_file,
+    library_filenames,
+    missing_cuda_runtime,
+)
 
 log = logging.getLogger("native")
 

@@ -10,9 +10,10 @@ import contextlib
 import ctypes
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from native.errors import ModelLoadError
 from native.library import bindings
@@ -53,7 +54,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
                  progress: ProgressCallback | None = None, vocab_only: bool = False,
-                 workers: "Workers | None" = None) -> None:
+                 workers: Workers | None = None) -> None:
         self.path = Path(path)
         self._ptr = None
         self._guard = None
@@ -121,7 +122,7 @@ class Model:
             raise ModelLoadError("the model was closed")
         return self._ptr
 
-    def _use_workers(self, params, workers: "Workers", n_gpu_layers: int) -> None:
+    def _use_workers(self, params, workers: Workers, n_gpu_layers: int) -> None:
         """Layers on the workers' devices (and this machine's GPUs), split by free memory.
 
         The split is passed explicitly (``tensor_split``) so that :attr:`placement` says
@@ -162,7 +163,7 @@ class Model:
             self._ll.llama_model_free(ptr)
         self._stop_guard()
 
-    def __enter__(self) -> "Model":
+    def __enter__(self) -> Model:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -57,10 +57,10 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Iterable, Sequence
 
 from native.errors import NativeError
 from native.rpc_guard import IO_TIMEOUT_S, SocketGuard, install_abort_handler
@@ -184,7 +184,7 @@ def hello(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> Hello:
     except ConnectionRefusedError:
         raise RpcError(f"nothing listens on {endpoint} (start `checkpoint-chat rpc-worker --port "
                        f"{endpoint.port}` there, and check its --host)") from None
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         raise RpcError(f"{where} did not accept a connection within {timeout:g} s (host down, "
                        "or a firewall drops the port)") from None
     except OSError as exc:
@@ -200,7 +200,7 @@ def hello(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> Hello:
                 raise RpcError(problem)
             count = _request(sock, _CMD_DEVICE_COUNT, b"")
             n_devices = struct.unpack("<I", count)[0] if len(count) == 4 else 0
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise RpcError(f"{where} accepted the connection but did not answer within {timeout:g} s "
                            "(it is serving another client, or it hangs)") from None
         except (ConnectionError, ValueError, struct.error):
@@ -383,7 +383,7 @@ class Workers:
     @classmethod
     def connect(cls, spec: str | Iterable[str], *, io_timeout: float = IO_TIMEOUT_S,
                 connect_timeout: float = CONNECT_TIMEOUT_S,
-                crash_note: Path | None = None, message_prefix: str = "error: ") -> "Workers":
+                crash_note: Path | None = None, message_prefix: str = "error: ") -> Workers:
         """Check every worker (bounded), then register them with llama.cpp.
 
         Installs the abort handler (:func:`install_abort_handler`) with ``crash_note``:
@@ -422,7 +422,7 @@ class Workers:
                 out.append((dev, *device_memory(dev)))
         return out
 
-    def guard(self) -> "SocketGuard":
+    def guard(self) -> SocketGuard:
         return SocketGuard(self.endpoints, self.io_timeout)
 
     def __str__(self) -> str:

@@ -20,6 +20,7 @@ closed connection from a silent one.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import stat
@@ -27,9 +28,9 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-import logging
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from native.rpc import Endpoint
@@ -58,7 +59,7 @@ def _timeval(seconds: float) -> bytes:
 
 
 #: descriptor -> worker, for each socket to a worker a guard has seen (read when llama.cpp aborts)
-_worker_fds: dict[int, "Endpoint"] = {}
+_worker_fds: dict[int, Endpoint] = {}
 #: descriptors a guard shut down for want of progress (a hung worker, not a closed one)
 _stuck_fds: set[int] = set()
 
@@ -134,7 +135,7 @@ class SocketGuard:
     def supported(self) -> bool:
         return os.name == "posix"
 
-    def start(self) -> "SocketGuard":
+    def start(self) -> SocketGuard:
         if not self.supported or self._thread is not None:
             return self
         self._peers = {address: ep for ep in self.endpoints for address in _addresses([ep])}
@@ -185,7 +186,7 @@ class SocketGuard:
                     pass
         log.warning("no progress from the workers for %g s: their connections are shut down", self.timeout)
 
-    def __enter__(self) -> "SocketGuard":
+    def __enter__(self) -> SocketGuard:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -14,7 +14,7 @@ The candidate array is a numpy structured array laid out as ``llama_token_data``
 from __future__ import annotations
 
 import ctypes
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

@@ -25,9 +25,10 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from native.errors import LibraryError
 from native.libfile import ggml_base_filenames, ggml_filenames, missing_dependencies

@@ -97,6 +97,7 @@ def make_window(qtbot, qapp):
     """``make(n_predict=40, **settings)``: a started window on SmolLM2 (context 1024,
     seed 1234, temperature 0.8, no autosave unless asked), closed after the test."""
     from enginekit import close_windows, record_saves, window_settings
+
     from gui.main_window import MainWindow
     from gui.tasks import ensure_event_loop
     ensure_event_loop(qapp)

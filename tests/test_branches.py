@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+from enginekit import Recorder
+
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.format import read_header
 from engine.checkpoints.graph import Graph
 from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions
-from enginekit import Recorder
 
 
 @pytest.fixture

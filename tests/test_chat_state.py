@@ -5,7 +5,8 @@ from __future__ import annotations
 import uuid
 from types import SimpleNamespace
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gui.chat_state import ChatState
 

@@ -34,10 +34,11 @@ def test_a_working_or_missing_template_is_no_problem():
 
 def test_the_worker_tells_the_user_once(smollm_path, tmp_path, monkeypatch):
     import threading
-    from native.model import Model
+
     from engine.checkpoints.store import Store
     from engine.sampling import SamplerSettings
     from engine.worker import EngineWorker, ModelOptions, WorkerListener
+    from native.model import Model
     monkeypatch.setattr(Model, "apply_chat_template_native", lambda self, m, a: None)
     monkeypatch.setattr(Model, "chat_template", property(lambda self: "{{ broken"))
 

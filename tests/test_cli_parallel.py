@@ -89,6 +89,7 @@ def test_kill_9_with_two_answers_running_leaves_both_restorable(smollm_path, tmp
     """Autosaves (--checkpoint-save-interval) cover every running answer: after kill -9
     each conversation's newest autosave continues exactly as its uninterrupted run."""
     import time
+
     from engine.checkpoints.graph import Graph
     folder = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", "-m", str(smollm_path),

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT, run_cli
+
 from engine import crashlog
 
 
@@ -63,8 +64,9 @@ def test_cli_tells_about_the_crash_and_the_autosave(smollm_path, app_home):
     assert head["header"]["kind"] == "pause"
     paused = Path(head["path"])
     autosave = store / "autosave-crashed-00001.kvckpt"
-    import engine.checkpoints.format as fmt
     from dataclasses import replace
+
+    import engine.checkpoints.format as fmt
     raw = bytearray(paused.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
     raw[:fmt.HEADER_LEN] = fmt.pack_header(replace(header, kind=fmt.KIND_AUTOSAVE,

@@ -10,16 +10,16 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.format import read_header
+from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
 from engine.generation import begin_answer, generate
 from engine.history import LineWriter
 from engine.runtime import Runtime
-from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from native.context import ContextSettings
 

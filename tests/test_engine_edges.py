@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
+
 from engine.conversation import Conversation
 from engine.generation import Control, begin_answer, generate
 from engine.sampling import SamplerSettings

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QTextCursor
+from test_gui_window import run_to_end, wait_saved
 
 from engine.checkpoints.format import read_header
-from test_gui_window import run_to_end, wait_saved
 
 Messages = list[tuple[str, str]]
 

@@ -56,6 +56,7 @@ def test_bridge_batches_tokens_into_few_deliveries(qtbot):
 
 def test_markdown_renders_code_and_keeps_html_as_text(qapp):
     from PySide6.QtGui import QPalette, QTextCursor, QTextDocument
+
     from gui.markdown import DocWriter, Theme, parse
     doc = QTextDocument()
     writer = DocWriter(QTextCursor(doc), Theme.from_palette(QPalette()), lambda n: f"code:{n}")
@@ -119,6 +120,7 @@ def test_pyside_keeps_singleton_refcounts(qapp):
     to None on every processEvents(); after a few thousand the interpreter aborts
     ("bool_dealloc").  The app emits a signal per token batch, so such a build must not ship."""
     import sys
+
     from PySide6.QtCore import QObject, Signal
 
     class Emitter(QObject):

@@ -7,11 +7,10 @@ Real SmolLM2, offscreen; the reference is the same prompt and seed answered alon
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from test_gui_window import run_to_end, type_and_send, wait_saved
 
 from gui.conversations import ANSWERING_MARK
 from gui.main_window import about_text
-
-from test_gui_window import run_to_end, type_and_send, wait_saved
 
 FIRST = "Write a long story about a dragon who guards a library."
 SECOND = "Describe a harbour town at dawn."

@@ -14,8 +14,8 @@ from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
-from gui.conversations import PAUSED_MARK
 from engine.checkpoints.format import KIND_EXIT, KIND_PAUSE, read_header, verify_file
+from gui.conversations import PAUSED_MARK
 
 PROMPT = "Write a long story about a dragon who guards a library."
 
@@ -266,6 +266,7 @@ def test_deleting_a_conversation_deletes_its_whole_history(qtbot, make_window):
     assert len(_files_of(w.store, conv)) >= 2            # the head and the autosaves it builds on
     # and an older autosave of it, as a crash leaves one behind
     from dataclasses import replace
+
     from engine.checkpoints import format as fmt
     raw = bytearray(Path(w.snapshots[conv].checkpoint).read_bytes())
     h = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))
@@ -315,6 +316,7 @@ def test_dropping_a_delta_without_its_parents_offers_its_chain(qtbot, make_windo
 def test_ctrl_c_in_the_terminal_closes_the_window_saving_the_answer(qtbot, make_window):
     import os
     import signal
+
     from gui.app import close_on_terminal_signals
     w = make_window(n_predict=200)
     before = {name: signal.getsignal(getattr(signal, name)) for name in ("SIGINT", "SIGTERM")}

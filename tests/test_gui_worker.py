@@ -10,12 +10,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from enginekit import Recorder
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
-from engine.sampling import SamplerSettings
 from engine.checkpoints.store import Store
+from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions, WorkerListener
-from enginekit import Recorder
 
 
 @pytest.fixture
@@ -55,6 +55,7 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     w.autosave_budget = 1
     b = w.new_conversation(sampler=SamplerSettings(seed=4))
     from dataclasses import replace
+
     from engine.checkpoints import format as fmt
     raw = bytearray(g.chain(head)[0].path.read_bytes())
     header = fmt.unpack_header(bytes(raw[:fmt.HEADER_LEN]), len(raw))

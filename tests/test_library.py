@@ -27,14 +27,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pecraft import pe_header, pe_image
 
 from native import library, probe
 from native.dllsearch import SAFE_WINMODE, PathGuard, prepare_windows_search
 from native.errors import LibraryError
-from native.libfile import (check_binary, cuda_bin_dirs, explain_load_failure, find_library_file,
-                            missing_cuda_runtime, read_binary_kind)
+from native.libfile import (
+    check_binary,
+    cuda_bin_dirs,
+    explain_load_failure,
+    find_library_file,
+    missing_cuda_runtime,
+    read_binary_kind,
+)
 from native.sysinfo import list_devices, list_devices_from, load_dynamic_backends
-from pecraft import pe_header, pe_image
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMIT = library.REQUIRED_LLAMA_CPP_COMMIT

@@ -9,29 +9,38 @@ hybrid model was written, announced as saved, and refused on load.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 import json
 import struct
 import subprocess
 import sys
-
-import numpy as np
-import pytest
+from pathlib import Path
 
 import memkit
+import numpy as np
+import pytest
 from conftest import ROOT, run_cli
+from tinymodels import ARCHS, KIND
+
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.compat import ModelIdentity
-from engine.checkpoints.format import (FORMAT_VERSION, HEADER_LEN, KIND_PAUSE, MEMORY_ATTENTION,
-                                       MEMORY_HYBRID, MEMORY_RECURRENT, pack_header, read_checkpoint,
-                                       read_header, unpack_header)
+from engine.checkpoints.format import (
+    FORMAT_VERSION,
+    HEADER_LEN,
+    KIND_PAUSE,
+    MEMORY_ATTENTION,
+    MEMORY_HYBRID,
+    MEMORY_RECURRENT,
+    pack_header,
+    read_checkpoint,
+    read_header,
+    unpack_header,
+)
 from engine.checkpoints.kvstate import check_state_for
 from engine.checkpoints.store import Store
 from engine.errors import CorruptState, SaveFailed
 from engine.generation import generate
 from engine.history import LineWriter
 from engine.runtime import Runtime
-from tinymodels import ARCHS, KIND
 
 MEMORY = {"recurrent": MEMORY_RECURRENT, "hybrid": MEMORY_HYBRID, "attention": MEMORY_ATTENTION}
 NOT_CONTROL = [a for a in ARCHS if KIND[a] != "attention"]
@@ -271,9 +280,10 @@ def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path,
     """The window's engine thread on a hybrid and a recurrent model: answers, Regenerate
     (nothing read again), Continue, a second turn, Edit, three conversations in a cache of
     two (evicted ones restored from their files), two answers at once."""
+    from enginekit import Recorder
+
     from engine.sampling import SamplerSettings
     from engine.worker import EngineWorker, ModelOptions
-    from enginekit import Recorder
     rec = Recorder()
     w = EngineWorker(rec, Store(tmp_path / "store"))
     w.start()
@@ -313,7 +323,7 @@ def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path,
 
 
 def test_a_context_that_cannot_be_made_says_llama_cpps_reason(smollm_path):
-    from native.context import Context, ContextSettings, KV_TYPES
+    from native.context import KV_TYPES, Context, ContextSettings
     from native.errors import ContextError
     from native.model import Model
     model = Model(smollm_path)
@@ -367,9 +377,10 @@ def test_a_checkpoint_of_another_llama_cpp_state_layout_is_read_again(smollm_pat
 def test_the_window_reads_a_checkpoint_of_another_layout_again(tiny_model_path, tmp_path):
     """Opened in the window's engine: a notice says why, Resume reads its tokens again,
     and its new head is a full file in this layout."""
+    from enginekit import Recorder
+
     from engine.sampling import SamplerSettings
     from engine.worker import EngineWorker, ModelOptions
-    from enginekit import Recorder
 
     class Listener(Recorder):
         def on_notice(self, title, message):

@@ -25,6 +25,7 @@ def test_checkpoint_in_non_ascii_folder(smollm_path, tmp_path):
 def test_json_output_survives_a_cp1252_pipe():
     """Windows writes pipes in the ANSI code page: `list --json` of a Chinese folder crashed."""
     import io
+
     from engine.cli.output import print_json, tolerate_unencodable
     value = {"path": "C:\\\u68c0\u67e5\u70b9\\\u5bf9\u8bdd.kvckpt", "text": "ça va \U0001f409"}
     pipe = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", newline="\n")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from conftest import run_cli
+
+from engine.checkpoints.prefix_index import PrefixIndex, block_hashes
 from engine.conversation import Conversation
 from engine.generation import begin_answer
-from engine.checkpoints.prefix_index import PrefixIndex, block_hashes
 from engine.prefix_reuse import reuse_stored_prefix
 from engine.sampling import SamplerSettings
 

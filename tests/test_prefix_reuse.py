@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 from conftest import run_cli
+
+from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.format import read_checkpoint
 from engine.conversation import Conversation
 from engine.generation import begin_answer, generate
-from engine.checkpoints.chain import common_prefix
 from engine.sampling import SamplerSettings
 
 

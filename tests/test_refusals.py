@@ -6,13 +6,12 @@ import json
 import shutil
 
 import pytest
-
 from conftest import run_cli
+
 from engine.checkpoints import format as fmt
 from engine.checkpoints.format import read_checkpoint
 from engine.conversation import Conversation
-from engine.errors import (ChecksumMismatch, IncompatibleContext, IncompatibleModel,
-                           TruncatedCheckpoint)
+from engine.errors import ChecksumMismatch, IncompatibleContext, IncompatibleModel, TruncatedCheckpoint
 from engine.generation import begin_answer, generate
 from engine.sampling import SamplerSettings
 

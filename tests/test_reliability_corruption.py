@@ -12,14 +12,21 @@ import random
 import struct
 
 import pytest
+from faultkit import corrupt, synthetic
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.checkpoints import format as fmt
-from engine.errors import (CheckpointError, CorruptHeader, CorruptMetadata,
-                           CorruptState, NotACheckpoint, TruncatedCheckpoint, UnsupportedVersion)
 from engine.checkpoints.kvstate import check_state_for
-from faultkit import corrupt, synthetic
+from engine.errors import (
+    CheckpointError,
+    CorruptHeader,
+    CorruptMetadata,
+    CorruptState,
+    NotACheckpoint,
+    TruncatedCheckpoint,
+    UnsupportedVersion,
+)
 
 BASE = synthetic.file_bytes(n_tokens=8)
 BIG = synthetic.file_bytes(n_tokens=300, seq=3)

@@ -15,12 +15,12 @@ import time
 import uuid
 
 import pytest
+from faultkit import synthetic
 
 from engine.checkpoints import atomic
 from engine.checkpoints import format as fmt
-from engine.errors import SaveFailed
 from engine.checkpoints.store import Store
-from faultkit import synthetic
+from engine.errors import SaveFailed
 
 FOLDER_NAMES = ["检查点", "用户/文档/チェックポイント", "émoji 🧠💾", "C：Users用户文档"]
 

@@ -14,12 +14,12 @@ import time
 import uuid
 
 import pytest
-
-from engine.checkpoints import format as fmt
-from engine.checkpoints.store import Store
 from faultkit import synthetic
 from faultkit.campaigns import concurrency_campaign, kill_campaign
 from faultkit.zygote import Zygote
+
+from engine.checkpoints import format as fmt
+from engine.checkpoints.store import Store
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL and fork are POSIX")
 

@@ -12,12 +12,12 @@ import time
 import uuid
 
 import pytest
+from faultkit import corrupt, synthetic
 from filelock import Timeout
 
 from engine.checkpoints import atomic, graph, transfer
 from engine.checkpoints import format as fmt
 from engine.checkpoints.store import Store
-from faultkit import corrupt, synthetic
 
 A, M, P, X = fmt.KIND_AUTOSAVE, fmt.KIND_MANUAL, fmt.KIND_PAUSE, fmt.KIND_EXIT
 

@@ -14,8 +14,8 @@ import time
 import types
 
 import pytest
-
 from conftest import run_cli
+
 from native import rpc, rpc_guard
 from native.rpc import Endpoint, RpcError
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 WORKER_LIFE_S = 240

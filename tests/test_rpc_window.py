@@ -9,11 +9,9 @@ import sys
 import time
 
 import pytest
-
+from conftest import ROOT
 from enginekit import close_windows
 from PySide6.QtWidgets import QLineEdit
-
-from conftest import ROOT
 from test_rpc import free_port
 from test_rpc_loopback import Worker
 

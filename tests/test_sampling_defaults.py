@@ -6,9 +6,17 @@ from __future__ import annotations
 import json
 
 from conftest import run_cli
-from engine.sampling import (BUNDLED_MODEL_DEFAULTS, FROM_GENERIC, FROM_MEASUREMENT, FROM_MODEL_FILE,
-                             GENERIC_DEFAULTS, defaults_for_model, defaults_for_model_file,
-                             model_defaults)
+
+from engine.sampling import (
+    BUNDLED_MODEL_DEFAULTS,
+    FROM_GENERIC,
+    FROM_MEASUREMENT,
+    FROM_MODEL_FILE,
+    GENERIC_DEFAULTS,
+    defaults_for_model,
+    defaults_for_model_file,
+    model_defaults,
+)
 
 
 def test_recommendations_in_the_file_win_key_by_key():

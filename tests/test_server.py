@@ -20,9 +20,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, run_cli
 
 from benchmarks.server import ServeProcess
-from conftest import ROOT, run_cli
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("aiohttp")
@@ -245,6 +245,7 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
     in the cache, a third conversation closes the first (its line's lease too), and a
     request continuing the first restores it from its head on disk."""
     from enginekit import Recorder
+
     from engine.checkpoints.store import Store
     from engine.requests import CompletionRequest
     from engine.worker import EngineWorker, ModelOptions

@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
+from engine.server import shapes
 from engine.server.app import ServerOptions, binding_problem, binding_warning, is_loopback
 from engine.server.schema import ApiError, parse_body, parse_chat, parse_completion
-from engine.server import shapes
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 

@@ -78,6 +78,7 @@ def test_a_clients_conversation_goes_on_in_the_window_and_back(qtbot, make_windo
 
 def test_the_settings_dialog_switches_the_local_server(qapp, app_home):
     from PySide6.QtWidgets import QCheckBox, QSpinBox
+
     from gui.settings import AppSettings
     from gui.settings_dialog import SettingsDialog
     settings = AppSettings()

@@ -19,10 +19,16 @@ import threading
 import time
 
 import pytest
-
-from engine.shutdown import (CTRL_BREAK_EVENT, CTRL_C_EVENT, CTRL_CLOSE_EVENT, CTRL_LOGOFF_EVENT,
-                             CTRL_SHUTDOWN_EVENT, ShutdownGuard)
 from winfakes import FakeKernel32, FakeUser32
+
+from engine.shutdown import (
+    CTRL_BREAK_EVENT,
+    CTRL_C_EVENT,
+    CTRL_CLOSE_EVENT,
+    CTRL_LOGOFF_EVENT,
+    CTRL_SHUTDOWN_EVENT,
+    ShutdownGuard,
+)
 
 
 class FakeSignals:

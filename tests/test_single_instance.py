@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 from conftest import ROOT
+
 from gui.single_instance import InstanceServer, hand_over, server_name
 
 SECOND_START = textwrap.dedent("""

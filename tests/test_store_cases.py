@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
+from enginekit import Recorder
+
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
 from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions
-from enginekit import Recorder
 
 RUN = ["-p", "Write a long poem about the moon.", "--seed", "3", "--temp", "0.8",
        "--ctx-size", "1024", "--ignore-eos", "--threads", "2"]

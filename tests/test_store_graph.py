@@ -12,15 +12,15 @@ import time
 import uuid
 
 import pytest
-
 from conftest import run_cli
+from faultkit import synthetic
+
 from engine.checkpoints import graph, transfer
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE
 from engine.checkpoints.graph import Graph
 from engine.checkpoints.store import Store
 from engine.errors import CheckpointError
-from faultkit import synthetic
 
 A, M, P = KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE
 

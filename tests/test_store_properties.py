@@ -22,10 +22,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from faultkit.compositions import ACTIONS, BUDGETS, run_sequence
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from faultkit.compositions import ACTIONS, BUDGETS, run_sequence
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import json
 import time
 
 import numpy as np
-
 from conftest import run_cli
+
 from engine.conversation import Conversation
 from engine.generation import _probability, begin_answer, generate
 from engine.sampling import SamplerSettings

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import tinymodels
+
 from native.context import Context, ContextSettings
 from native.library import bindings
 from native.model import Model

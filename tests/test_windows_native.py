@@ -22,13 +22,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from pecraft import pe_header, pe_image
 
-from native import library, libfile, probe
+from native import libfile, library, probe
 from native.dllsearch import SAFE_WINMODE, prepare_windows_search
 from native.errors import LibraryError
-from native.libfile import (cuda_device_problem, cuda_runtime_names, cuda_runtime_to_bundle,
-                            locate_cuda_runtime, missing_cuda_runtime, pe_imports)
-from pecraft import pe_header, pe_image
+from native.libfile import (
+    cuda_device_problem,
+    cuda_runtime_names,
+    cuda_runtime_to_bundle,
+    locate_cuda_runtime,
+    missing_cuda_runtime,
+    pe_imports,
+)
 
 RUNTIME12 = ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll")
 

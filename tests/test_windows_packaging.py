@@ -20,7 +20,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from pecraft import pe_header, pe_image
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +27,6 @@ INST = ROOT / "installer"
 RES = ROOT / "resources"
 sys.path.insert(0, str(RES))
 import make_icons  # noqa: E402 - resources/make_icons.py is a script, not a package module
-
 
 # -- the icon (item 8) -------------------------------------------------------------------------------
 

@@ -16,11 +16,20 @@ import ctypes
 import threading
 
 import pytest
-
-from engine.shutdown import (CTRL_CLOSE_EVENT, ENDSESSION_CLOSEAPP, ENDSESSION_LOGOFF,
-                             HWND_MESSAGE, WM_ENDSESSION, WM_QUERYENDSESSION, SessionEndWindow,
-                             ShutdownGuard, _MSG, _WNDCLASSEXW)
 from winfakes import HWND, WS_VISIBLE, FakeKernel32, FakeUser32
+
+from engine.shutdown import (
+    _MSG,
+    _WNDCLASSEXW,
+    CTRL_CLOSE_EVENT,
+    ENDSESSION_CLOSEAPP,
+    ENDSESSION_LOGOFF,
+    HWND_MESSAGE,
+    WM_ENDSESSION,
+    WM_QUERYENDSESSION,
+    SessionEndWindow,
+    ShutdownGuard,
+)
 
 
 class NoSignals:

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.skipif(sys.platform != "win32",
@@ -115,8 +114,8 @@ def test_the_probe_child_accepts_the_bundled_build_from_a_path_with_spaces_and_a
 
 
 def test_a_32_bit_dll_is_refused_by_the_loader_and_named():
-    from native.libfile import explain_load_failure
     from native.dllsearch import SAFE_WINMODE
+    from native.libfile import explain_load_failure
     folder = needs(FIXTURES / "x86")
     with pytest.raises(OSError) as caught:
         ctypes.CDLL(str(folder / "llama.dll"), winmode=SAFE_WINMODE)

@@ -16,6 +16,7 @@ import textwrap
 import time
 
 import pytest
+from enginekit import Recorder
 
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
@@ -25,7 +26,6 @@ from engine.generation import generate
 from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions
-from enginekit import Recorder
 from native.context import ContextSettings
 
 PROMPTS = ("Tell me about the sea.", "Describe a mountain village.", "Explain how bread rises.")

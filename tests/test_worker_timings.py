@@ -7,11 +7,11 @@ reported on its own (``restore_s``); ``prefill_s`` is decoding only.
 
 from __future__ import annotations
 
+from test_gui_worker import Recorder
+
 from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions
-
-from test_gui_worker import Recorder
 
 
 def switch_back(smollm_path, tmp_path, sequences: int):

@@ -43,8 +43,8 @@ import functools
 import hashlib
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

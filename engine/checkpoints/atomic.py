@@ -45,8 +45,10 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import BinaryIO, Callable, ContextManager, Iterator
+from typing import BinaryIO
 
 from filelock import FileLock
 
@@ -123,7 +125,7 @@ def store_lock(folder: Path, timeout: float | None = None) -> FileLock:
     return FileLock(str(folder / STORE_LOCK_NAME), timeout=timeout)
 
 
-def _lock_for(folder: Path) -> ContextManager:
+def _lock_for(folder: Path) -> AbstractContextManager:
     if (folder / STORE_MARKER).exists():
         return store_lock(folder)
     return contextlib.nullcontext()
@@ -295,7 +297,7 @@ def _run_logged(step: Callable[[], None]) -> None:
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, *, durable: bool = True,
-                 lock: ContextManager | None = None,
+                 lock: AbstractContextManager | None = None,
                  precondition: Callable[[], None] | None = None,
                  landing: Landing | None = None) -> Iterator[BinaryIO]:
     """Yield a binary file; on normal exit it atomically becomes ``path``.

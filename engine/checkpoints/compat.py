@@ -48,7 +48,7 @@ class ModelIdentity:
     recurrent_rows: tuple[int, int] = (0, 0)
 
     @classmethod
-    def of(cls, name: str, fingerprint: bytes, shape: ModelShape) -> "ModelIdentity":
+    def of(cls, name: str, fingerprint: bytes, shape: ModelShape) -> ModelIdentity:
         """From the model's shape (engine.model_shape)."""
         return cls(name=name, fingerprint=fingerprint, n_vocab=shape.n_vocab,
                    n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
@@ -57,7 +57,7 @@ class ModelIdentity:
                    recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> "ModelIdentity":
+    def from_gguf(cls, path: str | Path) -> ModelIdentity:
         """Read from the file alone (GGUF metadata and the sampled fingerprint)."""
         from engine.gguf import GGUFError
         try:
@@ -67,7 +67,7 @@ class ModelIdentity:
         return cls.of(shape.name, model_fingerprint(path), shape)
 
     @classmethod
-    def from_header(cls, header: Header, name: str = "") -> "ModelIdentity":
+    def from_header(cls, header: Header, name: str = "") -> ModelIdentity:
         return cls(name=name, fingerprint=header.model_fingerprint, n_vocab=header.n_vocab,
                    n_layer=header.n_layer, n_head_kv=header.n_head_kv,
                    n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
@@ -85,14 +85,14 @@ class ContextShape:
     kv_unified: bool
 
     @classmethod
-    def of(cls, settings: Any, n_ctx: int | None = None) -> "ContextShape":
+    def of(cls, settings: Any, n_ctx: int | None = None) -> ContextShape:
         """From ``native.context.ContextSettings`` (``n_ctx``: what the context really got)."""
         return cls(n_ctx=settings.n_ctx if n_ctx is None else n_ctx, type_k=settings.type_k,
                    type_v=settings.type_v, flash_attn=settings.flash_attn,
                    n_seq_max=settings.n_seq_max, kv_unified=settings.kv_unified)
 
     @classmethod
-    def from_header(cls, header: Header) -> "ContextShape":
+    def from_header(cls, header: Header) -> ContextShape:
         return cls(n_ctx=header.n_ctx, type_k=header.type_k, type_v=header.type_v,
                    flash_attn=header.flash_attn, n_seq_max=header.n_seq_max,
                    kv_unified=header.kv_unified)
@@ -105,7 +105,7 @@ class Target:
     context: ContextShape | None = None
 
     @classmethod
-    def of_header(cls, header: Header) -> "Target":
+    def of_header(cls, header: Header) -> Target:
         """The target a checkpoint itself was made for."""
         return cls(ModelIdentity.from_header(header), ContextShape.from_header(header))
 
@@ -196,7 +196,7 @@ def _context_problem(context: ContextShape, header: Header) -> IncompatibleConte
 
 
 def kv_type_name(type_id: int) -> str:
-    from native.context import KV_TYPES   # the names users type (-ctk q8_0); no native call
+    from native.context import KV_TYPES  # the names users type (-ctk q8_0); no native call
     return next((name for name, value in KV_TYPES.items() if value == type_id), f"type {type_id}")
 
 

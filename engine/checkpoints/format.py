@@ -118,9 +118,16 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from engine.checkpoints.crc import FAST as CRC_FAST, crc32
-from engine.errors import (ChecksumMismatch, CorruptHeader, CorruptMetadata, NotACheckpoint,
-                           TruncatedCheckpoint, UnsupportedVersion)
+from engine.checkpoints.crc import FAST as CRC_FAST
+from engine.checkpoints.crc import crc32
+from engine.errors import (
+    ChecksumMismatch,
+    CorruptHeader,
+    CorruptMetadata,
+    NotACheckpoint,
+    TruncatedCheckpoint,
+    UnsupportedVersion,
+)
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 TRAILER_MAGIC = b"KVE1"

@@ -50,16 +50,14 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from engine.checkpoints.chain import (MAX_CHAIN, LinkFacts, ParentRef, link_problem, parent_ref,
-                                      tokens_digest)
-from engine.checkpoints.format import (HEADER_LEN, TRAILER_LEN, Header, decode_metadata,
-                                       unpack_header, verify_file)
+from engine.checkpoints.chain import MAX_CHAIN, LinkFacts, ParentRef, link_problem, parent_ref, tokens_digest
+from engine.checkpoints.format import HEADER_LEN, TRAILER_LEN, Header, decode_metadata, unpack_header, verify_file
 from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
 from engine.errors import CheckpointError
 
@@ -259,7 +257,7 @@ class Graph:
         self._head_names = {h.name for h in self.heads}
 
     @classmethod
-    def scan(cls, folder: str | os.PathLike | Store, *, rejected: Iterable[str] = ()) -> "Graph":
+    def scan(cls, folder: str | os.PathLike | Store, *, rejected: Iterable[str] = ()) -> Graph:
         store = folder if isinstance(folder, Store) else Store(folder)
         nodes, unreadable = [], []
         for path in store.files():

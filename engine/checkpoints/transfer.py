@@ -31,15 +31,22 @@ can merge KV states.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable
 
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, facts_of, link_problem, load_chain, parent_ref
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import (EXTENSION, KIND_AUTOSAVE, CheckpointData, Header,
-                                       encode_metadata, read_checkpoint, write_sections)
+from engine.checkpoints.format import (
+    EXTENSION,
+    KIND_AUTOSAVE,
+    CheckpointData,
+    Header,
+    encode_metadata,
+    read_checkpoint,
+    write_sections,
+)
 from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.kvstate import check_state_for
 from engine.checkpoints.store import Store

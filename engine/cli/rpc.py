@@ -36,10 +36,18 @@ def connect_workers(spec: str, timeout: float | None):
 
 
 def cmd_rpc_worker(args) -> int:
-    from native.context import _physical_cores as physical_cores   # the app's one rule
+    from native.context import _physical_cores as physical_cores  # the app's one rule
     from native.library import bindings, choose_library
-    from native.rpc import (PROTOCOL, Endpoint, RpcError, cache_dir_argument, device_memory,
-                            pick_devices, port_problem, serve)
+    from native.rpc import (
+        PROTOCOL,
+        Endpoint,
+        RpcError,
+        cache_dir_argument,
+        device_memory,
+        pick_devices,
+        port_problem,
+        serve,
+    )
 
     bindings(choose_library(cli_dir=args.llama_lib))
     endpoint = Endpoint(args.host.strip(), args.port)

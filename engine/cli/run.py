@@ -11,8 +11,8 @@ so that scripts and tests can wait for a stage instead of sleeping.
 from __future__ import annotations
 
 import sys
-import uuid
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +115,8 @@ class RunSession:
 
     # -- the steps ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from engine.checkpoints.compat import ContextShape, Target
         from engine.checkpoints.chain import load_chain
+        from engine.checkpoints.compat import ContextShape, Target
         from engine.runtime import Runtime
         from native.library import bindings, choose_library
 
@@ -182,6 +182,7 @@ class RunSession:
                 conv.stop_strings = args.stop
         else:
             from dataclasses import replace
+
             from engine.sampling import defaults_for_model, random_seed
             defaults, _source = defaults_for_model(rt.model)   # the model's own
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],

@@ -28,9 +28,17 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.requests import (
+    CANCELLED,
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID,
+    MODEL_NOT_FOUND,
+    NOT_READY,
+    SHUTTING_DOWN,
+    CompletionRequest,
+    RequestRefusal,
+)
 from engine.server import shapes
-from engine.requests import (CANCELLED, CONTEXT_LENGTH_EXCEEDED, INVALID, MODEL_NOT_FOUND, NOT_READY,
-                             SHUTTING_DOWN, CompletionRequest, RequestRefusal)
 from engine.server.link import EngineLink, Job
 from engine.server.schema import ApiError, Generation, parse_body, parse_chat, parse_completion
 
@@ -218,7 +226,7 @@ class _Routes:
                 self.worker.cancel_request(job.id)
             self.link.forget(job)
 
-    async def _collect(self, job: Job, reply: "_Reply") -> web.Response:
+    async def _collect(self, job: Job, reply: _Reply) -> web.Response:
         while True:
             kind, value = await job.next()
             if kind == "finished":
@@ -231,7 +239,7 @@ class _Routes:
             elif kind == "failed":
                 raise refusal_error(value)
 
-    async def _stream(self, request: web.Request, job: Job, reply: "_Reply") -> web.StreamResponse:
+    async def _stream(self, request: web.Request, job: Job, reply: _Reply) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
                                                "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await response.prepare(request)

@@ -22,8 +22,8 @@ import threading
 import uuid
 from pathlib import Path
 
-from engine.requests import SHUTTING_DOWN, RequestRefusal
 from engine.events import ConversationSnapshot, GenerationSummary, WorkerListener
+from engine.requests import SHUTTING_DOWN, RequestRefusal
 
 log = logging.getLogger("engine")
 

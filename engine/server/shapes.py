@@ -97,7 +97,7 @@ def model_list(models: list[tuple[str, int]]) -> dict[str, Any]:
 def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying ``payload`` (JSON, or a literal like "[DONE]")."""
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode("utf-8")
+    return f"data: {data}\n\n".encode()
 
 
 def now() -> int:

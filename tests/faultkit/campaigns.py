@@ -13,8 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import CheckpointError
 from engine.checkpoints.store import Store
+from engine.errors import CheckpointError
 from faultkit import synthetic
 from faultkit.zygote import Zygote
 

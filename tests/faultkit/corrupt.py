@@ -10,9 +10,9 @@ from __future__ import annotations
 import struct
 import tracemalloc
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from engine.checkpoints import format as fmt
 from engine.errors import CheckpointError

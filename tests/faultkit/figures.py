@@ -48,8 +48,9 @@ def killed_writer(work: Path, n_kills: int, zygote: Zygote) -> Row:
 def killed_model_writer(work: Path, n_kills: int, zygote: Zygote) -> Row:
     """SIGKILL a process saving SmolLM2's real state; the survivor must verify."""
     import time
-    from engine.models import default_model_path
+
     from engine.checkpoints.store import Store
+    from engine.models import default_model_path
     row = Row("1 killed writer (SmolLM2 state)")
     folder, conv, rng, seq = work / "model kills", uuid.uuid4(), random.Random(3), 1
     for k in range(n_kills):

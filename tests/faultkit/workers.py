@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 from engine.checkpoints import format as fmt
-from engine.errors import CheckpointError
 from engine.checkpoints.store import Store
+from engine.errors import CheckpointError
 from faultkit import synthetic
 
 

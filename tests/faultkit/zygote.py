@@ -102,7 +102,7 @@ class Zygote:
         if self.proc.stdout:
             self.proc.stdout.close()
 
-    def __enter__(self) -> "Zygote":
+    def __enter__(self) -> Zygote:
         return self
 
     def __exit__(self, *exc) -> None:
