@@ -70,6 +70,7 @@ class ModelShape:
     n_embd_r: int = 0       # recurrent R row, in float32 elements (0: unknown or none)
     n_embd_s: int = 0       # recurrent S row
     cell_ext: bool = False  # KV cells carry M-RoPE positions (format.FLAG_CELL_EXT)
+    n_layer_recurrent: int = 0   # layers with a recurrent state (0: unknown or none)
     #: layer 0's KV head count: what format version 1 headers recorded as n_head_kv
     n_head_kv_first: int = 0
 
@@ -135,13 +136,40 @@ def shape_from_metadata(meta: dict[str, Any], default_name: str = "", *, memory:
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = tokens[1] if isinstance(tokens, tuple) else num("vocab_size")
     r, s = (_recurrent_rows(value, num, n_embd) if memory != MEMORY_ATTENTION else (0, 0))
+    n_layer = num("block_count") - num("nextn_predict_layers")
     return ModelShape(
         name=str(meta.get("general.name", default_name)), architecture=arch, memory=memory,
         # llama.cpp's n_layer leaves out the multi-token-prediction layers (Qwen3.5, GLM)
-        n_vocab=int(n_vocab), n_layer=num("block_count") - num("nextn_predict_layers"), n_head_kv=n_head_kv,
+        n_vocab=int(n_vocab), n_layer=n_layer, n_head_kv=n_head_kv,
         n_embd_head_k=head_k, n_embd_head_v=head_v, n_swa=num("attention.sliding_window"),
         n_embd_r=r, n_embd_s=s, cell_ext=cell_ext and n_head_kv > 0,
-        n_head_kv_first=0 if memory == MEMORY_RECURRENT else first_kv)
+        n_head_kv_first=0 if memory == MEMORY_RECURRENT else first_kv,
+        n_layer_recurrent=_recurrent_layers(arch, memory, n_layer, value, num))
+
+
+#: hybrids whose every n-th layer is full attention, the others recurrent (full_attention_interval)
+INTERVAL_HYBRIDS = frozenset({"qwen35", "qwen35moe", "qwen3next", "minimax-01", "qwen4exp"})
+
+
+def _recurrent_layers(arch: str, memory: int, n_layer: int, value, num) -> int:
+    """How many layers hold a recurrent state, as llama.cpp's ``is_recr`` decides per
+    architecture (src/models/<arch>.cpp); 0 where unknown."""
+    if memory == MEMORY_RECURRENT or arch == "falcon-h1":   # falcon-h1: both in every layer
+        return n_layer
+    if memory != MEMORY_HYBRID:
+        return 0
+    if arch in INTERVAL_HYBRIDS:
+        interval = num("full_attention_interval", 4)
+        return sum(1 for i in range(n_layer) if interval and (i + 1) % interval != 0)
+    heads = value("attention.head_count_kv")
+    if not isinstance(heads, list):
+        return 0
+    if arch.startswith("nemotron_h"):   # recurrent: no attention and no feed-forward
+        ffn = value("feed_forward_length")
+        if not isinstance(ffn, list):
+            return 0
+        return sum(1 for h, f in zip(heads[:n_layer], ffn[:n_layer]) if h == 0 and f == 0)
+    return sum(1 for h in heads[:n_layer] if h == 0)
 
 
 def _recurrent_rows(value, num, n_embd: int) -> tuple[int, int]:

@@ -211,6 +211,12 @@ def test_a_corrupt_recurrent_state_is_refused_with_its_reason(arch, tiny_model_p
         for bad in (data.state[:-3], np.concatenate([data.state, np.zeros(8, np.uint8)])):
             with pytest.raises(CorruptState):
                 check_state_for(dataclasses.replace(data.header, state_len=len(bad)), bad)
+        # the model's recurrent layer count and row sizes are checked too (a state with a
+        # layer too few would otherwise reach llama.cpp)
+        r_row, s_row, layers = rt.target.model.recurrent_rows
+        assert layers > 0 and check_state_for(data.header, data.state, (r_row, s_row, layers)).recurrent[0] == layers
+        with pytest.raises(CorruptState, match="recurrent layers"):
+            check_state_for(data.header, data.state, (r_row, s_row, layers + 1))
     finally:
         rt.close()
 

@@ -43,9 +43,9 @@ class ModelIdentity:
     cell_ext: bool = False
     #: layer 0's KV head count, which version 1 headers recorded (0: as n_head_kv)
     n_head_kv_first: int = 0
-    #: bytes of one recurrent R and S row (0: unknown, or no recurrent layers); not in a
-    #: header: the state walk compares them with the rows a file holds
-    recurrent_rows: tuple[int, int] = (0, 0)
+    #: bytes of one recurrent R and S row, and the recurrent layers (0: unknown); not in a
+    #: header: the state walk compares them with what a file holds
+    recurrent_rows: tuple[int, int, int] = (0, 0, 0)
 
     @classmethod
     def of(cls, name: str, fingerprint: bytes, shape: ModelShape) -> ModelIdentity:
@@ -54,7 +54,7 @@ class ModelIdentity:
                    n_layer=shape.n_layer, n_head_kv=shape.n_head_kv,
                    n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
                    memory=shape.memory, cell_ext=shape.cell_ext, n_head_kv_first=shape.n_head_kv_first,
-                   recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s))
+                   recurrent_rows=(4 * shape.n_embd_r, 4 * shape.n_embd_s, shape.n_layer_recurrent))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ModelIdentity:

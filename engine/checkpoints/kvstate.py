@@ -89,13 +89,13 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
                 n_layer: int, type_k: int, type_v: int, flash_attn: bool,
                 n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
                 first_pos: int = 0, seq_id: int = 0, memory: int = MEMORY_ATTENTION,
-                n_swa: int = 0, recurrent_rows: tuple[int, int] | None = None,
+                n_swa: int = 0, recurrent_rows: tuple[int, ...] | None = None,
                 cell_ext: bool = False) -> StateLayout:
     """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency.
 
     A delta state holds positions ``first_pos..n_tokens-1`` of sequence ``seq_id`` (1).
-    ``memory`` is the header's memory kind; ``recurrent_rows`` (R and S row bytes, 0 where
-    unknown) the model's, when known, which the recurrent block must match.
+    ``memory`` is the header's memory kind; ``recurrent_rows`` (R and S row bytes and the
+    recurrent layer count, 0 where unknown) the model's, which the recurrent block must match.
     """
     r = _Reader(memoryview(state).cast("B"))
     if r.u32("magic") != STATE_MAGIC:
@@ -118,7 +118,7 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
 
 
 def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
-                     rows: tuple[int, int] | None) -> tuple[int, int, int]:
+                     rows: tuple[int, ...] | None) -> tuple[int, int, int]:
     """Walk a recurrent block to the end of the blob: (layers, R row bytes, S row bytes)."""
     cells = r.u32("recurrent cell count")
     if cells != 1:
@@ -155,6 +155,8 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
             if expected and found != expected:
                 raise CorruptState(f"the recurrent state's {name} rows hold {found} bytes; "
                                    f"this model's hold {expected}")
+        if len(rows) > 2 and rows[2] and half != rows[2]:
+            raise CorruptState(f"the recurrent state has {half} recurrent layers; this model has {rows[2]}")
     return half, r_row, s_row
 
 
@@ -256,7 +258,7 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
 
 
 def check_state_for(header, state: bytes | bytearray | memoryview,
-                    recurrent_rows: tuple[int, int] | None = None) -> StateLayout:
+                    recurrent_rows: tuple[int, ...] | None = None) -> StateLayout:
     """:func:`check_state` with the shape taken from a checkpoint header (and the model's
     recurrent row sizes, when known).
 
