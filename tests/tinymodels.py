@@ -35,6 +35,9 @@ llama.cpp refuses a file with one tensor too many or too few, so each builder wr
 exactly the tensors its loader creates.
 
 All seven load and generate with this llama.cpp; none had to be skipped.
+
+``python tests/tinymodels.py [DIR]`` builds them into DIR and prints, per arch, the file
+size, llama.cpp's description and the sequence state size after 1 and 64 tokens.
 """
 
 from __future__ import annotations
@@ -480,3 +483,32 @@ def cached(arch: str, folder: Path, *, seed: int = 0, n_layer: int | None = None
 def digest(path: Path) -> str:
     """sha256 of a built file (for determinism checks)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _report(folder: Path) -> None:
+    """Print, per arch: file size, llama.cpp's description, memory kind, and the sequence
+    state size after 1 and 64 tokens (full / PARTIAL_ONLY), on the app's default context."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from native.context import Context, ContextSettings
+    from native.library import bindings
+    from native.model import Model
+    ll = bindings()
+    print(f"{'arch':14} {'bytes':>9}  {'description':32} {'kind':9} {'state@1':>8} {'@64':>8} "
+          f"{'partial@1':>9} {'@64':>8}")
+    for arch in ARCHS:
+        path = cached(arch, folder)
+        with Model(path) as model, Context(model, ContextSettings(n_ctx=256, n_threads=2)) as ctx:
+            tokens = (model.tokenize("The quick brown fox jumps over the lazy dog.", add_special=True) * 8)[:64]
+            sizes = []
+            for lo, hi in ((0, 1), (1, 64)):
+                ctx.decode(tokens[lo:hi], lo)
+                sizes.append((ctx.state_size(0), int(ll.llama_state_seq_get_size_ext(ctx.ptr, 0, 1))))
+            print(f"{arch:14} {path.stat().st_size:>9}  {model.description:32} {KIND[arch]:9} "
+                  f"{sizes[0][0]:>8} {sizes[1][0]:>8} {sizes[0][1]:>9} {sizes[1][1]:>8}")
+
+
+if __name__ == "__main__":
+    import sys
+    import tempfile
+    _report(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="tiny-models-")))
