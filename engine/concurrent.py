@@ -72,7 +72,7 @@ def joint_prefill_exact(prt: ParallelRuntime) -> bool:
     grouped otherwise than alone.  So prompts share a decode only for a model whose
     generation batches are exact at full width, and, to be safe, without sliding window.
     """
-    return prt.model.shape.n_swa == 0 and prt.exact_width >= prt.sequences
+    return prt.shape.n_swa == 0 and prt.exact_width >= prt.sequences
 
 
 class Batcher:

@@ -41,13 +41,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
+from engine.checkpoints.format import LIMITS, MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
 GGML_TYPE_F32 = 0
-#: a recurrent row larger than this (bytes) is refused: Mamba-2 7B's S row is ~0.5 MB
-MAX_RECURRENT_ROW = 1 << 28
 
 
 @dataclass(frozen=True)
@@ -139,7 +137,7 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
         if r.i32("recurrent type") != GGML_TYPE_F32:
             raise CorruptState("the recurrent state's rows are not float32")
         row = r.u64("recurrent row size")
-        if row > MAX_RECURRENT_ROW:
+        if row > LIMITS.max_recurrent_layer:   # one row can be no more than its layer's R + S
             raise CorruptState("the recurrent state's rows have an impossible size")
         r.take(row * cells, "recurrent data")
         sizes.append(row)
