@@ -85,6 +85,14 @@ class ModelShape:
         return self.memory == MEMORY_HYBRID and not self.n_swa
 
     @property
+    def logits_recomputable(self) -> bool:
+        """Whether decoding a cache's last token again, alone, gives its logits bit for bit
+        when it was decoded alone the first time: a plain attention memory, whose tail
+        can be dropped and whose cells do not depend on batch boundaries (FIELD_NOTES).
+        A checkpoint of such a cache need not carry its logits (engine.runtime.save)."""
+        return self.memory == MEMORY_ATTENTION and not self.n_swa
+
+    @property
     def has_recurrent(self) -> bool:
         """A recurrent part: a fixed-size snapshot per sequence, which cannot drop a tail."""
         return self.memory != MEMORY_ATTENTION

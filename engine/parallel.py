@@ -43,7 +43,7 @@ from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
-from engine.runtime import Runtime, SaveInfo
+from engine.runtime import Runtime, SaveInfo, logits_rule
 from engine.sequences import Placement, SequenceTable
 from engine.snapshots import PromptSnapshot
 from native.batch import SeqBatch
@@ -65,6 +65,8 @@ class _Held:
     logits_len: int = -1             # the token count the logits belong to (-1: none)
     logits: np.ndarray | None = None  # a copy; None while they are a row of the last decode
     row: int = -1                    # that row (live logits)
+    #: the logits came from a decode of the last token alone (see Runtime.logits_worth_saving)
+    logits_alone: bool = False
     #: a recurrent memory's state at the end of its last prompt (engine.snapshots)
     snapshot: PromptSnapshot | None = None
 
@@ -106,6 +108,7 @@ class ParallelRuntime:
         #: the most generated tokens one decode may hold with each sequence's logits
         #: bit-identical to its decode alone (0: not even one beside other sequences);
         #: measured on the empty cache unless given (see probe_exact_width)
+        self.exact_width = 0   # while probing: every decode of several is in doubt
         try:
             self.exact_width = self.probe_exact_width() if exact_width is None else exact_width
         except BaseException:
@@ -204,7 +207,11 @@ class ParallelRuntime:
 
     def _forget_logits(self, seq: int) -> None:
         held = self._held[seq]
-        held.logits_len, held.logits, held.row = -1, None, -1
+        held.logits_len, held.logits, held.row, held.logits_alone = -1, None, -1, False
+
+    def logits_worth_saving(self, seq: int, kind: int) -> bool:
+        """Whether a checkpoint of ``kind`` of ``seq`` carries its logits (engine.runtime.logits_rule)."""
+        return logits_rule(kind, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
 
     # -- decoding -------------------------------------------------------------------------
     def trim(self, seq: int, n: int) -> int:
@@ -220,7 +227,7 @@ class ParallelRuntime:
             self._forget_logits(seq)
         elif snapshot is not None and snapshot.holds(held.tokens, n) and snapshot.put_back(self.ctx, seq):
             del held.tokens[n:]
-            held.logits_len, held.logits, held.row = n, snapshot.logits, -1
+            held.logits_len, held.logits, held.row, held.logits_alone = n, snapshot.logits, -1, False
         else:
             self.drop(seq)
         return len(self._held[seq].tokens)
@@ -262,6 +269,7 @@ class ParallelRuntime:
             held.tokens.extend(tokens)
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
+                held.logits_alone = len(chunks) == 1 and len(tokens) == 1
                 if self.shape.has_recurrent:   # the end of a prompt: see engine.snapshots
                     held.snapshot = PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq),
                                                         recurrent_only=self.shape.snapshot_recurrent_only)
@@ -279,6 +287,9 @@ class ParallelRuntime:
             held = self._held[seq]
             held.tokens.append(token)
             held.logits_len, held.logits, held.row = len(held.tokens), None, rows[seq]
+            # several sequences in one decode give each the logits of its decode alone
+            # up to the measured exact width (probe_exact_width)
+            held.logits_alone = len(tokens) <= max(1, self.exact_width)
 
     def _decode(self, participants, should_abort: Callable[[], bool] | None = None) -> int:
         if any(len(self._held[s].tokens) >= self.ctx.n_ctx for s in participants):
@@ -391,6 +402,7 @@ class _Slot:
         held.tokens = tokens
         if logits is not None:
             held.logits_len, held.logits = len(tokens), np.array(logits, copy=True)
+            held.logits_alone = False
 
 
 class SequenceView:
@@ -430,6 +442,9 @@ class SequenceView:
 
     def logits(self) -> np.ndarray:
         return self._prt.logits(self.seq)
+
+    def logits_worth_saving(self, kind: int) -> bool:
+        return self._prt.logits_worth_saving(self.seq, kind)
 
     def _state_bytes(self, p0: int) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx
@@ -521,6 +536,10 @@ class ConversationView(SequenceView):
         if seq is None:
             raise GenerationError("this conversation is not in the cache")
         return self._prt.logits(seq)
+
+    def logits_worth_saving(self, kind: int) -> bool:
+        seq = self.seq
+        return seq is not None and self._prt.logits_worth_saving(seq, kind)
 
     def place(self) -> Placement:
         """Give the conversation a sequence (see the class docstring)."""

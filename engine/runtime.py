@@ -28,6 +28,7 @@ from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.format import (
     FLAG_CELL_EXT,
     FLAG_DELTA,
+    KIND_AUTOSAVE,
     KIND_MANUAL,
     TRAILER_LEN,
     CheckpointData,
@@ -97,6 +98,9 @@ class Runtime:
         self.kv_tokens: list[int] = []
         self._logits_len = -1                     # KV length the logits belong to
         self._logits_copy: np.ndarray | None = None  # None: read them live from the context
+        # the logits came from decoding the last token alone (a generated token): then a
+        # plain attention memory gives them again by decoding it again (see save)
+        self._logits_alone = False
         # logits at the end of the last prefill, with the digest of the tokens they follow:
         # Regenerate trims back to there and samples again without re-decoding
         self._prompt_logits: tuple[int, str, np.ndarray] | None = None
@@ -131,13 +135,19 @@ class Runtime:
             raise GenerationError("no logits for the current position")
         return self._logits_copy if self._logits_copy is not None else self.ctx.logits_last()
 
-    def _set_live_logits(self) -> None:
+    def _set_live_logits(self, *, alone: bool) -> None:
         self._logits_len = len(self.kv_tokens)
         self._logits_copy = None
+        self._logits_alone = alone
 
     def _forget_logits(self) -> None:
         self._logits_len = -1
         self._logits_copy = None
+        self._logits_alone = False
+
+    def logits_worth_saving(self, kind: int) -> bool:
+        """Whether a checkpoint of ``kind`` must carry the cache's logits (logits_rule)."""
+        return logits_rule(kind, self.has_logits(), self._logits_alone, self.shape)
 
     # -- bringing tokens into the cache ----------------------------------------------------
     def trim(self, n: int) -> int:
@@ -154,14 +164,14 @@ class Runtime:
             del self.kv_tokens[n:]
         elif snapshot is not None and snapshot.holds(self.kv_tokens, n) and snapshot.put_back(self.ctx, 0):
             del self.kv_tokens[n:]
-            self._logits_len, self._logits_copy = n, snapshot.logits
+            self._logits_len, self._logits_copy, self._logits_alone = n, snapshot.logits, False
             return n
         else:
             self.ctx.clear()
             self.kv_tokens.clear()
         saved = self._prompt_logits
         if saved and saved[0] == len(self.kv_tokens) and saved[1] == tokens_digest(self.kv_tokens):
-            self._logits_len, self._logits_copy = saved[0], saved[2]
+            self._logits_len, self._logits_copy, self._logits_alone = saved[0], saved[2], False
         else:
             self._forget_logits()
         return len(self.kv_tokens)
@@ -187,6 +197,7 @@ class Runtime:
         self.ctx.clear_abort()  # a stale request from an earlier run must not cut this one
         step = self.settings.n_batch
         pos = keep
+        chunk: Sequence[int] = ()
         while pos < total:
             if should_stop():
                 report.aborted = True
@@ -209,7 +220,7 @@ class Runtime:
                 on_progress(pos, total)
         self.ctx.clear_abort()
         if not report.aborted and report.n_decoded:
-            self._set_live_logits()
+            self._set_live_logits(alone=len(chunk) == 1)
             self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
                                    self.ctx.logits_last().copy())
             if self.shape.has_recurrent:
@@ -224,7 +235,7 @@ class Runtime:
             raise GenerationError("the context is full")
         self.ctx.decode((token,), len(self.kv_tokens), logits_last=True, abortable=False)
         self.kv_tokens.append(token)
-        self._set_live_logits()
+        self._set_live_logits(alone=True)
 
     # -- compatibility ---------------------------------------------------------------------
     def header_for(self, conv: Conversation, kind: int) -> Header:
@@ -313,7 +324,8 @@ class Runtime:
         if fresh:
             checks.append(functools.partial(_name_still_free, path))
         meta = encode_metadata(meta_json)
-        logits = np.array(self.logits(), copy=True) if self.has_logits() else None
+        # logits only where decoding the last token again would not give them exactly
+        logits = np.array(self.logits(), copy=True) if self.logits_worth_saving(kind) else None
         state = self._state_bytes(p0) if n > p0 else np.empty(0, dtype=np.uint8)
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
@@ -432,7 +444,7 @@ class _Slot:
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.rt.kv_tokens = tokens
         if logits is not None:
-            self.rt._logits_len, self.rt._logits_copy = len(tokens), logits
+            self.rt._logits_len, self.rt._logits_copy, self.rt._logits_alone = len(tokens), logits, False
 
 
 def runtime_shape(model: Model) -> ModelShape:
@@ -447,6 +459,23 @@ def runtime_shape(model: Model) -> ModelShape:
                     model.path, shape.n_vocab, shape.n_layer, model.shape.n_vocab, model.shape.n_layer)
         shape = replace(shape, n_vocab=model.shape.n_vocab, n_layer=model.shape.n_layer)
     return shape
+
+
+def logits_rule(kind: int, has_logits: bool, alone: bool, shape: ModelShape) -> bool:
+    """Whether a checkpoint carries the next-token logits: the one rule.
+
+    A pause, an exit or a finished answer is where generation is resumed from: it
+    carries them, and resuming samples at once (nothing is decoded again).  An autosave
+    is only ever resumed from after a crash, and most are superseded within seconds: it
+    carries none when decoding its last token again gives them bit for bit — the token
+    was decoded alone (a generated one) and the memory is plain attention
+    (ModelShape.logits_recomputable) — and the resumed run decodes that one token.
+    Logits are vocabulary x 4 bytes (196 KB for SmolLM2, 1 MB for Gemma 3 or Qwen3.5),
+    often more than an autosave's own cells.
+    """
+    if not has_logits:
+        return False
+    return kind != KIND_AUTOSAVE or not (alone and shape.logits_recomputable)
 
 
 def chunk_end(pos: int, total: int, step: int) -> int:
