@@ -44,6 +44,7 @@ from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import SaveFailed
 from engine.runtime import Runtime, SaveInfo
+from engine.shared_prefix import shared_base
 
 log = logging.getLogger("engine")
 
@@ -64,13 +65,7 @@ class ChainPolicy:
 
 def saved_info(data: CheckpointData) -> SaveInfo:
     """What a writer needs to know of a file it did not write (a restored chain's)."""
-    h = data.header
-    cid = data.meta.get("checkpoint_id")
-    return SaveInfo(path=data.path, size=h.file_len, seconds=0.0, n_tokens=h.n_tokens,
-                    checkpoint_id=cid if isinstance(cid, str) else "",
-                    payload_crc=data.payload_crc,
-                    tokens_digest=tokens_digest(data.tokens[:h.n_tokens]), delta=h.is_delta,
-                    line=line_of(data.meta, h), kind=h.kind)
+    return SaveInfo.of_file(data)
 
 
 def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | None:
@@ -225,6 +220,8 @@ class LineWriter:
             # conversation was cut, or re-tokenised otherwise): go on as a branch, so that
             # file — one a user may have been handed — stays a head of its own
             self._branch_off()
+        if idx is None and self.mode == "delta":
+            idx = self._on_shared_prefix(conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -257,6 +254,19 @@ class LineWriter:
             else:
                 self.retire()   # a head: what the store shows after it is final
         return info
+
+    def _on_shared_prefix(self, conv: Conversation) -> int | None:
+        """Start the chain on the store's shared prefix of the conversation's system
+        prompt (engine.shared_prefix); the index of the parent then (0), else None."""
+        try:
+            base = shared_base(self.runtime, self.store, conv)
+        except (SaveFailed, OSError) as exc:   # the conversation's own full file still follows
+            log.warning("the shared prefix could not be stored: %s", exc)
+            return None
+        if base is None:
+            return None
+        self._chain = [base]
+        return 0
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None) -> SaveInfo:
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE

@@ -417,6 +417,7 @@ class SequenceView:
     """
 
     save = Runtime.save
+    prefix_state = Runtime.prefix_state
     header_for = Runtime.header_for
     metadata_for = Runtime.metadata_for
 
@@ -446,11 +447,12 @@ class SequenceView:
     def logits_worth_saving(self, kind: int) -> bool:
         return self._prt.logits_worth_saving(self.seq, kind)
 
-    def _state_bytes(self, p0: int) -> np.ndarray:
+    def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx
         source = self.seq
-        if p0:
-            ctx.seq_cp(self.seq, prt.scratch, p0, -1)   # shares the cells; copies nothing
+        partial = bool(p0) or upto is not None
+        if partial:   # shares the cells; copies nothing
+            ctx.seq_cp(self.seq, prt.scratch, p0, -1 if upto is None else upto)
             source = prt.scratch
         try:
             size = ctx.state_size(source)
@@ -461,7 +463,8 @@ class SequenceView:
                 raise SaveFailed(str(exc)) from exc
             shape, s = self.shape, self.settings
             try:
-                layout = check_state(state, n_tokens=len(self.kv_tokens), n_ctx=ctx.n_ctx,
+                layout = check_state(state, n_tokens=len(self.kv_tokens) if upto is None else upto,
+                                     n_ctx=ctx.n_ctx,
                                      n_layer=shape.n_layer, type_k=s.type_k, type_v=s.type_v,
                                      flash_attn=s.flash_attn, n_head_kv=shape.n_head_kv,
                                      n_embd_head_k=shape.n_embd_head_k,
@@ -473,7 +476,7 @@ class SequenceView:
             relabel_state(state, layout, 1 if p0 else 0)
             return state
         finally:
-            if p0:
+            if partial:
                 ctx.seq_rm(prt.scratch, -1, -1)
 
 

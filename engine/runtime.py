@@ -28,16 +28,17 @@ from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.format import (
     FLAG_CELL_EXT,
     FLAG_DELTA,
-    KIND_AUTOSAVE,
+    KIND_EXIT,
     KIND_MANUAL,
+    KIND_PAUSE,
     TRAILER_LEN,
     CheckpointData,
     Header,
     encode_metadata,
     write_sections,
 )
-from engine.checkpoints.graph import default_line
-from engine.checkpoints.kvstate import check_state_for
+from engine.checkpoints.graph import default_line, line_of
+from engine.checkpoints.kvstate import check_state, check_state_for, relabel_state
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
@@ -75,6 +76,16 @@ class SaveInfo:
     delta: bool = False
     line: str = ""
     kind: int = KIND_MANUAL
+
+    @classmethod
+    def of_file(cls, data: CheckpointData) -> SaveInfo:
+        """What a writer needs to know of a file it did not write (a restored chain's)."""
+        h = data.header
+        cid = data.meta.get("checkpoint_id")
+        return cls(path=data.path, size=h.file_len, seconds=0.0, n_tokens=h.n_tokens,
+                   checkpoint_id=cid if isinstance(cid, str) else "", payload_crc=data.payload_crc,
+                   tokens_digest=tokens_digest(data.tokens[:h.n_tokens]), delta=h.is_delta,
+                   line=line_of(data.meta, h), kind=h.kind)
 
 
 class Runtime:
@@ -238,7 +249,7 @@ class Runtime:
         self._set_live_logits(alone=True)
 
     # -- compatibility ---------------------------------------------------------------------
-    def header_for(self, conv: Conversation, kind: int) -> Header:
+    def header_for(self, conv: Conversation, kind: int, n_tokens: int | None = None) -> Header:
         shape = self.shape
         s = self.settings
         n_generated = conv.answer.n_generated if conv.answer else 0
@@ -248,7 +259,7 @@ class Runtime:
             n_embd_head_k=shape.n_embd_head_k, n_embd_head_v=shape.n_embd_head_v,
             n_swa=shape.n_swa, n_ctx=self.ctx.n_ctx, type_k=s.type_k, type_v=s.type_v,
             flash_attn=s.flash_attn, kv_unified=s.kv_unified, n_seq_max=s.n_seq_max,
-            n_tokens=len(self.kv_tokens), n_tokens_total=len(conv.tokens),
+            n_tokens=len(self.kv_tokens) if n_tokens is None else n_tokens, n_tokens_total=len(conv.tokens),
             n_generated=n_generated, created_unix_ns=time.time_ns(), conversation_id=conv.id,
             library=loaded_library().identity, title=conv.title, kind=kind, memory=shape.memory,
             flags=FLAG_CELL_EXT if shape.cell_ext else 0)
@@ -277,7 +288,7 @@ class Runtime:
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
              parent: SaveInfo | None = None, *, line: str | None = None, seq: int = 0,
-             fresh: bool = False, landing=None) -> SaveInfo:
+             fresh: bool = False, landing=None, upto: int | None = None) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
@@ -290,22 +301,30 @@ class Runtime:
         the save fails rather than replace a file that appeared there meanwhile.
         ``landing`` (engine.checkpoints.atomic.Landing): the bytes are written now, the
         fsync and the rename into place happen on its helper thread (an autosave).
+        ``upto``: the file holds only the cache's first ``upto`` tokens (no logits), and
+        ``conv`` is the conversation of those tokens: a shared prefix (engine.shared_prefix).
         """
         started = time.perf_counter()
         path = Path(path)
         n = len(self.kv_tokens)
-        if list(conv.tokens[:n]) != self.kv_tokens:
+        if upto is not None:
+            if not 0 < upto <= n or len(conv.tokens) != upto or not self.shape.logits_recomputable:
+                raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
+                                 "memory, with the conversation of exactly those tokens")
+            n = upto
+        kv = self.kv_tokens[:n]
+        if list(conv.tokens[:n]) != kv:
             raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
         p0 = 0
         if parent is not None:
             p0 = parent.n_tokens
-            if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(self.kv_tokens[:p0]):
+            if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(kv[:p0]):
                 raise SaveFailed("the parent checkpoint is not a prefix of the cache")
             if not self.settings.supports_deltas:
                 raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
                                  "(n_seq_max >= 2, kv_unified)")
         checkpoint_id = uuid.uuid4().hex
-        header = self.header_for(conv, kind)
+        header = self.header_for(conv, kind, n)
         if parent is not None:
             header = replace(header, flags=header.flags | FLAG_DELTA, parent_n_tokens=p0)
         meta_json = self.metadata_for(conv)
@@ -325,8 +344,9 @@ class Runtime:
             checks.append(functools.partial(_name_still_free, path))
         meta = encode_metadata(meta_json)
         # logits only where decoding the last token again would not give them exactly
-        logits = np.array(self.logits(), copy=True) if self.logits_worth_saving(kind) else None
-        state = self._state_bytes(p0) if n > p0 else np.empty(0, dtype=np.uint8)
+        logits = (np.array(self.logits(), copy=True)
+                  if upto is None and self.logits_worth_saving(kind) else None)
+        state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
                 check_state_for(header, state, self.target.model.recurrent_rows)
@@ -347,32 +367,40 @@ class Runtime:
         return SaveInfo(path=path, size=size,
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
-                        tokens_digest=tokens_digest(self.kv_tokens), delta=parent is not None,
+                        tokens_digest=tokens_digest(kv), delta=parent is not None,
                         line=line, kind=kind)
 
-    def _state_bytes(self, p0: int) -> np.ndarray:
-        """Sequence 0's state, or (p0 > 0) only its cells at positions >= p0.
+    def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
+        """Sequence 0's state, or only its cells at positions p0..upto-1.
 
         The bytes live in the runtime's state buffer, reused by every save (full or
-        delta) and overwritten by the next one: use them before saving again.  The
-        partial state is read through scratch sequence 1, which shares those cells
-        (``seq_cp`` adds a sequence id to cells; nothing is copied) and is dropped after.
+        delta) and overwritten by the next one: use them before saving again.  A partial
+        state is read through scratch sequence 1, which shares those cells (``seq_cp``
+        adds a sequence id to cells; nothing is copied) and is dropped after; a prefix
+        (p0 == 0) is then relabelled as sequence 0's, as a full file's state is.
         """
         seq = 0
-        if p0:
-            self.ctx.seq_cp(0, 1, p0, -1)
+        if p0 or upto is not None:
+            self.ctx.seq_cp(0, 1, p0, -1 if upto is None else upto)
             seq = 1
         try:
             size = self.ctx.state_size(seq)
             buf = self.state_buffer_for(size)
             try:
-                written = self.ctx.state_get_into(buf, size, seq)
+                state = buf[:self.ctx.state_get_into(buf, size, seq)]
             except StateError as exc:
                 raise SaveFailed(str(exc)) from exc
-            return buf[:written]
+            if seq and not p0:
+                relabel_prefix(state, self, upto or 0)
+            return state
         finally:
-            if p0:
+            if seq:
                 self.ctx.seq_rm(1, -1, -1)
+
+    def prefix_state(self, n: int) -> np.ndarray:
+        """The state of the cache's first ``n`` cells, as a file of them holds it (a view
+        of the save buffer: valid until the next save)."""
+        return self._state_bytes(0, n)
 
     def state_buffer_for(self, size: int) -> np.ndarray:
         """The state buffer, grown when ``size`` no longer fits.
@@ -461,21 +489,35 @@ def runtime_shape(model: Model) -> ModelShape:
     return shape
 
 
+def relabel_prefix(state: np.ndarray, rt, n_tokens: int) -> None:
+    """Make a prefix state read through the scratch sequence (1) sequence 0's, in place."""
+    shape, s = rt.shape, rt.settings
+    try:
+        layout = check_state(state, n_tokens=n_tokens, n_ctx=rt.ctx.n_ctx, n_layer=shape.n_layer,
+                             type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
+                             n_head_kv=shape.n_head_kv, n_embd_head_k=shape.n_embd_head_k,
+                             n_embd_head_v=shape.n_embd_head_v, first_pos=0, seq_id=1,
+                             memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext)
+    except CorruptState as exc:
+        raise SaveFailed(f"llama.cpp wrote an unexpected state for a prefix: {exc}") from exc
+    relabel_state(state, layout, 0)
+
+
 def logits_rule(kind: int, has_logits: bool, alone: bool, shape: ModelShape) -> bool:
     """Whether a checkpoint carries the next-token logits: the one rule.
 
-    A pause, an exit or a finished answer is where generation is resumed from: it
-    carries them, and resuming samples at once (nothing is decoded again).  An autosave
-    is only ever resumed from after a crash, and most are superseded within seconds: it
-    carries none when decoding its last token again gives them bit for bit — the token
-    was decoded alone (a generated one) and the memory is plain attention
-    (ModelShape.logits_recomputable) — and the resumed run decodes that one token.
-    Logits are vocabulary x 4 bytes (196 KB for SmolLM2, 1 MB for Gemma 3 or Qwen3.5),
-    often more than an autosave's own cells.
+    A pause or an exit is where generation resumes from: it carries them, and resuming
+    samples at once (nothing is decoded again).  Any other file — an autosave (resumed
+    from only after a crash), a finished answer (the next turn decodes new tokens after
+    it) — carries none when decoding its last token again gives them bit for bit: the
+    token was decoded alone (a generated one) and the memory is plain attention
+    (ModelShape.logits_recomputable); whoever samples right after it decodes that one
+    token.  Logits are vocabulary x 4 bytes (196 KB for SmolLM2, 1 MB for Gemma 3 or
+    Qwen3.5), often more than a file's own cells.
     """
     if not has_logits:
         return False
-    return kind != KIND_AUTOSAVE or not (alone and shape.logits_recomputable)
+    return kind in (KIND_PAUSE, KIND_EXIT) or not (alone and shape.logits_recomputable)
 
 
 def chunk_end(pos: int, total: int, step: int) -> int:

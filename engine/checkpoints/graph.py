@@ -21,6 +21,11 @@ deleted holds nothing of its own).  A conversation has one head per line: one to
 one per branch when branches come.  The chain of a head (the head and its ancestors)
 is what restoring it needs.
 
+Shared prefixes.  A line whose name starts with ``shared-`` holds the cells of a long
+system prompt that several conversations' chains start with (engine.shared_prefix): it
+has no tip and no head (it is nobody's conversation), is kept while some head's chain
+holds it, and is deleted by any deleting operation once none does.
+
 Superseded.  A node older than its line's tip and in no tip's chain holds an earlier
 state of a history that has moved on: it is *superseded*.  That is the only kind of
 file this module ever deletes on its own:
@@ -62,6 +67,14 @@ from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
 from engine.errors import CheckpointError
 
 log = logging.getLogger("checkpoint")
+
+#: Lines of shared prefixes (engine.shared_prefix) start with this.
+SHARED_LINE = "shared-"
+
+
+def is_shared_line(line: str) -> bool:
+    return line.startswith(SHARED_LINE)
+
 
 #: Bytes of superseded checkpoints a store may hold before pruning deletes them.  The
 #: one default for the window, the CLI and the settings dialog.
@@ -238,6 +251,8 @@ class Graph:
         # each line's tip: its newest node whose chain is whole
         self.tip_of_line: dict[str, Node] = {}
         for line, members in self.lines.items():
+            if is_shared_line(line):
+                continue   # a shared prefix is no conversation's history
             tip = next((n for n in members if n.name not in self._rejected
                         and self.chain_problem(n) is None), None)
             if tip is not None:
@@ -315,6 +330,22 @@ class Graph:
     def chain_size(self, node: Node) -> int:
         return sum(n.size for n in self.chain(node))
 
+    def footprint(self, head: Node) -> tuple[int, int]:
+        """Bytes of ``head``'s chain that it alone holds, and bytes it shares with other
+        heads (a shared prefix, a fork's common files): deleting it frees the first."""
+        others: set[str] = set()
+        for other in self.heads:
+            if other.name != head.name:
+                others.update(n.name for n in self.chain(other))
+        chain = self.chain(head)
+        shared = sum(n.size for n in chain if n.name in others)
+        return sum(n.size for n in chain) - shared, shared
+
+    def unused_shared(self) -> list[Node]:
+        """Shared prefixes no head's chain holds any more."""
+        return [n for line, members in self.lines.items() if is_shared_line(line)
+                for n in members if n.name not in self._reachable]
+
     # -- heads --------------------------------------------------------------------------------
     def is_head(self, node: Node) -> bool:
         return node.name in self._head_names
@@ -337,6 +368,9 @@ class Graph:
             if line is not None and name != line:
                 continue
             tip = self.tip_of_line.get(name)
+            if is_shared_line(name):
+                out += [n for n in members if n.name not in self._reachable]
+                continue
             if tip is None:
                 continue   # no restorable node at all: keep everything for the user
             out += [n for n in members if n.name not in self._reachable and n.order < tip.order]
@@ -492,7 +526,7 @@ def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
         report.stale_temps = store.remove_stale_temps(stale_temp_age_s)
         graph, trusted = _locked_graph(store, rejected)
         total = sum(n.size for n in graph.nodes.values()) + sum(u.size for u in graph.unreadable)
-        candidates = [n for n in graph.superseded() if n.line in trusted]
+        candidates = [n for n in graph.superseded() if n.line in trusted and not is_shared_line(n.line)]
         for chain in _components(graph, candidates):
             if budget_bytes is not None and total <= budget_bytes:
                 for node in chain:
@@ -501,9 +535,22 @@ def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
             before = report.freed_bytes
             _delete_leaves_first(store, graph, chain, report)
             total -= report.freed_bytes - before
-        _classify(graph, report, {n.name for n in candidates})
+        before = report.freed_bytes
+        unused = _drop_unused_shared(store, graph, report)
+        total -= report.freed_bytes - before
+        _classify(graph, report, {n.name for n in candidates} | unused)
         report.store_bytes = total
     return report
+
+
+def _drop_unused_shared(store: Store, graph: Graph, report: PruneReport) -> set[str]:
+    """Delete the shared prefixes no head uses any more (lock held); their names.
+
+    A writer that has just stored a prefix and not yet its delta on it loses the race
+    harmlessly: the delta's rename requires its parent, so it writes a full file."""
+    unused = graph.unused_shared()
+    _delete_leaves_first(store, graph, unused, report)
+    return {n.name for n in unused}
 
 
 def retire(store: Store, line: str) -> PruneReport:
@@ -535,6 +582,7 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
             if node.name in needed:
                 report.keep("file(s) another conversation's head depends on", node)
         _delete_leaves_first(store, graph, [n for n in mine if n.name not in needed], report)
+        _drop_unused_shared(store, Graph.scan(store), report)
     return report
 
 
@@ -577,6 +625,7 @@ def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
         for member in g.chain(node):
             if member.name in needed:
                 report.keep(KEPT_CHAIN, member)
+        _drop_unused_shared(store, Graph.scan(store), report)
     return report
 
 

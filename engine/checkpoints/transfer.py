@@ -47,7 +47,7 @@ from engine.checkpoints.format import (
     read_checkpoint,
     write_sections,
 )
-from engine.checkpoints.graph import Graph, line_of
+from engine.checkpoints.graph import Graph, is_shared_line, line_of
 from engine.checkpoints.kvstate import check_state_for
 from engine.checkpoints.store import Store
 from engine.errors import CheckpointError, NotACheckpoint
@@ -227,7 +227,9 @@ def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict,
             return found
         parent_name, parent_crc = found
         new_ref = replace(item.ref, file=parent_name, payload_crc=parent_crc)
-    line = lines.setdefault(line_of(data.meta, h), uuid.uuid4().hex)
+    old_line = line_of(data.meta, h)
+    # a shared prefix keeps its content address (it is nobody's history to compete with)
+    line = old_line if is_shared_line(old_line) else lines.setdefault(old_line, uuid.uuid4().hex)
 
     dest = store.folder / path.name
     if dest.exists() or not path.name.endswith(EXTENSION) or path.name.startswith("."):

@@ -275,8 +275,24 @@ class RunSession:
             infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
             return LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
         if chain:
-            return LineWriter.continuing(self.runtime, store, chain)
+            return LineWriter.continuing(self.runtime, store, self.in_store(store, chain))
         return LineWriter.starting(self.runtime, store, default_line(conv.id))
+
+    def in_store(self, store, chain):
+        """The loaded chain as files of ``store``: a file from elsewhere is imported once
+        (engine.checkpoints.transfer; the next run finds it there), so the conversation's
+        checkpoints are deltas on it rather than a full copy each run."""
+        from engine.checkpoints.format import read_checkpoint
+        from engine.checkpoints.transfer import import_files
+        if store.contains(chain[-1].path):
+            return chain
+        results = import_files([d.path for d in chain], store, self.runtime.target)
+        if not all(r.ok and r.imported is not None for r in results):
+            problem = next((r.message() for r in results if not r.ok), "")
+            print(f"note: {chain[-1].path.name} could not be linked into the store ({problem}); "
+                  "its conversation is saved there in full", file=sys.stderr)
+            return chain
+        return [read_checkpoint(r.imported, load_state=False) for r in results]
 
     def generate(self, conv):
         from engine.generation import generate

@@ -1,0 +1,176 @@
+"""A long system prompt is stored once, and checkpoints carry logits only where needed
+(engine.shared_prefix, engine.runtime.logits_rule; issue 25).
+
+Real model (SmolLM2), real files: the conversations that share a system prompt share one
+prefix file, restore from it exactly, and the store's graph keeps it while any of them
+needs it and deletes it with the last one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from engine.checkpoints import graph as store_graph
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, read_checkpoint
+from engine.checkpoints.graph import Graph, is_shared_line
+from engine.checkpoints.store import Store
+from engine.checkpoints.transfer import import_files
+from engine.conversation import Conversation
+from engine.generation import begin_answer, generate
+from engine.history import LineWriter
+from engine.model_shape import ModelShape
+from engine.runtime import Runtime, logits_rule
+from engine.sampling import SamplerSettings
+from engine.shared_prefix import MIN_TOKENS, shared_base
+from native.context import ContextSettings
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = "You are the careful assistant of a shipping company; answer briefly and politely. " * 24
+QUESTIONS = ("Where is my parcel?", "How do I return an item?", "What does express delivery cost?")
+
+
+def _answer(rt, store: Path, question: str, *, system: str = SYSTEM, stop_after: int | None = None):
+    """One conversation, its autosaves and its head in ``store``; (conversation, writer)."""
+    rt.trim(0)
+    conv = Conversation(system_prompt=system, sampler=SamplerSettings(temperature=0.7, seed=5))
+    begin_answer(conv, rt, question, n_predict=24)
+    writer = LineWriter.starting(rt, Store(store), conv.id.hex)
+    generate(rt, conv, autosave=writer, autosave_every=8, stop_after=stop_after)
+    writer.save_head(conv, KIND_PAUSE if stop_after else KIND_MANUAL)
+    writer.close()
+    return conv, writer
+
+
+def _shared(g: Graph):
+    return [n for n in g.nodes.values() if is_shared_line(n.line)]
+
+
+def test_conversations_with_one_system_prompt_store_it_once(smollm_runtime, tmp_path):
+    for q in QUESTIONS:
+        _answer(smollm_runtime, tmp_path, q)
+    g = Graph.scan(tmp_path)
+    shared = _shared(g)
+    assert len(shared) == 1, "the system prompt was stored more than once"
+    prefix = shared[0]
+    assert prefix.header.n_tokens >= MIN_TOKENS and not prefix.header.has_logits
+    assert len(g.heads) == len(QUESTIONS) and prefix not in g.heads, "a shared prefix is no conversation"
+    for head in g.heads:
+        assert g.chain(head)[0] is prefix
+        own, shared_bytes = g.footprint(head)
+        assert shared_bytes == prefix.size
+        assert own < prefix.size / 3, f"{head.name} holds {own} bytes of its own"
+    total = sum(n.size for n in g.nodes.values())
+    floor = prefix.size + sum(g.footprint(h)[0] for h in g.heads)
+    assert total == floor
+
+
+def test_a_conversation_on_a_shared_prefix_resumes_exactly(smollm_path, smollm_runtime, tmp_path):
+    rt = smollm_runtime
+    _answer(rt, tmp_path, QUESTIONS[0])
+    rt.trim(0)
+    reference = Conversation(system_prompt=SYSTEM, sampler=SamplerSettings(temperature=0.7, seed=5))
+    begin_answer(reference, rt, QUESTIONS[1], n_predict=24)
+    whole = generate(rt, reference).text
+    conv, writer = _answer(rt, tmp_path, QUESTIONS[1], stop_after=10)
+    chain = load_chain(writer.head.path)
+    assert is_shared_line(chain[0].meta["line"]) and len(chain) >= 2
+    expected_state = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
+
+    fresh = Runtime(smollm_path, ContextSettings(n_ctx=2048, n_threads=2))
+    try:
+        resumed = fresh.restore_chain(chain)
+        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected_state)
+        rest = generate(fresh, resumed)
+        assert rest.n_reused_tokens == rest.n_prompt_tokens, "the pause carries its logits"
+    finally:
+        fresh.close()
+    assert conv.answer.text + rest.text == whole
+
+
+def test_the_prefix_lives_as_long_as_a_conversation_needs_it(smollm_runtime, tmp_path):
+    store = Store(tmp_path)
+    first, _ = _answer(smollm_runtime, tmp_path, QUESTIONS[0])
+    second, _ = _answer(smollm_runtime, tmp_path, QUESTIONS[1])
+    store_graph.prune(store, budget_bytes=0)
+    assert len(_shared(Graph.scan(store))) == 1, "pruning deleted a prefix two heads need"
+    store_graph.delete_conversation(store, first.id)
+    g = Graph.scan(store)
+    assert len(_shared(g)) == 1 and [h.conversation_id for h in g.heads] == [second.id]
+    store_graph.delete_conversation(store, second.id)
+    assert store.files() == [], "the last user of a shared prefix left it behind"
+
+
+def test_an_import_links_to_the_prefix_and_keeps_it_out_of_the_conversations(smollm_runtime, tmp_path):
+    source, target = tmp_path / "a", tmp_path / "b"
+    _, writer = _answer(smollm_runtime, source, QUESTIONS[0])
+    files = [d.path for d in load_chain(writer.head.path)]
+    assert all(r.ok for r in import_files(files, Store(target), smollm_runtime.target))
+    g = Graph.scan(target)
+    assert len(_shared(g)) == 1 and len(g.heads) == 1
+    # the next conversation with that system prompt finds the imported prefix
+    _answer(smollm_runtime, target, QUESTIONS[2])
+    g = Graph.scan(target)
+    assert len(_shared(g)) == 1 and len(g.heads) == 2
+
+
+def test_short_prompts_and_other_memories_store_no_prefix(smollm_runtime, tmp_path, monkeypatch):
+    _answer(smollm_runtime, tmp_path / "short", QUESTIONS[0], system="You are terse.")
+    assert _shared(Graph.scan(tmp_path / "short")) == []
+    rt = smollm_runtime
+    rt.trim(0)
+    conv = Conversation(system_prompt=SYSTEM)
+    begin_answer(conv, rt, QUESTIONS[0], n_predict=4)
+    generate(rt, conv)
+    # a sliding window cannot store a range of positions on its own
+    monkeypatch.setattr(rt, "shape", replace(rt.shape, n_swa=512))
+    assert shared_base(rt, Store(tmp_path / "swa"), conv) is None
+
+
+@pytest.mark.parametrize("memory, n_swa, recomputable", [(0, 0, True), (0, 512, False), (1, 0, False),
+                                                         (2, 0, False)])
+def test_logits_rule(memory, n_swa, recomputable):
+    shape = ModelShape(name="m", architecture="a", n_vocab=8, n_layer=1, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4,
+                       n_swa=n_swa, memory=memory)
+    assert shape.logits_recomputable == recomputable
+    for kind in (KIND_PAUSE, KIND_EXIT):   # where generation resumes: always, to sample at once
+        assert logits_rule(kind, True, True, shape)
+    for kind in (KIND_AUTOSAVE, KIND_MANUAL):
+        assert logits_rule(kind, True, False, shape), "a batch-decoded last token cannot be redone exactly"
+        assert logits_rule(kind, True, True, shape) == (not recomputable)
+    assert not logits_rule(KIND_PAUSE, False, True, shape)
+
+
+def test_cli_reuse_and_loading_a_file_from_elsewhere_write_only_new_cells(app_home, tmp_path):
+    store = app_home / "data" / "checkpoints"
+
+    def run(*args) -> dict:
+        done = run_cli("run", "--system", SYSTEM, "-n", "8", "--temp", "0", "--json", *args, check=True)
+        return json.loads(done.stdout)
+
+    def size() -> int:
+        return sum(p.stat().st_size for p in store.glob("*.kvckpt"))
+
+    run("-p", QUESTIONS[0])
+    one = size()
+    second = run("-p", QUESTIONS[1], "--reuse-prefix")
+    assert second["n_reused_tokens"] > MIN_TOKENS
+    assert size() - one < one / 4, "the second conversation stored its own copy of the prefix"
+
+    named = tmp_path / "x.kvckpt"
+    run_cli("run", "--system", "You are terse.", "-p", "Hello", "-n", "8", "--temp", "0",
+            "--checkpoint-save", str(named), check=True)
+    named_id = read_checkpoint(named, load_state=False).meta["checkpoint_id"]
+
+    for prompt in ("More", "Again"):
+        run_cli("run", "--checkpoint-load", str(named), "-p", prompt, "-n", "8", "--temp", "0", check=True)
+    copies = [p for p in store.glob("*.kvckpt")
+              if read_checkpoint(p, load_state=False).meta["checkpoint_id"] == named_id]
+    assert len(copies) == 1, "each run copied the loaded file into the store again"
