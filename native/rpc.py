@@ -464,7 +464,7 @@ def describe_plan(counts: Sequence[int], devices: Sequence[Device]) -> str:
     """Where the layers are, for a status bar: "layers: 16 on 127.0.0.1:50052, 15 on
     127.0.0.1:50053" or "layers: 10 on 127.0.0.1:50052, 21 on this machine"."""
     parts = [f"{n} on {dev.description if dev.endpoint else dev.name}"
-             for n, dev in zip(counts, devices) if n]
+             for n, dev in zip(counts, devices, strict=False) if n]   # counts' last: this machine
     if counts[-1]:
         parts.append(f"{counts[-1]} on this machine")
     return "layers: " + ", ".join(parts)

@@ -179,7 +179,7 @@ def test_a_driver_too_old_for_the_runtime_is_named_first(tmp_path):
     assert "supports CUDA 11.8 but cudart64_12.dll needs CUDA 12 or newer" in text
     assert "update the NVIDIA driver" in text and "CPU only" in text
     for current in (12040, None):                         # new enough, or no driver to ask
-        text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda: current)
+        text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda current=current: current)
         assert "found no CUDA device" in text and "update the NVIDIA driver" not in text
 
 

@@ -250,7 +250,7 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
     """
     state[4:8] = np.frombuffer(struct.pack("<i", seq_id), dtype=np.uint8)
     words = layout.cell_words
-    for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables):
+    for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables, strict=True):
         table = state[offset:offset + 4 * words * cells].view("<i4").reshape(cells, words)
         table[:, -1] = seq_id
 
