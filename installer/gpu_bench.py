@@ -176,7 +176,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     os.environ.setdefault("CHECKPOINT_CHAT_HOME", tempfile.mkdtemp(prefix="ccgpu-home-"))
     work = Path(tempfile.mkdtemp(prefix="ccgpu-"))
-    from native.sysinfo import system_info
+    from native.library import system_info
     info = system_info()
     print(f"library {info.library_path}\nGPU offload {info.gpu_offload}; devices: "
           + "; ".join(f"{d.kind} {d.description} {d.memory_free / 2**30:.1f} GiB free" for d in info.devices))

@@ -49,7 +49,6 @@ handshake only when that client leaves.
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import logging
 import os
 import socket
@@ -62,7 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from native.endpoint import Endpoint
 from native.errors import NativeError
+from native.library import bindings, loaded_library
 from native.rpc_guard import IO_TIMEOUT_S, SocketGuard, install_abort_handler
 
 log = logging.getLogger("native")
@@ -84,24 +85,6 @@ class RpcError(NativeError):
 
 
 # -- endpoints ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def is_loopback(self) -> bool:
-        if self.host.lower() == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
 
 def parse_endpoint(text: str) -> Endpoint:
     """``HOST:PORT`` as llama.cpp reads it (the first colon splits), checked first."""
@@ -289,7 +272,6 @@ def _ggml_handles(ll: ModuleType, folder: Path) -> list:
 def backend() -> _Backend:
     """llama.cpp's RPC backend in the loaded library, or :class:`RpcError` saying plainly why not."""
     global _backend, _backend_problem
-    from native.library import bindings, loaded_library
     ll = bindings()
     with _backend_lock:
         if _backend is not None:
@@ -397,7 +379,7 @@ class Workers:
             raise RpcError(f"the worker timeout must be a positive number of seconds, not {io_timeout:g}")
         b = backend()
         hellos = [hello(ep, connect_timeout) for ep in endpoints]   # all of them before llama.cpp
-        install_abort_handler(endpoints, io_timeout=io_timeout, crash_note=crash_note,
+        install_abort_handler(b, endpoints, io_timeout=io_timeout, crash_note=crash_note,
                               message_prefix=message_prefix)
         devices: list[Device] = []
         for h in hellos:
@@ -586,7 +568,6 @@ def wait_until_serving(endpoint: Endpoint, timeout: float) -> bool:
 def main() -> int:
     """``python -m native.rpc``: exit 0 when the llama library has the RPC backend (install
     scripts rebuild llama-cpp-python when it does not), else say why and exit 1."""
-    from native.errors import NativeError
     try:
         problem = rpc_problem()
     except NativeError as exc:
