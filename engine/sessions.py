@@ -212,6 +212,7 @@ class SessionTable:
     def end_answer(self, session: Session) -> RunningAnswer:
         """``session``'s answer ended; returns its record."""
         running = session.answer
+        assert running is not None, "end_answer is called for an answer that began"
         with self.lock:
             session.answer = None
             session.control, session.request_id = None, None

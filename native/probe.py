@@ -198,10 +198,12 @@ def interpret(folder: Path, returncode: int, stdout: str, stderr: str) -> ProbeR
         how, cause = f"crashed ({_signal_name(-returncode)})", _MISMATCH
     else:
         status = returncode & 0xFFFFFFFF             # a signed NTSTATUS reads the same
-        how, cause = NTSTATUS_CAUSES.get(status, (None, _MISMATCH))
-        if how is None:
+        known = NTSTATUS_CAUSES.get(status)
+        if known is None:
             shown = f"0x{status:08X}" if status >= 0xC0000000 else str(returncode)
-            how = f"crashed (exit status {shown})"
+            how, cause = f"crashed (exit status {shown})", _MISMATCH
+        else:
+            how, cause = known
     return ProbeReport(False, f"the llama library in {folder} {how} while {where}{detail}; {cause}",
                        stage=stage)
 

@@ -163,7 +163,8 @@ def hello(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> Hello:
     except socket.gaierror:
         raise RpcError(f"{where}: cannot resolve the host name '{endpoint.host}'") from None
     try:
-        sock = socket.create_connection(infos[0][4], timeout=timeout)
+        host, port = infos[0][4][:2]                   # AF_INET: (host, port)
+        sock = socket.create_connection((str(host), int(port)), timeout=timeout)
     except ConnectionRefusedError:
         raise RpcError(f"nothing listens on {endpoint} (start `checkpoint-chat rpc-worker --port "
                        f"{endpoint.port}` there, and check its --host)") from None
@@ -496,6 +497,8 @@ def port_problem(endpoint: Endpoint) -> str | None:
 
 def _short_path_name(path: str) -> str | None:
     """The 8.3 short name of an existing ``path`` (Windows), or None."""
+    if sys.platform != "win32":
+        return None
     kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
     # DWORD GetShortPathNameW(LPCWSTR lpszLongPath, LPWSTR lpszShortPath, DWORD cchBuffer)
     get = kernel32.GetShortPathNameW

@@ -84,11 +84,11 @@ def _peer_sockets(peers: set[tuple[str, int]]):
 
 
 def _addresses(endpoints: Iterable[Endpoint]) -> set[tuple[str, int]]:
-    out = set()
+    out: set[tuple[str, int]] = set()
     for ep in endpoints:
         try:
             for info in socket.getaddrinfo(ep.host, ep.port, socket.AF_INET, socket.SOCK_STREAM):
-                out.add((info[4][0], ep.port))
+                out.add((str(info[4][0]), ep.port))   # AF_INET: (host, port)
         except socket.gaierror:
             pass
     return out
