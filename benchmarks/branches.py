@@ -103,7 +103,7 @@ def measure(out: Table, tokens: int = 4000, answer: int = 48, threads: int = 2, 
             return statistics.median(times)
 
         chain1, chain2 = load_chain(heads[0].path), load_chain(heads[1].path)
-        shared = sum(1 for a, b in zip(chain1, chain2) if a.path == b.path)
+        shared = sum(1 for a, b in zip(chain1, chain2, strict=False) if a.path == b.path)
 
         def switch():       # alternative 2 in the cache, then the engine shows alternative 1
             rt.restore_chain(chain2)

@@ -218,9 +218,9 @@ class Table:
     def render(self) -> str:
         cells = [[_fmt(row.get(c)) for c in self.columns] for row in self.rows]
         widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
-        line = "  ".join(c.rjust(w) for c, w in zip(self.columns, widths))
+        line = "  ".join(c.rjust(w) for c, w in zip(self.columns, widths, strict=True))
         out = [self.title, line, "-" * len(line)]
-        out += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+        out += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
         out += [f"  note: {n}" for n in self.notes]
         return "\n".join(out)
 

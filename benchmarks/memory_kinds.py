@@ -25,6 +25,7 @@ import argparse
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,12 @@ def _timed(fn) -> float:
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started
+
+
+def _restore_first_token(rt: Runtime, path: Path) -> None:
+    c = rt.restore_chain(load_chain(path))
+    c.answer = Answer(n_prompt_tokens=len(c.tokens), n_predict=1)
+    generate(rt, c)
 
 
 def measure(arch: str, model: Path, n_tokens: int, repeats: int, folder: Path) -> dict:
@@ -92,16 +99,12 @@ def measure(arch: str, model: Path, n_tokens: int, repeats: int, folder: Path) -
     for _ in range(repeats):
         fresh = Runtime(model, settings)
         try:
-            fresh.eog_ids, fresh.candidates   # made once per runtime: not part of either path
-            def restore_first_token():
-                c = fresh.restore_chain(load_chain(full.path))
-                c.answer = Answer(n_prompt_tokens=len(c.tokens), n_predict=1)
-                generate(fresh, c)
-            restore.append(_timed(restore_first_token))
+            _ = fresh.eog_ids, fresh.candidates   # made once per runtime: not part of either path
+            restore.append(_timed(partial(_restore_first_token, fresh, full.path)))
             fresh.trim(0)
             c = _conversation(fresh, tokens)
             c.answer.n_predict = 1
-            prefill.append(_timed(lambda: generate(fresh, c)))
+            prefill.append(_timed(partial(generate, fresh, c)))
         finally:
             fresh.close()
     per_token = (state_at_prompt - fixed) / max(1, n_tokens - 1)
@@ -130,8 +133,8 @@ def real_model_rows(n_tokens: int) -> list[tuple[str, str, str, str]]:
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
-    line = lambda r: "| " + " | ".join(str(x).rjust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+    line = lambda r: "| " + " | ".join(str(x).rjust(w) for x, w in zip(r, widths, strict=True)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
 
 

@@ -62,7 +62,7 @@ class BareBatchLoop:
 
     def _fill(self, tokens, positions, seqs, logits_all: bool) -> None:
         b = self.batch
-        for i, (t, p, s) in enumerate(zip(tokens, positions, seqs)):
+        for i, (t, p, s) in enumerate(zip(tokens, positions, seqs, strict=True)):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, p, 1, 1 if logits_all else 0
             b.seq_id[i][0] = s
         b.n_tokens = len(tokens)
@@ -115,7 +115,7 @@ def _ours(prt, prompts: list[list[int]], n_gen: int, exact: bool = True) -> floa
     for key in prt.table.residents():
         prt.evict(key)
     batcher = Batcher(prt, exact=exact)
-    for k, prompt in enumerate(prompts):
+    for prompt in prompts:
         conv = greedy_conversation(prompt, n_predict=n_gen)
         batcher.add(Job(conv, prt.place(conv.id, running=True).seq))
     batcher.run()
@@ -246,16 +246,17 @@ def _forced_together(model_file: str, settings, prompts, alone) -> list[dict]:
             for key in prt.table.residents():
                 prt.evict(key)
             seqs = [prt.place(k).seq for k in range(n)]
-            chunks = [(s, p, True) for s, p in zip(seqs, prompts)]
+            chunks = [(s, p, True) for s, p in zip(seqs, prompts, strict=True)]
             for group in ([chunks] if prefill == "joint" else [[c] for c in chunks]):
                 prt.decode_chunks(group)
-            worst = max(float(np.abs(prt.logits(s) - rows_[0]).max()) for s, (rows_, _) in zip(seqs, alone))
+            worst = max(float(np.abs(prt.logits(s) - rows_[0]).max())
+                        for s, (rows_, _) in zip(seqs, alone, strict=True))
             for step in range(len(alone[0][1])):
-                tokens = [(s, toks[step]) for s, (_, toks) in zip(seqs, alone)]
+                tokens = [(s, toks[step]) for s, (_, toks) in zip(seqs, alone, strict=True)]
                 for start in range(0, n, width):
                     prt.decode_tokens(dict(tokens[start:start + width]))
                 worst = max(worst, max(float(np.abs(prt.logits(s) - rows_[step + 1]).max())
-                                       for s, (rows_, _) in zip(seqs, alone)))
+                                       for s, (rows_, _) in zip(seqs, alone, strict=True)))
             rows.append(dict(prefill=prefill, per_decode=width, exact_width=exact, max_diff=worst,
                              exact=worst == 0.0))
         return rows

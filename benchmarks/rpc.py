@@ -53,7 +53,8 @@ def table() -> Table:
 def start_workers(n: int, threads: int) -> list:
     import socket
 
-    from native.rpc import Endpoint, wait_until_serving
+    from native.endpoint import Endpoint
+    from native.rpc import wait_until_serving
     procs = []
     for _ in range(n):
         with socket.socket() as s:

@@ -173,6 +173,16 @@ async def restart_table(args, work: Path) -> Table:
     return t
 
 
+async def _client(session, url: str, c: int, requests: int, answer: int) -> list[dict]:
+    """One client's replies to ``requests`` questions asked one after another."""
+    replies = []
+    for r in range(requests):
+        question = f"Client {c}, question {r}: name a city and a river."
+        replies.append(await chat(session, url, [{"role": "user", "content": question}],
+                                  max_tokens=answer, seed=c * 100 + r, stream=False))
+    return replies
+
+
 async def concurrency_table(args, work: Path) -> Table:
     import aiohttp
     t = Table("Concurrent clients: one request at a time (--sequences 1) vs concurrent sequences (4)", [
@@ -186,19 +196,12 @@ async def concurrency_table(args, work: Path) -> Table:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
                 await chat(session, server.base_url, [{"role": "user", "content": "Warm up."}], max_tokens=4, seed=0)
                 for clients in (1, 2, 4):
-                    latencies, tokens = [], 0
-
-                    async def client(c: int) -> None:
-                        nonlocal tokens
-                        for r in range(args.requests):
-                            question = f"Client {c}, question {r}: name a city and a river."
-                            reply = await chat(session, server.base_url, [{"role": "user", "content": question}],
-                                               max_tokens=args.answer, seed=c * 100 + r, stream=False)
-                            latencies.append(reply["total_s"])
-                            tokens += reply["usage"]["completion_tokens"]
                     started = time.perf_counter()
-                    await asyncio.gather(*(client(c) for c in range(clients)))
+                    replies = await asyncio.gather(*(_client(session, server.base_url, c, args.requests, args.answer)
+                                                     for c in range(clients)))
                     wall = time.perf_counter() - started
+                    latencies = [r["total_s"] for rs in replies for r in rs]
+                    tokens = sum(r["usage"]["completion_tokens"] for rs in replies for r in rs)
                     n = clients * args.requests
                     t.add(sequences=sequences, clients=clients, requests=n, wall_s=wall, requests_per_s=n / wall,
                           tokens_per_s=tokens / wall, mean_latency_s=sum(latencies) / n,

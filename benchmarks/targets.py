@@ -7,6 +7,7 @@ no 8,192-token context) is still listed, with the size it was measured at.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 
@@ -44,7 +45,7 @@ def evaluate(tables: dict) -> list[dict[str, Any]]:
             mine = sorted((x for x in ttft if x["model"] == m), key=lambda x: x["tokens"])
             if len(mine) > 1:
                 speedups = [x["restore_speedup"] for x in mine]
-                growing = all(b >= a for a, b in zip(speedups, speedups[1:]))
+                growing = all(b >= a for a, b in pairwise(speedups))
                 add(5, "speedup grows with length", m, ",".join(str(x["tokens"]) for x in mine),
                     "increasing", 1.0 if growing else 0.0, lambda v: v == 1.0)
         r = _largest(disk, m)

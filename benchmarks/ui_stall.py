@@ -32,6 +32,7 @@ import time
 import uuid
 import zlib
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -61,7 +62,7 @@ class Heartbeat:
     def stall_ms(self, start: int, end: int | None = None) -> tuple[float, float, int]:
         """Longest gap minus the period, the 99th percentile gap, and the tick count."""
         ticks = self.ticks[max(0, start - 1):end]
-        timed = [((b - a) * 1000, a) for a, b in zip(ticks, ticks[1:])]
+        timed = [((b - a) * 1000, a) for a, b in pairwise(ticks)]
         if timed and os.environ.get("UI_STALL_DEBUG"):
             gap, at = max(timed)
             print(f"  longest gap {gap:.1f} ms began {(at - ticks[0]) * 1000:.0f} ms into the phase")
@@ -321,11 +322,11 @@ def run_window(args) -> dict:
             m = beat.mark()
             w.prompt_edit.setPlainText(text)
             w.send()
-            wait_until(app, lambda: trigger in events, 600)
+            wait_until(app, lambda trigger=trigger: trigger in events, 600)
             if trigger == "started":
                 wait_until(app, lambda: w.speed_label.text().startswith("Reading"), 10)
                 t_pause = time.perf_counter()   # pause well inside the prefill's first chunk
-                wait_until(app, lambda: time.perf_counter() - t_pause > 0.3, 5)
+                wait_until(app, lambda t_pause=t_pause: time.perf_counter() - t_pause > 0.3, 5)
             w.pause()
             wait_until(app, lambda: "finished" in events, 120)
             latency = w.pause_latency_s
@@ -366,7 +367,7 @@ def run_window(args) -> dict:
     w.close()
     beat.timer.stop()
     spans = []
-    for row, (start, end) in zip(rows, marks):
+    for row, (start, end) in zip(rows, marks, strict=True):
         row["stall_ms"], row["p99_ms"], row["ticks"] = beat.stall_ms(start, end)
         spans.append((row["phase"], beat.ticks[max(0, start - 1)], beat.ticks[max(0, end - 1)]))
     diagnosis = ""

@@ -86,7 +86,7 @@ def alternatives(current: Sequence[Message], branches: Sequence[Branch]) -> list
     current = tuple(current)
     out: list[Alternatives | None] = []
     for i, message in enumerate(current):
-        options: dict[Message, Branch] = {message: None}   # the shown one first... ordered below
+        options: dict[Message, Branch | None] = {message: None}   # the shown one first... ordered below
         for b in sorted(branches, key=lambda b: b.created_ns):   # oldest first: stable numbering
             if len(b.messages) > i and b.messages[:i] == current[:i]:
                 newest = options.get(b.messages[i])
@@ -96,7 +96,7 @@ def alternatives(current: Sequence[Message], branches: Sequence[Branch]) -> list
         if len(ordered) < 2:
             out.append(None)
             continue
-        heads = tuple(options[m].head if options[m] is not None else None for m in ordered)
+        heads = tuple(o.head if (o := options[m]) is not None else None for m in ordered)
         out.append(Alternatives(ordered.index(message) + 1, len(ordered), heads))
     return out
 

@@ -115,6 +115,7 @@ class Checkpoints:
     def save_head(self, conv: Conversation, kind: int) -> SaveInfo:
         """The checkpoint an answer's stop writes (see :func:`stop_kind`)."""
         if self.named is None:
+            assert self.writer is not None          # a line in the store: made in __init__
             return self.writer.save_head(conv, kind)
         info = self.runtime.save(self.named, conv, kind)
         self.drop_autosaves_beside()   # the file, whole and durable, holds all they held

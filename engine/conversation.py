@@ -76,7 +76,7 @@ class Conversation:
 
     def transcript(self) -> list[dict[str, Any]]:
         """Messages plus the answer in progress, for display and the metadata block."""
-        out = [{"role": r, "content": c} for r, c in self.chat_messages()]
+        out: list[dict[str, Any]] = [{"role": r, "content": c} for r, c in self.chat_messages()]
         if self.answer is not None and not self.answer_committed():
             out.append({"role": "assistant", "content": self.answer.text,
                         "complete": self.answer.finished})

@@ -95,6 +95,8 @@ def _alive_windows(pid: int, kernel32=None) -> bool:
     first).  ``OpenProcess`` + ``GetExitCodeProcess`` only look.  A process that exists
     but refuses to be opened (another user's) counts as alive.
     """
+    if sys.platform != "win32":      # said so that the type checker reads the rest as Windows code
+        raise NotImplementedError("OpenProcess is Windows' own")
     import ctypes
     from ctypes import wintypes
     if kernel32 is None:

@@ -176,7 +176,8 @@ def _recurrent_layers(arch: str, memory: int, n_layer: int, value, num) -> int:
         ffn = value("feed_forward_length")
         if not isinstance(ffn, list):
             return 0
-        return sum(1 for h, f in zip(heads[:n_layer], ffn[:n_layer]) if h == 0 and f == 0)
+        # a file's lists may be shorter than n_layer: count the layers both describe
+        return sum(1 for h, f in zip(heads[:n_layer], ffn[:n_layer], strict=False) if h == 0 and f == 0)
     return sum(1 for h in heads[:n_layer] if h == 0)
 
 

@@ -264,7 +264,7 @@ class ParallelRuntime:
                 held.tokens.extend(tokens[:max(0, done)])
                 self._forget_logits(seq)
             return False
-        for (seq, tokens, logits_last), row in zip(chunks, rows):
+        for (seq, tokens, logits_last), row in zip(chunks, rows, strict=True):
             held = self._held[seq]
             held.tokens.extend(tokens)
             if logits_last:

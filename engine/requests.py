@@ -231,10 +231,11 @@ class RequestDesk:
             return conv
         if not request.messages or request.messages[-1][0] != "user":
             raise _Refused(INVALID, "the last message must be the user's")
-        history, text = [tuple(m) for m in request.messages[:-1]], request.messages[-1][1]
+        history, text = [(m[0], m[1]) for m in request.messages[:-1]], request.messages[-1][1]
         self.hooks.notice_template_problem(rt)
-        conv = self._continuable(history, rt)
-        if conv is not None:
+        found = self._continuable(history, rt)
+        if found is not None:
+            conv = found
             before = (list(conv.messages), conv.answer, list(conv.tokens), conv.sampler, list(conv.stop_strings))
             conv.sampler, conv.stop_strings = sampler, list(request.stop)
             begin_answer(conv, rt, text, n_predict=request.n_predict)
@@ -328,7 +329,7 @@ class RequestDesk:
         from engine.prefix_reuse import reuse_stored_prefix
         store = self.engine.store
         view = rt.view_of(conv.id)
-        chain = ()
+        chain: tuple = ()          # the source's verified chain (CheckpointData), full file first
         try:
             reuse = reuse_stored_prefix(view, store.folder, conv.tokens)
             chain = reuse.chain if reuse.chain and store.contains(reuse.chain[-1].path) else ()

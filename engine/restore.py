@@ -143,7 +143,7 @@ def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
         target.check(data.header, data.meta)
         if data.header.n_tokens:
             check_state_for(data.header, data.state, rows)
-    for prev, data in zip(chain, chain[1:]):
+    for prev, data in zip(chain, chain[1:], strict=False):   # each link with the one before
         check_link(prev, data)
     return _conversation_of(chain[-1])
 
@@ -158,7 +158,7 @@ def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
         raise BrokenChain("no checkpoint to restore")
     for data in chain:
         target.check(replace(data.header, state_layout=STATE_LAYOUT), data.meta)
-    for prev, data in zip(chain, chain[1:]):
+    for prev, data in zip(chain, chain[1:], strict=False):
         check_link(prev, data)
     return _conversation_of(chain[-1])
 

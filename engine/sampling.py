@@ -58,7 +58,7 @@ class SamplerSettings:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SamplerSettings:
         known = {f.name: f.type for f in fields(cls)}
-        clean = {}
+        clean: dict[str, Any] = {}
         for name, value in data.items():
             if name not in known:
                 continue
@@ -102,7 +102,7 @@ def model_defaults(gguf_meta: Mapping[str, Any], *, bundled: bool = False) -> tu
     bundled model uses what was measured for it.  Values out of range are ignored.
     """
     base = BUNDLED_MODEL_DEFAULTS if bundled else GENERIC_DEFAULTS
-    found = {}
+    found: dict[str, Any] = {}          # an int or a float, as each setting's field wants
     for key, name in GGUF_SAMPLING_KEYS.items():
         value = gguf_meta.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -209,8 +209,8 @@ class SessionTable:
             session.control, session.request_id = control, request_id
             return pending
 
-    def end_answer(self, session: Session) -> RunningAnswer:
-        """``session``'s answer ended; returns its record."""
+    def end_answer(self, session: Session) -> RunningAnswer | None:
+        """``session``'s answer ended; returns its record (None if none was recorded)."""
         running = session.answer
         with self.lock:
             session.answer = None

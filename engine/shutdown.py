@@ -236,7 +236,7 @@ class ShutdownGuard:
                 pass
         self._previous.clear()
         if self._routine is not None:
-            kernel32 = self._kernel32 or ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+            kernel32 = self._kernel32 or ctypes.WinDLL("kernel32", use_last_error=True)
             kernel32.SetConsoleCtrlHandler(self._routine, 0)
             # Keep the routine object: Windows may be calling it on another thread
             # right now; it is freed with the guard.

@@ -511,8 +511,7 @@ class EngineWorker:
     def _do_load_model(self, opts: ModelOptions) -> None:
         from engine.parallel import ParallelRuntime
         from native.context import ContextSettings
-        from native.library import bindings, choose_library_dir, loaded_library
-        from native.sysinfo import system_info
+        from native.library import bindings, choose_library_dir, loaded_library, system_info
         try:
             bindings(choose_library_dir(cli_dir=opts.llama_lib))
             self._save_residents_if_dirty(KIND_MANUAL)

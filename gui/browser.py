@@ -146,7 +146,7 @@ _ROLE_NAMES = {"system": "System prompt", "user": "You", "assistant": "Assistant
 
 def _common(a, b) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):    # the common prefix: the shorter one bounds it
         if x != y:
             break
         n += 1
@@ -255,7 +255,7 @@ class CheckpointTreeModel(QStandardItemModel):
                    f"Last message: {_excerpt(row.last_message)}\n{row.path}"
                    + (f"\n{row.reason}" if row.reason else ""))
         items = []
-        for text, key in zip(texts, keys):
+        for text, key in zip(texts, keys, strict=True):
             item = QStandardItem(text)
             item.setEditable(False)
             item.setData(key, SORT_ROLE)

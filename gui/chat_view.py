@@ -169,9 +169,9 @@ class ChatView(QTextBrowser):
         alternatives = tuple(alternatives)
         if len(alternatives) != len(self.messages):
             return False
-        changed = [i for i, (m, a) in enumerate(zip(self.messages, alternatives))
+        changed = [i for i, (m, a) in enumerate(zip(self.messages, alternatives, strict=True))
                    if _numbers(m.alternatives) != _numbers(_shown(a))]
-        for m, a in zip(self.messages, alternatives):
+        for m, a in zip(self.messages, alternatives, strict=True):
             m.alternatives = _shown(a)       # the heads may differ where the numbers do not
         t = self._tail
         if not changed:

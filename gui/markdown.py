@@ -378,7 +378,7 @@ class DocWriter:
     def _table(self, tokens: list[Token]) -> None:
         rows: list[list[tuple[Token, str, bool]]] = []
         align, header = "", False
-        for i, tok in enumerate(tokens):
+        for tok in tokens:
             if tok.type == "tr_open":
                 rows.append([])
             elif tok.type in ("th_open", "td_open"):

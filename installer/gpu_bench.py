@@ -106,6 +106,28 @@ def ttft(model_path: str, ngl: int, size: int, work: Path) -> dict:
             "first_token_restore": res2.text}
 
 
+def _collect(into: list, fn, *args, **kwargs) -> None:
+    into.append(fn(*args, **kwargs))
+
+
+class _UnderWay:
+    """A generation listener whose ``seen`` is set once the phase to pause is under way."""
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+        self.seen = threading.Event()
+        self.count = 0
+
+    def on_prefill_progress(self, done, total):
+        if self.phase == "prefill" and done > 0:
+            self.seen.set()
+
+    def on_text(self, delta):
+        self.count += 1
+        if self.phase == "prefill" or self.count >= 20:  # prefill done before we looked
+            self.seen.set()
+
+
 def pause_latency(model_path: str, ngl: int, size: int, work: Path) -> dict:
     from engine.checkpoints.format import KIND_PAUSE
     from engine.conversation import Conversation
@@ -123,24 +145,12 @@ def pause_latency(model_path: str, ngl: int, size: int, work: Path) -> dict:
         begin_answer(conv, rt, ("Summarise:\n" + text) if phase == "prefill" else "Count to 500.",
                      n_predict=400)
         control = Control()
-        seen = threading.Event()
-        count = [0]
-
-        class Listener:
-            def on_prefill_progress(self, done, total):
-                if phase == "prefill" and done > 0:
-                    seen.set()
-
-            def on_text(self, delta):
-                count[0] += 1
-                if phase == "prefill" or count[0] >= 20:  # prefill done before we looked
-                    seen.set()
-
+        listener = _UnderWay(phase)
         result: list = []
-        worker = threading.Thread(target=lambda: result.append(
-            generate(rt, conv, control=control, listener=Listener())))
+        worker = threading.Thread(target=_collect, args=(result, generate, rt, conv),
+                                  kwargs={"control": control, "listener": listener})
         worker.start()
-        seen.wait(300)
+        listener.seen.wait(300)
         t0 = time.perf_counter()
         control.request_pause()
         worker.join()
@@ -166,7 +176,7 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     os.environ.setdefault("CHECKPOINT_CHAT_HOME", tempfile.mkdtemp(prefix="ccgpu-home-"))
     work = Path(tempfile.mkdtemp(prefix="ccgpu-"))
-    from native.sysinfo import system_info
+    from native.library import system_info
     info = system_info()
     print(f"library {info.library_path}\nGPU offload {info.gpu_offload}; devices: "
           + "; ".join(f"{d.kind} {d.description} {d.memory_free / 2**30:.1f} GiB free" for d in info.devices))

@@ -10,7 +10,7 @@ import sys
 
 if __name__ == "__main__":
     multiprocessing.freeze_support()
-    from native.probe import run_if_probe
+    from native.probe_child import run_if_probe
     status = run_if_probe(sys.argv[1:])
     if status is not None:
         sys.exit(status)

@@ -99,7 +99,8 @@ def prepare_windows_search(library: Path, *, environ: Mapping[str, str] | None =
     if platform != "win32":
         return WindowsSearch()
     environ = os.environ if environ is None else environ
-    add = add_dll_directory or getattr(os, "add_dll_directory")
+    # getattr: os has add_dll_directory only on Windows, and type checkers elsewhere say so
+    add = add_dll_directory or getattr(os, "add_dll_directory")  # noqa: B009
     library = absolute(library)
     done = WindowsSearch(folders=dll_directories(library.parent, environ, platform))
     for d in done.folders:

@@ -18,9 +18,10 @@ message.  The bundled library, built together with the bindings, is only
 sanity-checked in process.  On Windows the DLL search is set up by
 :mod:`native.dllsearch` (``os.add_dll_directory``, never PATH).
 
-Loading is one sequence of stages (:data:`LOAD_STAGES`, :func:`load_sequence`) that
-this process and the probe child both run, the child announcing each stage: what the
-probe accepts is what the app then loads, in the same order, with the same DLL search.
+Loading is one sequence of stages (:func:`load_sequence`, named in
+:data:`native.probe.LOAD_STAGES`) that this process and the probe child
+(:mod:`native.probe_child`) both run, the child announcing each stage: what the probe
+accepts is what the app then loads, in the same order, with the same DLL search.
 The last stage refuses a CUDA build that came up without a GPU device: never a silent
 CPU fallback.
 """
@@ -34,11 +35,10 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from native.dllsearch import PathGuard, absolute, default_loader, dll_directories, prepare_windows_search  # noqa: F401
 from native.errors import LibraryError
@@ -52,6 +52,9 @@ from native.libfile import (  # noqa: F401
     library_filenames,
     missing_cuda_runtime,
 )
+from native.logs import install_log_router
+from native.probe import Stage, no_stage, probe_library
+from native.sysinfo import Device, ggml_library, list_backends, list_devices, list_devices_from, load_dynamic_backends
 
 log = logging.getLogger("native")
 
@@ -177,7 +180,7 @@ class LoadedLibrary:
     bundled: bool
     version: str
     source: str = "bundled"
-    devices: tuple = ()          # native.sysinfo.Device, as listed right after loading
+    devices: tuple[Device, ...] = ()          # as listed right after loading
 
     @property
     def identity(self) -> str:
@@ -189,26 +192,9 @@ _lock = threading.Lock()
 _loaded: LoadedLibrary | None = None
 _bindings: ModuleType | None = None
 
-#: The stages of :func:`load_sequence`, in order, and what each does (for messages).
-LOAD_STAGES = {
-    "open": "opening the library",
-    "symbols": "looking up its functions",
-    "import": "importing llama-cpp-python's bindings",
-    "abi": "reading the default parameters back (ABI check)",
-    "backends": "loading ggml's backends",
-    "backend_init": "llama_backend_init",
-    "devices": "listing devices",
-}
-
-Stage = Callable[[str], Any]
-
-
-def _no_stage(_name: str) -> None:
-    return None
-
 
 def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True,
-             stage: Stage = _no_stage) -> ModuleType:
+             stage: Stage = no_stage) -> ModuleType:
     """Import ``llama_cpp.llama_cpp`` with the chosen library and return it.
 
     The first call decides the library for the life of the process; a later call that
@@ -232,7 +218,6 @@ def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True,
         source = choice.source if choice else "bundled"
         path = preflight(folder, source=source) if choice else find_library_file(folder)
         if choice is not None and probe:
-            from native.probe import probe_library
             report = probe_library(folder)
             if not report.ok:
                 raise LibraryError(report.reason)
@@ -246,15 +231,13 @@ def bindings(lib_dir: Path | LibraryChoice | None = None, *, probe: bool = True,
 
 
 def load_sequence(folder: Path, path: Path, *, chosen: bool,
-                  stage: Stage = _no_stage) -> tuple[ModuleType, list]:
+                  stage: Stage = no_stage) -> tuple[ModuleType, list[Device]]:
     """Load ``path`` into this process, stage by stage; returns the bindings and devices.
 
-    The app and the probe child (``python -m native.probe``) both run exactly this, so
-    a library the child accepted is loaded the same way, with the same DLL search, here.
+    The app and the probe child (``python -m native.probe_child``) both run exactly this,
+    so a library the child accepted is loaded the same way, with the same DLL search, here.
+    Its stages are :data:`native.probe.LOAD_STAGES`, in that order.
     """
-    from native.logs import install_log_router
-    from native.sysinfo import list_devices, load_dynamic_backends
-
     stage("open")
     try:
         search = prepare_windows_search(path)
@@ -301,6 +284,41 @@ def loaded_library() -> LoadedLibrary:
     bindings()
     assert _loaded is not None
     return _loaded
+
+
+@dataclass(frozen=True)
+class SystemInfo:
+    """What the loaded library reports of itself and of the hardware it sees (``info``)."""
+    library_path: str
+    library_version: str
+    bundled: bool
+    gpu_offload: bool
+    features: str
+    devices: list[Device] = field(default_factory=list)
+    backends: list[str] = field(default_factory=list)
+    source: str = "bundled"
+
+    @property
+    def backend_label(self) -> str:
+        """"CPU", or the first GPU's name, for a status bar."""
+        gpus = [d for d in self.devices if d.kind in ("GPU", "iGPU")]
+        return f"{gpus[0].kind} {gpus[0].description or gpus[0].name}" if gpus else "CPU"
+
+
+def system_info() -> SystemInfo:
+    ll = bindings()
+    lib = loaded_library()
+    ggml = ggml_library(lib.folder)
+    return SystemInfo(
+        library_path=str(lib.path),
+        library_version=lib.version,
+        bundled=lib.bundled,
+        gpu_offload=bool(ll.llama_supports_gpu_offload()),
+        features=ll.llama_print_system_info().decode("utf-8", "replace").strip(),
+        devices=list_devices_from(ggml) if ggml is not None else [],
+        backends=list_backends(ggml) if ggml is not None else [],
+        source=lib.source,
+    )
 
 
 # -- ABI ----------------------------------------------------------------------------------------

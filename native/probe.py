@@ -1,14 +1,14 @@
 """Check a user-chosen llama library in a child process before this process loads it.
 
-A library from another llama.cpp build may crash on its first call.  Run as
-``python -m native.probe FOLDER``: the child goes through the stages below, printing
-one JSON line ``{"stage": NAME}`` *before* each (flushed), and one final line
-``{"ok": ..., "reason": ...}``.  When the child dies, the last stage it announced says
-where, so the parent can report "crashed (SIGSEGV) while reading the default
-parameters" instead of a bare exit code.
+A library from another llama.cpp build may crash on its first call.  The child,
+``python -m native.probe_child FOLDER`` (:mod:`native.probe_child`), goes through the
+stages below, printing one JSON line ``{"stage": NAME}`` *before* each (flushed), and
+one final line ``{"ok": ..., "reason": ...}``.  When the child dies, the last stage it
+announced says where, so the parent (this module) can report "crashed (SIGSEGV) while
+reading the default parameters" instead of a bare exit code.
 
-The stages are :func:`native.library.load_sequence`'s, run by the very function the
-app loads with (:func:`native.library.bindings`): open the file with the OS loader (on
+The stages (:data:`LOAD_STAGES`) are :func:`native.library.load_sequence`'s, run by the
+very function the app loads with (:func:`native.library.bindings`): open the file with the OS loader (on
 Windows: DLL folders added, the CUDA runtime preloaded); look up every function the
 bindings bind; import the bindings; read the default parameter structs back (ABI);
 load plug-in backends; ``llama_backend_init``; list devices (a CUDA build without a
@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from native.library import LOAD_STAGES
-
 PROBE_TIMEOUT_S = 60.0
 #: winbase.h: the child gets no console (and so no console window).
 CREATE_NO_WINDOW = 0x08000000
@@ -41,7 +39,24 @@ CREATE_NO_WINDOW = 0x08000000
 #: runs the probe when its first argument is this (see installer/launch_cli.py).
 FROZEN_PROBE_ARG = "--probe-llama-library"
 
-STAGES = LOAD_STAGES
+#: The stages of :func:`native.library.load_sequence`, in order, and what each does: the
+#: child announces each by name, and the parent's message says which one it died in.
+LOAD_STAGES = {
+    "open": "opening the library",
+    "symbols": "looking up its functions",
+    "import": "importing llama-cpp-python's bindings",
+    "abi": "reading the default parameters back (ABI check)",
+    "backends": "loading ggml's backends",
+    "backend_init": "llama_backend_init",
+    "devices": "listing devices",
+}
+
+#: Called with each stage's name before it runs (the child prints it).
+Stage = Callable[[str], Any]
+
+
+def no_stage(_name: str) -> None:
+    return None
 
 #: How a Windows child died (its exit status is the NTSTATUS), as (how, cause): the
 #: cause ends the one-line message.
@@ -114,7 +129,7 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
     except subprocess.TimeoutExpired as exc:
         stage = _last_stage((exc.stdout or b"").decode("utf-8", "replace"))
         return ProbeReport(False, f"the llama library in {folder} did not answer within "
-                                  f"{timeout_s:.0f} s while {STAGES.get(stage, 'being checked')}",
+                                  f"{timeout_s:.0f} s while {LOAD_STAGES.get(stage, 'being checked')}",
                            stage=stage)
     return interpret(folder, done.returncode, done.stdout.decode("utf-8", "replace"),
                      done.stderr.decode("utf-8", "replace"))
@@ -123,18 +138,11 @@ def probe_library(folder: Path, timeout_s: float = PROBE_TIMEOUT_S,
 def probe_command(folder: Path) -> list[str]:
     """The child's command line, from a source checkout or from a frozen app."""
     if not getattr(sys, "frozen", False):
-        return [sys.executable, "-m", "native.probe", str(folder)]
+        return [sys.executable, "-m", "native.probe_child", str(folder)]
     exe = Path(sys.executable)
     # the windowed CheckpointChat.exe has no stdout of its own: use the console twin
     console = exe.with_name("checkpoint-chat" + exe.suffix)
     return [str(console if console.is_file() else exe), FROZEN_PROBE_ARG, str(folder)]
-
-
-def run_if_probe(argv: Sequence[str]) -> int | None:
-    """The frozen executables' first step: run the probe and return its status, or None."""
-    if len(argv) == 2 and argv[0] == FROZEN_PROBE_ARG:
-        return _main(argv[1])
-    return None
 
 
 def _lines(stdout: str) -> list[dict]:
@@ -183,42 +191,19 @@ def interpret(folder: Path, returncode: int, stdout: str, stderr: str) -> ProbeR
         return ProbeReport(bool(answer.get("ok")), answer.get("reason", ""),
                            answer.get("version", ""), answer.get("system_info", ""),
                            stage=stage, devices=answer.get("devices", []))
-    where = STAGES.get(stage, "starting")
+    where = LOAD_STAGES.get(stage, "starting")
     detail = _detail(stderr)
     detail = f" [{detail[:200]}]" if detail else ""
     if -255 <= returncode < 0:                       # POSIX: killed by a signal
         how, cause = f"crashed ({_signal_name(-returncode)})", _MISMATCH
     else:
         status = returncode & 0xFFFFFFFF             # a signed NTSTATUS reads the same
-        how, cause = NTSTATUS_CAUSES.get(status, (None, _MISMATCH))
-        if how is None:
+        known = NTSTATUS_CAUSES.get(status)
+        if known is None:
             shown = f"0x{status:08X}" if status >= 0xC0000000 else str(returncode)
-            how = f"crashed (exit status {shown})"
+            how, cause = f"crashed (exit status {shown})", _MISMATCH
+        else:
+            how, cause = known
     return ProbeReport(False, f"the llama library in {folder} {how} while {where}{detail}; {cause}",
                        stage=stage)
 
-
-# -- the child ---------------------------------------------------------------------------------
-
-def _say(**fields) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
-    sys.stdout.flush()
-
-
-def _main(folder_arg: str) -> int:
-    from native import library
-    from native.errors import LibraryError
-
-    try:
-        choice = library.LibraryChoice(library.absolute(Path(folder_arg)), "probe")
-        ll = library.bindings(choice, probe=False, stage=lambda name: _say(stage=name))
-        loaded = library.loaded_library()
-        _say(ok=True, version=loaded.version, devices=[d.__dict__ for d in loaded.devices],
-             system_info=ll.llama_print_system_info().decode("utf-8", "replace"))
-    except LibraryError as exc:
-        _say(ok=False, reason=str(exc))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1]))

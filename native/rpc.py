@@ -49,7 +49,6 @@ handshake only when that client leaves.
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import logging
 import os
 import socket
@@ -62,7 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from native.endpoint import Endpoint
 from native.errors import NativeError
+from native.library import bindings, loaded_library
 from native.rpc_guard import IO_TIMEOUT_S, SocketGuard, install_abort_handler
 
 log = logging.getLogger("native")
@@ -84,24 +85,6 @@ class RpcError(NativeError):
 
 
 # -- endpoints ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def is_loopback(self) -> bool:
-        if self.host.lower() == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
 
 def parse_endpoint(text: str) -> Endpoint:
     """``HOST:PORT`` as llama.cpp reads it (the first colon splits), checked first."""
@@ -180,7 +163,8 @@ def hello(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> Hello:
     except socket.gaierror:
         raise RpcError(f"{where}: cannot resolve the host name '{endpoint.host}'") from None
     try:
-        sock = socket.create_connection(infos[0][4], timeout=timeout)
+        host, port = infos[0][4][:2]                   # AF_INET: (host, port)
+        sock = socket.create_connection((str(host), int(port)), timeout=timeout)
     except ConnectionRefusedError:
         raise RpcError(f"nothing listens on {endpoint} (start `checkpoint-chat rpc-worker --port "
                        f"{endpoint.port}` there, and check its --host)") from None
@@ -289,7 +273,6 @@ def _ggml_handles(ll: ModuleType, folder: Path) -> list:
 def backend() -> _Backend:
     """llama.cpp's RPC backend in the loaded library, or :class:`RpcError` saying plainly why not."""
     global _backend, _backend_problem
-    from native.library import bindings, loaded_library
     ll = bindings()
     with _backend_lock:
         if _backend is not None:
@@ -397,7 +380,7 @@ class Workers:
             raise RpcError(f"the worker timeout must be a positive number of seconds, not {io_timeout:g}")
         b = backend()
         hellos = [hello(ep, connect_timeout) for ep in endpoints]   # all of them before llama.cpp
-        install_abort_handler(endpoints, io_timeout=io_timeout, crash_note=crash_note,
+        install_abort_handler(b, endpoints, io_timeout=io_timeout, crash_note=crash_note,
                               message_prefix=message_prefix)
         devices: list[Device] = []
         for h in hellos:
@@ -464,7 +447,7 @@ def describe_plan(counts: Sequence[int], devices: Sequence[Device]) -> str:
     """Where the layers are, for a status bar: "layers: 16 on 127.0.0.1:50052, 15 on
     127.0.0.1:50053" or "layers: 10 on 127.0.0.1:50052, 21 on this machine"."""
     parts = [f"{n} on {dev.description if dev.endpoint else dev.name}"
-             for n, dev in zip(counts, devices) if n]
+             for n, dev in zip(counts, devices, strict=False) if n]   # counts' last: this machine
     if counts[-1]:
         parts.append(f"{counts[-1]} on this machine")
     return "layers: " + ", ".join(parts)
@@ -514,6 +497,8 @@ def port_problem(endpoint: Endpoint) -> str | None:
 
 def _short_path_name(path: str) -> str | None:
     """The 8.3 short name of an existing ``path`` (Windows), or None."""
+    if sys.platform != "win32":
+        return None
     kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
     # DWORD GetShortPathNameW(LPCWSTR lpszLongPath, LPWSTR lpszShortPath, DWORD cchBuffer)
     get = kernel32.GetShortPathNameW
@@ -586,7 +571,6 @@ def wait_until_serving(endpoint: Endpoint, timeout: float) -> bool:
 def main() -> int:
     """``python -m native.rpc``: exit 0 when the llama library has the RPC backend (install
     scripts rebuild llama-cpp-python when it does not), else say why and exit 1."""
-    from native.errors import NativeError
     try:
         problem = rpc_problem()
     except NativeError as exc:

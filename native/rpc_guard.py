@@ -30,10 +30,9 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from native.rpc import Endpoint
+from native.endpoint import Endpoint
 
 log = logging.getLogger("native")
 
@@ -85,11 +84,11 @@ def _peer_sockets(peers: set[tuple[str, int]]):
 
 
 def _addresses(endpoints: Iterable[Endpoint]) -> set[tuple[str, int]]:
-    out = set()
+    out: set[tuple[str, int]] = set()
     for ep in endpoints:
         try:
             for info in socket.getaddrinfo(ep.host, ep.port, socket.AF_INET, socket.SOCK_STREAM):
-                out.add((info[4][0], ep.port))
+                out.add((str(info[4][0]), ep.port))   # AF_INET: (host, port)
         except socket.gaierror:
             pass
     return out
@@ -307,7 +306,13 @@ def lost_worker_sentence(message: str, endpoints: Sequence[Endpoint], io_timeout
     return f"{who} stopped answering (no reply within {io_timeout:g} s, or a broken connection){ending}"
 
 
-def install_abort_handler(endpoints: Sequence[Endpoint], *, io_timeout: float = IO_TIMEOUT_S,
+class AbortHook(Protocol):
+    """ggml's abort callback setter and its C function type (native.rpc's backend)."""
+    abort_callback_type: Any
+    set_abort_callback: Any
+
+
+def install_abort_handler(hook: AbortHook, endpoints: Sequence[Endpoint], *, io_timeout: float = IO_TIMEOUT_S,
                           crash_note: Path | None = None, message_prefix: str = "error: ") -> None:
     """Turn llama.cpp's abort on a lost worker into one sentence and exit status 1.
 
@@ -318,8 +323,6 @@ def install_abort_handler(endpoints: Sequence[Endpoint], *, io_timeout: float = 
     abort keeps llama.cpp's own behaviour (message on stderr, then ``abort()``).
     Installed once per process; a later call updates the workers and the note file.
     """
-    from native.rpc import backend
-    b = backend()
     with _abort_lock:
         _abort_state.update(endpoints=tuple(dict.fromkeys([*_abort_state.get("endpoints", ()),
                                                             *endpoints])),
@@ -341,8 +344,8 @@ def install_abort_handler(endpoints: Sequence[Endpoint], *, io_timeout: float = 
             except BaseException:      # noqa: BLE001 - nothing may cross back into C
                 os._exit(1)
 
-        callback = b.abort_callback_type(on_abort)
-        b.set_abort_callback(callback)
+        callback = hook.abort_callback_type(on_abort)
+        hook.set_abort_callback(callback)
         _abort_state["callback"] = callback       # referenced for as long as ggml may call it
 
 

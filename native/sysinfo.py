@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,24 +49,6 @@ class Device:
     kind: str
     memory_free: int
     memory_total: int
-
-
-@dataclass(frozen=True)
-class SystemInfo:
-    library_path: str
-    library_version: str
-    bundled: bool
-    gpu_offload: bool
-    features: str
-    devices: list[Device] = field(default_factory=list)
-    backends: list[str] = field(default_factory=list)
-    source: str = "bundled"
-
-    @property
-    def backend_label(self) -> str:
-        """"CPU", or the first GPU's name, for a status bar."""
-        gpus = [d for d in self.devices if d.kind in ("GPU", "iGPU")]
-        return f"{gpus[0].kind} {gpus[0].description or gpus[0].name}" if gpus else "CPU"
 
 
 def _open(path: str):
@@ -219,20 +201,3 @@ def cpu_backend_problem(folder: Path, platform: str = sys.platform,
     return (f"llama.cpp's CPU backend in {folder} ({', '.join(p.name for p in plugins)}) could not "
             f"be loaded: it needs {', '.join(missing)}, which is not in that folder or in "
             f"System32{hint}")
-
-
-def system_info() -> SystemInfo:
-    from native.library import bindings, loaded_library
-    ll = bindings()
-    lib = loaded_library()
-    ggml = ggml_library(lib.folder)
-    return SystemInfo(
-        library_path=str(lib.path),
-        library_version=lib.version,
-        bundled=lib.bundled,
-        gpu_offload=bool(ll.llama_supports_gpu_offload()),
-        features=ll.llama_print_system_info().decode("utf-8", "replace").strip(),
-        devices=list_devices_from(ggml) if ggml is not None else [],
-        backends=list_backends(ggml) if ggml is not None else [],
-        source=lib.source,
-    )

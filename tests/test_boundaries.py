@@ -1,6 +1,7 @@
 """The layering rules: engine/ never imports Qt, gui/ never calls native/ or llama_cpp;
-the engine's core never imports its front ends (the command line, the server), and no
-module reads another module's private attributes across those boundaries.
+the engine's core never imports its front ends (the command line, the server), no
+module reads another module's private attributes across those boundaries, and no two
+modules of engine/ and native/ import each other, however indirectly.
 
 The engine's front ends are ``engine/cli`` and ``engine/server`` (and ``gui/``, a package
 of its own); everything else in ``engine/`` is the core they share.  They reach the core
@@ -85,6 +86,90 @@ def _private_reads(path: Path, *, with_self: bool = False) -> list[tuple[int, st
                 and _root(node.value) not in outside):
             out.append((node.lineno, node.attr))
     return out
+
+
+def _project_modules(*packages: str) -> dict[str, Path]:
+    """Dotted name -> file, for every module of ``packages`` (a package is its __init__)."""
+    out = {}
+    for package in packages:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Which of ``modules`` each one imports: at the top, inside a function, or under
+    ``if TYPE_CHECKING`` alike (each is an arrow that a circle could hide behind).
+    ``from a.b import c`` counts as ``a.b.c`` when that is a module, else ``a.b``."""
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Import):
+                wanted = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                wanted = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            targets.update(t for t in map(known, wanted) if t and t != name)
+        graph[name] = targets
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles_in_engine_and_native():
+    """Imports point one way: a piece two modules share lives in its one home below both,
+    never reached by a function-level import to dodge the circle at load time."""
+    assert _circles(_import_graph(_project_modules("engine", "native"))) == []
+
+
+def test_the_circle_finder_sees_a_function_level_circle(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from pkg.b import x\n", "utf-8")
+    b.write_text("def f():\n    from pkg import a\n", "utf-8")
+    assert _circles(_import_graph({"pkg.a": a, "pkg.b": b})) == [["pkg.a", "pkg.b"]]
 
 
 def test_engine_never_imports_qt():

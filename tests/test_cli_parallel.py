@@ -31,7 +31,7 @@ def test_parallel_answers_equal_their_runs_alone_and_their_files_continue(smollm
     assert len({o["sequence"] for o in outcomes}) == 3
     usual = set(json.loads(run_cli("run", "-m", str(smollm_path), "-p", PROMPTS[0], "-n", "20", "--json",
                                    *COMMON, check=True).stdout.strip().splitlines()[-1]))
-    for k, (prompt, outcome) in enumerate(zip(PROMPTS, outcomes)):
+    for k, (prompt, outcome) in enumerate(zip(PROMPTS, outcomes, strict=True)):
         assert usual <= outcome.keys()
         assert outcome["finish_reason"] == "paused" and outcome["n_generated"] == 12
         assert Path(outcome["checkpoint"]).parent == folder

@@ -71,21 +71,21 @@ def test_launchers_call_the_real_entry_points():
                             if isinstance(n, ast.ImportFrom) for a in n.names}
     assert ("gui.launcher", "main") in imports(cli) and ("gui.app", "main") in imports(gui)
     for tree in (cli, gui):
-        assert ("native.probe", "run_if_probe") in imports(tree), "the probe child runs frozen too"
+        assert ("native.probe_child", "run_if_probe") in imports(tree), "the probe child runs frozen too"
     scripts = pyproject()["project"]
     assert scripts["scripts"]["checkpoint-chat"] == "gui.launcher:main"
     assert scripts["gui-scripts"]["checkpoint-chat-gui"] == "gui.app:main"
 
 
 def test_frozen_probe_uses_the_console_executable(tmp_path, monkeypatch):
-    from native import probe
+    from native import probe, probe_child
     gui_exe, cli_exe = tmp_path / "CheckpointChat.exe", tmp_path / "checkpoint-chat.exe"
     gui_exe.write_bytes(b""), cli_exe.write_bytes(b"")
     monkeypatch.setattr(sys, "frozen", True, raising=False)
     monkeypatch.setattr(sys, "executable", str(gui_exe))
     assert probe.probe_command(Path("D:/llama")) == [str(cli_exe), probe.FROZEN_PROBE_ARG,
                                                      str(Path("D:/llama"))]
-    assert probe.run_if_probe(["run", "--prompt", "hi"]) is None
+    assert probe_child.run_if_probe(["run", "--prompt", "hi"]) is None
 
 
 def test_inno_setup_matches_the_spec_and_the_format():

@@ -1,5 +1,5 @@
 """Choosing, checking and loading the llama library (native/library.py, libfile.py,
-dllsearch.py, probe.py, sysinfo.py).
+dllsearch.py, probe.py, probe_child.py, sysinfo.py).
 
 Windows paths run here by injection: ``platform="win32"``, folders holding crafted
 PE headers named llama.dll / ggml-cuda.dll, a fake ``add_dll_directory`` and a fake

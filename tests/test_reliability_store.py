@@ -56,7 +56,7 @@ def test_prune_deletes_only_superseded_files(tmp_path):
 def test_prune_deletes_oldest_first_and_only_what_the_budget_needs(tmp_path):
     store = Store(tmp_path / "store")
     olds = []
-    for i in range(6):
+    for _ in range(6):
         conv = uuid.uuid4()
         olds.append(_save(store, conv, 1, A))
         _save(store, conv, 2, M)   # each old file has a newer head: all are superseded

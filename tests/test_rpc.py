@@ -17,7 +17,8 @@ import pytest
 from conftest import run_cli
 
 from native import rpc, rpc_guard
-from native.rpc import Endpoint, RpcError
+from native.endpoint import Endpoint
+from native.rpc import RpcError
 
 
 def free_port() -> int:

@@ -48,7 +48,8 @@ class Worker:
     """One `checkpoint-chat rpc-worker` on a free loopback port."""
 
     def __init__(self, log_dir: Path) -> None:
-        from native.rpc import Endpoint, wait_until_serving
+        from native.endpoint import Endpoint
+        from native.rpc import wait_until_serving
         self.port = free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log = log_dir / f"worker-{self.port}.log"

@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,7 @@ def test_five_turns_each_restores_every_turn_before_it_across_a_restart(app_home
         # every answer is a head in the store (saved before the response was sent)
         assert Path(ext["checkpoint"]).name in {h.path.name for h in heads()}
     assert usages[0].prompt_tokens_details.cached_tokens == 0
-    for before, usage in zip(usages, usages[1:]):
+    for before, usage in pairwise(usages):
         # turn k restores exactly all of turn k-1: its prompt and its answer
         assert usage.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
     assert len(conversations) == 1
@@ -365,6 +366,6 @@ def test_a_hybrid_and_a_recurrent_model_restore_every_turn_across_a_restart(arch
         usages.append(usage)
         assert Path(ext["checkpoint"]).name in {h.path.name for h in heads()}
         assert "could not save" not in server.stderr().lower()
-    for before, usage in zip(usages, usages[1:]):
+    for before, usage in pairwise(usages):
         assert usage.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
     assert server.stop() == 0

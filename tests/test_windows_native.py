@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from pecraft import pe_header, pe_image
 
-from native import libfile, library, probe
+from native import libfile, library, probe, probe_child
 from native.dllsearch import SAFE_WINMODE, prepare_windows_search
 from native.errors import LibraryError
 from native.libfile import (
@@ -35,6 +35,7 @@ from native.libfile import (
     missing_cuda_runtime,
     pe_imports,
 )
+from native.probe import LOAD_STAGES
 
 RUNTIME12 = ("cudart64_12.dll", "cublasLt64_12.dll", "cublas64_12.dll")
 
@@ -179,7 +180,7 @@ def test_a_driver_too_old_for_the_runtime_is_named_first(tmp_path):
     assert "supports CUDA 11.8 but cudart64_12.dll needs CUDA 12 or newer" in text
     assert "update the NVIDIA driver" in text and "CPU only" in text
     for current in (12040, None):                         # new enough, or no driver to ask
-        text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda: current)
+        text = cuda_device_problem(folder, ["CPU"], "win32", driver_version=lambda current=current: current)
         assert "found no CUDA device" in text and "update the NVIDIA driver" not in text
 
 
@@ -211,15 +212,15 @@ def test_probe_child_loads_through_the_apps_own_function(monkeypatch, capsys, tm
 
     def fake_bindings(choice, *, probe, stage):
         calls.append((choice, probe))
-        for name in library.LOAD_STAGES:
+        for name in LOAD_STAGES:
             stage(name)
         raise LibraryError("stopped by the test")
 
     monkeypatch.setattr(library, "bindings", fake_bindings)
     monkeypatch.chdir(tmp_path)
-    assert probe._main("relative-folder") == 0
+    assert probe_child.main("relative-folder") == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [d["stage"] for d in lines if "stage" in d] == list(library.LOAD_STAGES)
+    assert [d["stage"] for d in lines if "stage" in d] == list(LOAD_STAGES)
     assert lines[-1] == {"ok": False, "reason": "stopped by the test"}
     assert calls == [(library.LibraryChoice(tmp_path / "relative-folder", "probe"), False)]
 
@@ -230,11 +231,11 @@ def test_parent_and_child_run_the_same_stages_with_the_real_library():
     parent = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
     assert parent.returncode == 0, parent.stderr
-    child = subprocess.run([sys.executable, "-m", "native.probe", str(library.bundled_library_dir())],
+    child = subprocess.run([sys.executable, "-m", "native.probe_child", str(library.bundled_library_dir())],
                            capture_output=True, text=True, timeout=120,
                            cwd=str(Path(__file__).resolve().parent.parent))
     child_stages = [d["stage"] for d in map(json.loads, child.stdout.splitlines()) if "stage" in d]
-    assert json.loads(parent.stdout.splitlines()[-1]) == child_stages == list(library.LOAD_STAGES)
+    assert json.loads(parent.stdout.splitlines()[-1]) == child_stages == list(LOAD_STAGES)
 
 
 # -- item 3: relative folders ------------------------------------------------------------------------

@@ -48,14 +48,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from filelock import FileLock
 
-try:
-    import fcntl
-except ImportError:  # Windows
+if sys.platform == "win32":
     fcntl = None
+else:
+    import fcntl
 
 log = logging.getLogger("checkpoint")
 
@@ -316,7 +316,8 @@ def atomic_write(path: str | os.PathLike, *, durable: bool = True,
     try:
         _mark_live(f)
         # only where this thread waits for the fsync: a landing's runs on a helper thread
-        yield _WritebackFile(f, hint) if durable and landing is None and hint is not None else f
+        # a _WritebackFile is the file by delegation (__getattr__), with write hinted
+        yield cast(BinaryIO, _WritebackFile(f, hint)) if durable and landing is None and hint is not None else f
         f.flush()
     except BaseException:
         _discard(f, tmp)

@@ -27,12 +27,12 @@ from engine.errors import BrokenChain, CheckpointError
 MAX_CHAIN = 1024
 
 
-def tokens_digest(tokens: Sequence[int]) -> str:
+def tokens_digest(tokens: Sequence[int] | np.ndarray) -> str:
     """A short digest of a token list: proves a delta's parent is still a prefix."""
     return hashlib.blake2b(np.asarray(tokens, dtype="<i4").tobytes(), digest_size=16).hexdigest()
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
     """How many leading tokens two sequences share."""
     n = min(len(a), len(b))
     if n == 0:
@@ -76,10 +76,11 @@ def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData
     path = Path(path)
     chain = [read_checkpoint(path, progress=progress)]
     seen = {path.resolve()}
+    first = path                   # the file chain[0] was read from
     while chain[0].header.is_delta:
         if len(chain) >= MAX_CHAIN:
             raise BrokenChain(f"the chain is longer than {MAX_CHAIN} files")
-        name = parent_ref(chain[0].meta, chain[0].path.name).file
+        name = parent_ref(chain[0].meta, first.name).file
         parent_path = path.parent / name
         if parent_path.resolve() in seen:
             raise BrokenChain(f"the chain loops back to {name}")
@@ -91,6 +92,7 @@ def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData
             raise BrokenChain(f"the parent checkpoint {name} is damaged: {exc}") from exc
         check_link(parent, chain[0])
         chain.insert(0, parent)
+        first = parent_path
         seen.add(parent_path.resolve())
     return chain
 

@@ -9,16 +9,14 @@ are the same either way.
 
 from __future__ import annotations
 
-import zlib
-
+#: crc32(data, value=0) -> int, zlib-compatible (chain it over consecutive buffers).
+#: FAST: True when the fast implementation is in use (a save then checksums inline: a
+#: helper thread costs more than the checksum itself)
 try:
-    from isal.isal_zlib import crc32 as _isal_crc32
+    from isal.isal_zlib import crc32
+    FAST = True
 except ImportError:   # pragma: no cover - every platform we ship has a wheel
-    _isal_crc32 = None
+    from zlib import crc32
+    FAST = False
 
-#: crc32(data, value=0) -> int, zlib-compatible (chain it over consecutive buffers)
-crc32 = _isal_crc32 if _isal_crc32 is not None else zlib.crc32
-
-#: True when the fast implementation is in use (a save then checksums inline: a helper
-#: thread costs more than the checksum itself)
-FAST = _isal_crc32 is not None
+__all__ = ["FAST", "crc32"]

@@ -106,6 +106,7 @@ anything is allocated; a reader never trusts a length it has not bounded.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -541,8 +542,17 @@ class _CrcThread:
         self._thread.join()
 
 
+#: What a state arrives as: llama.cpp's bytes, or a numpy array read from a file.
+StateBytes = bytes | bytearray | memoryview | np.ndarray
+
+
+def byte_view(data: StateBytes) -> memoryview:
+    """``data`` as a flat view of its bytes (an array through its own buffer)."""
+    return (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+
+
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
-                   logits: np.ndarray | None, state: memoryview | bytes | bytearray,
+                   logits: np.ndarray | None, state: StateBytes,
                    chunk: int = 2 << 20) -> tuple[Header, int]:
     """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
 
@@ -552,7 +562,7 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     """
     tokens_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     logits_bytes = b"" if logits is None else np.ascontiguousarray(logits, dtype="<f4").tobytes()
-    state_view = memoryview(state).cast("B")
+    state_view = byte_view(state)
     flags = (FLAG_HAS_LOGITS if logits is not None else 0) | (
         FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0) | (
         header.flags & (FLAG_DELTA | FLAG_CELL_EXT))
@@ -636,8 +646,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
                           path=path, payload_crc=crc)
 
 
-def _read_state_into(f: BinaryIO, state: np.ndarray, crc: int, progress, chunk: int = 8 << 20) -> int:
-    view = memoryview(state).cast("B")
+def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int, progress, chunk: int = 8 << 20) -> int:
+    view = state.data.cast("B")
     done = 0
     total = len(state)
     while done < total:
@@ -651,7 +661,7 @@ def _read_state_into(f: BinaryIO, state: np.ndarray, crc: int, progress, chunk: 
     return crc
 
 
-def _crc_of_rest(f: BinaryIO, length: int, crc: int, progress, chunk: int = 8 << 20) -> int:
+def _crc_of_rest(f: io.BufferedIOBase, length: int, crc: int, progress, chunk: int = 8 << 20) -> int:
     buf = bytearray(min(chunk, max(length, 1)))
     view = memoryview(buf)
     done = 0

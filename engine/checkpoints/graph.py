@@ -444,7 +444,7 @@ def _verify_tips(store: Store, lines: set[str] | None) -> set[str]:
     rejected: set[str] = set()
     while True:
         graph = Graph.scan(store, rejected=rejected)
-        bad = set()
+        bad: set[str] = set()
         for line, tip in graph.tip_of_line.items():
             if (lines is None or line in lines) and graph.superseded(line):
                 bad.update(n.name for n in graph.chain(tip) if not verified(n))
@@ -573,7 +573,7 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
         return report
     with store.lock():
         graph = Graph.scan(store)
-        needed = set()
+        needed: set[str] = set()
         for head in graph.heads:
             if head.conversation_id != conversation_id:
                 needed.update(n.name for n in graph.chain(head))
@@ -617,7 +617,7 @@ def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
             if not _delete(store, node, report):
                 report.keep(KEPT_IN_USE, node)
             return report
-        needed = set()
+        needed: set[str] = set()
         for other in g.heads:
             if other is not node:
                 needed.update(n.name for n in g.chain(other))

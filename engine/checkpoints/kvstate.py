@@ -41,7 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.checkpoints.format import LIMITS, MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
+from engine.checkpoints.format import (
+    LIMITS,
+    MEMORY_ATTENTION,
+    MEMORY_HYBRID,
+    MEMORY_RECURRENT,
+    StateBytes,
+    byte_view,
+)
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
@@ -83,7 +90,7 @@ class _Reader:
         return struct.unpack("<Q", self.take(8, what))[0]
 
 
-def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: int,
+def check_state(state: StateBytes, *, n_tokens: int, n_ctx: int,
                 n_layer: int, type_k: int, type_v: int, flash_attn: bool,
                 n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
                 first_pos: int = 0, seq_id: int = 0, memory: int = MEMORY_ATTENTION,
@@ -95,7 +102,7 @@ def check_state(state: bytes | bytearray | memoryview, *, n_tokens: int, n_ctx: 
     ``memory`` is the header's memory kind; ``recurrent_rows`` (R and S row bytes and the
     recurrent layer count, 0 where unknown) the model's, which the recurrent block must match.
     """
-    r = _Reader(memoryview(state).cast("B"))
+    r = _Reader(byte_view(state))
     if r.u32("magic") != STATE_MAGIC:
         raise CorruptState("the KV state does not start with llama.cpp's state magic")
     if r.i32("sequence id") != seq_id:
@@ -130,7 +137,7 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
         raise CorruptState("the recurrent state's layout flag is invalid")
     if r.u32("recurrent layer count") != n_layer:
         raise CorruptState("the recurrent state's layer count differs from its header")
-    sizes = []
+    sizes: list[int] = []
     while r.pos < len(r.data):
         if len(sizes) >= 2 * n_layer:
             raise CorruptState("the recurrent state has more layers than the model")
@@ -250,12 +257,12 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
     """
     state[4:8] = np.frombuffer(struct.pack("<i", seq_id), dtype=np.uint8)
     words = layout.cell_words
-    for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables):
+    for (cells, _layers), offset in zip((b for b in layout.blocks if b[0]), layout.cell_tables, strict=True):
         table = state[offset:offset + 4 * words * cells].view("<i4").reshape(cells, words)
         table[:, -1] = seq_id
 
 
-def check_state_for(header, state: bytes | bytearray | memoryview,
+def check_state_for(header, state: StateBytes,
                     recurrent_rows: tuple[int, ...] | None = None) -> StateLayout:
     """:func:`check_state` with the shape taken from a checkpoint header (and the model's
     recurrent row sizes, when known).

@@ -31,7 +31,7 @@ BLOCK = 64
 INDEX_NAME = ".prefix-index.json"
 
 
-def block_hashes(tokens: Sequence[int]) -> list[str]:
+def block_hashes(tokens: Sequence[int] | np.ndarray) -> list[str]:
     out = []
     h = hashlib.blake2b(digest_size=8)
     arr = np.asarray(tokens, dtype="<i4")

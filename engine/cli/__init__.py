@@ -17,18 +17,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from engine.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, tolerate_unencodable
 from engine.errors import AppError
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-def human_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
 
 
 def main(argv: list[str] | None = None, gui_main=None) -> int:
@@ -39,7 +29,6 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         return _start_gui(gui_main, argv)
     from engine.cli.parser import build_parser
     args = build_parser().parse_args(argv)
-    from engine.cli.output import tolerate_unencodable
     tolerate_unencodable()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # llama.cpp's own log (including the error lines it prints when a pause aborts a

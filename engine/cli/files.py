@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import APP_VERSION
-from engine.cli import EXIT_ERROR, EXIT_OK, human_size
-from engine.cli.output import print_json
+from engine.cli.output import EXIT_ERROR, EXIT_OK, human_size, print_json
 from engine.errors import AppError, CheckpointError
 from engine.model_shape import memory_name
 
@@ -234,9 +233,8 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     from engine.models import default_model_path
-    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library
+    from native.library import REQUIRED_LLAMA_CPP_COMMIT, bindings, choose_library, system_info
     from native.rpc import rpc_problem
-    from native.sysinfo import system_info
 
     bindings(choose_library(cli_dir=args.llama_lib))
     info = system_info()

@@ -1,4 +1,5 @@
-"""Writing the CLI's output so that no file name or answer text can make it fail.
+"""Writing the CLI's output so that no file name or answer text can make it fail; its exit
+statuses and how it writes a size.
 
 On Windows, Python writes a pipe or a file in the ANSI code page (cp1252 on an en-US
 machine): a checkpoint folder named in Chinese, or an answer with an emoji, raised
@@ -12,6 +13,17 @@ from __future__ import annotations
 import json
 import sys
 from typing import Any
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def human_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
 
 
 def tolerate_unencodable(*streams) -> None:

@@ -29,8 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine.cli import EXIT_OK, human_size
-from engine.cli.output import print_json
+from engine.cli.output import EXIT_OK, human_size, print_json
 from engine.errors import AppError
 
 #: run's options a parallel run does not offer (yet), with how to say them

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from engine import crashlog
-from engine.cli import EXIT_ERROR, EXIT_OK, human_size
+from engine.cli.output import EXIT_ERROR, EXIT_OK, human_size
 
 NOT_LOOPBACK_WARNING = (
     "warning: listening on {endpoint}, which is not this machine's loopback address. "
@@ -37,10 +37,10 @@ def connect_workers(spec: str, timeout: float | None):
 
 def cmd_rpc_worker(args) -> int:
     from native.context import _physical_cores as physical_cores  # the app's one rule
+    from native.endpoint import Endpoint
     from native.library import bindings, choose_library
     from native.rpc import (
         PROTOCOL,
-        Endpoint,
         RpcError,
         cache_dir_argument,
         device_memory,

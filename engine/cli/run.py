@@ -16,9 +16,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from engine.cli import EXIT_OK, human_size
 from engine.cli.options import context_settings, model_path, sampler_from_args
-from engine.cli.output import print_json
+from engine.cli.output import EXIT_OK, human_size, print_json
 from engine.errors import AppError, CheckpointError
 
 

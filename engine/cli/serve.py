@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 
-from engine.cli import EXIT_OK
+from engine.cli.output import EXIT_OK
 from engine.commands import Action
 from engine.errors import AppError
 from engine.events import WorkerListener

@@ -24,11 +24,11 @@ FIELDS = ("magic version flags header_len fingerprint model_size n_vocab n_layer
           "tokens_len logits_len state_len library title reserved2 crc").split()
 #: struct format letter of each field, for drawing values over its whole range
 FIELD_CODES = dict(zip(FIELDS, "8sHHI16sQIIIIIIIiiBBBBHHIIIq16sQQQQ32s64sII".replace(
-    "8s", "s").replace("16s", "s").replace("32s", "s").replace("64s", "s")))
+    "8s", "s").replace("16s", "s").replace("32s", "s").replace("64s", "s"), strict=True))
 
 
 def header_fields(data: bytes) -> dict:
-    return dict(zip(FIELDS, fmt._HEADER.unpack(data[:fmt.HEADER_LEN])))
+    return dict(zip(FIELDS, fmt._HEADER.unpack(data[:fmt.HEADER_LEN]), strict=True))
 
 
 def with_header(data: bytes, **changes) -> bytes:

@@ -222,6 +222,18 @@ class _WinError(PermissionError):
         self.winerror = winerror
 
 
+def _failing_replace(real_replace, failures: int, winerror: int):
+    """An ``os.replace`` whose first ``failures`` calls raise ``winerror``, then succeed."""
+    attempts = []
+
+    def replace(src, dst):
+        attempts.append(1)
+        if len(attempts) <= failures:
+            raise _WinError(winerror)
+        real_replace(src, dst)
+    return replace
+
+
 def windows_replace(work: Path, n_runs: int) -> Row:
     row = Row("6 os.replace winerror 5/32/33, non-ASCII")
     folder = work / "用户" / "文档" / "🧠"
@@ -235,14 +247,7 @@ def windows_replace(work: Path, n_runs: int) -> Row:
         for i in range(n_runs):
             permanent = i % 10 == 9
             failures = 10**9 if permanent else rng.randint(1, 5)
-            attempts = []
-
-            def replace(src, dst, winerror=rng.choice([5, 32, 33])):
-                attempts.append(1)
-                if len(attempts) <= failures:
-                    raise _WinError(winerror)
-                real_replace(src, dst)
-
+            replace = _failing_replace(real_replace, failures, rng.choice([5, 32, 33]))
             # up to 5 failures fit in 1 s of back-off; a permanent one gives up after 0.1 s
             atomic.replace, atomic.REPLACE_RETRY_S = replace, 0.1 if permanent else 1.0
             before = target.read_bytes()
