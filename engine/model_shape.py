@@ -87,9 +87,17 @@ class ModelShape:
     @property
     def logits_recomputable(self) -> bool:
         """Whether decoding a cache's last token again, alone, gives its logits bit for bit
-        when it was decoded alone the first time: a plain attention memory, whose tail
-        can be dropped and whose cells do not depend on batch boundaries (FIELD_NOTES).
-        A checkpoint of such a cache need not carry its logits (engine.runtime.save)."""
+        when it was decoded alone the first time: an attention memory (its tail can be
+        dropped; measured exact for SmolLM2 and for Gemma 3's sliding window, whose
+        window still holds what that token sees).  A recurrent state cannot go back a
+        token.  A checkpoint of such a cache need not carry its logits (engine.runtime)."""
+        return self.memory == MEMORY_ATTENTION
+
+    @property
+    def cells_by_position(self) -> bool:
+        """Whether any range of positions can be saved and restored on its own: a plain
+        attention memory without a sliding window (a window's cells depend on where the
+        cache ends).  A shared prefix needs it (engine.shared_prefix)."""
         return self.memory == MEMORY_ATTENTION and not self.n_swa
 
     @property

@@ -308,7 +308,7 @@ class Runtime:
         path = Path(path)
         n = len(self.kv_tokens)
         if upto is not None:
-            if not 0 < upto <= n or len(conv.tokens) != upto or not self.shape.logits_recomputable:
+            if not 0 < upto <= n or len(conv.tokens) != upto or not self.shape.cells_by_position:
                 raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
                                  "memory, with the conversation of exactly those tokens")
             n = upto
@@ -510,7 +510,7 @@ def logits_rule(kind: int, has_logits: bool, alone: bool, shape: ModelShape) -> 
     samples at once (nothing is decoded again).  Any other file — an autosave (resumed
     from only after a crash), a finished answer (the next turn decodes new tokens after
     it) — carries none when decoding its last token again gives them bit for bit: the
-    token was decoded alone (a generated one) and the memory is plain attention
+    token was decoded alone (a generated one) and the memory is attention
     (ModelShape.logits_recomputable); whoever samples right after it decodes that one
     token.  Logits are vocabulary x 4 bytes (196 KB for SmolLM2, 1 MB for Gemma 3 or
     Qwen3.5), often more than a file's own cells.

@@ -17,7 +17,7 @@ boundaries might differ in the last bits; it then writes a prefix of its own).  
 conversation restored from its chain holds exactly the cells it had.
 
 Where.  Only a plain attention memory (no sliding window, no recurrent part) can save
-and restore a range of positions on its own (ModelShape.logits_recomputable); the other
+and restore a range of positions on its own (ModelShape.cells_by_position); the other
 kinds store their full state per conversation, as before.  The graph keeps a prefix as
 long as some head's chain holds it, never shows it as a conversation, and deletes it
 with the last conversation that used it.
@@ -72,7 +72,7 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
     """The shared prefix a full checkpoint of ``conv`` should be a delta on: found in
     ``store`` (the same cells, byte for byte) or written now.  None when the conversation
     has no system prompt worth sharing or the memory cannot store a range of positions."""
-    if not (runtime.settings.supports_deltas and runtime.shape.logits_recomputable):
+    if not (runtime.settings.supports_deltas and runtime.shape.cells_by_position):
         return None
     n = system_prompt_end(runtime, conv)
     if n < MIN_TOKENS or n >= len(runtime.kv_tokens):

@@ -57,10 +57,10 @@ def test_chain_restores_exactly(model, request, tmp_path):
         assert len(chain) == 3
         # an autosave of a plain attention model carries no logits (engine.runtime.logits_rule):
         # its last token, a generated one, is decoded again, alone, as it was the first time
-        assert chain[-1].header.has_logits == (model == "gemma")
+        assert not chain[-1].header.has_logits
         resumed = second.restore_chain(chain)
         rest = generate(second, resumed)
-        assert rest.n_reused_tokens == rest.n_prompt_tokens - (model == "smollm")
+        assert rest.n_reused_tokens == rest.n_prompt_tokens - 1
         assert part.text + rest.text == reference
     finally:
         second.close()

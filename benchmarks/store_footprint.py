@@ -1,0 +1,151 @@
+"""Store bytes against the KV state they hold: today's layout vs the layout before issue 25.
+
+``python -m benchmarks.store_footprint [--models smollm,gemma] [--conversations 10]``
+
+Side by side in one process, on the same model and the same conversations:
+
+* **before**: every checkpoint carries its last position's logits, and every
+  conversation's first checkpoint is a full file (the rules before shared prefixes);
+* **now**: logits only where re-decoding the last token would not give them exactly
+  (engine.runtime.logits_rule), and a long system prompt stored once
+  (engine.shared_prefix).
+
+Cases: (1) an 18-token prompt and 256 generated tokens, autosave every 16 (the CLI's
+default chain, head written at the end); (2) ``--conversations`` conversations sharing a
+~1,500-token system prompt, each with its own question and a 16-token answer.  The KV
+bytes a store must hold at the least are measured from llama.cpp's own state of the
+tokens (one sequence, no logits): for case 2, one system prompt plus each conversation's
+own tokens.  Prints tables and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from benchmarks.common import MODEL_KEYS, Table, context_settings, model_path
+
+MB = 1e6
+SYSTEM = ("You are the support assistant of Northwind Shipping. Answer in two sentences, cite the "
+          "policy section you rely on, and never invent tracking numbers. ")
+QUESTIONS = ("Where is my parcel?", "How do I return an item?", "What does express delivery cost?",
+             "Can I change the delivery address?", "Do you ship to Norway?", "My parcel arrived damaged.",
+             "How long does standard delivery take?", "Can I pick up at a depot?",
+             "Is Saturday delivery possible?", "How do I print a label?")
+
+
+@contextmanager
+def layout_before():
+    """The rules before issue 25: logits in every file, no shared prefix."""
+    import engine.history as history
+    import engine.runtime as runtime
+    saved = runtime.logits_rule, history.shared_base
+    runtime.logits_rule = lambda kind, has_logits, alone, shape: has_logits
+    history.shared_base = lambda *args: None
+    try:
+        yield
+    finally:
+        runtime.logits_rule, history.shared_base = saved
+
+
+def store_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.kvckpt"))
+
+
+def state_bytes(rt, n: int) -> int:
+    """llama.cpp's state of the cache's first ``n`` positions (what a store must hold)."""
+    if n == len(rt.kv_tokens):
+        return rt.ctx.state_size(0)
+    rt.ctx.seq_cp(0, 1, 0, n)
+    try:
+        return rt.ctx.state_size(1)
+    finally:
+        rt.ctx.seq_rm(1, -1, -1)
+
+
+def autosave_case(rt, folder: Path) -> tuple[int, int, int]:
+    """(store bytes, KV bytes, files) of one 18 + 256-token answer with autosaves every 16."""
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.history import LineWriter
+    from engine.sampling import SamplerSettings
+    rt.trim(0)
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    begin_answer(conv, rt, "Write a long story about a lighthouse keeper.", n_predict=256)
+    writer = LineWriter.starting(rt, Store(folder), conv.id.hex)
+    generate(rt, conv, autosave=writer, autosave_every=16)
+    writer.save_head(conv, KIND_MANUAL)
+    writer.close()
+    return store_bytes(folder), state_bytes(rt, len(rt.kv_tokens)), len(list(folder.glob("*.kvckpt")))
+
+
+def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
+    """(store bytes, floor KV bytes, system prompt tokens) of ``n`` conversations on one system prompt."""
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.history import LineWriter
+    from engine.sampling import SamplerSettings
+    from engine.shared_prefix import system_prompt_end
+    system = SYSTEM * 40
+    floor = 0
+    n_system = 0
+    for i in range(n):
+        rt.trim(0)
+        conv = Conversation(system_prompt=system, sampler=SamplerSettings(temperature=0.0))
+        begin_answer(conv, rt, QUESTIONS[i % len(QUESTIONS)] + f" (ticket {i})", n_predict=16)
+        writer = LineWriter.starting(rt, Store(folder), conv.id.hex)
+        generate(rt, conv, autosave=writer, autosave_every=0)
+        writer.save_head(conv, KIND_MANUAL)
+        writer.close()
+        n_system = system_prompt_end(rt, conv)
+        whole, prefix = state_bytes(rt, len(rt.kv_tokens)), state_bytes(rt, n_system)
+        floor += whole if i == 0 else whole - prefix
+    return store_bytes(folder), floor, n_system
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODEL_KEYS))
+    parser.add_argument("--conversations", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    from engine.runtime import Runtime
+    auto = Table("1. One answer (18-token prompt + 256 tokens, autosave every 16): store bytes / KV bytes",
+                 ["model", "kv_MB", "before_MB", "before_x", "now_MB", "now_x", "files"])
+    shared = Table(f"2. {args.conversations} conversations on one system prompt: store bytes / (one prompt + "
+                   "their own tokens)", ["model", "system_tokens", "floor_MB", "before_MB", "before_x",
+                                         "now_MB", "now_x"])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for key in args.models.split(","):
+            rt = Runtime(model_path(key), context_settings(4096, args.threads))
+            try:
+                with layout_before():
+                    before, kv, _ = autosave_case(rt, root / key / "auto-before")
+                now, kv_now, files = autosave_case(rt, root / key / "auto-now")
+                auto.add(model=key, kv_MB=kv / MB, before_MB=before / MB, before_x=before / kv,
+                         now_MB=now / MB, now_x=now / kv_now, files=files)
+                with layout_before():
+                    before, floor, _ = shared_case(rt, root / key / "shared-before", args.conversations)
+                now, floor_now, n_system = shared_case(rt, root / key / "shared-now", args.conversations)
+                shared.add(model=key, system_tokens=n_system, floor_MB=floor_now / MB, before_MB=before / MB,
+                           before_x=before / floor, now_MB=now / MB, now_x=now / floor_now)
+            finally:
+                rt.close()
+    auto.notes.append("kv: llama.cpp's state of the final cache (one sequence, q8_0 K/V, no logits)")
+    shared.notes.append("a sliding-window model (Gemma 3) stores no shared prefix: its cells depend on "
+                        "where the cache ends")
+    print(auto.render())
+    print()
+    print(shared.render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
