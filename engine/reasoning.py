@@ -27,7 +27,7 @@ one rule every front end uses:
             ...
     splitter.finish()                   # the held-back rest, at the end of the answer
 
-    split(text, fmt) -> Parts(thinking, answer, state)   # the same rule on a whole text
+    split(text, fmt) -> Parts(thinking, answer, state, block)   # the same rule, whole text
 """
 
 from __future__ import annotations
@@ -183,9 +183,15 @@ def _merged(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
-def split(text: str, fmt: ThinkFormat | None, *, final: bool = True) -> Parts:
-    """``text`` (a whole answer, or all of it so far when not ``final``) in its parts."""
+def split(text: str, fmt: ThinkFormat | None, *, final: bool = True, before: str = "") -> Parts:
+    """``text`` (a whole answer, or all of it so far when not ``final``) in its parts.
+
+    ``before``: the answer's text before ``text`` (a paused answer resumed), which decides
+    where ``text`` begins but is not part of the result.
+    """
     splitter = Splitter(fmt)
+    if before:
+        splitter.feed(before)
     pieces = splitter.feed(text) + (splitter.finish() if final else [])
     thinking = "".join(t for kind, t in pieces if kind == THINKING)
     answer = "".join(t for kind, t in pieces if kind == ANSWER)
