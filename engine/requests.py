@@ -85,12 +85,18 @@ class RequestRefusal:
     message: str      # one sentence for the client
 
 
-def _history_key(messages, think) -> list[tuple[str, str]]:
+def _history_key(messages, think, *, sent: bool = False) -> list[tuple[str, str]]:
     """``messages`` as a request's history is matched: a thinking model's answers by
-    their final text (``think``: its engine.reasoning.ThinkFormat, or None)."""
+    their final text (``think``: its engine.reasoning.ThinkFormat, or None).  A stored
+    answer is what the model wrote; one ``sent`` by a client is its final text already,
+    unless the client sent the closing tag back too."""
     from engine.reasoning import split
-    return [(role, split(text, think).answer if think is not None and role == "assistant" else text)
-            for role, text in messages]
+
+    def final(role: str, text: str) -> str:
+        if think is None or role != "assistant" or (sent and think.close_tag not in text):
+            return text
+        return split(text, think).answer
+    return [(role, final(role, text)) for role, text in messages]
 
 
 class _Refused(Exception):
@@ -292,7 +298,7 @@ class RequestDesk:
         if not any(role == "assistant" for role, _ in history):
             return None   # nothing answered yet: the token prefix does as well
         think = think_format(rt.model)
-        wanted = _history_key(history, think)
+        wanted = _history_key(history, think, sent=True)
         for conv in [s.conv for s in self.sessions.open()]:
             if conv.paused or conv.answer is None or not conv.tokens:
                 continue
