@@ -383,6 +383,23 @@ def test_a_thinking_models_next_turn_is_the_same_in_process_and_after_a_restore(
         rt.close()
 
 
+def test_the_window_folds_a_real_thinking_models_thinking(thinker, make_window, qtbot):
+    w = make_window(n_predict=8, model_path=str(thinker), temperature=0.0)
+    assert w.bridge.model_info.thinking == OPENED and w.chat_view.thinking == OPENED
+    live = []
+    w.bridge.tokens_generated.connect(lambda conv, text: live.append(w.chat_view.toPlainText()))
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as finished:
+        w.prompt_edit.setPlainText(Q1)
+        w.send()
+    raw = finished.args[0].text
+    parts = split(raw, OPENED)
+    assert live and "Thinking… (" in live[0]          # live while it streams
+    shown = w.chat_view.toPlainText()
+    assert f"Show thinking ({len(parts.thinking.split())} word" in shown
+    assert not parts.thinking.strip() or parts.thinking not in shown
+    assert w.chat_view.answer_text() == raw
+
+
 def test_run_json_gives_the_thinking_apart(thinker, tmp_path):
     from conftest import run_cli
 
