@@ -50,9 +50,6 @@ class ThinkFormat:
     #: the generation prompt ends with ``open_tag``: the answer starts inside the block
     opened_by_prompt: bool = False
 
-    def to_json(self) -> dict:
-        return {"open": self.open_tag, "close": self.close_tag, "opened_by_prompt": self.opened_by_prompt}
-
 
 #: the tags the supported families use (Qwen3, Qwen3.5, QwQ, DeepSeek-R1, SmolLM3)
 TAGS = ("<think>", "</think>")
