@@ -8,6 +8,14 @@ no template at all gets a plain "User:/Assistant:" transcript.
 A template that exists but cannot be rendered also falls back to the plain transcript —
 the chat goes on, but the model answers worse — and :func:`template_problem` says why,
 so the front ends can tell the user once instead of leaving the reason in a log.
+
+A model that thinks before it answers (:func:`think_format`, read from its template) is
+rendered with its Jinja template first: llama.cpp's built-in renderings know nothing of
+thinking.  Each past answer goes in as its final text (``content``) and its thinking
+(``reasoning_content``), as llama-server passes them; the template decides what of the
+thinking goes back into the prompt (Qwen3's drops the thinking of answers before the
+last user message).  An answer's stored text is what the model wrote, tags included
+(engine.reasoning), so the split happens here, on every rendering, by the one rule.
 """
 
 from __future__ import annotations
@@ -16,12 +24,16 @@ import logging
 import weakref
 from collections.abc import Sequence
 
+from engine.reasoning import ThinkFormat, format_of, split
+
 log = logging.getLogger("engine")
 
 Message = tuple[str, str]  # (role, content)
 
 # model -> why its template could not be used (weak: a closed model takes its entry along)
 _problems: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> (its ThinkFormat or None,), read once from its template
+_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def template_problem(model) -> str | None:
@@ -29,8 +41,31 @@ def template_problem(model) -> str | None:
     return _problems.get(model)
 
 
+def think_format(model) -> ThinkFormat | None:
+    """How ``model`` marks its thinking, from its chat template; None: it does not think."""
+    known = _formats.get(model)
+    if known is None:
+        template = model.chat_template
+        probe = render_jinja(template, [("user", "Hi")], True, quiet=True) if template else None
+        known = _formats[model] = (format_of(template, probe),)
+    return known[0]
+
+
+def _message(role: str, content: str, think: ThinkFormat | None) -> dict:
+    """One message as a template reads it; an answer's thinking apart from its text."""
+    if think is None or role != "assistant":
+        return {"role": role, "content": content}
+    parts = split(content, think)
+    if not parts.block:
+        return {"role": role, "content": content}
+    return {"role": role, "content": parts.answer, "reasoning_content": parts.thinking}
+
+
 def render_jinja(template: str, messages: Sequence[Message], add_assistant: bool,
-                 bos: str = "", eos: str = "", problems: list[str] | None = None) -> str | None:
+                 bos: str = "", eos: str = "", problems: list[str] | None = None, *,
+                 think: ThinkFormat | None = None, quiet: bool = False) -> str | None:
+    """``messages`` rendered by the Jinja ``template``, or None when it fails (``problems``
+    gets why; ``quiet``: nothing logged).  With ``think``, answers are split (_message)."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -40,10 +75,11 @@ def render_jinja(template: str, messages: Sequence[Message], add_assistant: bool
 
         env.globals["raise_exception"] = raise_exception
         return env.from_string(template).render(
-            messages=[{"role": r, "content": c} for r, c in messages],
+            messages=[_message(r, c, think) for r, c in messages],
             add_generation_prompt=add_assistant, bos_token=bos, eos_token=eos)
     except Exception as exc:  # a broken template must not break the chat
-        log.warning("the model's chat template could not be rendered: %s", exc)
+        if not quiet:
+            log.warning("the model's chat template could not be rendered: %s", exc)
         if problems is not None:
             problems.append(f"{type(exc).__name__}: {exc}")
         return None
@@ -61,13 +97,18 @@ def render_plain(messages: Sequence[Message], add_assistant: bool) -> str:
 
 def render(model, messages: Sequence[Message], add_assistant: bool) -> str:
     """The prompt text for ``messages`` under ``model``'s template."""
+    think = think_format(model)
+    problems: list[str] = []
+    if think is not None:
+        text = render_jinja(model.chat_template, messages, add_assistant, problems=problems, think=think)
+        if text is not None:
+            return text
     text = model.apply_chat_template_native(messages, add_assistant)
     if text is not None:
         return text
     template = model.chat_template
     if template:
-        problems: list[str] = []
-        text = render_jinja(template, messages, add_assistant, problems=problems)
+        text = None if problems else render_jinja(template, messages, add_assistant, problems=problems)
         if text is not None:
             return text
         _problems[model] = (f"the model's chat template could not be used ({problems[0]}); the "

@@ -17,6 +17,7 @@ from pathlib import Path
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import Header
 from engine.commands import Action
+from engine.reasoning import ThinkFormat
 from engine.requests import RequestRefusal
 from engine.sampling import SamplerSettings
 
@@ -72,6 +73,10 @@ class ModelInfo:
     #: bit-identical to its run alone (engine.parallel.ParallelRuntime.exact_width)
     sequences: int = 1
     exact_width: int = 1
+    #: how the model marks its thinking (engine.reasoning), read from its chat template;
+    #: None: it does not think.  An answer's text holds its thinking as the model wrote it:
+    #: a front end shows the parts with engine.reasoning.split or a Splitter of this format
+    thinking: ThinkFormat | None = None
 
     def incompatibility(self, header: Header, meta: dict | None = None) -> str | None:
         """Why a checkpoint cannot be restored into this model, or None."""

@@ -16,6 +16,8 @@ A request (:class:`CompletionRequest`) is served from its longest stored prefix:
    loaded model and context, the request continues it: the new message's tokens follow
    the tokens the model has already seen (engine.generation keeps a conversation's
    tokens a prefix of its next turn), so everything before is restored, not decoded.
+   A thinking model's answers are compared by their final text (engine.reasoning):
+   clients send an answer back as its ``content``, without the thinking.
 2. **By tokens.**  Otherwise the request is a new conversation, started from the
    stored checkpoint that shares the longest token prefix with its prompt
    (engine.prefix_reuse); its first save builds on that checkpoint's files when they
@@ -81,6 +83,20 @@ class CompletionRequest:
 class RequestRefusal:
     reason: str       # one of the constants above
     message: str      # one sentence for the client
+
+
+def _history_key(messages, think, *, sent: bool = False) -> list[tuple[str, str]]:
+    """``messages`` as a request's history is matched: a thinking model's answers by
+    their final text (``think``: its engine.reasoning.ThinkFormat, or None).  A stored
+    answer is what the model wrote; one ``sent`` by a client is its final text already,
+    unless the client sent the closing tag back too."""
+    from engine.reasoning import split
+
+    def final(role: str, text: str) -> str:
+        if think is None or role != "assistant" or (sent and think.close_tag not in text):
+            return text
+        return split(text, think).answer
+    return [(role, final(role, text)) for role, text in messages]
 
 
 class _Refused(Exception):
@@ -278,13 +294,16 @@ class RequestDesk:
         tokens fit this model and context: in memory first (the cache may hold it), then
         the store's heads, newest first (restored here, files verified).  None if none."""
         from engine.branches import branches_of
+        from engine.chat_template import think_format
         from engine.checkpoints.graph import Graph
         if not any(role == "assistant" for role, _ in history):
             return None   # nothing answered yet: the token prefix does as well
+        think = think_format(rt.model)
+        wanted = _history_key(history, think, sent=True)
         for conv in [s.conv for s in self.sessions.open()]:
             if conv.paused or conv.answer is None or not conv.tokens:
                 continue
-            if [tuple(m) for m in conv.chat_messages()] == history and self._fits_runtime(conv, rt):
+            if _history_key(conv.chat_messages(), think) == wanted and self._fits_runtime(conv, rt):
                 return conv
         store = self.engine.store
         graph = Graph.scan(store)
@@ -293,7 +312,7 @@ class RequestDesk:
                 node = graph.nodes.get(branch.head.name)
                 if self.sessions.is_answering(conv_id):
                     break   # answering now (another request's): this one starts its own
-                if branch.paused or list(branch.messages) != history or node is None \
+                if branch.paused or _history_key(branch.messages, think) != wanted or node is None \
                         or rt.target.problem(node.header) is not None:
                     continue
                 try:
@@ -302,7 +321,7 @@ class RequestDesk:
                     log.info("cannot continue %s for a request (%s)", branch.head.name, exc)
                     continue
                 conv = self.sessions.conversation(conv_id)
-                if conv is not None and [tuple(m) for m in conv.chat_messages()] == history:
+                if conv is not None and _history_key(conv.chat_messages(), think) == wanted:
                     return conv
         return None
 

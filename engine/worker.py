@@ -555,6 +555,7 @@ class EngineWorker:
             backend, lib_path, lib_version = "CPU", str(lib.path), lib.version
         if rt.model.placement:   # remote workers: where the layers went, for the model bar
             backend = f"{backend} · {rt.model.placement}"
+        from engine.chat_template import think_format
         from engine.sampling import defaults_for_model
         sampling, source = defaults_for_model(rt.model)
         self.model_info = ModelInfo(
@@ -562,7 +563,7 @@ class EngineWorker:
             size=rt.model.size_bytes, n_ctx=rt.ctx.n_ctx, backend=backend,
             library_path=lib_path, library_version=lib_version, target=rt.target,
             sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
-            exact_width=rt.exact_width)
+            exact_width=rt.exact_width, thinking=think_format(rt.model))
         self.listener.on_model_loaded(self.model_info)
 
     def _new_batcher(self):

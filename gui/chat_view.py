@@ -16,6 +16,13 @@ A message added below the last answer takes that answer's Continue away the same
 Everything above stays as laid out, so the cost of a token does not grow with the
 conversation or the answer.  :meth:`ChatView.render` writes everything again (opening a
 conversation, switching to another branch).
+
+A thinking model's answer (``thinking``: the model's engine.reasoning.ThinkFormat) keeps
+the text the model wrote; the view shows its parts (engine.reasoning.split): above the
+answer a toggle, "Thinking… (n words)" while the model thinks, then "Show thinking" —
+a click shows the thinking, muted, between the toggle and the answer.  While the model
+thinks the toggle is part of the rewritten tail; once the answer begins it is final and
+the tail starts below it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
+from engine.reasoning import ThinkFormat, split
 from gui.markdown import LINK_SCHEMES, DocWriter, Theme, line_offset, parse, reset_block, stable_count
 
 ROLE_LABELS = {"system": "System prompt", "user": "You", "assistant": "Assistant"}
@@ -59,6 +67,7 @@ FORK_LINK = "fork:"             # fork:<message>
 CONTINUE_LINK = "continue:"     # continue:<message>
 ALTERNATIVE_LINK = "alt:"       # alt:<message>:<alternative, 1-based>
 EXPAND_LINK = "expand:"         # expand:<message>
+THINKING_LINK = "thinking:"     # thinking:<message>: show or hide an answer's thinking
 #: A message of yours longer than this is shown folded to its first FOLDED_CHARS, with
 #: "Show all": a pasted document then takes a few lines instead of screens, and laying out
 #: tens of thousands of characters (~20 ms for 18,000 on this machine) does not stall the
@@ -79,6 +88,7 @@ class Message:
     #: the message has others; None when it is the only one
     alternatives: Any = None
     expanded: bool = False  # a long message of the user's shown whole (see FOLD_ABOVE_CHARS)
+    thinking_shown: bool = False   # an answer's thinking shown (a click on its toggle)
 
     @property
     def folded(self) -> bool:
@@ -105,6 +115,7 @@ class _Tail:
     offset: int = 0         # index in message.text of what is written from ``body``
     code: list[str] = field(default_factory=list)   # code blocks written above ``body``
     links_len: int = 0      # characters of the heading's links; 0 while they are hidden
+    thinking_done: bool = False   # the thinking toggle is written above ``body``, final
 
 
 class ChatView(QTextBrowser):
@@ -146,6 +157,14 @@ class ChatView(QTextBrowser):
         self._streaming = False
         self._tail: _Tail | None = None
         self._code: dict[int, list[str]] = {}    # message index -> its code blocks
+        #: how the loaded model marks its thinking (engine.reasoning); None: it does not think
+        self.thinking: ThinkFormat | None = None
+
+    def set_thinking_format(self, fmt: ThinkFormat | None) -> None:
+        """The loaded model's thinking format: answers are shown in their parts by it."""
+        if fmt != self.thinking:
+            self.thinking = fmt
+            self.render(streaming=self._streaming)
 
     # -- content ------------------------------------------------------------------------------
     def set_transcript(self, transcript, *, paused: bool = False, note: str = "",
@@ -261,6 +280,14 @@ class ChatView(QTextBrowser):
             if m.role == "assistant":
                 return m.text
         return ""
+
+    def thinking_of(self, index: int) -> str:
+        """The thinking of message ``index`` as the view shows it ("" when none)."""
+        m = self.messages[index]
+        return self._parts(m, final=m.complete).thinking if m.role == "assistant" else ""
+
+    def _parts(self, m: Message, *, final: bool):
+        return split(m.text, self.thinking if m.role == "assistant" else None, final=final)
 
     def code_blocks(self, index: int) -> list[str]:
         """The code blocks of message ``index`` as written (what each block's Copy copies)."""
@@ -378,7 +405,15 @@ class ChatView(QTextBrowser):
     def _write_body(self, cursor: QTextCursor, tail: _Tail, *, streaming: bool) -> None:
         """Write the message from ``tail.offset`` on; move ``tail.body`` past what is final."""
         m = tail.message
-        rest = m.text[tail.offset:]
+        parts = self._parts(m, final=not streaming)
+        if not tail.thinking_done and parts.block:
+            self._write_thinking(cursor, tail.index, parts, live=streaming and parts.thinking_open)
+        if not tail.thinking_done and not parts.thinking_open:
+            tail.thinking_done = True      # the answer began: the thinking is what it is
+            if cursor.block().length() > 1:
+                cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
+            tail.body = cursor.position()
+        rest = parts.answer[tail.offset:]
         blocks = parse(rest)
         final = stable_count(blocks, rest)
         base = len(tail.code)
@@ -402,6 +437,25 @@ class ChatView(QTextBrowser):
             block.setTopMargin(4)
             _new_block(cursor, block, note)
             cursor.insertText(f"‖ {m.note or 'Paused'}", note)
+
+    def _write_thinking(self, cursor: QTextCursor, index: int, parts, *, live: bool) -> None:
+        """An answer's thinking toggle and, when shown, its thinking (plain, muted)."""
+        m = self.messages[index]
+        words = len(parts.thinking.split())
+        count = f"({words:,} word{'' if words == 1 else 's'})"
+        label = f"Thinking… {count}" if live else f"{'Hide' if m.thinking_shown else 'Show'} thinking {count}"
+        _new_block(cursor, QTextBlockFormat(), QTextCharFormat())
+        self._insert_link(cursor, f"{'▾' if m.thinking_shown else '▸'} {label}", f"{THINKING_LINK}{index}")
+        if not m.thinking_shown:
+            return
+        muted = QTextCharFormat()
+        muted.setForeground(self._colors()["muted"])
+        muted.setFontItalic(True)
+        block = QTextBlockFormat()
+        block.setLeftMargin(14)
+        for line in parts.thinking.split("\n"):
+            cursor.insertBlock(block, muted)
+            cursor.insertText(line, muted)
 
     def _rewrite_tail(self) -> None:
         """Remove the last message's part from ``body`` on and write it again."""
@@ -489,12 +543,18 @@ class ChatView(QTextBrowser):
         elif target.startswith(MESSAGE_LINK):
             index = int(target[len(MESSAGE_LINK):])
             if 0 <= index < len(self.messages):
-                QGuiApplication.clipboard().setText(self.messages[index].text)
+                m = self.messages[index]
+                QGuiApplication.clipboard().setText(self._parts(m, final=True).answer)
                 self.copied.emit(index)
         elif target.startswith(EXPAND_LINK):
             index = int(target[len(EXPAND_LINK):])
             if 0 <= index < len(self.messages):
                 self.messages[index].expanded = True
+                self.render(streaming=self._streaming)
+        elif target.startswith(THINKING_LINK):
+            index = int(target[len(THINKING_LINK):])
+            if 0 <= index < len(self.messages):
+                self.messages[index].thinking_shown = not self.messages[index].thinking_shown
                 self.render(streaming=self._streaming)
         elif target.startswith(ALTERNATIVE_LINK):
             index, number = (int(x) for x in target[len(ALTERNATIVE_LINK):].split(":"))

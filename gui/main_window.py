@@ -508,6 +508,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     @Slot(object)
     def _on_bridge_model_loaded(self, info: ModelInfo) -> None:
         self.model_progress.hide()
+        self.chat_view.set_thinking_format(info.thinking)
         self.model_status.setText(f"<b>{info.name}</b> · {info.backend} · context {info.n_ctx:,} tokens")
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
         snap = self.snapshots.get(self.current) if self.current else None

@@ -58,14 +58,15 @@ def gemma_path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
-    """``tiny_model_path(arch, seed=0, n_layer=None) -> Path``: a tiny random-weight GGUF
-    (tests/tinymodels.py: mamba2, lfm2, qwen35, rwkv7, granitehybrid, falcon-h1, llama),
-    built once per session (or kept in CHECKPOINT_CHAT_TEST_MODELS) and shared."""
+    """``tiny_model_path(arch, seed=0, n_layer=None, chat_template=None) -> Path``: a tiny
+    random-weight GGUF (tests/tinymodels.py: mamba2, lfm2, qwen35, rwkv7, granitehybrid,
+    falcon-h1, llama), SmolLM2's chat template or the one given, built once per session
+    (or kept in CHECKPOINT_CHAT_TEST_MODELS) and shared."""
     import tinymodels
     folder = Path(os.environ.get("CHECKPOINT_CHAT_TEST_MODELS", tmp_path_factory.getbasetemp())) / "tiny"
 
-    def path(arch: str, *, seed: int = 0, n_layer: int | None = None) -> Path:
-        return tinymodels.cached(arch, folder, seed=seed, n_layer=n_layer)
+    def path(arch: str, *, seed: int = 0, n_layer: int | None = None, chat_template: str | None = None) -> Path:
+        return tinymodels.cached(arch, folder, seed=seed, n_layer=n_layer, chat_template=chat_template)
     return path
 
 

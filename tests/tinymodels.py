@@ -7,7 +7,7 @@ token types, special ids, chat template), copied from the default model's GGUF, 
 tokenize exactly as with the app's default model.  Random weights prove exactness (logits,
 state bytes), not quality: compare logits and state bytes, not text.
 
-    build(arch, path, *, seed=0, n_layer=None) -> path
+    build(arch, path, *, seed=0, n_layer=None, chat_template=None) -> path
 
 Architectures (:data:`ARCHS`, in this order) and their memory (:data:`KIND`):
 
@@ -118,11 +118,12 @@ def _smollm2_tokenizer() -> tuple:
 class _Writer:
     """A GGUFWriter with deterministic random tensors given in ggml's order {ne0, ne1, ...}."""
 
-    def __init__(self, arch: str, seed: int) -> None:
+    def __init__(self, arch: str, seed: int, chat_template: str | None = None) -> None:
         import gguf
         self.gguf = gguf
         self.arch = arch
         self.seed = seed
+        self.chat_template = chat_template   # None: SmolLM2's
         self.kv: list[tuple[str, object, object, object]] = []
         self.tensors: list[tuple[str, np.ndarray, object]] = []
 
@@ -166,6 +167,8 @@ class _Writer:
         for key, value, vtype, sub in self.kv:
             writer.add_key_value(key, value, vtype, sub)
         for key, value, vtype, sub in _smollm2_tokenizer():
+            if key == "tokenizer.chat_template" and self.chat_template is not None:
+                value = self.chat_template
             writer.add_key_value(key, value, vtype, sub)
         for name, data, qtype in self.tensors:
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -442,11 +445,14 @@ _BUILDERS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen35": _qwen35, "rwkv7": _rwkv
              "granitehybrid": _granitehybrid, "falcon-h1": _falcon_h1, "llama": _llama}
 
 
-def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None) -> Path:
+def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None,
+          chat_template: str | None = None) -> Path:
     """Write a tiny random-weight GGUF of ``arch`` to ``path`` (atomically) and return it.
 
     The same arch, seed and n_layer give the same bytes.  ``n_layer`` defaults to
     :data:`DEFAULT_LAYERS`; hybrids need enough layers for one attention layer.
+    ``chat_template`` replaces SmolLM2's ``tokenizer.chat_template`` (a thinking model's,
+    from tests/templates/).
     """
     if arch not in _BUILDERS:
         raise ValueError(f"unknown tiny architecture {arch!r} (choose from {', '.join(ARCHS)})")
@@ -454,7 +460,7 @@ def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None) -
     n_layer = DEFAULT_LAYERS[arch] if n_layer is None else int(n_layer)
     if n_layer < 1:
         raise ValueError(f"n_layer must be positive, not {n_layer}")
-    w = _Writer(arch, seed)
+    w = _Writer(arch, seed, chat_template)
     _BUILDERS[arch](w, n_layer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -466,17 +472,21 @@ def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None) -
     return path
 
 
-def file_name(arch: str, *, seed: int = 0, n_layer: int | None = None) -> str:
+def file_name(arch: str, *, seed: int = 0, n_layer: int | None = None,
+              chat_template: str | None = None) -> str:
     """The cache file name for these parameters (includes :data:`BUILD_VERSION`)."""
     n_layer = DEFAULT_LAYERS[arch] if n_layer is None else n_layer
-    return f"tiny-{arch}-L{n_layer}-s{seed}-v{BUILD_VERSION}.gguf"
+    template = "" if chat_template is None else \
+        f"-t{hashlib.sha256(chat_template.encode()).hexdigest()[:12]}"
+    return f"tiny-{arch}-L{n_layer}-s{seed}{template}-v{BUILD_VERSION}.gguf"
 
 
-def cached(arch: str, folder: Path, *, seed: int = 0, n_layer: int | None = None) -> Path:
+def cached(arch: str, folder: Path, *, seed: int = 0, n_layer: int | None = None,
+           chat_template: str | None = None) -> Path:
     """``folder/<file_name>``, built unless already there (many tests share one file)."""
-    path = Path(folder) / file_name(arch, seed=seed, n_layer=n_layer)
+    path = Path(folder) / file_name(arch, seed=seed, n_layer=n_layer, chat_template=chat_template)
     if not path.is_file():
-        build(arch, path, seed=seed, n_layer=n_layer)
+        build(arch, path, seed=seed, n_layer=n_layer, chat_template=chat_template)
     return path
 
 

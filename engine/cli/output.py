@@ -44,3 +44,12 @@ def print_json(value: Any, *, stream=None, **dumps_args) -> None:
     except UnicodeEncodeError:
         text = json.dumps(value, ensure_ascii=True, **dumps_args)
     print(text, file=stream)
+
+
+def answer_fields(text: str, thinking_format, *, before: str = "", final: bool = True) -> dict[str, Any]:
+    """The answer's fields of a ``--json`` result: ``text`` the answer the run wrote, and
+    ``reasoning_content`` its thinking (None when there is none), apart as the server
+    returns them (engine.reasoning; ``before``: the answer's text before this run)."""
+    from engine.reasoning import split
+    parts = split(text, thinking_format, before=before, final=final)
+    return {"text": parts.answer, "reasoning_content": parts.thinking or None}

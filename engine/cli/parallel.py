@@ -213,10 +213,13 @@ class ParallelRun:
         print(f"[CHECKPOINT] Saved to: {info.path} (size: {human_size(info.size)})", file=sys.stderr, flush=True)
 
     def outcome(self, k: int, job) -> dict[str, Any]:
+        from engine.chat_template import think_format
+        from engine.cli.output import answer_fields
         result, info = job.result, self.saved.get(k)
         return {
             "conversation": k + 1, "sequence": job.seq,
-            "text": result.text, "finish_reason": result.finish_reason,
+            **answer_fields(result.text, think_format(self.prt.model), final=not result.paused),
+            "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
             "n_generated": result.n_generated, "ttft_s": result.ttft_s, "restore_s": 0.0,
             "prefill_s": result.prefill_s, "tokens_per_s": result.tokens_per_s,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli.options import context_settings, model_path, sampler_from_args
-from engine.cli.output import EXIT_OK, human_size, print_json
+from engine.cli.output import EXIT_OK, answer_fields, human_size, print_json
 from engine.errors import AppError, CheckpointError
 
 
@@ -107,6 +107,7 @@ class RunSession:
         self.read_s = 0.0
         self.restore_s = 0.0     # read + verify + set state of the checkpoint started from
         self.requested_at = None
+        self.answer_before = ""  # the answer's text shown before this run (a paused one resumed)
 
     def stage(self, name: str) -> None:
         if self.args.progress:
@@ -319,6 +320,7 @@ class RunSession:
                     sys.stdout.flush()
 
         self.stage("prefill")
+        self.answer_before = conv.answer.text[:conv.answer.emitted]
         return generate(runtime, conv, control=self.control, listener=Printer(),
                         stop_after=args.stop_after,
                         autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave,
@@ -350,9 +352,12 @@ class RunSession:
         loaded and includes ``restore_s`` (reading, verifying and setting the state of
         the checkpoint the run started from, 0 without one); ``prefill_s`` is decoding
         only."""
+        from engine.chat_template import think_format
         reuse = self.reuse
         return {
-            "text": result.text, "finish_reason": result.finish_reason,
+            **answer_fields(result.text, think_format(self.runtime.model), before=self.answer_before,
+                            final=not result.paused),
+            "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
             "n_generated": result.n_generated, "ttft_s": result.ttft_s,
             "restore_s": self.restore_s,

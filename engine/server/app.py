@@ -3,6 +3,8 @@
 Routes: ``GET /health``, ``GET /v1/models`` (and ``/v1/models/{id}``),
 ``POST /v1/chat/completions`` and ``POST /v1/completions``, each answered in OpenAI's
 shapes (engine.server.shapes), streamed as server-sent events when ``stream`` is true.
+A thinking model's thinking (engine.reasoning) is a chat answer's ``reasoning_content``,
+apart from its ``content``; a plain completion returns the text as the model wrote it.
 
 Guards, in order: every error becomes OpenAI's error body with its status (never a
 traceback); an API key, when set, is required as ``Authorization: Bearer KEY`` (all
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.reasoning import ANSWER, Splitter, split
 from engine.requests import (
     CANCELLED,
     CONTEXT_LENGTH_EXCEEDED,
@@ -196,7 +199,7 @@ class _Routes:
         parsed = parse_chat(await self._body(request))
         info = self._model(parsed.model)
         return await self._serve(request, parsed.generation, model_id(info.path), chat=True,
-                                 messages=parsed.messages, model_path=info.path)
+                                 thinking=info.thinking, messages=parsed.messages, model_path=info.path)
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         parsed = parse_completion(await self._body(request))
@@ -206,7 +209,7 @@ class _Routes:
 
     # -- serving one request ---------------------------------------------------------------------
     async def _serve(self, request: web.Request, gen: Generation, model: str, *, chat: bool,
-                     **what) -> web.StreamResponse:
+                     thinking=None, **what) -> web.StreamResponse:
         if len(self.link.jobs()) >= self.options.max_queue:
             raise ApiError(429, f"{self.options.max_queue} requests are already waiting; try again later.",
                            type="rate_limit_error", code="too_many_requests")
@@ -217,7 +220,7 @@ class _Routes:
             kind, value = await job.next()
             if kind == "failed":
                 raise refusal_error(value)
-            reply = _Reply(model, chat, gen, value)
+            reply = _Reply(model, chat, gen, value, thinking)
             if gen.stream:
                 return await self._stream(request, job, reply)
             return await self._collect(job, reply)
@@ -249,9 +252,12 @@ class _Routes:
             while True:
                 kind, value = await job.next()
                 if kind == "text":
-                    await response.write(shapes.sse(reply.chunk({"content": value} if reply.chat else value)))
+                    for delta in reply.deltas(value):
+                        await response.write(shapes.sse(reply.chunk(delta)))
                 elif kind == "finished":
                     reply.summary = value
+                    for delta in reply.deltas(None):
+                        await response.write(shapes.sse(reply.chunk(delta)))
                 elif kind == "done" or (kind == "failed" and reply.summary is not None):
                     reply.checkpoint = value if kind == "done" else None
                     for chunk in reply.closing():
@@ -270,8 +276,11 @@ class _Routes:
 class _Reply:
     """What one request's response says, as the engine's events fill it in."""
 
-    def __init__(self, model: str, chat: bool, gen: Generation, snap) -> None:
+    def __init__(self, model: str, chat: bool, gen: Generation, snap, thinking=None) -> None:
         self.id = shapes.new_id("chatcmpl" if chat else "cmpl")
+        #: the model's ThinkFormat (engine.reasoning) for a chat answer, None otherwise
+        self.thinking = thinking if chat else None
+        self.splitter = Splitter(self.thinking)
         self.created = shapes.now()
         self.model = model
         self.chat = chat
@@ -286,6 +295,14 @@ class _Reply:
 
     def extension(self) -> dict:
         return shapes.extension(self.snap.id, self.snap.seed, self.checkpoint)
+
+    def deltas(self, text: str | None) -> list:
+        """What streaming ``text`` sends (None: the answer ended, send what was held
+        back): chat deltas, thinking and answer apart; a completion's text as it is."""
+        if not self.chat:
+            return [text] if text else []
+        pieces = self.splitter.finish() if text is None else self.splitter.feed(text)
+        return [{"content" if kind == ANSWER else "reasoning_content": piece} for kind, piece in pieces]
 
     def chunk(self, delta) -> dict:
         if self.chat:
@@ -308,8 +325,9 @@ class _Reply:
     def whole(self) -> dict:
         s = self.summary
         if self.chat:
-            return shapes.chat_completion(self.id, self.created, self.model, s.text, s.finish_reason,
-                                          self.usage(), self.extension())
+            parts = split(s.text, self.thinking)
+            return shapes.chat_completion(self.id, self.created, self.model, parts.answer, s.finish_reason,
+                                          self.usage(), self.extension(), parts.thinking or None)
         return shapes.text_completion(self.id, self.created, self.model, s.text, s.finish_reason,
                                       self.usage(), self.extension())
 

@@ -47,10 +47,16 @@ def extension(conversation: uuid.UUID | None, seed: int | None, checkpoint: Path
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, reason: str,
-                    use: dict[str, Any], ext: dict[str, Any]) -> dict[str, Any]:
+                    use: dict[str, Any], ext: dict[str, Any], reasoning: str | None = None) -> dict[str, Any]:
+    """A ``chat.completion``; a thinking model's thinking is the message's
+    ``reasoning_content`` (as llama-server and DeepSeek's API return it), apart from
+    ``content``; the key is there only when the answer has thinking."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish_reason(reason)}],
             "usage": use, "checkpoint_chat": ext}
 
@@ -58,7 +64,9 @@ def chat_completion(rid: str, created: int, model: str, text: str, reason: str,
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None,
                reason: str | None = None, use: dict[str, Any] | None = None,
                ext: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed chunk: a delta, the final one (``reason``), or the usage one (no choices)."""
+    """One streamed chunk: a delta, the final one (``reason``), or the usage one (no choices).
+    A thinking model's thinking streams as ``{"reasoning_content": ...}`` deltas, its
+    answer as ``{"content": ...}`` deltas."""
     chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                              "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
     if delta is None:

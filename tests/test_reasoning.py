@@ -1,0 +1,414 @@
+"""Reasoning models: an answer's thinking apart from its text, everywhere a user sees it.
+
+The chat templates under tests/templates/ are the ``tokenizer.chat_template`` of real
+thinking models, byte for byte: Qwen3 (llama.cpp's ``models/templates/Qwen-Qwen3-0.6B.jinja``),
+Qwen3.5 (Qwen3.5-35B-A3B's, sha256 a4aee8af…f715 as published) and DeepSeek-R1-Distill
+(llama.cpp's ``models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja``).
+
+Fast tests: the splitter (whole and piece by piece, tags cut anywhere), what each template
+renders for a conversation with thinking, the server's shapes (a fake engine behind the
+real HTTP side), the window's toggle.  Through llama.cpp: a tiny qwen35 model whose GGUF
+carries Qwen3.5's template — the format read from its metadata, the prompt of a second
+turn with the first turn's thinking dropped, the same tokens and logits whether the turn
+follows in the process or after a restore, and ``run --json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from pathlib import Path
+
+import pytest
+
+from engine import chat_template
+from engine.reasoning import ANSWER, THINKING, Splitter, ThinkFormat, format_of, split
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+QWEN3 = (TEMPLATES / "qwen3.jinja").read_text("utf-8")
+QWEN35 = (TEMPLATES / "qwen3.5.jinja").read_text("utf-8")
+DEEPSEEK_R1 = (TEMPLATES / "deepseek-r1-distill.jinja").read_text("utf-8")
+
+TAGGED = ThinkFormat()                               # Qwen3: the model opens the block
+OPENED = ThinkFormat(opened_by_prompt=True)          # Qwen3.5, DeepSeek-R1: the prompt does
+
+
+class TemplateModel:
+    """What chat_template.render needs of a model: its GGUF template, no native rendering."""
+
+    def __init__(self, template: str | None) -> None:
+        self.chat_template = template
+
+    def apply_chat_template_native(self, messages, add_assistant):
+        return "native rendering must not be used for a thinking model"
+
+
+# -- the splitter ------------------------------------------------------------------------------
+
+def pieces_of(text: str, fmt, cuts) -> tuple[str, str]:
+    splitter = Splitter(fmt)
+    out = []
+    start = 0
+    for cut in sorted(cuts) + [len(text)]:
+        given = splitter.feed(text[start:cut])
+        assert all(piece for _, piece in given) and len(given) <= 2     # no empty pieces
+        out += given
+        start = cut
+    out += splitter.finish()
+    return ("".join(p for k, p in out if k == THINKING), "".join(p for k, p in out if k == ANSWER))
+
+
+@pytest.mark.parametrize("fmt, text, thinking, answer", [
+    (TAGGED, "<think>\nI add 2 and 2.\n</think>\n\nIt is **4**.", "I add 2 and 2.", "It is **4**."),
+    (TAGGED, "  <think>a\n\nb  </think>4\n", "a\n\nb", "4\n"),
+    (TAGGED, "<think>\n\n</think>\n\nNo thinking.", "", "No thinking."),
+    (TAGGED, "Plain answer that mentions <think> and </think>.", "",
+     "Plain answer that mentions <think> and </think>."),
+    (OPENED, "I add 2 and 2.\n</think>\n\nIt is 4.", "I add 2 and 2.", "It is 4."),
+    (OPENED, "Still thinking when the length limit came", "Still thinking when the length limit came", ""),
+    (TAGGED, "<think>\nunclosed", "unclosed", ""),
+    (None, "<think>\nkept as written\n</think>\n\nall of it", "",
+     "<think>\nkept as written\n</think>\n\nall of it"),
+])
+def test_the_parts_are_the_same_whole_or_in_any_pieces(fmt, text, thinking, answer):
+    parts = split(text, fmt)
+    assert (parts.thinking, parts.answer) == (thinking, answer)
+    assert pieces_of(text, fmt, range(1, len(text))) == (thinking, answer)   # one character at a time
+    rng = random.Random(len(text))
+    for _ in range(200):
+        cuts = rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1)))
+        assert pieces_of(text, fmt, cuts) == (thinking, answer)
+
+
+def test_a_tag_cut_across_tokens_is_held_back_until_the_next_piece_decides():
+    s = Splitter(TAGGED)
+    assert s.feed("<th") == [] and s.state == "starting"
+    assert s.feed("ink>\nLet me") == [(THINKING, "Let me")] and s.state == "thinking"
+    assert s.feed(" see.\n</") == [(THINKING, " see.")]      # the newline and "</" wait
+    assert s.feed("thi") == []
+    assert s.feed("nk>\n\nHel") == [(ANSWER, "Hel")] and s.state == "answering"
+    assert s.feed("lo") == [(ANSWER, "lo")]
+    assert s.finish() == []
+    # a "<" that turns out not to be a tag is given out as soon as that is known
+    s = Splitter(OPENED)
+    assert s.feed("a <") == [(THINKING, "a")]
+    assert s.feed("b") == [(THINKING, " <b")]
+
+
+def test_an_unclosed_block_while_streaming_is_still_thinking():
+    parts = split("<think>\nweighing it", TAGGED, final=False)
+    assert parts.thinking_open and parts.block and parts.thinking == "weighing it" and parts.answer == ""
+    parts = split("<thi", TAGGED, final=False)
+    assert parts.thinking_open and not parts.block and parts.answer == ""
+    assert not split("<think>x</think>y", TAGGED, final=False).thinking_open
+    assert split("", OPENED, final=False).thinking_open
+    # a resumed answer: what came before decides where the new text begins
+    assert split(" more.\n</think>\n\nDone", OPENED, before="Thinking") == \
+        split(" more.\n</think>\n\nDone", OPENED, before="Thinking", final=True)
+    resumed = split(" more.\n</think>\n\nDone", OPENED, before="Thinking")
+    assert (resumed.thinking, resumed.answer) == (" more.", "Done")
+
+
+# -- the templates -------------------------------------------------------------------------------
+
+def test_whether_a_model_thinks_is_read_from_its_template():
+    from engine.models import default_model_path
+    from native.library import bindings
+    from native.model import Model
+    assert format_of(QWEN3, chat_template.render_jinja(QWEN3, [("user", "Hi")], True)) == TAGGED
+    assert format_of(QWEN35, chat_template.render_jinja(QWEN35, [("user", "Hi")], True)) == OPENED
+    assert format_of(DEEPSEEK_R1, chat_template.render_jinja(DEEPSEEK_R1, [("user", "Hi")], True)) == OPENED
+    for template in (QWEN3, QWEN35, DEEPSEEK_R1):
+        assert chat_template.think_format(TemplateModel(template)) is not None
+    # thinking switched off by the prompt (an empty block) is not a block opened
+    assert format_of(QWEN35, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == TAGGED
+    bindings()
+    with Model(default_model_path()) as smollm:      # SmolLM2 does not think
+        assert smollm.chat_template and chat_template.think_format(smollm) is None
+    assert chat_template.think_format(TemplateModel(None)) is None
+
+
+SYSTEM, Q1, Q2 = "Be brief.", "What is 2+2?", "And 3+3?"
+
+
+def two_turns(raw_answer: str) -> list[tuple[str, str]]:
+    return [("system", SYSTEM), ("user", Q1), ("assistant", raw_answer), ("user", Q2)]
+
+
+def test_qwen3_drops_past_thinking_and_keeps_the_last_answers():
+    model = TemplateModel(QWEN3)
+    raw = "<think>\nTwo plus two.\n</think>\n\nFour."
+    assert chat_template.render(model, two_turns(raw), add_assistant=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\nFour.<|im_end|>\n"
+        "<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    # an answer after the last user message (the one a Continue goes on from) keeps its thinking
+    assert chat_template.render(model, two_turns(raw)[:3], add_assistant=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nTwo plus two.\n</think>\n\nFour.<|im_end|>\n")
+
+
+def test_qwen35_opens_the_block_in_the_prompt_and_drops_past_thinking():
+    model = TemplateModel(QWEN35)
+    raw = "Two plus two.\n</think>\n\nFour."       # the prompt wrote "<think>\n"
+    assert chat_template.render(model, two_turns(raw)[:2], add_assistant=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n")
+    assert chat_template.render(model, two_turns(raw), add_assistant=True) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\nFour.<|im_end|>\n"
+        "<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n")
+
+
+def test_deepseek_r1_drops_past_thinking():
+    model = TemplateModel(DEEPSEEK_R1)
+    raw = "Two plus two.\n</think>\n\nFour."
+    assert chat_template.render(model, two_turns(raw), add_assistant=True) == (
+        "Be brief.<｜User｜>What is 2+2?<｜Assistant｜>Four.<｜end▁of▁sentence｜>"
+        "<｜User｜>And 3+3?<｜Assistant｜><think>\n")
+
+
+# -- the server's shapes, a fake engine behind the real HTTP side ----------------------------------
+
+class FakeWorker:
+    """The worker's public face as the server uses it; each answer streams ``pieces``."""
+
+    def __init__(self, pieces: list[str], thinking: ThinkFormat | None) -> None:
+        from engine.events import ModelInfo
+        self.pieces = pieces
+        self.model_info = ModelInfo(name="thinker", path=Path("/models/thinker.gguf"), architecture="qwen35",
+                                    size=1, n_ctx=512, backend="CPU", library_path="", library_version="",
+                                    thinking=thinking)
+        self.alive = True
+        self.links = []
+
+    def add_listener(self, link) -> None:
+        self.links.append(link)
+
+    def remove_listener(self, link) -> None:
+        self.links.remove(link)
+
+    def cancel_request(self, request_id: str) -> None:
+        pass
+
+    def complete(self, request) -> None:
+        from engine.events import ConversationSnapshot, GenerationSummary
+        link, conv = self.links[0], uuid.uuid4()
+        snap = ConversationSnapshot(id=conv, title="t", transcript=(), paused=False, n_tokens=0, n_ctx=512,
+                                    seed=1, checkpoint=None)
+        loop = asyncio.get_running_loop()
+
+        def run() -> None:   # as the engine thread would: events in order
+            link.on_request_started(request.request_id, snap)
+            for piece in self.pieces:
+                link.on_text(conv, piece)
+            link.on_generation_finished(GenerationSummary(conv, "stop", len(self.pieces), 5, 0, 1.0,
+                                                          "".join(self.pieces)))
+            link.on_request_finished(request.request_id, conv, None)
+        loop.call_soon(run)
+
+
+PIECES = ["Two", " plus", " two.\n</", "think", ">\n\n", "Fo", "ur."]   # after "<think>\n"
+
+
+async def ask_server(worker, body: dict) -> tuple[dict | None, list[dict]]:
+    import aiohttp
+
+    from engine.server.app import LocalServer, ServerOptions
+    server = LocalServer(worker, ServerOptions(port=0))
+    url = await server.start()
+    try:
+        async with aiohttp.ClientSession() as session, \
+                session.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            if not body.get("stream"):
+                return await response.json(), []
+            events = [line[6:] for line in (await response.text()).splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            return None, [json.loads(e) for e in events[:-1]]
+    finally:
+        await server.stop()
+
+
+def test_the_server_returns_reasoning_content_apart_whole_and_streamed():
+    pytest.importorskip("aiohttp")
+    worker = FakeWorker(PIECES, OPENED)
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "What is 2+2?"}]}
+    whole, _ = asyncio.run(ask_server(worker, body))
+    message = whole["choices"][0]["message"]
+    assert message["content"] == "Four." and message["reasoning_content"] == "Two plus two."
+
+    _, chunks = asyncio.run(ask_server(worker, dict(body, stream=True)))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    thinking = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    assert (thinking, content) == ("Two plus two.", "Four.")
+    assert not any("</" in d.get("reasoning_content", "") + d.get("content", "") for d in deltas)
+    # the thinking streams before the answer, each delta one or the other
+    kinds = [next(iter(d)) for d in deltas[1:] if d]
+    assert kinds == sorted(kinds, key=lambda k: k != "reasoning_content") and len(kinds) >= 3
+
+    plain = FakeWorker(["Four", "."], None)       # a model that does not think: no key at all
+    whole, _ = asyncio.run(ask_server(plain, body))
+    assert whole["choices"][0]["message"]["content"] == "Four."
+    assert "reasoning_content" not in whole["choices"][0]["message"]
+
+
+def test_a_request_continues_a_thinking_models_conversation_sent_back_without_thinking():
+    from engine.requests import _history_key
+    stored = [("user", "What is 2+2?"), ("assistant", "Two plus two.\n</think>\n\nFour.")]
+    sent = [("user", "What is 2+2?"), ("assistant", "Four.")]
+    assert _history_key(stored, OPENED) == _history_key(sent, OPENED, sent=True)
+    assert _history_key(stored, OPENED) == _history_key(stored, OPENED, sent=True)   # sent back whole
+    assert _history_key(stored, None) != _history_key(sent, None, sent=True)
+
+
+# -- the window ------------------------------------------------------------------------------------
+
+def test_the_window_shows_the_thinking_collapsed_live_and_expands_it(qtbot):
+    from gui.chat_view import THINKING_LINK, ChatView
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.show()
+    view.set_thinking_format(OPENED)
+    view.set_transcript([{"role": "user", "content": "What is 2+2?"}])
+    view.begin_answer()
+    assert "Thinking… (0 words)" in view.toPlainText()
+    view.append_text("Two plus")
+    assert "Thinking… (2 words)" in view.toPlainText() and "Two plus" not in view.toPlainText()
+    view.append_text(" two.\n</thi")
+    assert "Thinking… (3 words)" in view.toPlainText()
+    view.append_text("nk>\n\nFo")
+    text = view.toPlainText()
+    assert "Show thinking (3 words)" in text and text.rstrip().endswith("Fo") and "</" not in text
+    view.append_text("ur.")
+    view.finish_answer(complete=True)
+    text = view.toPlainText()
+    assert text.rstrip().endswith("Four.") and "Two plus two." not in text
+    assert view.answer_text() == "Two plus two.\n</think>\n\nFour."       # what the model wrote
+    assert view.thinking_of(len(view.messages) - 1) == "Two plus two."
+
+    # a click on the toggle shows the thinking between it and the answer, another hides it
+    index = len(view.messages) - 1
+    view.anchorClicked.emit(f"{THINKING_LINK}{index}")
+    text = view.toPlainText()
+    assert "Hide thinking (3 words)" in text and text.index("Two plus two.") < text.index("Four.")
+    view.anchorClicked.emit(f"{THINKING_LINK}{index}")
+    assert "Two plus two." not in view.toPlainText()
+
+    # shown while it streams: the thinking grows in place
+    view.begin_answer("And 3+3?")
+    view.anchorClicked.emit(f"{THINKING_LINK}{len(view.messages) - 1}")
+    view.append_text("Three and")
+    view.append_text(" three")
+    assert "▾ Thinking… (3 words)" in view.toPlainText() and "Three and three" in view.toPlainText()
+
+
+def test_a_model_that_does_not_think_shows_its_answer_as_written(qtbot):
+    from gui.chat_view import ChatView
+    view = ChatView()
+    qtbot.addWidget(view)
+    view.set_transcript([{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "<think>x</think> y"}])
+    assert "thinking" not in view.toPlainText().lower().replace("<think>", "")
+
+
+# -- through llama.cpp -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def thinker(tiny_model_path):
+    """A tiny random-weight qwen35 (hybrid) model whose GGUF carries Qwen3.5's chat template."""
+    return tiny_model_path("qwen35", chat_template=QWEN35)
+
+
+def test_a_thinking_models_next_turn_is_the_same_in_process_and_after_a_restore(thinker, tmp_path):
+    import memkit
+
+    from engine.checkpoints.chain import load_chain
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from engine.sampling import SamplerSettings
+
+    rt = Runtime(thinker, memkit.SETTINGS)
+    try:
+        assert chat_template.think_format(rt.model) == OPENED     # from the GGUF's metadata
+        conv = Conversation(system_prompt=SYSTEM, sampler=SamplerSettings(temperature=0.0, seed=7, ignore_eos=True))
+        begin_answer(conv, rt, Q1, n_predict=10)
+        first_prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                        "<|im_start|>assistant\n<think>\n")
+        assert conv.tokens == rt.model.tokenize_prompt(first_prompt)
+        streamed = []
+
+        class Listener:
+            def on_prefill_progress(self, done, total):
+                pass
+
+            def on_text(self, delta):
+                streamed.append(delta)
+
+        generate(rt, conv, listener=Listener())
+        raw = conv.answer.text
+        parts = split(raw, OPENED)
+        assert pieces_of("".join(streamed), OPENED, []) == (parts.thinking, parts.answer)
+        rt.save(tmp_path / "first.kvckpt", conv)
+
+        begin_answer(conv, rt, Q2, n_predict=10)
+        second_prompt = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+                         f"<|im_start|>assistant\n{parts.answer}<|im_end|>\n"
+                         "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+        assert conv.tokens == rt.model.tokenize_prompt(second_prompt)    # the first thinking dropped
+        in_process = generate(rt, conv)
+        expected = memkit.fingerprint(rt, in_process.text), list(conv.tokens)
+    finally:
+        rt.close()
+
+    rt = Runtime(thinker, memkit.SETTINGS)
+    try:
+        restored = rt.restore_chain(load_chain(tmp_path / "first.kvckpt"))
+        assert restored.answer.text == raw             # the thinking kept, as the model wrote it
+        begin_answer(restored, rt, Q2, n_predict=10)
+        after_restore = generate(rt, restored)
+        assert (memkit.fingerprint(rt, after_restore.text), list(restored.tokens)) == expected
+    finally:
+        rt.close()
+
+
+def test_the_window_folds_a_real_thinking_models_thinking(thinker, make_window, qtbot):
+    w = make_window(n_predict=8, model_path=str(thinker), temperature=0.0)
+    assert w.bridge.model_info.thinking == OPENED and w.chat_view.thinking == OPENED
+    live = []
+    w.bridge.tokens_generated.connect(lambda conv, text: live.append(w.chat_view.toPlainText()))
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as finished:
+        w.prompt_edit.setPlainText(Q1)
+        w.send()
+    raw = finished.args[0].text
+    parts = split(raw, OPENED)
+    assert live and "Thinking… (" in live[0]          # live while it streams
+    shown = w.chat_view.toPlainText()
+    assert f"Show thinking ({len(parts.thinking.split())} word" in shown
+    assert not parts.thinking.strip() or parts.thinking not in shown
+    assert w.chat_view.answer_text() == raw
+
+
+def test_run_json_gives_the_thinking_apart(thinker, tmp_path):
+    from conftest import run_cli
+
+    from engine.checkpoints.chain import load_chain
+    done = run_cli("run", "-m", str(thinker), "-c", "512", "-t", "2", "--temp", "0", "--seed", "7",
+                   "-p", Q1, "-n", "8", "--json", "--checkpoint-save", str(tmp_path / "a.kvckpt"), check=True)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    raw = load_chain(tmp_path / "a.kvckpt")[-1].meta["transcript"][-1]["content"]
+    parts = split(raw, OPENED)
+    assert out["n_generated"] == 8 and raw.strip()
+    assert (out["reasoning_content"], out["text"]) == (parts.thinking or None, parts.answer)
+    assert out["reasoning_content"]     # the prompt opened the block: the model began thinking
