@@ -59,6 +59,9 @@ class Row:
     model_name: str = ""
     chain_size: int = 0     # a head's chain, all files together
     chain_files: int = 1
+    #: bytes of the chain that other heads hold too (a shared system prompt, a fork's
+    #: common files): deleting this head does not free them (Graph.footprint)
+    shared_size: int = 0
     children: tuple[Row, ...] = ()
     #: a branch: where it leaves the others ("message 3 (yours) · 120 tokens shared");
     #: a file of a branch's chain: "shared" when other branches build on it too
@@ -84,8 +87,9 @@ def _node_row(g: Graph, node: Node, target: Target | None, role: str, children=(
         status, why = "broken", problem
     elif role == LOOSE:
         why = why or "superseded: a newer head of this conversation holds its history"
+    shared = g.footprint(node)[1] if role == HEAD else 0
     return Row(node.path, node.size, node.created_ns / 1e9, node.header, status, why, role,
-               node.model_name, g.chain_size(node), len(g.chain(node)), tuple(children))
+               node.model_name, g.chain_size(node), len(g.chain(node)), shared, tuple(children))
 
 
 def list_rows(store: Store, target: Target | None) -> list[Row]:
@@ -229,7 +233,10 @@ class CheckpointTreeModel(QStandardItemModel):
     def _items(self, row: Row) -> list[QStandardItem]:
         h = row.header
         if row.role == HEAD and row.chain_files > 1:
-            size = f"{file_size_text(row.size)} · chain {file_size_text(row.chain_size)} ({row.chain_files} files)"
+            size = f"{file_size_text(row.size)} · chain {file_size_text(row.chain_size)} ({row.chain_files} files"
+            own = row.chain_size - row.shared_size
+            size += f"; its own {file_size_text(own)}, shared {file_size_text(row.shared_size)})" \
+                if row.shared_size else ")"
         else:
             size = file_size_text(row.size)
         kind = KIND_NAMES.get(h.kind, "?") if h else ""

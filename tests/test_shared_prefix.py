@@ -70,6 +70,10 @@ def test_conversations_with_one_system_prompt_store_it_once(smollm_runtime, tmp_
     total = sum(n.size for n in g.nodes.values())
     floor = prefix.size + sum(g.footprint(h)[0] for h in g.heads)
     assert total == floor
+    # the browser says what each conversation holds alone and what it shares
+    from gui.browser import HEAD, list_rows
+    heads = [r for r in list_rows(Store(tmp_path), smollm_runtime.target) if r.role == HEAD]
+    assert len(heads) == len(QUESTIONS) and all(r.shared_size == prefix.size for r in heads)
 
 
 def test_a_conversation_on_a_shared_prefix_resumes_exactly(smollm_path, smollm_runtime, tmp_path):

@@ -59,6 +59,26 @@ def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, ch
     assert outcome.orphans == [], "files no head needs were left behind"
 
 
+#: about 280 tokens: long enough to be stored once for the conversations of slots 0 and 1
+SHARED_SYSTEM = "You answer in one short sentence, plainly, and you never use lists or headings. " * 16
+
+
+@settings(max_examples=max(2, EXAMPLES // 2), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=8))
+def test_conversations_on_a_shared_system_prompt_keep_every_head(actions, smollm_path, checker,
+                                                                 tmp_path_factory):
+    """The same, two of the conversations on one long system prompt (engine.shared_prefix):
+    its prefix file is kept while a head needs it, and goes with the last (no orphan)."""
+    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("shared"), actions, checker,
+                                   system=SHARED_SYSTEM)
+    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
+
+
 @pytest.fixture(scope="module")
 def tiny_checkers(tiny_model_path):
     """One checking runtime per tiny model of another memory kind (tests/tinymodels.py)."""

@@ -89,16 +89,20 @@ Metadata keys the store relies on
 ``checkpoint_id`` (32 hex digits, unique per file written) and the trailer's payload
 CRC identify a file; ``parent`` (deltas) names the parent as above; ``line`` (optional,
 at most 64 characters) is the line of history the file belongs to, by default its
-conversation's id in hex (see engine.checkpoints.graph); ``origin_crc`` (optional) is the
+conversation's id in hex (see engine.checkpoints.graph; ``shared-`` and a digest: a
+shared prefix, engine.shared_prefix); ``origin_crc`` (optional) is the
 payload CRC a file had before an import rewrote its parent reference.  ``conversation``
 and ``transcript`` hold the chat itself, ``model`` names the model.  A reader treats
 every key as untrusted: a missing or mistyped key is a refusal with the reason, never
 an exception.
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
-token after a restore is not bit-exact for sliding-window models (the result depends
-on batch boundaries).  Sampling the next token from the stored logits makes a resumed
-generation identical to an uninterrupted one.
+token after a restore is bit-exact only when it was decoded alone the first time too
+(with a sliding window or a batch-decoded prompt the result depends on batch
+boundaries), and never possible for a recurrent state.  Sampling the next token from
+the stored logits makes a resumed generation identical to an uninterrupted one.  Which
+files carry them is engine.runtime.logits_rule's: pauses and exits always; other files
+only when re-decoding their last token would not give them exactly.
 
 Every length is capped (see ``LIMITS``) and checked against the file size before
 anything is allocated; a reader never trusts a length it has not bounded.

@@ -111,6 +111,8 @@ def _node_json(node, g) -> dict[str, Any]:
         "head": g.is_head(node),
         "needed_by_head": g.reachable(node),
         "chain": [n.name for n in g.chain(node)], "chain_size": g.chain_size(node),
+        # a head's chain: bytes it alone holds, bytes other heads hold too (a shared prefix)
+        "shared_size": g.footprint(node)[1] if g.is_head(node) else None,
         "chain_problem": problem,
     }
 
@@ -213,7 +215,10 @@ def cmd_list(args) -> int:
         chain = g.chain(head)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(head.created_ns / 1e9))
         h = head.header
-        extra = f"  ({len(chain)} files, {human_size(g.chain_size(head))})" if len(chain) > 1 else ""
+        shared = g.footprint(head)[1]
+        extra = f"  ({len(chain)} files, {human_size(g.chain_size(head))}" if len(chain) > 1 else ""
+        if extra:
+            extra += f", {human_size(shared)} shared)" if shared else ")"
         print(f"{when}  {h.kind_name:8} {h.n_tokens:6d} tok  {human_size(head.size):>9}  "
               f"{h.title}  [{head.path}]{extra}")
         for member in reversed(chain[:-1]):
