@@ -157,7 +157,7 @@ def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
         raise BrokenChain("no checkpoint to restore")
     if chain[0].header.is_delta:
         raise BrokenChain("the chain does not start with a full checkpoint")
-    rows = target.model.recurrent_rows if target.model is not None else None
+    rows = target.recurrent_rows
     for data in chain:
         target.check(data.header, data.meta)
         if data.header.n_tokens:

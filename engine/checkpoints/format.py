@@ -484,7 +484,7 @@ class CheckpointData:
     tokens: np.ndarray               # int32, n_tokens_total
     logits: np.ndarray | None        # float32, n_vocab
     state: np.ndarray                # uint8, exactly state_len bytes
-    path: Path | None = None
+    path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -312,8 +312,7 @@ def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef 
 def chain_paths(path: Path) -> list[Path]:
     """The files of ``path``'s chain in its own folder (for "Import folder")."""
     try:
-        # every file load_chain reads has its path
-        return [d.path for d in load_chain(path) if d.path is not None]
+        return [d.path for d in load_chain(path)]
     except (CheckpointError, OSError):
         return [path]
 
