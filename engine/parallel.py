@@ -38,7 +38,7 @@ import numpy as np
 
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
-from engine.checkpoints.format import KIND_MANUAL, CheckpointData
+from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
@@ -135,7 +135,10 @@ class ParallelRuntime:
     def eog_ids(self) -> np.ndarray:
         return self._rt.eog_ids
 
-    check_compatible = Runtime.check_compatible   # against self.target: the files' shape
+    def check_compatible(self, header: Header, meta: dict | None = None) -> None:
+        """Raise IncompatibleModel / IncompatibleContext with the reason, or return
+        (against self.target: the files' shape, as Runtime.check_compatible checks)."""
+        self.target.check(header, meta)
 
     # -- residency ------------------------------------------------------------------------
     def view_of(self, key: Hashable) -> ConversationView:
@@ -495,7 +498,9 @@ class ConversationView(SequenceView):
     are short, never this one.  Decoding into it is the Batcher's (engine.concurrent).
     """
 
-    check_compatible = Runtime.check_compatible
+    def check_compatible(self, header: Header, meta: dict | None = None) -> None:
+        """As :meth:`ParallelRuntime.check_compatible` (the files' shape)."""
+        self.target.check(header, meta)
 
     def __init__(self, prt: ParallelRuntime, key: Hashable) -> None:
         self._bind(prt)

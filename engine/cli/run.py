@@ -187,9 +187,8 @@ class RunSession:
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
                                 sampler=sampler_from_args(args, replace(defaults, seed=random_seed())))
         if self.prompt is not None:
-            if conv.paused:
-                # a new message after a paused answer keeps what was generated so far
-                conv.answer.finish_reason = "interrupted"
+            # a new message after a paused answer keeps what was generated so far
+            conv.interrupt_paused()
             begin_answer(conv, rt, self.prompt,
                          n_predict=-1 if args.n_predict is None else args.n_predict)
             from engine.chat_template import template_problem
