@@ -21,7 +21,6 @@ ALLOW = {
     "benchmarks/ui_stall.py::run_window": 160,
     "benchmarks/branches.py::measure": 116,
     "benchmarks/restore.py::measure": 111,
-    "engine/cli/parser.py::build_parser": 105,
     "benchmarks/named_autosave.py::main": 88,
     "benchmarks/save_speed.py::measure": 85,
     "gui/settings_dialog.py::SettingsDialog.__init__": 84,
