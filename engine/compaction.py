@@ -10,13 +10,25 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from engine.checkpoints.format import CheckpointData
+from engine.conversation import Conversation
 from engine.models import default_model_path
 from engine.runtime import Runtime, SaveInfo
 
 
-def compact_into(runtime: Runtime, chain: Sequence[CheckpointData], out: Path) -> SaveInfo:
+class Compacting(Protocol):
+    """What compaction uses of a runtime: a Runtime, or a conversation of a
+    ParallelRuntime (engine.parallel.ConversationView)."""
+
+    def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation: ...
+
+    def save(self, path: str | Path, conv: Conversation, kind: int = ..., *,
+             line: str | None = ..., seq: int = ...) -> SaveInfo: ...
+
+
+def compact_into(runtime: Compacting, chain: Sequence[CheckpointData], out: Path) -> SaveInfo:
     """Restore ``chain`` into ``runtime`` and save it as one full file at ``out``."""
     conv = runtime.restore_chain(chain)
     # a line of its own: a compacted copy placed in a store never competes with the

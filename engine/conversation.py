@@ -89,7 +89,20 @@ class Conversation:
     @property
     def paused(self) -> bool:
         """True when an answer was started and not finished."""
-        return self.answer is not None and not self.answer.finished
+        return self.paused_answer is not None
+
+    @property
+    def paused_answer(self) -> Answer | None:
+        """The answer that was started and not finished, or None."""
+        a = self.answer
+        return a if a is not None and not a.finished else None
+
+    def interrupt_paused(self) -> None:
+        """End a paused answer where it stands (finish reason "interrupted"): what was
+        generated so far is kept, and a new message may follow it."""
+        a = self.paused_answer
+        if a is not None:
+            a.finish_reason = "interrupted"
 
     def to_json(self) -> dict[str, Any]:
         return {

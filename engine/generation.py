@@ -21,6 +21,7 @@ from engine.conversation import Answer, Conversation, title_from
 from engine.errors import GenerationError
 from engine.runtime import PrefillReport, Runtime
 from engine.sampling import seed_for
+from native.model import Model
 from native.sampler import SamplerChain
 
 FINISH_PAUSED = "paused"
@@ -88,7 +89,15 @@ class GenerationResult:
         return {"mean": float(np.mean(self.probabilities)), "min": float(np.min(self.probabilities))}
 
 
-def begin_answer(conv: Conversation, runtime: Runtime, user_text: str, *, n_predict: int = -1) -> None:
+class HasModel(Protocol):
+    """A runtime as :func:`begin_answer` uses one: only its model (a Runtime, a
+    ParallelRuntime, or one conversation of it)."""
+
+    @property
+    def model(self) -> Model: ...
+
+
+def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_predict: int = -1) -> None:
     """Add a user turn and make ``conv.tokens`` the prompt for the assistant's answer."""
     commit_answer(conv)
     if conv.paused:
@@ -110,7 +119,7 @@ def begin_answer(conv: Conversation, runtime: Runtime, user_text: str, *, n_pred
     conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict)
 
 
-def _state_text(conv: Conversation, runtime: Runtime) -> str | None:
+def _state_text(conv: Conversation, runtime: HasModel) -> str | None:
     """The text that ``conv.tokens`` stands for, when it ends with a committed answer the
     model wrote token by token (not cut at a stop string, which the tokens still hold)."""
     a = conv.answer
@@ -123,7 +132,7 @@ def _state_text(conv: Conversation, runtime: Runtime) -> str | None:
     return before + a.text
 
 
-def cut_to_history(conv: Conversation, runtime: Runtime) -> str | None:
+def cut_to_history(conv: Conversation, runtime: HasModel) -> str | None:
     """After an edit (the messages cut back to an answer, no answer object), the text of
     that history, with ``conv.tokens`` cut to the tokens the model saw for it.
 

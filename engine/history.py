@@ -31,9 +31,11 @@ newer history.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
@@ -43,8 +45,9 @@ from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import SaveFailed
-from engine.runtime import Runtime, SaveInfo
+from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base
+from native.context import ContextSettings
 
 log = logging.getLogger("engine")
 
@@ -73,7 +76,7 @@ def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | Non
     file is that line's head in ``store``; None when it must branch (an older file, a
     copy, a file outside the store)."""
     last = chain[-1]
-    if last.path is None or not store.contains(last.path):
+    if not store.contains(last.path):
         return None
     line = line_of(last.meta, last.header)
     head = Graph.scan(store).head_of_line.get(line)
@@ -81,11 +84,26 @@ def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | Non
         return None
     return line
 
+class SavingRuntime(Protocol):
+    """What a LineWriter uses of the cache its conversation is in: an
+    :class:`engine.runtime.Runtime`, or one sequence of a ParallelRuntime
+    (:class:`engine.parallel.SequenceView`, which saves with Runtime's own ``save``)."""
+
+    @property
+    def kv_tokens(self) -> list[int]: ...
+
+    @property
+    def settings(self) -> ContextSettings: ...
+
+    def save(self, path: str | os.PathLike, conv: Conversation, kind: int = ...,
+             parent: SaveInfo | None = ..., *, line: str | None = ..., seq: int = ...,
+             fresh: bool = ..., landing: Any = ..., upto: int | None = ...) -> SaveInfo: ...
+
 
 class LineWriter:
     """Saves one line of a conversation from the Runtime that holds it."""
 
-    def __init__(self, runtime: Runtime, store: Store, line: str,
+    def __init__(self, runtime: SavingRuntime, store: Store, line: str,
                  chain: Sequence[SaveInfo] = (), *, seq: int = 1, lease=None,
                  policy: ChainPolicy = ChainPolicy(), mode: str = "delta") -> None:
         if mode not in ("delta", "full"):
@@ -107,7 +125,7 @@ class LineWriter:
         self.bytes_written = 0
 
     @classmethod
-    def starting(cls, runtime: Runtime, store: Store, line: str, chain: Sequence[SaveInfo] = (),
+    def starting(cls, runtime: SavingRuntime, store: Store, line: str, chain: Sequence[SaveInfo] = (),
                  **kwargs) -> LineWriter:
         """A writer on ``line`` if its lease is free, else on a new line (a branch)."""
         lease = store.lease_line(line)
@@ -118,7 +136,7 @@ class LineWriter:
         return cls(runtime, store, line, chain, seq=seq, lease=lease, **kwargs)
 
     @classmethod
-    def continuing(cls, runtime: Runtime, store: Store, chain: Sequence[CheckpointData],
+    def continuing(cls, runtime: SavingRuntime, store: Store, chain: Sequence[CheckpointData],
                    **kwargs) -> LineWriter:
         """A writer for a conversation restored from ``chain`` (files of ``store``, or not)."""
         line = line_to_continue(store, chain) or uuid.uuid4().hex
@@ -165,11 +183,13 @@ class LineWriter:
                 self._chain.pop()
 
     # -- deciding -----------------------------------------------------------------------------
-    def _holds_cache(self) -> bool:
-        """The newest file holds exactly what the cache holds."""
+    def _head_holding_cache(self) -> SaveInfo | None:
+        """The newest file, when it holds exactly what the cache holds; else None."""
         kv = self.runtime.kv_tokens
         tip = self.head
-        return tip is not None and tip.n_tokens == len(kv) and tip.tokens_digest == tokens_digest(kv)
+        if tip is not None and tip.n_tokens == len(kv) and tip.tokens_digest == tokens_digest(kv):
+            return tip
+        return None
 
     def _parent_index(self) -> int | None:
         """Index in the live chain of the file the next delta goes on, or None (full).
@@ -203,8 +223,9 @@ class LineWriter:
     # -- saving -------------------------------------------------------------------------------
     def autosave(self, conv: Conversation) -> SaveInfo:
         """Save what the cache holds as an autosave (nothing when the newest file has it)."""
-        if self._holds_cache():
-            return self.head
+        held = self._head_holding_cache()
+        if held is not None:
+            return held
         return self._write(conv, KIND_AUTOSAVE)
 
     __call__ = autosave   # generate(autosave=writer) calls it with the conversation

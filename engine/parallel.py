@@ -38,7 +38,7 @@ import numpy as np
 
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
-from engine.checkpoints.format import KIND_MANUAL, CheckpointData
+from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
@@ -135,7 +135,10 @@ class ParallelRuntime:
     def eog_ids(self) -> np.ndarray:
         return self._rt.eog_ids
 
-    check_compatible = Runtime.check_compatible   # against self.target: the files' shape
+    def check_compatible(self, header: Header, meta: dict | None = None) -> None:
+        """Raise IncompatibleModel / IncompatibleContext with the reason, or return
+        (against self.target: the files' shape, as Runtime.check_compatible checks)."""
+        self.target.check(header, meta)
 
     # -- residency ------------------------------------------------------------------------
     def view_of(self, key: Hashable) -> ConversationView:
@@ -354,7 +357,9 @@ class ParallelRuntime:
         """Write ``conv``, held in sequence ``seq``, to ``path`` atomically: a checkpoint
         a single-sequence context restores (a delta on ``parent`` when given), exactly as
         ``Runtime.save`` writes one (see the module docstring)."""
-        return self.view(seq).save(path, conv, kind, parent, line=line, seq=seq_no, fresh=fresh)
+        # misc: SequenceView borrows Runtime.save (see its docstring), whose self is typed Runtime
+        return self.view(seq).save(path, conv, kind, parent, line=line,  # type: ignore[misc]
+                                   seq=seq_no, fresh=fresh)
 
     def restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
         """Put a verified chain (a full file, then deltas on it) into sequence ``seq``
@@ -470,7 +475,7 @@ class SequenceView:
                                      n_embd_head_k=shape.n_embd_head_k,
                                      n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source,
                                      memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext,
-                                     recurrent_rows=self.target.model.recurrent_rows)
+                                     recurrent_rows=self.target.recurrent_rows)
             except CorruptState as exc:
                 raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
             relabel_state(state, layout, 1 if p0 else 0)
@@ -493,15 +498,19 @@ class ConversationView(SequenceView):
     are short, never this one.  Decoding into it is the Batcher's (engine.concurrent).
     """
 
-    check_compatible = Runtime.check_compatible
+    def check_compatible(self, header: Header, meta: dict | None = None) -> None:
+        """As :meth:`ParallelRuntime.check_compatible` (the files' shape)."""
+        self.target.check(header, meta)
 
     def __init__(self, prt: ParallelRuntime, key: Hashable) -> None:
         self._bind(prt)
         self.key = key
         self.target = prt.target
 
+    # override: unlike a SequenceView's, a conversation's sequence comes and goes with its
+    # residency (None: not resident); what it inherits runs only while it is resident
     @property
-    def seq(self) -> int | None:
+    def seq(self) -> int | None:  # type: ignore[override]
         table = self._prt.table
         return table.seq_of(self.key) if self.key in table else None
 

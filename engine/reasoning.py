@@ -100,9 +100,10 @@ class Splitter:
         out: list[tuple[str, str]] = []
         text = self._held + piece
         self._held = ""
+        fmt = self.fmt
         while text:
-            if self.state == ANSWERING:
-                if self.fmt is None or not self._strip:
+            if self.state == ANSWERING or fmt is None:
+                if fmt is None or not self._strip:
                     out.append((ANSWER, text))
                     text = ""
                 else:
@@ -113,7 +114,7 @@ class Splitter:
                     text = ""
             elif self.state == STARTING:
                 rest = text.lstrip()
-                tag = self.fmt.open_tag
+                tag = fmt.open_tag
                 if rest.startswith(tag):
                     self.state, self.had_block, self._strip = IN_THINKING, True, True
                     text = rest[len(tag):]
@@ -128,7 +129,7 @@ class Splitter:
                     if not text:
                         break
                     self._strip = False
-                tag = self.fmt.close_tag
+                tag = fmt.close_tag
                 end = text.find(tag)
                 if end >= 0:
                     thought = text[:end].rstrip()

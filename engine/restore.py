@@ -40,11 +40,30 @@ from engine.errors import BrokenChain, CorruptMetadata, RestoreFailed
 from native.errors import StateError
 
 
+class StateContext(Protocol):
+    """The calls on a context (:class:`native.context.Context`) a restore makes."""
+
+    def pos_max(self, seq: int) -> int:
+        """Highest position held for ``seq`` (-1 when empty)."""
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Remove positions [p0, p1) of ``seq``."""
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Let ``dst`` share ``src``'s cells in positions [p0, p1)."""
+
+    def state_set_from(self, buffer: np.ndarray, size: int, seq: int) -> int:
+        """Load ``seq``'s state from ``buffer``; raises StateError when refused."""
+
+
 class SequenceSlot(Protocol):
     """One sequence of a context, as :func:`restore_into` changes it."""
-    ctx: object          # native.context.Context
     seq: int             # the sequence restored into
     scratch: int         # a sequence free for applying deltas
+
+    @property
+    def ctx(self) -> StateContext:
+        """The context the sequence lives in."""
 
     @property
     def tokens(self) -> Sequence[int]:
@@ -138,7 +157,7 @@ def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
         raise BrokenChain("no checkpoint to restore")
     if chain[0].header.is_delta:
         raise BrokenChain("the chain does not start with a full checkpoint")
-    rows = target.model.recurrent_rows if target.model is not None else None
+    rows = target.recurrent_rows
     for data in chain:
         target.check(data.header, data.meta)
         if data.header.n_tokens:

@@ -349,7 +349,7 @@ class Runtime:
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
-                check_state_for(header, state, self.target.model.recurrent_rows)
+                check_state_for(header, state, self.target.recurrent_rows)
         except CorruptState as exc:
             raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
                              f"could not be loaded again ({exc}); nothing was saved") from exc

@@ -52,6 +52,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
@@ -66,6 +67,10 @@ from engine.events import FINISH_ERROR, ConversationSnapshot, GenerationSummary,
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk
 from engine.sampling import SamplerSettings, random_seed
 from engine.sessions import RunningAnswer, SessionTable
+
+if TYPE_CHECKING:   # imported where used: loading a model is what pulls llama.cpp in
+    from engine.concurrent import Batcher
+    from engine.parallel import ParallelRuntime
 
 log = logging.getLogger("engine")
 
@@ -180,8 +185,8 @@ class EngineWorker:
         self._answer_running = 0             # engine thread: the number of the answer command it runs
         self._answer_action: cmd.Action | None = None   # and its action (what a failure is reported as)
         # engine-thread state
-        self.runtime = None                  # engine.parallel.ParallelRuntime
-        self._batcher = None                 # engine.concurrent.Batcher over it
+        self.runtime: ParallelRuntime | None = None
+        self._batcher: Batcher | None = None   # over the runtime; set and cleared with it
         self._deferred: list[_Queued] = []   # commands waiting (see engine.commands.Wait), in order
         self.model_info: ModelInfo | None = None
         self._template_noticed = None        # the runtime whose template problem was told
@@ -424,6 +429,7 @@ class EngineWorker:
     def _execute(self, item: _Queued) -> None:
         """Run one command: the handler its type names, with its fields as arguments."""
         command = item.command
+        assert command is not None   # only _STOP has none, and _run stops there
         handler = self._dispatch[type(command)]
         if not isinstance(command, cmd.AnswerCommand):
             handler(*command.arguments())
@@ -477,6 +483,7 @@ class EngineWorker:
 
     def _step(self) -> None:
         """One decode of the running answers (engine.concurrent.Batcher.step)."""
+        assert self._batcher is not None   # _next_command steps only a busy batcher
         try:
             self._batcher.step()
         except Exception as exc:  # noqa: BLE001 - every answer must end saved, then the engine goes on
@@ -566,11 +573,12 @@ class EngineWorker:
             exact_width=rt.exact_width, thinking=think_format(rt.model))
         self.listener.on_model_loaded(self.model_info)
 
-    def _new_batcher(self):
+    def _new_batcher(self) -> Batcher:
         from engine.concurrent import Batcher
-        return Batcher(self.runtime, on_stopped=self._answer_stopped, autosave=lambda job: self._autosave(job.conv))
+        return Batcher(self._need_runtime(), on_stopped=self._answer_stopped,
+                       autosave=lambda job: self._autosave(job.conv))
 
-    def _need_runtime(self):
+    def _need_runtime(self) -> ParallelRuntime:
         if self.runtime is None:
             raise AppError("no model is loaded yet")
         return self.runtime
@@ -691,8 +699,8 @@ class EngineWorker:
         conv_id = data.header.conversation_id
         if self.sessions.is_answering(conv_id):
             raise AppError("that conversation is answering now; pause it first")
-        if self.sessions.conversation(conv_id) is not None:
-            self._save_if_dirty(self.sessions.conversation(conv_id), KIND_MANUAL)
+        if (shown := self.sessions.conversation(conv_id)) is not None:
+            self._save_if_dirty(shown, KIND_MANUAL)
         view = rt.view_of(conv_id)
         conv = view.restore_chain(chain) if other_layout is None else text_of_chain(chain, rt.target)
         session = self.sessions.adopt(conv)
@@ -740,9 +748,8 @@ class EngineWorker:
         conv = self._conv(conv_id)
         messages, answer, tokens = list(conv.messages), conv.answer, list(conv.tokens)
         finish = answer.finish_reason if answer is not None else None
-        if conv.paused:
-            # a new message after a paused answer keeps what was generated so far
-            conv.answer.finish_reason = "interrupted"
+        # a new message after a paused answer keeps what was generated so far
+        conv.interrupt_paused()
         begin_answer(conv, rt, text, n_predict=n_predict)
         room = rt.ctx.n_ctx - len(conv.tokens)
         if room < ANSWER_ROOM:
@@ -765,8 +772,7 @@ class EngineWorker:
         from engine.generation import begin_answer, commit_answer
         rt = self._need_runtime()
         conv = self._conv(conv_id)
-        if conv.paused:
-            conv.answer.finish_reason = "interrupted"
+        conv.interrupt_paused()
         commit_answer(conv)
         self._branch(conv)
         turns = conv.messages
@@ -795,8 +801,7 @@ class EngineWorker:
         except (TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"the conversation in that checkpoint is malformed: {exc}") from None
         conv.id = conv_id
-        if conv.paused:
-            conv.answer.finish_reason = "interrupted"   # its tokens belong to the other model
+        conv.interrupt_paused()   # its tokens belong to the other model
         from engine.generation import commit_answer
         commit_answer(conv)
         session = self.sessions.named(conv_id)
@@ -816,10 +821,11 @@ class EngineWorker:
 
     def _do_resume(self, conv_id: uuid.UUID, n_predict: int | None) -> None:
         conv = self._conv(conv_id)
-        if not conv.paused:
+        paused = conv.paused_answer
+        if paused is None:
             raise GenerationError("there is no paused answer to resume")
         if n_predict is not None:
-            conv.answer.n_predict = n_predict
+            paused.n_predict = n_predict
         self._generate(conv)
 
     def _do_regenerate(self, conv_id: uuid.UUID) -> None:
@@ -892,8 +898,8 @@ class EngineWorker:
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")
         rt.check_compatible(data.header, data.meta)
-        if self.sessions.conversation(conv_id) is not None:   # the branch shown so far keeps its state
-            self._save_if_dirty(self.sessions.conversation(conv_id), KIND_MANUAL)
+        if (shown := self.sessions.conversation(conv_id)) is not None:   # the branch shown so far keeps its state
+            self._save_if_dirty(shown, KIND_MANUAL)
         view = rt.view_of(conv_id)
         conv = view.restore_chain(chain)     # the shared files stay in the cache
         session = self.sessions.adopt(conv)
@@ -991,13 +997,14 @@ class EngineWorker:
         rt.table.start(conv.id)
         try:
             self.listener.on_generation_started(self.snapshot(conv, branches=False))
+            assert self._batcher is not None   # made together with the runtime
             self._batcher.add(job, requested_at=requested)
         except BaseException:
             self._end_answer(conv)
             raise
         return True
 
-    def _end_answer(self, conv: Conversation, *, durable: bool = True) -> RunningAnswer:
+    def _end_answer(self, conv: Conversation, *, durable: bool = True) -> RunningAnswer | None:
         with self._busy_lock:
             running = self.sessions.end_answer(self.sessions.named(conv.id))
             if not self.sessions.any_running:
@@ -1011,6 +1018,8 @@ class EngineWorker:
         sequence, and tell the request it served."""
         conv, result = job.conv, job.result
         running = self.sessions.named(conv.id).answer
+        # the Batcher ran the job, so both are there: _generate recorded the answer first
+        assert running is not None and self._batcher is not None
         self._batcher.done.clear()   # the Batcher's record of ended jobs: the worker keeps none
         saved = False
         try:
@@ -1044,8 +1053,11 @@ class EngineWorker:
         saved where the cache holds its tokens, and the failure is reported once."""
         message = None
         for session in self.sessions.running():
-            conv_id, conv = session.id, session.answer.job.conv
-            running = self._end_answer(conv, durable=self._save_after_failure(conv))
+            running = session.answer
+            if running is None:
+                continue   # ended already
+            conv_id, conv = session.id, running.job.conv
+            self._end_answer(conv, durable=self._save_after_failure(conv))
             try:
                 # each front end hears which answer ended, under the action that started it
                 if running.request_id is not None:   # as a request's other failures are told
@@ -1128,7 +1140,8 @@ class EngineWorker:
         if self.runtime is None:
             return
         for key in self.runtime.table.residents():
-            conv = self.sessions.conversation(key)
+            # the table keys anything hashable; the worker places its conversations by id
+            conv = self.sessions.conversation(cast(uuid.UUID, key))
             if conv is not None:
                 try:
                     self._save_if_dirty(conv, kind)

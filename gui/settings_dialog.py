@@ -69,13 +69,7 @@ class SettingsDialog(QDialog):
         info.setWordWrap(True)
         form.addRow("", info)
         spin("n_gpu_layers", "GPU layers:", 0, 999)
-        workers = QLineEdit(settings.rpc_servers)
-        workers.setObjectName("rpcServers")
-        workers.setPlaceholderText("host:port, host:port — empty: this machine only")
-        workers.setToolTip("Machines running `checkpoint-chat rpc-worker`: the GPU layers go to them "
-                           "(999: all). Unencrypted and unauthenticated: trusted networks only.")
-        form.addRow("Remote workers:", workers)
-        self.fields["rpc_servers"] = workers
+        self._workers_row(form)
         spin("n_ctx", "Context size (tokens):", 256, 1 << 20, 256)
         spin("n_threads", "Threads:", 0, 256, special="auto")
         spin("sequences", "Conversations in the cache:", 1, 16)
@@ -87,7 +81,31 @@ class SettingsDialog(QDialog):
         spin("top_p", "Top-p:", 0.0, 1.0, 0.01, 2)
         spin("min_p", "Min-p:", 0.0, 1.0, 0.01, 2)
         spin("repeat_penalty", "Repeat penalty:", 0.5, 3.0, 0.05, 2)
-        source = model.sampling_source if model is not None else "no model loaded"
+        self._model_defaults_row(form, model.sampling_source if model is not None else "no model loaded")
+        spin("seed", "Seed:", -1, 2**31 - 1, special="random")
+        spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
+        spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
+        path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
+        spin("autosave_budget_mb", "Disk budget for superseded checkpoints (MB):", 1, 1 << 20, 256)
+        self._server_row(form)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    def _workers_row(self, form: QFormLayout) -> None:
+        """Remote workers (llama.cpp RPC) the GPU layers go to."""
+        workers = QLineEdit(self.settings.rpc_servers)
+        workers.setObjectName("rpcServers")
+        workers.setPlaceholderText("host:port, host:port — empty: this machine only")
+        workers.setToolTip("Machines running `checkpoint-chat rpc-worker`: the GPU layers go to them "
+                           "(999: all). Unencrypted and unauthenticated: trusted networks only.")
+        form.addRow("Remote workers:", workers)
+        self.fields["rpc_servers"] = workers
+
+    def _model_defaults_row(self, form: QFormLayout, source: str) -> None:
+        """The model's own sampling settings (from ``source``), and a button that uses them."""
+        defaults = self.sampling_defaults
         reset = QPushButton("Use the model's defaults")
         reset.setObjectName("samplingDefaults")
         reset.clicked.connect(self._use_model_defaults)
@@ -99,16 +117,6 @@ class SettingsDialog(QDialog):
         row.addWidget(note, 1)
         row.addWidget(reset)
         form.addRow("", row)
-        spin("seed", "Seed:", -1, 2**31 - 1, special="random")
-        spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
-        spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
-        path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
-        spin("autosave_budget_mb", "Disk budget for superseded checkpoints (MB):", 1, 1 << 20, 256)
-        self._server_row(form)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
 
     def _server_row(self, form: QFormLayout) -> None:
         """Local server: on/off and its port (127.0.0.1 only; gui.local_server)."""

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -155,8 +156,8 @@ class ComputeThreads:
     def __init__(self, ll, ctx_ptr, n_threads: int, folder: Path | None) -> None:
         self._ll = ll
         self._ctx = ctx_ptr
-        self._pool = None
-        self._free = None
+        # (pool, ggml_threadpool_free, llama_detach_threadpool) once attached; None before
+        self._attached: tuple[int, Callable[[int], None], Callable[[Any], None]] | None = None
         self.applied: list[str] = []
         try:
             base, cpu = (_open_beside(folder, stem) for stem in ("ggml-base", "ggml-cpu"))
@@ -185,7 +186,7 @@ class ComputeThreads:
         # void llama_attach_threadpool(struct llama_context * ctx, ggml_threadpool_t threadpool,
         #                              ggml_threadpool_t threadpool_batch)
         attach(ctx_ptr, pool, pool)
-        self._pool, self._free, self._detach = pool, free, detach
+        self._attached = (pool, free, detach)
         self.applied.append("ggml threadpool priority low")
         if sys.platform.startswith("linux") and self.LINUX_NICE > 0:
             tid = threading.get_native_id()
@@ -198,12 +199,13 @@ class ComputeThreads:
 
     def close(self) -> None:
         """Detach and free the pool (before the context is freed)."""
-        pool, self._pool = self._pool, None
-        if pool:
+        attached, self._attached = self._attached, None
+        if attached:
+            pool, free, detach = attached
             # void llama_detach_threadpool(struct llama_context * ctx)
-            self._detach(self._ctx)
+            detach(self._ctx)
             # void ggml_threadpool_free(struct ggml_threadpool * threadpool)
-            self._free(pool)
+            free(pool)
 
 
 def _open_beside(folder: Path | None, stem: str) -> ctypes.CDLL:
@@ -388,8 +390,10 @@ class Context:
         # view made for it is reused (making one costs more than the rest of the loop)
         address = ctypes.addressof(ptr.contents)
         if address != self._logits_address:
-            self._logits_view = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+            self._logits_view = view = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
             self._logits_address = address
+            return view
+        assert self._logits_view is not None  # set together with _logits_address above
         return self._logits_view
 
     # -- KV memory ---------------------------------------------------------------------

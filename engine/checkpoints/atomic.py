@@ -298,7 +298,7 @@ def _run_logged(step: Callable[[], None]) -> None:
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, *, durable: bool = True,
                  lock: AbstractContextManager | None = None,
-                 precondition: Callable[[], None] | None = None,
+                 precondition: Callable[[], object] | None = None,
                  landing: Landing | None = None) -> Iterator[BinaryIO]:
     """Yield a binary file; on normal exit it atomically becomes ``path``.
 

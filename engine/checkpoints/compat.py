@@ -121,6 +121,11 @@ class Target:
         values += [getattr(c, f.name) for f in fields(c)]
         return ":".join(v.hex() if isinstance(v, bytes) else str(int(v)) for v in values)
 
+    @property
+    def recurrent_rows(self) -> tuple[int, int, int] | None:
+        """The model's recurrent state rows (engine.checkpoints.kvstate), None without a model."""
+        return self.model.recurrent_rows if self.model is not None else None
+
     def problem(self, header: Header, meta: dict | None = None) -> CheckpointError | None:
         """The error restoring ``header`` here would raise, or None when it fits."""
         if self.model is not None:   # a loaded model: this build of llama.cpp, its layout

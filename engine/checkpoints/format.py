@@ -295,19 +295,7 @@ def max_state_len(h: Header) -> int:
 
 def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIMITS) -> Header:
     """Decode and validate a header; ``file_size`` adds the exact-length check."""
-    if len(raw) < 8 and MAGIC.startswith(raw):
-        raise TruncatedCheckpoint(f"the file ends inside its magic bytes ({len(raw)} bytes long)")
-    if raw[:8] != MAGIC:
-        raise NotACheckpoint("not a Checkpoint Chat checkpoint (wrong magic bytes)")
-    if len(raw) < 12:
-        raise TruncatedCheckpoint("the file ends inside its header")
-    version = struct.unpack_from("<H", raw, 8)[0]
-    if version not in READABLE_VERSIONS:
-        newer = " (written by a newer Checkpoint Chat)" if version > FORMAT_VERSION else ""
-        raise UnsupportedVersion(f"checkpoint format version {version} is not supported{newer}; "
-                                 f"this app reads versions {READABLE_VERSIONS[0]} to {FORMAT_VERSION}")
-    if len(raw) < HEADER_LEN:
-        raise TruncatedCheckpoint(f"the file ends inside its header ({len(raw)} of {HEADER_LEN} bytes)")
+    _check_preamble(raw)
     raw = raw[:HEADER_LEN]
     (magic, version, flags, header_len, fingerprint, model_size, n_vocab, n_layer, n_head_kv,
      head_k, head_v, n_swa, n_ctx, type_k, type_v, flash_attn, kv_unified, kind, memory,
@@ -317,7 +305,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         raise CorruptHeader(f"header length {header_len} is not {HEADER_LEN}")
     if crc32(raw[:-4]) != crc:
         raise CorruptHeader("header checksum mismatch: the header is damaged")
-    problems = []
+    problems: list[str] = []
     if flags & ~KNOWN_FLAGS or (version == 1 and flags & FLAG_CELL_EXT):
         problems.append(f"unknown flags 0x{flags:04x}")
     if version == 1:
@@ -368,12 +356,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         problems.append("logits without any token")
     if bool(flags & FLAG_PREFILL_PENDING) != (n_tokens < n_tokens_total):
         problems.append("prefill flag disagrees with the token counts")
-    try:
-        text_library = library.rstrip(b"\0").decode("utf-8")
-        text_title = title.rstrip(b"\0").decode("utf-8")
-    except UnicodeDecodeError:
-        problems.append("text fields are not UTF-8")
-        text_library = text_title = ""
+    text_library, text_title = _text_fields(library, title, problems)
     if problems:
         raise CorruptHeader("impossible header: " + "; ".join(problems))
     header = Header(
@@ -386,9 +369,45 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
         kind=kind, flags=flags, meta_len=meta_len, tokens_len=tokens_len,
         logits_len=logits_len, state_len=state_len, parent_n_tokens=parent_n_tokens,
         version=version, memory=memory, state_layout=state_layout)
+    _check_sizes(header, file_size)
+    return header
+
+
+def _check_preamble(raw: bytes) -> None:
+    """The magic bytes, a readable version and the header's whole length, in that order
+    (each error says what a file that stops early or is of another kind lacks)."""
+    if len(raw) < 8 and MAGIC.startswith(raw):
+        raise TruncatedCheckpoint(f"the file ends inside its magic bytes ({len(raw)} bytes long)")
+    if raw[:8] != MAGIC:
+        raise NotACheckpoint("not a Checkpoint Chat checkpoint (wrong magic bytes)")
+    if len(raw) < 12:
+        raise TruncatedCheckpoint("the file ends inside its header")
+    version = struct.unpack_from("<H", raw, 8)[0]
+    if version not in READABLE_VERSIONS:
+        newer = " (written by a newer Checkpoint Chat)" if version > FORMAT_VERSION else ""
+        raise UnsupportedVersion(f"checkpoint format version {version} is not supported{newer}; "
+                                 f"this app reads versions {READABLE_VERSIONS[0]} to {FORMAT_VERSION}")
+    if len(raw) < HEADER_LEN:
+        raise TruncatedCheckpoint(f"the file ends inside its header ({len(raw)} of {HEADER_LEN} bytes)")
+
+
+def _text_fields(library: bytes, title: bytes, problems: list[str]) -> tuple[str, str]:
+    """The header's two text fields, NUL padding stripped ("" both, and a problem noted,
+    when they are not UTF-8)."""
+    try:
+        return library.rstrip(b"\0").decode("utf-8"), title.rstrip(b"\0").decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append("text fields are not UTF-8")
+        return "", ""
+
+
+def _check_sizes(header: Header, file_size: int | None) -> None:
+    """The state's length against the header's shape and token counts; the file's length
+    (when known) against the sections the header declares."""
+    state_len = header.state_len
     if state_len > max_state_len(header):
         raise CorruptHeader(f"state length {state_len} is larger than any KV cache of this shape")
-    new_cells = n_tokens - parent_n_tokens   # a full checkpoint: all of them
+    new_cells = header.n_tokens - header.parent_n_tokens   # a full checkpoint: all of them
     if (new_cells > 0) != (state_len > 0):
         raise CorruptHeader("state length disagrees with n_tokens")
     if file_size is not None and file_size != header.file_len:
@@ -397,7 +416,6 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
                 f"the file is truncated: {file_size} bytes, the header promises {header.file_len}")
         raise TruncatedCheckpoint(
             f"the file has {file_size - header.file_len} unexpected bytes after its end")
-    return header
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -488,7 +506,7 @@ class CheckpointData:
     tokens: np.ndarray               # int32, n_tokens_total
     logits: np.ndarray | None        # float32, n_vocab
     state: np.ndarray                # uint8, exactly state_len bytes
-    path: Path | None = None
+    path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     extra: dict[str, Any] = field(default_factory=dict)
 

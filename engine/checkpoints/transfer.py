@@ -182,6 +182,7 @@ def import_files(paths: Iterable[Path], store: Store, target: Target | None = No
     for item in items:   # twins take their original's outcome
         if item.path not in results:
             first = by_key[item.key].result
+            assert first is not None   # every original was imported by the loop above
             results[item.path] = replace(first, path=item.path, already=first.imported is not None)
     return [results[p] for p in paths]
 
@@ -221,7 +222,7 @@ def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict,
 
     new_ref = None
     if item.ref is not None:
-        found = _find_parent(item, store, graph, by_key)
+        found = _find_parent(item, item.ref, store, graph, by_key)
         if isinstance(found, FileCheck):
             item.result = found
             return found
@@ -245,9 +246,11 @@ def _import_one(item: _Item, store: Store, graph: Graph, by_key: dict,
     return item.result
 
 
-def _find_parent(item: _Item, store: Store, graph: Graph, by_key: dict) -> tuple[str, int] | FileCheck:
-    """The parent's name and CRC in the store (imported in this batch or already there)."""
-    ref, data = item.ref, item.data
+def _find_parent(item: _Item, ref: ParentRef, store: Store, graph: Graph,
+                 by_key: dict) -> tuple[str, int] | FileCheck:
+    """The parent's name and CRC in the store (imported in this batch or already there);
+    ``ref`` is ``item``'s parent reference."""
+    data = item.data
     sibling = by_key.get((ref.checkpoint_id, ref.payload_crc))
     if sibling is not None and sibling is not item:
         if sibling.dest is None:

@@ -32,7 +32,7 @@ def cmd_validate(args) -> int:
         model = ModelIdentity.from_gguf(args.model) if args.model else None
         fits = model is not None and Target(model).problem(replace(header, state_layout=fmt.STATE_LAYOUT)) is None
         # the model's recurrent rows only for a file of that model (else: "another model", below)
-        rows = model.recurrent_rows if fits else None
+        rows = model.recurrent_rows if model is not None and fits else None
         if header.state_layout != fmt.STATE_LAYOUT:
             print(f"KV state not read: it was written in llama.cpp state layout {header.state_layout} "
                   f"(this build reads layout {fmt.STATE_LAYOUT}); opening it reads its "
@@ -168,9 +168,9 @@ def cmd_inspect(args) -> int:
     for key, value in _header_json(header).items():
         print(f"{key:18} {value}")
     # the metadata's shape is not trusted: a field of another type shows as "?"
-    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    model = _object_field(meta, "model")
     print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
-    conv = meta.get("conversation") if isinstance(meta.get("conversation"), dict) else {}
+    conv = _object_field(meta, "conversation")
     print(f"{'sampler':18} {json.dumps(conv.get('sampler', '?'), ensure_ascii=False)}")
     if place is not None:
         role = "head of its line" if place["head"] else (
@@ -192,6 +192,12 @@ def cmd_inspect(args) -> int:
     return EXIT_OK
 
 
+def _object_field(meta: dict, key: str) -> dict:
+    """``meta[key]`` when it is a JSON object, else an empty one."""
+    value = meta.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def cmd_list(args) -> int:
     from engine.checkpoints.graph import Graph
     from engine.checkpoints.store import Store
@@ -210,7 +216,7 @@ def cmd_list(args) -> int:
         print("no checkpoints")
         return EXIT_OK
     # heads first, newest first, each with the files its chain needs folded under it
-    shown = set()
+    shown: set[str] = set()
     for head in g.heads:
         chain = g.chain(head)
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(head.created_ns / 1e9))

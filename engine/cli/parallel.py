@@ -27,10 +27,13 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cli.output import EXIT_OK, human_size, print_json
 from engine.errors import AppError
+
+if TYPE_CHECKING:
+    from engine.parallel import ParallelRuntime
 
 #: run's options a parallel run does not offer (yet), with how to say them
 UNSUPPORTED = (("checkpoint_load", "--checkpoint-load"), ("from_turn", "--from-turn"),
@@ -78,7 +81,7 @@ class ParallelRun:
         self.sequences = sequences
         self.control = control
         self.guard = guard
-        self.prt = None
+        self.prt: ParallelRuntime | None = None   # run() loads it
         self.saved: dict[int, Any] = {}      # prompt index -> SaveInfo
         #: prompt index -> where its files go (engine.checkpoint_policy.Checkpoints)
         self.checkpoints: dict[int, Any] = {}
@@ -99,14 +102,22 @@ class ParallelRun:
         if args.rpc:
             from engine.cli.rpc import connect_workers
             workers = connect_workers(args.rpc, args.rpc_timeout)
-        self.prt = ParallelRuntime(model_path(args, None), settings, sequences=self.sequences,
-                                   n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, workers=workers)
+        self.prt = prt = ParallelRuntime(model_path(args, None), settings, sequences=self.sequences,
+                                         n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu,
+                                         workers=workers)
         try:
             return self.generate()
         finally:
             for checkpoints in self.checkpoints.values():
                 checkpoints.close()
-            self.prt.close()
+            prt.close()
+
+    @property
+    def loaded(self) -> ParallelRuntime:
+        """The runtime :meth:`run` loaded (everything after the load runs on it)."""
+        if self.prt is None:
+            raise RuntimeError("the model is not loaded yet (run() loads it)")
+        return self.prt
 
     def conversations(self):
         from engine.chat_template import template_problem
@@ -114,7 +125,7 @@ class ParallelRun:
         from engine.conversation import Conversation
         from engine.generation import begin_answer
         from engine.sampling import defaults_for_model, random_seed
-        args, prt = self.args, self.prt
+        args, prt = self.args, self.loaded
         defaults, _source = defaults_for_model(prt.model)
         convs = []
         for prompt in self.prompts:
@@ -129,10 +140,11 @@ class ParallelRun:
 
     def generate(self):
         from engine.concurrent import Batcher, Job
-        args, prt = self.args, self.prt
+        args, prt = self.args, self.loaded
         convs = self.conversations()
         requested = time.perf_counter()
-        run, streaming = self, []
+        run = self
+        streaming: list[bool] = []
 
         class Progress:
             def on_prefill_progress(self, done: int, total: int) -> None:
@@ -160,7 +172,7 @@ class ParallelRun:
         batcher.run()
         wall = time.perf_counter() - requested
         outcomes = [self.outcome(k, job) for k, job in enumerate(jobs)]
-        total = sum(job.result.n_generated for job in jobs)
+        total = sum(outcome["n_generated"] for outcome in outcomes)
         summary = {"summary": True, "conversations": len(jobs), "sequences": self.sequences,
                    "n_generated": total, "generation_s": batcher.generation_s, "wall_s": wall,
                    "decodes": prt.decodes,
@@ -182,7 +194,7 @@ class ParallelRun:
         from engine.checkpoints.graph import default_line
         from engine.checkpoints.store import Store
         from engine.history import LineWriter
-        view = self.prt.view(seq)
+        view = self.loaded.view(seq)
         named = self.path_for(k, conv) if self.args.checkpoint_save else None
         return Checkpoints(view, named=named, autosave_every=self.args.checkpoint_save_interval,
                            store_line=lambda: LineWriter.starting(view, Store(), default_line(conv.id)))
@@ -198,7 +210,7 @@ class ParallelRun:
         """Save conversation ``k`` the moment its answer stops (the others go on)."""
         from engine.checkpoint_policy import stop_kind
         from engine.generation import commit_answer
-        args, prt, conv = self.args, self.prt, job.conv
+        args, prt, conv = self.args, self.loaded, job.conv
         if len(self.saved) == 0:
             self.stage("saving")
         kind = stop_kind(job.result.paused, exiting=self.guard.requested)
@@ -218,7 +230,7 @@ class ParallelRun:
         result, info = job.result, self.saved.get(k)
         return {
             "conversation": k + 1, "sequence": job.seq,
-            **answer_fields(result.text, think_format(self.prt.model), final=not result.paused),
+            **answer_fields(result.text, think_format(self.loaded.model), final=not result.paused),
             "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,
             "n_generated": result.n_generated, "ttft_s": result.ttft_s, "restore_s": 0.0,

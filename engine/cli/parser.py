@@ -97,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     sub = p.add_subparsers(dest="command")
 
+    _add_run(sub)
+    _add_checkpoint_commands(sub)
+    _add_info(sub)
+    _add_rpc_worker(sub)
+    _add_serve(sub)
+    sub.add_parser("gui", help="start the desktop app (the default)")
+    return p
+
+
+def _add_run(sub) -> None:
+    """``run``: generate, pause and continue from checkpoints."""
     run = sub.add_parser("run", help="generate text (and pause/resume with checkpoints)")
     run.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
     prompt = run.add_mutually_exclusive_group()
@@ -151,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "then a summary)")
     run.add_argument("--progress", action="store_true", help="print prefill progress on stderr")
 
+
+def _add_checkpoint_commands(sub) -> None:
+    """``validate``, ``compact``, ``inspect`` and ``list``: checkpoint files and the store."""
     val = sub.add_parser("validate", help="check a checkpoint file")
     val.add_argument("path")
     val.add_argument("--model", help="also check it fits this GGUF model")
@@ -171,11 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("--dir", help="store folder (default: the app's data folder)")
     lst.add_argument("--json", action="store_true")
 
+
+def _add_info(sub) -> None:
+    """``info``: the llama library, its backends and devices."""
     info = sub.add_parser("info", help="show the llama library, backends and devices")
     info.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
     info.add_argument("--json", action="store_true")
     _add_rpc(info, "whose devices to list")
 
+
+def _add_rpc_worker(sub) -> None:
+    """``rpc-worker``: serve this machine's devices to other machines."""
     worker = sub.add_parser("rpc-worker", help="serve this machine's CPU or GPU to other machines "
                                                "(llama.cpp RPC)")
     worker.add_argument("--host", default="127.0.0.1",
@@ -190,7 +210,3 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--cache", metavar="DIR", default=None,
                         help="keep large weights here so a client's next load skips sending them")
     worker.add_argument("--llama-lib", help="folder with llama.dll / libllama.so to use")
-
-    _add_serve(sub)
-    sub.add_parser("gui", help="start the desktop app (the default)")
-    return p

@@ -14,11 +14,17 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.cli.options import context_settings, model_path, sampler_from_args
 from engine.cli.output import EXIT_OK, answer_fields, human_size, print_json
 from engine.errors import AppError, CheckpointError
+
+if TYPE_CHECKING:   # imported where used: the CLI starts before llama.cpp is loaded
+    from engine.checkpoint_policy import Checkpoints
+    from engine.checkpoints.format import CheckpointData
+    from engine.prefix_reuse import PrefixReuse
+    from engine.runtime import Runtime
 
 
 def report_previous_crash() -> None:
@@ -96,18 +102,25 @@ class RunSession:
         self.prompt = prompt
         self.control = control
         self.guard = guard
-        self.chain = None        # the checkpoint continued, base first
+        self.chain: list[CheckpointData] | None = None   # the checkpoint continued, base first
         #: its states were of another llama.cpp layout: read again, its files no parent of ours
         self.read_again = False
-        self.runtime = None
-        self.checkpoints = None  # engine.checkpoint_policy.Checkpoints: where its files go
-        self.reuse = None
+        self.runtime: Runtime | None = None
+        self.checkpoints: Checkpoints | None = None   # where its files go
+        self.reuse: PrefixReuse | None = None
         # Timings as the user lives them (see outcome): the checkpoint's read + verify
         # happens before the model loads, which time to first token does not count
         self.read_s = 0.0
         self.restore_s = 0.0     # read + verify + set state of the checkpoint started from
-        self.requested_at = None
+        self.requested_at: float | None = None
         self.answer_before = ""  # the answer's text shown before this run (a paused one resumed)
+
+    @property
+    def rt(self) -> Runtime:
+        """The loaded runtime: :meth:`run` loads it before every other step."""
+        if self.runtime is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self.runtime
 
     def stage(self, name: str) -> None:
         if self.args.progress:
@@ -139,10 +152,11 @@ class RunSession:
         if args.rpc:
             from engine.cli.rpc import connect_workers
             workers = connect_workers(args.rpc, args.rpc_timeout)
-        self.runtime = Runtime(model_path(args, data.meta if data else None), settings,
-                               n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu, workers=workers)
+        self.runtime = rt = Runtime(model_path(args, data.meta if data else None), settings,
+                                    n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu,
+                                    workers=workers)
         if workers is not None:
-            print(f"[RPC] {self.runtime.model.placement}", file=sys.stderr, flush=True)
+            print(f"[RPC] {rt.model.placement}", file=sys.stderr, flush=True)
         # the request, for time to first token: now (model loaded) less the read above
         self.requested_at = time.perf_counter() - self.read_s
         try:
@@ -154,13 +168,13 @@ class RunSession:
         finally:
             if self.checkpoints is not None:   # after a failure the autosaves hold the newest state
                 self.checkpoints.close()
-            self.runtime.close()
+            rt.close()
 
     def conversation(self):
         """The restored conversation (or a new one), with the new message if any."""
         from engine.conversation import Conversation
         from engine.generation import begin_answer, cut_to_history
-        args, rt = self.args, self.runtime
+        args, rt = self.args, self.rt
         if args.from_turn is not None and (self.chain is None or self.prompt is None):
             raise AppError("--from-turn K needs --checkpoint-load FILE and the new text of turn K (-p)")
         if self.chain is not None:
@@ -188,20 +202,19 @@ class RunSession:
             conv = Conversation(system_prompt=args.system or "", stop_strings=args.stop or [],
                                 sampler=sampler_from_args(args, replace(defaults, seed=random_seed())))
         if self.prompt is not None:
-            if conv.paused:
-                # a new message after a paused answer keeps what was generated so far
-                conv.answer.finish_reason = "interrupted"
+            # a new message after a paused answer keeps what was generated so far
+            conv.interrupt_paused()
             begin_answer(conv, rt, self.prompt,
                          n_predict=-1 if args.n_predict is None else args.n_predict)
             from engine.chat_template import template_problem
             problem = template_problem(rt.model)
             if problem:
                 print(f"note: {problem}", file=sys.stderr)
-        elif not conv.paused:
+        elif (paused := conv.paused_answer) is None:
             raise AppError("this checkpoint's answer is complete; give --prompt to continue "
                            "the conversation")
         elif args.n_predict is not None:
-            conv.answer.n_predict = args.n_predict
+            paused.n_predict = args.n_predict
         return conv
 
     def restore_or_read_again(self, chain):
@@ -209,7 +222,7 @@ class RunSession:
         layout), its conversation read again from its tokens, saved anew at the end."""
         from engine.errors import IncompatibleState
         from engine.restore import text_of_chain
-        rt = self.runtime
+        rt = self.rt
         try:
             return rt.restore_chain(chain)
         except IncompatibleState as exc:
@@ -227,7 +240,10 @@ class RunSession:
         from engine.branches import turn_end, user_turn_index
         from engine.conversation import Conversation
         from engine.generation import commit_answer
-        last = self.chain[-1]
+        chain = self.chain
+        if chain is None:
+            raise AppError("--from-turn K needs --checkpoint-load FILE")
+        last = chain[-1]
         saved = last.meta.get("conversation")
         full = Conversation.from_json(saved if isinstance(saved, dict) else {}, [])
         commit_answer(full)
@@ -236,13 +252,13 @@ class RunSession:
         except ValueError as exc:
             raise AppError(str(exc)) from None
         kept = full.messages[:index]
-        k = turn_end(self.chain, kept)
+        k = turn_end(chain, kept)
         if k:
             # the file of exactly that history: restored as it was saved, so the new turn's
             # tokens follow its tokens as a continuation's would (a sliding-window or
             # recurrent memory depends on where each token was decoded)
-            return self.chain[:k], None
-        return self.chain, kept
+            return chain[:k], None
+        return chain, kept
 
     def prepare_store(self, conv) -> None:
         """Prefix reuse, and where the conversation's checkpoints go: with --checkpoint-save
@@ -255,12 +271,12 @@ class RunSession:
         if self.args.reuse_prefix and self.chain is None:
             from engine.prefix_reuse import reuse_stored_prefix
             started = time.perf_counter()
-            self.reuse = reuse_stored_prefix(self.runtime, store.folder, conv.tokens)
-            if self.reuse.source is not None:
+            self.reuse = reuse = reuse_stored_prefix(self.rt, store.folder, conv.tokens)
+            if reuse.source is not None:
                 self.restore_s = time.perf_counter() - started
             if not self.args.json:
-                print(f"[PREFIX] {self.reuse.describe()}", file=sys.stderr)
-        self.checkpoints = Checkpoints(self.runtime, named=self.args.checkpoint_save or None,
+                print(f"[PREFIX] {reuse.describe()}", file=sys.stderr)
+        self.checkpoints = Checkpoints(self.rt, named=self.args.checkpoint_save or None,
                                        autosave_every=self.args.checkpoint_save_interval,
                                        store_line=lambda: self.store_line(store, conv))
 
@@ -270,13 +286,13 @@ class RunSession:
         from engine.checkpoints.graph import default_line
         from engine.history import LineWriter, saved_info
         # files of another state layout are no parent of a file of ours: a full one comes first
-        chain = [] if self.read_again else self.chain
+        chain: list[CheckpointData] | None = [] if self.read_again else self.chain
         if self.chain and self.args.from_turn is not None:
             infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
-            return LineWriter.starting(self.runtime, store, uuid.uuid4().hex, infos)
+            return LineWriter.starting(self.rt, store, uuid.uuid4().hex, infos)
         if chain:
-            return LineWriter.continuing(self.runtime, store, self.in_store(store, chain))
-        return LineWriter.starting(self.runtime, store, default_line(conv.id))
+            return LineWriter.continuing(self.rt, store, self.in_store(store, chain))
+        return LineWriter.starting(self.rt, store, default_line(conv.id))
 
     def in_store(self, store, chain):
         """The loaded chain as files of ``store``: a file from elsewhere is imported once
@@ -286,21 +302,23 @@ class RunSession:
         from engine.checkpoints.transfer import import_files
         if store.contains(chain[-1].path):
             return chain
-        results = import_files([d.path for d in chain], store, self.runtime.target)
-        if not all(r.ok and r.imported is not None for r in results):
+        results = import_files([d.path for d in chain], store, self.rt.target)
+        imported = [r.imported for r in results if r.ok and r.imported is not None]
+        if len(imported) != len(results):
             problem = next((r.message() for r in results if not r.ok), "")
             print(f"note: {chain[-1].path.name} could not be linked into the store ({problem}); "
                   "its conversation is saved there in full", file=sys.stderr)
             return chain
-        return [read_checkpoint(r.imported, load_state=False) for r in results]
+        return [read_checkpoint(path, load_state=False) for path in imported]
 
     def generate(self, conv):
         from engine.generation import generate
-        args, runtime, session = self.args, self.runtime, self
+        args, runtime, checkpoints, session = self.args, self.rt, self.checkpoints, self
+        assert checkpoints is not None   # prepare_store made them
 
         def autosave(c) -> None:
             try:
-                session.checkpoints.autosave(c)
+                checkpoints.autosave(c)
             except CheckpointError as exc:
                 print(f"warning: autosave failed: {exc}", file=sys.stderr)
 
@@ -324,7 +342,7 @@ class RunSession:
         return generate(runtime, conv, control=self.control, listener=Printer(),
                         stop_after=args.stop_after,
                         autosave_every=max(0, args.checkpoint_save_interval), autosave=autosave,
-                        checkpoint_prompt=self.checkpoints.prompt_checkpoint,
+                        checkpoint_prompt=checkpoints.prompt_checkpoint,
                         confidence=bool(args.json), requested_at=self.requested_at)
 
     def save(self, conv, result):
@@ -338,6 +356,7 @@ class RunSession:
         self.stage("saving")
         kind = stop_kind(result.paused, exiting=self.guard.requested)
         commit_answer(conv)
+        assert self.checkpoints is not None   # prepare_store made them
         checkpoint = self.checkpoints.save_head(conv, kind)
         if not args.json and not result.text.endswith("\n"):
             print()
@@ -355,7 +374,7 @@ class RunSession:
         from engine.chat_template import think_format
         reuse = self.reuse
         return {
-            **answer_fields(result.text, think_format(self.runtime.model), before=self.answer_before,
+            **answer_fields(result.text, think_format(self.rt.model), before=self.answer_before,
                             final=not result.paused),
             "finish_reason": result.finish_reason,
             "n_prompt_tokens": result.n_prompt_tokens, "n_reused_tokens": result.n_reused_tokens,

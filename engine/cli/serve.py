@@ -22,7 +22,7 @@ import threading
 from engine.cli.output import EXIT_OK
 from engine.commands import Action
 from engine.errors import AppError
-from engine.events import WorkerListener
+from engine.events import ModelInfo, WorkerListener
 
 API_KEY_ENV = "CHECKPOINT_CHAT_API_KEY"
 #: conversations kept open besides the one in the cache (EngineWorker.request_conversations_kept)
@@ -34,7 +34,7 @@ class _ServeListener(WorkerListener):
 
     def __init__(self) -> None:
         self.settled = threading.Event()
-        self.info = None
+        self.info: ModelInfo | None = None
         self.failure: str | None = None
 
     def on_model_loaded(self, info) -> None:
@@ -125,6 +125,7 @@ async def _serve(args, options, model) -> int:
                 raise AppError(f"cannot listen on {options.host}:{options.port}: "
                                f"{exc.strerror or exc}") from None
             info = listener.info
+            assert info is not None   # settled without a failure: on_model_loaded set it
             print(f"Serving {model_id(info.path)} (context {info.n_ctx:,} tokens; checkpoints in "
                   f"{store.folder}); requests are answered one at a time", file=sys.stderr, flush=True)
             print(f"Listening on {url}/v1 (OpenAI-compatible; Ctrl+C stops)", flush=True)

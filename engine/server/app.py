@@ -30,6 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from engine.events import GenerationSummary
 from engine.reasoning import ANSWER, Splitter, split
 from engine.requests import (
     CANCELLED,
@@ -286,11 +287,17 @@ class _Reply:
         self.chat = chat
         self.gen = gen
         self.snap = snap
-        self.summary = None
+        self.summary: GenerationSummary | None = None
         self.checkpoint: Path | None = None
 
+    def finished(self) -> GenerationSummary:
+        """The answer's summary: the link posts "finished" before "done" (engine.server.link)."""
+        if self.summary is None:
+            raise RuntimeError("the answer's summary did not come before its end")
+        return self.summary
+
     def usage(self) -> dict:
-        s = self.summary
+        s = self.finished()
         return shapes.usage(s.n_prompt_tokens, s.n_generated, s.n_reused_tokens)
 
     def extension(self) -> dict:
@@ -311,7 +318,7 @@ class _Reply:
 
     def closing(self) -> list[dict]:
         """The last chunk (finish reason), and the usage chunk when asked for."""
-        reason = self.summary.finish_reason
+        reason = self.finished().finish_reason
         if self.chat:
             out = [shapes.chat_chunk(self.id, self.created, self.model, {}, reason, ext=self.extension())]
             if self.gen.include_usage:
@@ -323,7 +330,7 @@ class _Reply:
         return out
 
     def whole(self) -> dict:
-        s = self.summary
+        s = self.finished()
         if self.chat:
             parts = split(s.text, self.thinking)
             return shapes.chat_completion(self.id, self.created, self.model, parts.answer, s.finish_reason,
@@ -381,6 +388,7 @@ class LocalServer:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        assert self.link is not None   # start() made it before the runner
         for job in self.link.jobs():
             self.worker.cancel_request(job.id)   # answers in progress pause and are saved
         try:
