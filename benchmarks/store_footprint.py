@@ -66,7 +66,7 @@ def state_bytes(rt, n: int) -> int:
 
 
 def autosave_case(rt, folder: Path) -> tuple[int, int, int]:
-    """(store bytes, KV bytes, files) of one 18 + 256-token answer with autosaves every 16."""
+    """(store bytes, KV bytes, files) of one short prompt + 256-token answer, autosaves every 16."""
     from engine.checkpoints.format import KIND_MANUAL
     from engine.checkpoints.store import Store
     from engine.conversation import Conversation
@@ -92,7 +92,7 @@ def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
     from engine.history import LineWriter
     from engine.sampling import SamplerSettings
     from engine.shared_prefix import system_prompt_end
-    system = SYSTEM * 40
+    system = SYSTEM * 52   # about 1,500 tokens
     floor = 0
     n_system = 0
     for i in range(n):
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     from engine.runtime import Runtime
-    auto = Table("1. One answer (18-token prompt + 256 tokens, autosave every 16): store bytes / KV bytes",
+    auto = Table("1. One answer (a short prompt + 256 tokens, autosave every 16): store bytes / KV bytes",
                  ["model", "kv_MB", "before_MB", "before_x", "now_MB", "now_x", "files"])
     shared = Table(f"2. {args.conversations} conversations on one system prompt: store bytes / (one prompt + "
                    "their own tokens)", ["model", "system_tokens", "floor_MB", "before_MB", "before_x",
