@@ -286,7 +286,7 @@ def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, thr
         server = LlamaServer(binary, model_path("smollm"), n_ctx, threads, slots, log)
         try:
             started = clock()
-            got = _post(server.url + f"/slots/0?action=restore", {"filename": name})
+            got = _post(server.url + "/slots/0?action=restore", {"filename": name})
             wall = clock() - started
         finally:
             server.close()
