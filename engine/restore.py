@@ -109,7 +109,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()
         raise RestoreFailed("the restored state does not hold the promised tokens")
-    slot.restored([int(t) for t in last.tokens[:n]], last.logits)
+    slot.restored(last.tokens[:n].tolist(), last.logits)
     return Restored(conv, n, n - kept)
 
 
@@ -186,7 +186,7 @@ def _conversation_of(last: CheckpointData) -> Conversation:
     conv_json = last.meta.get("conversation")
     try:
         conv = Conversation.from_json(conv_json if isinstance(conv_json, dict) else {},
-                                      [int(t) for t in last.tokens])
+                                      last.tokens.tolist())
     except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise CorruptMetadata(f"the conversation in the metadata block is malformed: {exc}") from None
     conv.id = last.header.conversation_id

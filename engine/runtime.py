@@ -462,7 +462,7 @@ class _Slot:
         pass   # its own context: n_ctx was checked with the chain's compatibility
 
     def empty(self) -> None:
-        self.ctx.clear()
+        self.ctx.clear(data=False)   # the cells are freed; what a restore sets, it overwrites
         self.rt.kv_tokens = []
 
     def forget_logits(self) -> None:

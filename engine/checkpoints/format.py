@@ -123,6 +123,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from engine.checkpoints import mapped
 from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import crc32
 from engine.errors import (
@@ -630,7 +631,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
     establishes that the file is intact and well-formed.  ``progress(done, total)`` is
-    called while the state streams in.
+    called while the state streams in.  The state is a read-only array: on Linux the
+    file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -639,33 +641,68 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
-        tokens_bytes = _read_exact(f, header.tokens_len, "token array")
-        crc = crc32(tokens_bytes, crc)
-        logits_bytes = _read_exact(f, header.logits_len, "logits")
-        crc = crc32(logits_bytes, crc)
-        # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
-        # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
-        state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
-        if load_state:
-            crc = _read_state_into(f, state, crc, progress)
+        # tokens and logits in one read: the header's checks bound them by the file's length
+        arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
+        crc = crc32(arrays, crc)
+        tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
+        mapping = mapped.map_file(f.fileno(), size, header.state_len) if load_state else None
+        if mapping is not None:
+            state, crc = _map_state(mapping, header, crc, progress)
+            f.seek(size - TRAILER_LEN)
         else:
-            crc = _crc_of_rest(f, header.state_len, crc, progress)
+            # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
+            # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
+            state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
+            if load_state:
+                crc = _read_state_into(f, state, crc, progress)
+                state.flags.writeable = False   # as a mapped state: nobody edits a checked state
+            else:
+                crc = _crc_of_rest(f, header.state_len, crc, progress)
         trailer = _read_exact(f, TRAILER_LEN, "trailer")
     stored_crc, end_magic = struct.unpack("<I4s", trailer)
     if end_magic != TRAILER_MAGIC:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
     if stored_crc != crc:
         raise ChecksumMismatch("payload checksum mismatch: the file was damaged after it was written")
-    tokens = np.frombuffer(tokens_bytes, dtype="<i4").astype(np.int32)
+    tokens, logits = _token_arrays(header, tokens_view, logits_view)
+    return CheckpointData(header=header, meta=meta, tokens=tokens, logits=logits, state=state,
+                          path=path, payload_crc=crc)
+
+
+def _token_arrays(header: Header, tokens_view: memoryview,
+                  logits_view: memoryview) -> tuple[np.ndarray, np.ndarray | None]:
+    """The token ids and the logits, as arrays of their own, checked."""
+    tokens = np.frombuffer(tokens_view, dtype="<i4").astype(np.int32)
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= header.n_vocab):
         raise CorruptMetadata("the token array holds ids outside the vocabulary")
     logits = None
     if header.has_logits:
-        logits = np.frombuffer(logits_bytes, dtype="<f4").astype(np.float32)
-        if not np.isfinite(logits[~np.isneginf(logits)]).all():
+        logits = np.frombuffer(logits_view, dtype="<f4").astype(np.float32)
+        finite = np.isfinite(logits)
+        # -inf is a masked-out token (a grammar, a banned id); NaN and +inf are damage
+        if not finite.all() and not (logits[~finite] == -np.inf).all():
             raise CorruptMetadata("the stored logits hold NaN or infinite values")
-    return CheckpointData(header=header, meta=meta, tokens=tokens, logits=logits, state=state,
-                          path=path, payload_crc=crc)
+    return tokens, logits
+
+
+def _map_state(mapping, header: Header, crc: int, progress, chunk: int = 8 << 20) -> tuple[np.ndarray, int]:
+    """The state section of a mapped file, each chunk mapped in (never a fault to disk: see
+    engine.checkpoints.mapped) and checksummed in turn; the array holds the mapping."""
+    start, total = header.state_offset, header.state_len
+    state = np.frombuffer(mapping, dtype=np.uint8, count=total, offset=start)
+    view = memoryview(mapping)[start:start + total]
+    try:
+        done = 0
+        while done < total:
+            n = min(chunk, total - done)
+            mapped.populate(mapping, start + done, n)
+            crc = crc32(view[done:done + n], crc)
+            done += n
+            if progress:
+                progress(done, total)
+    finally:
+        view.release()
+    return state, crc
 
 
 def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int, progress, chunk: int = 8 << 20) -> int:

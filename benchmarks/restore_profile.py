@@ -1,0 +1,374 @@
+"""Issue 25 point 4: where a restore's time goes, and llama-server's slot restore beside it.
+
+    python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
+                                         [--llama-server PATH] [--json out.json]
+
+SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
+with a scratch sequence), the context just large enough for the largest size.  For each
+size a long prose prompt is prefilled and saved twice: as one full checkpoint, and as a
+chain (a full base 48 tokens short, then three deltas of 16 tokens each), both ending at
+the same token.  Then, for each file and each repeat, a NEW PROCESS loads the model and
+times one restore, with the files warm in the page cache (read once just before):
+
+* ``restore_ms``: what ``run --checkpoint-load`` counts as its restore (``restore_s``):
+  ``load_chain`` (read, every check of the file) and ``Runtime.restore_chain`` (the
+  compatibility and state checks, ``llama_state_seq_set_data``, the deltas' ``seq_cp``),
+  broken down by timing the functions it calls (each part exclusive of the parts inside
+  it; ``read`` is what reading the file costs besides them, ``other`` the rest);
+* ``floor_ms``: the raw floor — read each file's state section into fresh memory and
+  hand it to ``llama_state_seq_set_data`` (a delta through sequence 1, ``seq_cp``,
+  ``seq_rm``), with no check at all.
+
+With a llama-server binary (``--llama-server PATH`` or ``LLAMA_SERVER=PATH``; build the
+``llama-server`` target of the llama.cpp that llama-cpp-python vendors), the same tokens
+go through its slot save (``--slot-save-path``, a completion with ``cache_prompt``, then
+``POST /slots/0?action=save``), and each repeat starts a new server and times
+``POST /slots/0?action=restore``: its own ``timings.restore_ms``.  Without one the table
+says so.  Medians of the repeats; exits 0 whatever the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DELTAS, DELTA_TOKENS = 3, 16
+
+#: (module, attribute, part): the functions of the restore path that are timed in place
+PROBES = (
+    ("engine.checkpoints.chain", "read_checkpoint", "read"),
+    ("engine.checkpoints.format", "crc32", "crc"),
+    ("engine.checkpoints.format", "decode_metadata", "json"),
+    ("engine.checkpoints.format", "_token_arrays", "arrays"),
+    ("engine.checkpoints.chain", "check_link", "link"),
+    ("engine.restore", "check_link", "link"),
+    ("engine.restore", "check_state_for", "walk"),
+    ("engine.checkpoints.compat", "Target.check", "compat"),
+    ("native.context", "Context.state_set_from", "set_data"),
+    ("native.context", "Context.clear", "clear"),
+    ("native.context", "Context.seq_cp", "seq_cp"),
+    ("native.context", "Context.seq_rm", "seq_cp"),
+    ("engine.restore", "_conversation_of", "conversation"),
+)
+PARTS = ("read", "crc", "json", "arrays", "walk", "link", "compat", "clear", "set_data", "seq_cp",
+         "conversation", "other")
+
+
+def table() -> Table:
+    return Table("Restore in a new process, files warm in the page cache (ms, medians)",
+                 ["tokens", "layout", "files_MB", "restore_ms", "floor_ms", "server_ms",
+                  "vs_server", "vs_floor", "best_vs_server", *PARTS])
+
+
+# -- the child: one restore in a fresh process ------------------------------------------------
+class _Probes:
+    """Exclusive time per part: a probe's time less that of the probes called inside it."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._stack: list[float] = []   # time spent in nested probes, per open probe
+
+    def wrap(self, part: str, fn):
+        def timed(*args, **kwargs):
+            self._stack.append(0.0)
+            started = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = clock() - started
+                inner = self._stack.pop()
+                self.spent[part] = self.spent.get(part, 0.0) + took - inner
+                if self._stack:
+                    self._stack[-1] += took
+        return timed
+
+    def install(self) -> None:
+        import importlib
+        for module_name, attr, part in PROBES:
+            owner = importlib.import_module(module_name)
+            *path, name = attr.split(".")
+            for step in path:
+                owner = getattr(owner, step)
+            if hasattr(owner, name):   # an older tree may lack a function: its time is "other"
+                setattr(owner, name, self.wrap(part, getattr(owner, name)))
+
+
+def child(args) -> int:
+    from benchmarks.common import context_settings, model_path
+    from engine.checkpoints.chain import load_chain
+    from engine.runtime import Runtime
+    rt = Runtime(model_path("smollm"), context_settings(args.n_ctx, args.threads))
+    try:
+        files = [Path(p) for p in args.child_files]
+        if args.child == "floor":
+            result = {"total": _floor(rt, files)}
+        else:
+            probes = _Probes()
+            probes.install()
+            started = clock()
+            chain = load_chain(files[-1])
+            conv = rt.restore_chain(chain)
+            total = clock() - started
+            if len(conv.tokens) < chain[-1].header.n_tokens:
+                raise SystemExit("the restore lost tokens")
+            parts = dict(probes.spent)
+            parts["other"] = total - sum(parts.values())
+            result = {"total": total, "parts": parts}
+    finally:
+        rt.close()
+    print(json.dumps(result))
+    return 0
+
+
+def _floor(rt, files: list[Path]) -> float:
+    """Read each state section into fresh memory, set it; no check (the chain's order)."""
+    import ctypes
+
+    import numpy as np
+
+    from engine.checkpoints.format import read_header
+    headers = [read_header(p) for p in files]   # before the clock: where the states lie
+    ctx, ll = rt.ctx, rt.ctx._ll
+    started = clock()
+    for i, (path, h) in enumerate(zip(files, headers)):
+        if not h.state_len:
+            continue
+        with open(path, "rb", buffering=0) as f:
+            f.seek(h.state_offset)
+            buf = np.empty(h.state_len, dtype=np.uint8)
+            if f.readinto(memoryview(buf)) != h.state_len:
+                raise SystemExit(f"{path} is short")
+        src = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        seq = 0 if i == 0 else 1
+        if ll.llama_state_seq_set_data(ctx.ptr, src, h.state_len, seq) == 0:
+            raise SystemExit("llama_state_seq_set_data refused a state")
+        if seq:
+            ctx.seq_cp(1, 0, -1, -1)
+            ctx.seq_rm(1, -1, -1)
+    return clock() - started
+
+
+def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
+    for f in files:   # warm in the page cache
+        f.read_bytes()
+    cmd = [sys.executable, "-m", "benchmarks.restore_profile", "--child", mode, "--n-ctx", str(n_ctx),
+           "--threads", str(threads), *map(str, files)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"the {mode} child failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# -- the files -------------------------------------------------------------------------------
+def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int) -> dict[int, dict[str, list[Path]]]:
+    """Per size: the full checkpoint, and the chain (base + deltas), as paths, base first.
+
+    Files already in ``folder`` from an earlier run (``--folder``) are used again."""
+    manifest = folder / f"manifest-{n_ctx}.json"
+    if manifest.is_file():
+        known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
+        if all(n in known for n in sizes):
+            return {n: {"full": [Path(p) for p in known[n]["full"]],
+                        "chain": [Path(p) for p in known[n]["chain"]], "tokens": known[n]["tokens"]}
+                    for n in sizes}
+    from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
+    from engine.generation import generate
+    from engine.runtime import Runtime
+    rt = Runtime(model_path("smollm"), context_settings(n_ctx, threads))
+    files: dict[int, dict[str, list[Path]]] = {}
+    try:
+        for n in sizes:
+            tokens = prompt_tokens(rt.model, n)
+            rt.trim(0)
+            rt.ctx.clear()
+            base_n = max(1, n - DELTAS * DELTA_TOKENS)
+            conv = greedy_conversation(tokens[:base_n])
+            generate(rt, conv, stop_after=0)
+            parent = rt.save(folder / f"chain-{n}-0.kvckpt", conv)
+            chain = [parent.path]
+            for i in range(1, DELTAS + 1):
+                m = min(n, base_n + i * DELTA_TOKENS)
+                conv.tokens = list(tokens[:m])
+                conv.answer.n_prompt_tokens = m
+                generate(rt, conv, stop_after=0)
+                parent = rt.save(folder / f"chain-{n}-{i}.kvckpt", conv, parent=parent)
+                chain.append(parent.path)
+            full = rt.save(folder / f"full-{n}.kvckpt", conv).path
+            files[n] = {"full": [full], "chain": chain, "tokens": list(tokens)}
+    finally:
+        rt.close()
+    manifest.write_text(json.dumps({n: {"full": [str(p) for p in v["full"]], "chain": [str(p) for p in v["chain"]],
+                                        "tokens": v["tokens"]} for n, v in files.items()}))
+    return files
+
+
+# -- llama-server ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+class LlamaServer:
+    def __init__(self, binary: str, model: Path, n_ctx: int, threads: int, slots: Path, log: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log, "a", encoding="utf-8")
+        self.proc = subprocess.Popen(
+            [binary, "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads),
+             "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on", "-np", "1", "--slot-save-path", str(slots),
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {self.proc.returncode}; see {log}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise SystemExit(f"llama-server did not become ready; see {log}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, threads: int,
+                   repeats: int) -> dict:
+    from benchmarks.common import model_path
+    slots = folder / "slots"
+    slots.mkdir(exist_ok=True)
+    log = folder / "llama-server.log"
+    name = f"slot-{len(tokens)}.bin"
+    server = LlamaServer(binary, model_path("smollm"), n_ctx, threads, slots, log)
+    try:
+        _post(server.url + "/completion", {"prompt": tokens, "n_predict": 1, "cache_prompt": True,
+                                           "id_slot": 0, "temperature": 0})
+        saved = _post(server.url + "/slots/0?action=save", {"filename": name})
+    finally:
+        server.close()
+    runs = []
+    for _ in range(repeats):
+        (slots / name).read_bytes()   # warm in the page cache
+        server = LlamaServer(binary, model_path("smollm"), n_ctx, threads, slots, log)
+        try:
+            started = clock()
+            got = _post(server.url + "/slots/0?action=restore", {"filename": name})
+            wall = clock() - started
+        finally:
+            server.close()
+        runs.append((got["timings"]["restore_ms"], wall * 1e3, got.get("n_restored"), got.get("n_read")))
+    return {"restore_ms": median([r[0] for r in runs]), "best_ms": min(r[0] for r in runs),
+            "http_ms": median([r[1] for r in runs]),
+            "n_restored": runs[-1][2], "n_read": runs[-1][3], "n_saved": saved.get("n_saved"),
+            "file_MB": (slots / name).stat().st_size / 1e6}
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
+        keep: str | None = None) -> dict:
+    n_ctx = ctx_size_for(max(sizes))
+    out = table()
+    servers: dict[int, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="restore-profile-") as tmp:
+        folder = Path(keep) if keep else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        echo(f"making checkpoints of {sizes} tokens (n_ctx {n_ctx}) ...", file=sys.stderr)
+        files = make_files(folder, sizes, n_ctx, threads)
+        for n in sizes:
+            if server:
+                echo(f"llama-server, {n} tokens ...", file=sys.stderr)
+                servers[n] = measure_server(server, folder, files[n]["tokens"], n_ctx, threads, repeats)
+            for layout in ("full", "chain"):
+                paths = files[n][layout]
+                echo(f"{layout} {n} tokens ...", file=sys.stderr)
+                apps, floors = [], []
+                for _ in range(repeats):   # interleaved: the machine's noise falls on both
+                    apps.append(_run_child("app", paths, n_ctx, threads))
+                    floors.append(_run_child("floor", paths, n_ctx, threads)["total"])
+                restore_ms = median([a["total"] for a in apps]) * 1e3
+                floor_ms = median(floors) * 1e3
+                srv = servers.get(n, {}).get("restore_ms")
+                best = min(a["total"] for a in apps) * 1e3
+                parts = {p: median([a["parts"].get(p, 0.0) for a in apps]) * 1e3 for p in PARTS}
+                out.add(tokens=n, layout=f"{layout} ({len(paths)})",
+                        files_MB=sum(p.stat().st_size for p in paths) / 1e6,
+                        restore_ms=restore_ms, floor_ms=floor_ms, server_ms=srv,
+                        vs_server=ratio(restore_ms, srv), vs_floor=ratio(restore_ms, floor_ms),
+                        best_vs_server=ratio(best, servers.get(n, {}).get("best_ms")), **parts)
+    if server:
+        for n, s in servers.items():
+            out.notes.append(f"llama-server {n}: n_restored {s['n_restored']}, {s['file_MB']:.1f} MB "
+                             f"file, restore_ms {s['restore_ms']:.2f} (the HTTP request: {s['http_ms']:.1f} ms)")
+    else:
+        out.notes.append("llama-server not measured: no binary given (--llama-server PATH or LLAMA_SERVER)")
+    out.notes.append("best_vs_server: the fastest of the repeats on each side (a shared machine's noise only adds)")
+    out.notes.append("parts are exclusive: read = reading the files besides the crc/json/arrays inside it")
+    return {"table": out.to_json(), "servers": servers, "sizes": sizes, "repeats": repeats,
+            "threads": threads, "n_ctx": n_ctx, "load_avg": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.restore_profile",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="2000,7500", help="tokens per checkpoint (default 2000,7500)")
+    parser.add_argument("--repeats", type=int, default=3, help="new processes per measurement (default 3)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), metavar="PATH")
+    parser.add_argument("--json", metavar="PATH", help="write the report here")
+    parser.add_argument("--folder", metavar="DIR", help="make the checkpoints here, or use those made there before")
+    parser.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
+    parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args)
+    server = args.llama_server
+    if server and not Path(server).is_file():
+        print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
+        server = None
+    report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
+                 echo=print, keep=args.folder)
+    data = report["table"]
+    print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+        print(f"JSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

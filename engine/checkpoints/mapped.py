@@ -1,0 +1,84 @@
+"""A checkpoint's state section, mapped from the file instead of copied (Linux).
+
+A restore must check the whole state (CRC32, structure) before llama.cpp sees a byte,
+so the state has to lie in memory whole before ``llama_state_seq_set_data`` copies it
+into the KV cache.  Read into fresh memory, that costs a page fault and a copy per
+4 KiB: measured here (SmolLM2, 92 MB state, files in the page cache) about 16 ms,
+as long as llama-server's whole slot restore of the same tokens, which streams its file
+through one small reused buffer and checks nothing.  Mapped, the page cache's own pages
+are used: about 7 ms to map them, no copy (benchmarks/restore_profile.py).
+
+Why the mapping is safe to check and to hand to llama.cpp:
+
+* ``MADV_POPULATE_READ`` (Linux 5.14) maps every page of the range before any byte of
+  it is read.  A file that shrank meanwhile, or a disk that fails, is an error of that
+  call (``EFAULT``, ``EIO``), never the ``SIGBUS`` a plain access to a missing page
+  raises: the reader refuses the file as it would refuse a short read.
+* The mapping is read-only.  Checkpoint Chat never writes a checkpoint in place (every
+  write lands by ``os.replace``, a new inode): the mapped bytes are the bytes the CRC and
+  the walk checked, whatever replaces or deletes the file meanwhile.  Only another
+  program truncating the file in place during the restore could still raise ``SIGBUS``
+  (as it could under llama.cpp's own mapping of the model).
+* Where any of this is missing (Windows, where a mapped file could not be replaced
+  until the mapping is gone; macOS; kernels before 5.14; a file system that cannot map),
+  :func:`map_file` returns None and the reader reads the state into memory as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import mmap
+import sys
+
+from engine.errors import TruncatedCheckpoint
+
+#: Linux's MADV_POPULATE_READ (Python names it from 3.13 only)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+#: states smaller than this are read, not mapped (a delta of a few tokens: a mapping's
+#: system calls cost more than copying it)
+MAP_MIN_BYTES = 1 << 20
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this system maps with MADV_POPULATE_READ (asked once, on one page)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap.mmap, "madvise"):
+        return False
+    try:
+        with mmap.mmap(-1, mmap.PAGESIZE) as probe:
+            probe.madvise(MADV_POPULATE_READ, 0, mmap.PAGESIZE)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def map_file(fileno: int, size: int, state_len: int) -> mmap.mmap | None:
+    """A read-only mapping of a whole file of ``size`` bytes (already checked against its
+    header), or None where the state is better read: too small, or no support."""
+    if state_len < MAP_MIN_BYTES or not supported():
+        return None
+    try:
+        return mmap.mmap(fileno, size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):   # a file system that cannot map: read instead
+        return None
+
+
+def populate(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Map the pages of ``[start, start + length)`` so that reading them cannot fault.
+
+    A file that no longer reaches that far is a TruncatedCheckpoint; a read error is
+    the OSError a read would have raised.
+    """
+    if length <= 0:
+        return
+    first = start - start % mmap.PAGESIZE
+    try:
+        mapping.madvise(MADV_POPULATE_READ, first, start + length - first)
+    except OSError as exc:
+        if exc.errno == errno.EFAULT:
+            raise TruncatedCheckpoint("the file ends inside its KV state (it shrank while it was "
+                                      "being read)") from None
+        raise
+

@@ -1,0 +1,87 @@
+"""The mapped state reader (engine.checkpoints.mapped): every check of the copying reader
+holds for it too, and it fails as a read would, never with SIGBUS."""
+
+from __future__ import annotations
+
+import pytest
+from faultkit import synthetic
+
+from engine.checkpoints import format as fmt
+from engine.checkpoints import mapped
+from engine.errors import ChecksumMismatch, TruncatedCheckpoint
+
+pytestmark = pytest.mark.skipif(not mapped.supported(), reason="no MADV_POPULATE_READ here")
+
+
+@pytest.fixture
+def always_mapped(monkeypatch):
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
+    calls = []
+    real = mapped.populate
+    monkeypatch.setattr(mapped, "populate", lambda *a: (calls.append(a), real(*a))[1])
+    return calls
+
+
+def _file(tmp_path, n_tokens: int = 300) -> tuple:
+    data = synthetic.file_bytes(n_tokens)
+    path = tmp_path / "m.kvckpt"
+    path.write_bytes(data)
+    return path, data, fmt.unpack_header(data[:fmt.HEADER_LEN])
+
+
+def test_mapped_state_is_the_files_bytes_and_read_only(tmp_path, always_mapped):
+    path, data, h = _file(tmp_path)
+    got = fmt.read_checkpoint(path, progress=lambda done, total: None)
+    assert always_mapped, "the mapped path was not taken"
+    assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
+    assert not got.state.flags.writeable
+    synthetic.load_fully(path)   # the walk over the mapping
+
+
+def test_copying_reader_gives_the_same_and_read_only(tmp_path, monkeypatch):
+    path, data, h = _file(tmp_path)
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 1 << 62)
+    got = fmt.read_checkpoint(path)
+    assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
+    assert not got.state.flags.writeable
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_flipped_state_byte_is_refused_by_the_mapped_path(tmp_path, always_mapped, where):
+    path, data, h = _file(tmp_path)
+    at = {"first": h.state_offset, "middle": h.state_offset + h.state_len // 2,
+          "last": h.state_offset + h.state_len - 1}[where]
+    damaged = bytearray(data)
+    damaged[at] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(ChecksumMismatch):
+        fmt.read_checkpoint(path)
+    assert always_mapped
+
+
+@pytest.mark.parametrize("cut", [1, fmt.TRAILER_LEN, 4096 + 3])
+def test_a_truncated_file_is_refused_by_the_mapped_path(tmp_path, always_mapped, cut):
+    path, data, _ = _file(tmp_path)
+    path.write_bytes(data[:-cut])
+    with pytest.raises(TruncatedCheckpoint):
+        fmt.read_checkpoint(path)
+
+
+def test_a_file_that_shrinks_under_the_mapping_is_a_refusal_not_sigbus(tmp_path):
+    path, data, h = _file(tmp_path, 2000)
+    import mmap
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ)
+        with open(path, "r+b") as w:   # another program truncating the file in place
+            w.truncate(mmap.PAGESIZE)
+        with pytest.raises(TruncatedCheckpoint):
+            mapped.populate(m, h.state_offset, h.state_len)
+        m.close()
+
+
+def test_small_states_are_read_not_mapped(tmp_path, monkeypatch):
+    path, _, _ = _file(tmp_path, 8)
+    calls = []
+    monkeypatch.setattr(mapped, "populate", lambda *a: calls.append(a))
+    fmt.read_checkpoint(path)
+    assert not calls
