@@ -144,7 +144,7 @@ def _floor(rt, files: list[Path]) -> float:
     headers = [read_header(p) for p in files]   # before the clock: where the states lie
     ctx, ll = rt.ctx, rt.ctx._ll
     started = clock()
-    for i, (path, h) in enumerate(zip(files, headers)):
+    for i, (path, h) in enumerate(zip(files, headers, strict=True)):
         if not h.state_len:
             continue
         with open(path, "rb", buffering=0) as f:

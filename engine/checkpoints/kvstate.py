@@ -165,6 +165,27 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
     return half, r_row, s_row
 
 
+def _check_cell_table(r: _Reader, cells: int, n_tokens: int, first_pos: int, seq_id: int,
+                      cell_ext: bool) -> None:
+    """One cache's cell table: every cell of sequence ``seq_id`` alone, each position of
+    ``first_pos..n_tokens-1`` at most once."""
+    words = 6 if cell_ext else 3
+    meta = np.frombuffer(r.take(4 * words * cells, "cell table"), dtype="<i4").reshape(cells, words)
+    if not (meta[:, 1] == 1).all() or not (meta[:, -1] == seq_id).all():
+        raise CorruptState("the KV state's cells belong to other sequences")
+    pos = meta[:, 0]
+    # cells are written in slot order, not position order: a sliding-window cache is
+    # a ring, and a trimmed cache refills freed slots, so only uniqueness is required
+    if pos.min() < first_pos or pos.max() >= n_tokens:
+        raise CorruptState("the KV state's positions are out of range")
+    # a presence map, not np.unique: linear, and np.unique's first call imports
+    # numpy.ma (~20 ms, most of a whole restore's time)
+    seen = np.zeros(n_tokens - first_pos, dtype=np.bool_)
+    seen[pos - first_pos] = True
+    if int(np.count_nonzero(seen)) != cells:
+        raise CorruptState("the KV state holds a position twice")
+
+
 def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, n_layer: int,
                       type_k: int, type_v: int, flash_attn: bool, n_head_kv: int,
                       n_embd_head_k: int, n_embd_head_v: int, first_pos: int,
@@ -189,21 +210,7 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
             blocks.append((0, 0))
             continue
         tables.append(r.pos)
-        words = 6 if cell_ext else 3
-        meta = np.frombuffer(r.take(4 * words * cells, "cell table"), dtype="<i4").reshape(cells, words)
-        if not (meta[:, 1] == 1).all() or not (meta[:, -1] == seq_id).all():
-            raise CorruptState("the KV state's cells belong to other sequences")
-        pos = meta[:, 0]
-        # cells are written in slot order, not position order: a sliding-window cache is
-        # a ring, and a trimmed cache refills freed slots, so only uniqueness is required
-        if pos.min() < first_pos or pos.max() >= n_tokens:
-            raise CorruptState("the KV state's positions are out of range")
-        # a presence map, not np.unique: linear, and np.unique's first call imports
-        # numpy.ma (~20 ms, most of a whole restore's time)
-        seen = np.zeros(n_tokens - first_pos, dtype=np.bool_)
-        seen[pos - first_pos] = True
-        if int(np.count_nonzero(seen)) != cells:
-            raise CorruptState("the KV state holds a position twice")
+        _check_cell_table(r, cells, n_tokens, first_pos, seq_id, cell_ext)
         if not blocks and cells != n_new:
             raise CorruptState(f"the KV state holds {cells} positions, the header says {n_new}")
         v_trans = r.u32("V layout")
