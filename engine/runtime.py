@@ -306,23 +306,8 @@ class Runtime:
         """
         started = time.perf_counter()
         path = Path(path)
-        n = len(self.kv_tokens)
-        if upto is not None:
-            if not 0 < upto <= n or len(conv.tokens) != upto or not self.shape.cells_by_position:
-                raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
-                                 "memory, with the conversation of exactly those tokens")
-            n = upto
+        n, p0 = _saved_span(self, conv, parent, upto)
         kv = self.kv_tokens[:n]
-        if list(conv.tokens[:n]) != kv:
-            raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
-        p0 = 0
-        if parent is not None:
-            p0 = parent.n_tokens
-            if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(kv[:p0]):
-                raise SaveFailed("the parent checkpoint is not a prefix of the cache")
-            if not self.settings.supports_deltas:
-                raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
-                                 "(n_seq_max >= 2, kv_unified)")
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind, n)
         if parent is not None:
@@ -487,6 +472,28 @@ def runtime_shape(model: Model) -> ModelShape:
                     model.path, shape.n_vocab, shape.n_layer, model.shape.n_vocab, model.shape.n_layer)
         shape = replace(shape, n_vocab=model.shape.n_vocab, n_layer=model.shape.n_layer)
     return shape
+
+
+def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | None) -> tuple[int, int]:
+    """The positions a save of ``rt``'s cache writes, ``p0..n-1`` (p0: the parent's end, 0
+    for a full file), after checking that they belong to ``conv`` and build on ``parent``."""
+    n = len(rt.kv_tokens)
+    if upto is not None:
+        if not 0 < upto <= n or len(conv.tokens) != upto or not rt.shape.cells_by_position:
+            raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
+                             "memory, with the conversation of exactly those tokens")
+        n = upto
+    if list(conv.tokens[:n]) != rt.kv_tokens[:n]:
+        raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
+    if parent is None:
+        return n, 0
+    p0 = parent.n_tokens
+    if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(rt.kv_tokens[:p0]):
+        raise SaveFailed("the parent checkpoint is not a prefix of the cache")
+    if not rt.settings.supports_deltas:
+        raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
+                         "(n_seq_max >= 2, kv_unified)")
+    return n, p0
 
 
 def relabel_prefix(state: np.ndarray, rt, n_tokens: int) -> None:

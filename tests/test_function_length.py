@@ -23,7 +23,6 @@ ALLOW = {
     "benchmarks/restore.py::measure": 111,
     "benchmarks/named_autosave.py::main": 88,
     "benchmarks/save_speed.py::measure": 85,
-    "engine/runtime.py::Runtime.save": 83,
 }
 
 
