@@ -206,3 +206,18 @@ def test_an_autosave_without_logits_gives_them_back_bit_for_bit(model, request, 
         assert np.array_equal(fresh.logits(), expected)
     finally:
         fresh.close()
+
+
+def test_export_of_a_conversation_on_a_shared_prefix_is_one_whole_file(smollm_runtime, tmp_path):
+    from engine.compaction import compact_into
+    rt = smollm_runtime
+    _, writer = _answer(rt, tmp_path / "store", QUESTIONS[0])
+    chain = load_chain(writer.head.path)
+    assert len(chain) >= 2 and is_shared_line(chain[0].meta["line"])
+    out = compact_into(rt, chain, tmp_path / "export.kvckpt")
+    held = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
+    alone = read_checkpoint(out.path)
+    assert not alone.header.is_delta and alone.header.n_tokens == chain[-1].header.n_tokens
+    rt.trim(0)
+    rt.restore(alone)
+    assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), held)
