@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,6 +271,7 @@ class Graph:
         self.heads: list[Node] = sorted(self.head_of_line.values(),
                                         key=lambda n: (n.created_ns, n.name), reverse=True)
         self._head_names = {h.name for h in self.heads}
+        self._holders: Counter[str] | None = None   # see footprint
 
     @classmethod
     def scan(cls, folder: str | os.PathLike | Store, *, rejected: Iterable[str] = ()) -> Graph:
@@ -333,12 +335,11 @@ class Graph:
     def footprint(self, head: Node) -> tuple[int, int]:
         """Bytes of ``head``'s chain that it alone holds, and bytes it shares with other
         heads (a shared prefix, a fork's common files): deleting it frees the first."""
-        others: set[str] = set()
-        for other in self.heads:
-            if other.name != head.name:
-                others.update(n.name for n in self.chain(other))
+        if self._holders is None:   # how many heads' chains hold each node, counted once
+            self._holders = Counter(n.name for h in self.heads for n in self.chain(h))
         chain = self.chain(head)
-        shared = sum(n.size for n in chain if n.name in others)
+        own = 1 if self.is_head(head) else 0
+        shared = sum(n.size for n in chain if self._holders[n.name] > own)
         return sum(n.size for n in chain) - shared, shared
 
     def unused_shared(self) -> list[Node]:
