@@ -42,7 +42,7 @@ def layout_before():
     import engine.history as history
     import engine.runtime as runtime
     saved = runtime.logits_rule, history.shared_base
-    runtime.logits_rule = lambda kind, has_logits, alone, shape: has_logits
+    runtime.logits_rule = lambda kind, paused, has_logits, alone, shape: has_logits
     history.shared_base = lambda *args: None
     try:
         yield

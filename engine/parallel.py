@@ -212,9 +212,9 @@ class ParallelRuntime:
         held = self._held[seq]
         held.logits_len, held.logits, held.row, held.logits_alone = -1, None, -1, False
 
-    def logits_worth_saving(self, seq: int, kind: int) -> bool:
+    def logits_worth_saving(self, seq: int, kind: int, paused: bool) -> bool:
         """Whether a checkpoint of ``kind`` of ``seq`` carries its logits (engine.runtime.logits_rule)."""
-        return logits_rule(kind, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
+        return logits_rule(kind, paused, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
 
     # -- decoding -------------------------------------------------------------------------
     def trim(self, seq: int, n: int) -> int:
@@ -449,8 +449,8 @@ class SequenceView:
     def logits(self) -> np.ndarray:
         return self._prt.logits(self.seq)
 
-    def logits_worth_saving(self, kind: int) -> bool:
-        return self._prt.logits_worth_saving(self.seq, kind)
+    def logits_worth_saving(self, kind: int, paused: bool) -> bool:
+        return self._prt.logits_worth_saving(self.seq, kind, paused)
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx
@@ -549,9 +549,9 @@ class ConversationView(SequenceView):
             raise GenerationError("this conversation is not in the cache")
         return self._prt.logits(seq)
 
-    def logits_worth_saving(self, kind: int) -> bool:
+    def logits_worth_saving(self, kind: int, paused: bool) -> bool:
         seq = self.seq
-        return seq is not None and self._prt.logits_worth_saving(seq, kind)
+        return seq is not None and self._prt.logits_worth_saving(seq, kind, paused)
 
     def place(self) -> Placement:
         """Give the conversation a sequence (see the class docstring)."""

@@ -28,6 +28,7 @@ from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.format import (
     FLAG_CELL_EXT,
     FLAG_DELTA,
+    KIND_AUTOSAVE,
     KIND_EXIT,
     KIND_MANUAL,
     KIND_PAUSE,
@@ -156,9 +157,9 @@ class Runtime:
         self._logits_copy = None
         self._logits_alone = False
 
-    def logits_worth_saving(self, kind: int) -> bool:
+    def logits_worth_saving(self, kind: int, paused: bool) -> bool:
         """Whether a checkpoint of ``kind`` must carry the cache's logits (logits_rule)."""
-        return logits_rule(kind, self.has_logits(), self._logits_alone, self.shape)
+        return logits_rule(kind, paused, self.has_logits(), self._logits_alone, self.shape)
 
     # -- bringing tokens into the cache ----------------------------------------------------
     def trim(self, n: int) -> int:
@@ -330,7 +331,7 @@ class Runtime:
         meta = encode_metadata(meta_json)
         # logits only where decoding the last token again would not give them exactly
         logits = (np.array(self.logits(), copy=True)
-                  if upto is None and self.logits_worth_saving(kind) else None)
+                  if upto is None and self.logits_worth_saving(kind, conv.paused) else None)
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
@@ -510,21 +511,23 @@ def relabel_prefix(state: np.ndarray, rt, n_tokens: int) -> None:
     relabel_state(state, layout, 0)
 
 
-def logits_rule(kind: int, has_logits: bool, alone: bool, shape: ModelShape) -> bool:
+def logits_rule(kind: int, paused: bool, has_logits: bool, alone: bool, shape: ModelShape) -> bool:
     """Whether a checkpoint carries the next-token logits: the one rule.
 
-    A pause or an exit is where generation resumes from: it carries them, and resuming
-    samples at once (nothing is decoded again).  Any other file — an autosave (resumed
-    from only after a crash), a finished answer (the next turn decodes new tokens after
-    it) — carries none when decoding its last token again gives them bit for bit: the
-    token was decoded alone (a generated one) and the memory is attention
-    (ModelShape.logits_recomputable); whoever samples right after it decodes that one
-    token.  Logits are vocabulary x 4 bytes (196 KB for SmolLM2, 1 MB for Gemma 3 or
-    Qwen3.5), often more than a file's own cells.
+    A file generation resumes from — a pause, an exit, any save of a paused answer but
+    an autosave — carries them, and resuming samples at once (nothing is decoded again).
+    Any other file — an autosave (resumed from only after a crash), a finished answer
+    (the next turn decodes new tokens after it) — carries none when decoding its last
+    token again gives them bit for bit: the token was decoded alone (a generated one)
+    and the memory is attention (ModelShape.logits_recomputable); whoever samples right
+    after it decodes that one token.  Logits are vocabulary x 4 bytes (196 KB for
+    SmolLM2, 1 MB for Gemma 3 or Qwen3.5), often more than a file's own cells.
     """
     if not has_logits:
         return False
-    return kind in (KIND_PAUSE, KIND_EXIT) or not (alone and shape.logits_recomputable)
+    if not (alone and shape.logits_recomputable):
+        return True
+    return kind in (KIND_PAUSE, KIND_EXIT) or (paused and kind != KIND_AUTOSAVE)
 
 
 def chunk_end(pos: int, total: int, step: int) -> int:

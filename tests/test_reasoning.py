@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import uuid
 from pathlib import Path
 
@@ -238,15 +239,34 @@ async def ask_server(worker, body: dict) -> tuple[dict | None, list[dict]]:
         await server.stop()
 
 
+def _run_apart(coro):
+    """asyncio.run on a thread of its own: a window test earlier in the session leaves a
+    qasync loop running on this one."""
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as exc:   # handed back to the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(120)
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def test_the_server_returns_reasoning_content_apart_whole_and_streamed():
     pytest.importorskip("aiohttp")
     worker = FakeWorker(PIECES, OPENED)
     body = {"model": "thinker", "messages": [{"role": "user", "content": "What is 2+2?"}]}
-    whole, _ = asyncio.run(ask_server(worker, body))
+    whole, _ = _run_apart(ask_server(worker, body))
     message = whole["choices"][0]["message"]
     assert message["content"] == "Four." and message["reasoning_content"] == "Two plus two."
 
-    _, chunks = asyncio.run(ask_server(worker, dict(body, stream=True)))
+    _, chunks = _run_apart(ask_server(worker, dict(body, stream=True)))
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}
     thinking = "".join(d.get("reasoning_content", "") for d in deltas)
@@ -258,7 +278,7 @@ def test_the_server_returns_reasoning_content_apart_whole_and_streamed():
     assert kinds == sorted(kinds, key=lambda k: k != "reasoning_content") and len(kinds) >= 3
 
     plain = FakeWorker(["Four", "."], None)       # a model that does not think: no key at all
-    whole, _ = asyncio.run(ask_server(plain, body))
+    whole, _ = _run_apart(ask_server(plain, body))
     assert whole["choices"][0]["message"]["content"] == "Four."
     assert "reasoning_content" not in whole["choices"][0]["message"]
 

@@ -145,11 +145,13 @@ def test_logits_rule(memory, n_swa, recomputable):
                        n_swa=n_swa, memory=memory)
     assert shape.logits_recomputable == recomputable
     for kind in (KIND_PAUSE, KIND_EXIT):   # where generation resumes: always, to sample at once
-        assert logits_rule(kind, True, True, shape)
-    for kind in (KIND_AUTOSAVE, KIND_MANUAL):
-        assert logits_rule(kind, True, False, shape), "a batch-decoded last token cannot be redone exactly"
-        assert logits_rule(kind, True, True, shape) == (not recomputable)
-    assert not logits_rule(KIND_PAUSE, False, True, shape)
+        assert logits_rule(kind, True, True, True, shape)
+    assert logits_rule(KIND_MANUAL, True, True, True, shape), "a paused answer saved by hand"
+    for kind in (KIND_AUTOSAVE, KIND_MANUAL):   # an autosave mid-answer; a finished answer
+        paused = kind == KIND_AUTOSAVE
+        assert logits_rule(kind, paused, True, False, shape), "a batch-decoded last token cannot be redone"
+        assert logits_rule(kind, paused, True, True, shape) == (not recomputable)
+    assert not logits_rule(KIND_PAUSE, True, False, True, shape)
 
 
 def test_cli_reuse_and_loading_a_file_from_elsewhere_write_only_new_cells(app_home, tmp_path):
