@@ -46,51 +46,92 @@ def table() -> Table:
                         "alternatives' own files (disk_vs_target <= 1)"])
 
 
-def measure(out: Table, tokens: int = 4000, answer: int = 48, threads: int = 2, repeats: int = 3) -> dict:
-    """Build the conversation and its five alternatives, time switch and edit; one row."""
-    from engine.branches import turn_end
-    from engine.checkpoints.chain import load_chain
+def _alternatives(rt, store, tokens: int, answer: int) -> tuple[list, float]:
+    """A conversation of about ``tokens`` tokens whose last answer has five alternatives,
+    each a line of its own on the same files; (their heads, the first prefill's seconds)."""
     from engine.checkpoints.format import KIND_MANUAL
-    from engine.checkpoints.store import Store
     from engine.conversation import Conversation
     from engine.generation import begin_answer, commit_answer, discard_answer, generate
     from engine.history import LineWriter
+    from engine.sampling import SamplerSettings
+    words = "The river bends past the mill, the orchard and the old stone bridge. "
+    conv = Conversation(sampler=SamplerSettings(seed=1, temperature=0.8, ignore_eos=True))
+    long_text = words * max(1, tokens // 16)
+    begin_answer(conv, rt, long_text[: len(long_text)], n_predict=answer)
+    while len(conv.tokens) > tokens - 2 * answer - 40:      # fit the total
+        long_text = long_text[: int(len(long_text) * 0.9)]
+        conv = Conversation(sampler=conv.sampler)
+        begin_answer(conv, rt, long_text, n_predict=answer)
+    writer = LineWriter.starting(rt, store, uuid.uuid4().hex)
+    t0 = time.perf_counter()
+    generate(rt, conv, autosave=writer, checkpoint_prompt=writer.policy.prompt_checkpoint)
+    decode_all_first = time.perf_counter() - t0
+    commit_answer(conv)
+    writer.save_head(conv, KIND_MANUAL)
+    begin_answer(conv, rt, "Now tell it again, shorter.", n_predict=answer)
+    generate(rt, conv, autosave=writer)
+    heads = [writer.save_head(conv, KIND_MANUAL)]
+    chain = writer.chain
+    # four more alternatives of the last answer, each a line of its own on the same files
+    for seed in range(2, 6):
+        writer.close()
+        writer = LineWriter.starting(rt, store, uuid.uuid4().hex, chain)
+        discard_answer(conv)
+        conv.sampler = SamplerSettings(seed=seed, temperature=0.8, ignore_eos=True)
+        generate(rt, conv, autosave=writer)
+        commit_answer(conv)
+        heads.append(writer.save_head(conv, KIND_MANUAL))
+    return heads, decode_all_first
+
+
+def _edit_times(rt, chain1, chain2, median_of) -> tuple[float, float]:
+    """Editing turn 2: from the end of turn 1's file vs decoding everything again."""
+    from engine.branches import turn_end
+    from engine.generation import begin_answer
+    # edit turn 2: restore the end of turn 1, decode the new turn (vs everything)
+    messages = chain1[-1].meta["conversation"]["messages"]
+    kept = [(m["role"], m["content"]) for m in messages[:2]]
+    k = turn_end(chain1, kept)
+
+    def edit():
+        rt.restore_chain(chain2)
+
+        def run():
+            c = rt.restore_chain(chain1[:k])
+            c.messages, c.answer = kept, None
+            begin_answer(c, rt, "Now tell it in French.", n_predict=0)
+            rt.prefill(c.tokens)
+        return run
+
+    def edit_recompute():
+        rt.trim(0)
+
+        def run():
+            c = rt.restore_chain(chain1[:k])
+            c.messages, c.answer = kept, None
+            begin_answer(c, rt, "Now tell it in French.", n_predict=0)
+            rt.trim(0)
+            rt.prefill(c.tokens)
+        return run
+
+    t_edit, t_edit_recompute = median_of(edit), median_of(edit_recompute)
+    return t_edit, t_edit_recompute
+
+
+def measure(out: Table, tokens: int = 4000, answer: int = 48, threads: int = 2, repeats: int = 3) -> dict:
+    """Build the conversation and its five alternatives, time switch and edit; one row."""
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
     from engine.models import default_model_path
     from engine.runtime import Runtime
-    from engine.sampling import SamplerSettings
     from native.context import ContextSettings
 
     rt = Runtime(default_model_path(), ContextSettings(n_ctx=tokens + 1024, n_threads=threads))
     tmp = tempfile.TemporaryDirectory(prefix="branches-")
     store = Store(Path(tmp.name) / "store")
     try:
-        words = "The river bends past the mill, the orchard and the old stone bridge. "
-        conv = Conversation(sampler=SamplerSettings(seed=1, temperature=0.8, ignore_eos=True))
-        long_text = words * max(1, tokens // 16)
-        begin_answer(conv, rt, long_text[: len(long_text)], n_predict=answer)
-        while len(conv.tokens) > tokens - 2 * answer - 40:      # fit the total
-            long_text = long_text[: int(len(long_text) * 0.9)]
-            conv = Conversation(sampler=conv.sampler)
-            begin_answer(conv, rt, long_text, n_predict=answer)
-        writer = LineWriter.starting(rt, store, uuid.uuid4().hex)
-        t0 = time.perf_counter()
-        generate(rt, conv, autosave=writer, checkpoint_prompt=writer.policy.prompt_checkpoint)
-        decode_all_first = time.perf_counter() - t0
-        commit_answer(conv)
-        writer.save_head(conv, KIND_MANUAL)
-        begin_answer(conv, rt, "Now tell it again, shorter.", n_predict=answer)
-        generate(rt, conv, autosave=writer)
-        heads = [writer.save_head(conv, KIND_MANUAL)]
-        chain = writer.chain
-        # four more alternatives of the last answer, each a line of its own on the same files
-        for seed in range(2, 6):
-            writer.close()
-            writer = LineWriter.starting(rt, store, uuid.uuid4().hex, chain)
-            discard_answer(conv)
-            conv.sampler = SamplerSettings(seed=seed, temperature=0.8, ignore_eos=True)
-            generate(rt, conv, autosave=writer)
-            commit_answer(conv)
-            heads.append(writer.save_head(conv, KIND_MANUAL))
+        heads, decode_all_first = _alternatives(rt, store, tokens, answer)
         total_tokens = heads[0].n_tokens
 
         def median_of(fn) -> float:
@@ -119,33 +160,7 @@ def measure(out: Table, tokens: int = 4000, answer: int = 48, threads: int = 2, 
 
         t_switch, t_floor, t_recompute = median_of(switch), median_of(own_file_only), median_of(recompute)
 
-        # edit turn 2: restore the end of turn 1, decode the new turn (vs everything)
-        messages = chain1[-1].meta["conversation"]["messages"]
-        kept = [(m["role"], m["content"]) for m in messages[:2]]
-        k = turn_end(chain1, kept)
-
-        def edit():
-            rt.restore_chain(chain2)
-
-            def run():
-                c = rt.restore_chain(chain1[:k])
-                c.messages, c.answer = kept, None
-                begin_answer(c, rt, "Now tell it in French.", n_predict=0)
-                rt.prefill(c.tokens)
-            return run
-
-        def edit_recompute():
-            rt.trim(0)
-
-            def run():
-                c = rt.restore_chain(chain1[:k])
-                c.messages, c.answer = kept, None
-                begin_answer(c, rt, "Now tell it in French.", n_predict=0)
-                rt.trim(0)
-                rt.prefill(c.tokens)
-            return run
-
-        t_edit, t_edit_recompute = median_of(edit), median_of(edit_recompute)
+        t_edit, t_edit_recompute = _edit_times(rt, chain1, chain2, median_of)
 
         files = {p.name: p.stat().st_size for p in store.files()}
         own = [heads[i].size for i in range(5)]

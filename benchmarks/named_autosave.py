@@ -39,6 +39,27 @@ class _Foreground:
         return None
 
 
+def _print_table(runs: dict, n_prompt: int, args) -> None:
+    """The modes side by side, each against the runs without autosave."""
+    best_base = max(r["tps"] for r in runs["none"])
+    median_base = statistics.median(r["tps"] for r in runs["none"])
+    print(f"Autosave to a named file (SmolLM2-135M, {n_prompt:,}-token prompt, {args.tokens} tokens, "
+          f"every {args.every}, {args.repeats} interleaved runs each)\n")
+    print("| mode | tokens/s (best) | autosaves | cost vs none, best | cost vs none, median | "
+          "time inside autosave calls | after the answer: P + cleanup |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for mode, label in (("none", "no autosave"), ("rewrite", "rewrite P whole (first round)"),
+                        ("beside-sync", "deltas beside P, fsync on the generation thread"),
+                        ("beside", "deltas beside P, landing on a helper thread (now)")):
+        rs = runs[mode]
+        best = max(r["tps"] for r in rs)
+        median = statistics.median(r["tps"] for r in rs)
+        inside = statistics.median(r["inside"] for r in rs)
+        after = statistics.median(r["after_ms"] for r in rs)
+        print(f"| {label} | {best:.1f} | {rs[0]['saves']} | {100 * (best_base - best) / best_base:.1f} % | "
+              f"{100 * (median_base - median) / median_base:.1f} % | {100 * inside:.2f} % | {after:.0f} ms |")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -49,9 +70,9 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
+    from engine.checkpoint_policy import beside_folder
     from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL
     from engine.checkpoints.store import Store
-    from engine.cli.run import beside_folder
     from engine.conversation import Conversation
     from engine.generation import begin_answer, generate
     from engine.history import LineWriter
@@ -109,23 +130,7 @@ def main(argv=None) -> int:
             runs[mode].append(one(mode))
     rt.close()
     shutil.rmtree(work, ignore_errors=True)
-    best_base = max(r["tps"] for r in runs["none"])
-    median_base = statistics.median(r["tps"] for r in runs["none"])
-    print(f"Autosave to a named file (SmolLM2-135M, {len(prompt):,}-token prompt, {args.tokens} tokens, "
-          f"every {args.every}, {args.repeats} interleaved runs each)\n")
-    print("| mode | tokens/s (best) | autosaves | cost vs none, best | cost vs none, median | "
-          "time inside autosave calls | after the answer: P + cleanup |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for mode, label in (("none", "no autosave"), ("rewrite", "rewrite P whole (first round)"),
-                        ("beside-sync", "deltas beside P, fsync on the generation thread"),
-                        ("beside", "deltas beside P, landing on a helper thread (now)")):
-        rs = runs[mode]
-        best = max(r["tps"] for r in rs)
-        median = statistics.median(r["tps"] for r in rs)
-        inside = statistics.median(r["inside"] for r in rs)
-        after = statistics.median(r["after_ms"] for r in rs)
-        print(f"| {label} | {best:.1f} | {rs[0]['saves']} | {100 * (best_base - best) / best_base:.1f} % | "
-              f"{100 * (median_base - median) / median_base:.1f} % | {100 * inside:.2f} % | {after:.0f} ms |")
+    _print_table(runs, len(prompt), args)
     return 0
 
 

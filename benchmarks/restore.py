@@ -71,9 +71,48 @@ def _floor_trial(rt, state_path: Path, n: int, token: int) -> float:
     return seconds
 
 
-def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Table]) -> None:
+def _save_vs_raw(rt, conv, ckpt: Path, copy_path: Path, state_path: Path, size: int,
+                 repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """Save vs a raw write of the same file vs get-state + raw write, interleaved."""
+    saves, raws, get_write_floor = [], [], []
+    file_bytes = None
+    for i in range(repeats):
+        t0 = clock()
+        rt.save(ckpt, conv)
+        saves.append(clock() - t0)
+        if i == 0:
+            _, file_bytes = raw_read(ckpt)
+        raws.append(raw_write(copy_path, file_bytes))
+        buf = np.empty(size, dtype=np.uint8)
+        t0 = clock()
+        got = rt.ctx.state_get_into(buf, size)
+        raw_write(state_path, buf[:got])
+        get_write_floor.append(clock() - t0)
+        del buf
+    return saves, raws, get_write_floor
+
+
+def _add_size_row(table: Table, rt, key: str, n: int, ckpt: Path) -> int:
+    """The checkpoint's size against the KV formula and the cells it holds; its state length."""
     from engine.checkpoints.format import read_checkpoint
     from engine.checkpoints.kvstate import check_state_for
+    data = read_checkpoint(ckpt)
+    h = data.header
+    layout = check_state_for(h, data.state)
+    shape = rt.model.shape
+    file_size = ckpt.stat().st_size
+    formula = kv_bytes(shape, h.type_k, h.type_v, [n] * shape.n_layer)
+    cells = kv_bytes(shape, h.type_k, h.type_v, [c for c, layers in layout.blocks for _ in range(layers)])
+    transcript = file_size - h.state_len
+    table.add(model=key, tokens=n, kv_type=TYPE_NAMES.get(h.type_k, str(h.type_k)),
+              file_MB=file_size / MB, kv_formula_MB=formula / MB, transcript_KB=transcript / 1e3,
+              size_vs_formula=ratio(file_size, formula + transcript), kv_cells_MB=cells / MB,
+              size_vs_cells=ratio(file_size, cells + transcript))
+    return h.state_len
+
+
+def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Table]) -> None:
+    from engine.checkpoints.format import read_checkpoint
     from engine.generation import generate
 
     tokens = prompt_tokens(rt.model, n)
@@ -95,24 +134,7 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Tab
     state = state[:rt.ctx.state_get_into(state, size)]
     raw_write(state_path, state)
     del state
-    get_write_floor = []
-
-    # -- save vs raw write, interleaved -------------------------------------------------
-    saves, raws = [], []
-    for i in range(repeats):
-        t0 = clock()
-        rt.save(ckpt, conv)
-        saves.append(clock() - t0)
-        if i == 0:
-            _, file_bytes = raw_read(ckpt)
-        raws.append(raw_write(copy_path, file_bytes))
-        buf = np.empty(size, dtype=np.uint8)
-        t0 = clock()
-        got = rt.ctx.state_get_into(buf, size)
-        raw_write(state_path, buf[:got])
-        get_write_floor.append(clock() - t0)
-        del buf
-    del file_bytes
+    saves, raws, get_write_floor = _save_vs_raw(rt, conv, ckpt, copy_path, state_path, size, repeats)
 
     # -- f: memory during a save ---------------------------------------------------------
     gc.collect()
@@ -149,17 +171,7 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Tab
         rt.restore(data)
         del data
 
-    # -- sizes --------------------------------------------------------------------------
-    data = read_checkpoint(ckpt)
-    h = data.header
-    layout = check_state_for(h, data.state)
-    shape = rt.model.shape
-    file_size = ckpt.stat().st_size
-    formula = kv_bytes(shape, h.type_k, h.type_v, [n] * shape.n_layer)
-    cells = kv_bytes(shape, h.type_k, h.type_v, [c for c, layers in layout.blocks for _ in range(layers)])
-    transcript = file_size - h.state_len
-    state_len = h.state_len
-    del data
+    state_len = _add_size_row(out["size"], rt, key, n, ckpt)
     for p in (state_path, copy_path):
         p.unlink(missing_ok=True)
 
@@ -175,10 +187,6 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: dict[str, Tab
                     save_vs_get_write=ratio(save_s, min(get_write_floor)),
                     load_s=min(loads), raw_read_s=min(reads),
                     load_vs_raw=ratio(min(loads), min(reads)))
-    out["size"].add(model=key, tokens=n, kv_type=TYPE_NAMES.get(h.type_k, str(h.type_k)),
-                    file_MB=file_size / MB, kv_formula_MB=formula / MB, transcript_KB=transcript / 1e3,
-                    size_vs_formula=ratio(file_size, formula + transcript), kv_cells_MB=cells / MB,
-                    size_vs_cells=ratio(file_size, cells + transcript))
     out["memory"].add(model=key, tokens=n, state_MB=state_len / MB, save_extra_MB=save_mem.extra / MB,
                       save_extra_x=ratio(save_mem.extra, state_len), load_extra_MB=load_mem.extra / MB,
                       load_extra_x=ratio(load_mem.extra, state_len))

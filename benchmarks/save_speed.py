@@ -85,6 +85,18 @@ def old_save_path(rt):
         rt.release_state_buffer()
 
 
+def _add_row(out: Table, key: str, n: int, file_len: int, best: dict) -> None:
+    """One row: the best time of each trial, and the ratios that matter."""
+    out.add(model=key, tokens=n, file_MB=file_len / 1e6, raw_s=best["raw"],
+            get_write_s=best["get_write"], old_s=best["old"], new_s=best["new"],
+            old_vs_raw=ratio(best["old"], best["raw"]), new_vs_raw=ratio(best["new"], best["raw"]),
+            new_vs_old=ratio(best["new"], best["old"]),
+            new_vs_get_write=ratio(best["new"], best["get_write"]),
+            get_ms=best["get"] * 1e3, zlib_crc_ms=best["crc"] * 1e3,
+            fast_crc_ms=best["fast_crc"] * 1e3, delta_old_s=best["delta_old"],
+            delta_new_s=best["delta_new"], delta_new_vs_old=ratio(best["delta_new"], best["delta_old"]))
+
+
 def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> None:
     from engine.generation import generate
     tokens = prompt_tokens(rt.model, n)
@@ -144,7 +156,7 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> Non
             wait_for_helper()
 
     def parts() -> None:
-        buf = rt._state_buffer_for(rt.ctx.state_size())
+        buf = rt.state_buffer_for(rt.ctx.state_size())
         t0 = clock()
         rt.ctx.state_get_into(buf, rt.ctx.state_size())
         trials["get"].append(clock() - t0)
@@ -159,15 +171,7 @@ def measure(rt, key: str, n: int, folder: Path, repeats: int, out: Table) -> Non
     for i in range(repeats):
         for fn in order[i % len(order):] + order[:i % len(order)]:
             fn()
-    best = {k: min(v) if v else None for k, v in trials.items()}
-    out.add(model=key, tokens=n, file_MB=len(file_bytes) / 1e6, raw_s=best["raw"],
-            get_write_s=best["get_write"], old_s=best["old"], new_s=best["new"],
-            old_vs_raw=ratio(best["old"], best["raw"]), new_vs_raw=ratio(best["new"], best["raw"]),
-            new_vs_old=ratio(best["new"], best["old"]),
-            new_vs_get_write=ratio(best["new"], best["get_write"]),
-            get_ms=best["get"] * 1e3, zlib_crc_ms=best["crc"] * 1e3,
-            fast_crc_ms=best["fast_crc"] * 1e3, delta_old_s=best["delta_old"],
-            delta_new_s=best["delta_new"], delta_new_vs_old=ratio(best["delta_new"], best["delta_old"]))
+    _add_row(out, key, n, len(file_bytes), {k: min(v) if v else None for k, v in trials.items()})
     for p in (copy, state_copy):
         p.unlink(missing_ok=True)
 

@@ -19,10 +19,6 @@ LIMIT = 80
 #: (split the function into well-named helpers); never add one or raise a number.
 ALLOW = {
     "benchmarks/ui_stall.py::run_window": 160,
-    "benchmarks/branches.py::measure": 116,
-    "benchmarks/restore.py::measure": 111,
-    "benchmarks/named_autosave.py::main": 88,
-    "benchmarks/save_speed.py::measure": 85,
 }
 
 
