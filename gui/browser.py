@@ -233,10 +233,11 @@ class CheckpointTreeModel(QStandardItemModel):
     def _items(self, row: Row) -> list[QStandardItem]:
         h = row.header
         if row.role == HEAD and row.chain_files > 1:
-            size = f"{file_size_text(row.size)} · chain {file_size_text(row.chain_size)} ({row.chain_files} files"
-            own = row.chain_size - row.shared_size
-            size += f"; its own {file_size_text(own)}, shared {file_size_text(row.shared_size)})" \
-                if row.shared_size else ")"
+            chain = file_size_text(row.chain_size)
+            if row.shared_size:   # what deleting it frees, and what other heads hold too
+                chain = (f"{file_size_text(row.chain_size - row.shared_size)} own + "
+                         f"{file_size_text(row.shared_size)} shared")
+            size = f"{file_size_text(row.size)} · chain {chain} ({row.chain_files} files)"
         else:
             size = file_size_text(row.size)
         kind = KIND_NAMES.get(h.kind, "?") if h else ""
@@ -261,6 +262,10 @@ class CheckpointTreeModel(QStandardItemModel):
             tip = (f"A branch of “{row.title}”\nFork point: {row.fork or '—'}\n"
                    f"Last message: {_excerpt(row.last_message)}\n{row.path}"
                    + (f"\n{row.reason}" if row.reason else ""))
+        if row.shared_size:
+            tip += (f"\nIts chain: {file_size_text(row.chain_size - row.shared_size)} its own (deleting it frees "
+                    f"them), {file_size_text(row.shared_size)} shared with other conversations "
+                    "(a common system prompt, a fork's earlier turns)")
         items = []
         for text, key in zip(texts, keys, strict=True):
             item = QStandardItem(text)
