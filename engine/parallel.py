@@ -39,11 +39,10 @@ import numpy as np
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
-from engine.checkpoints.kvstate import check_state, relabel_state
 from engine.conversation import Conversation
-from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
+from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
-from engine.runtime import Runtime, SaveInfo, logits_rule
+from engine.runtime import Runtime, SaveInfo, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
 from engine.snapshots import PromptSnapshot
 from native.batch import SeqBatch
@@ -466,19 +465,8 @@ class SequenceView:
                 state = buf[:ctx.state_get_into(buf, size, source)]
             except StateError as exc:
                 raise SaveFailed(str(exc)) from exc
-            shape, s = self.shape, self.settings
-            try:
-                layout = check_state(state, n_tokens=len(self.kv_tokens) if upto is None else upto,
-                                     n_ctx=ctx.n_ctx,
-                                     n_layer=shape.n_layer, type_k=s.type_k, type_v=s.type_v,
-                                     flash_attn=s.flash_attn, n_head_kv=shape.n_head_kv,
-                                     n_embd_head_k=shape.n_embd_head_k,
-                                     n_embd_head_v=shape.n_embd_head_v, first_pos=p0, seq_id=source,
-                                     memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext,
-                                     recurrent_rows=self.target.recurrent_rows)
-            except CorruptState as exc:
-                raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
-            relabel_state(state, layout, 1 if p0 else 0)
+            relabel_as(state, self, n_tokens=len(self.kv_tokens) if upto is None else upto,
+                       first_pos=p0, source=source, seq_id=1 if p0 else 0)
             return state
         finally:
             if partial:

@@ -376,8 +376,8 @@ class Runtime:
                 state = buf[:self.ctx.state_get_into(buf, size, seq)]
             except StateError as exc:
                 raise SaveFailed(str(exc)) from exc
-            if seq and not p0:
-                relabel_prefix(state, self, upto or 0)
+            if seq and not p0:   # a prefix, read through the scratch sequence
+                relabel_as(state, self, n_tokens=upto or 0, first_pos=0, source=seq, seq_id=0)
             return state
         finally:
             if seq:
@@ -497,18 +497,21 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
     return n, p0
 
 
-def relabel_prefix(state: np.ndarray, rt, n_tokens: int) -> None:
-    """Make a prefix state read through the scratch sequence (1) sequence 0's, in place."""
+def relabel_as(state: np.ndarray, rt, *, n_tokens: int, first_pos: int, source: int, seq_id: int) -> None:
+    """Check a state read from sequence ``source`` of ``rt``'s context (positions
+    ``first_pos..n_tokens-1``) and make it name sequence ``seq_id``, in place: what a file
+    holds (0 for a full file or a prefix, 1 for a delta) whichever sequence it came from."""
     shape, s = rt.shape, rt.settings
     try:
         layout = check_state(state, n_tokens=n_tokens, n_ctx=rt.ctx.n_ctx, n_layer=shape.n_layer,
                              type_k=s.type_k, type_v=s.type_v, flash_attn=s.flash_attn,
                              n_head_kv=shape.n_head_kv, n_embd_head_k=shape.n_embd_head_k,
-                             n_embd_head_v=shape.n_embd_head_v, first_pos=0, seq_id=1,
-                             memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext)
+                             n_embd_head_v=shape.n_embd_head_v, first_pos=first_pos, seq_id=source,
+                             memory=shape.memory, n_swa=shape.n_swa, cell_ext=shape.cell_ext,
+                             recurrent_rows=rt.target.recurrent_rows)
     except CorruptState as exc:
-        raise SaveFailed(f"llama.cpp wrote an unexpected state for a prefix: {exc}") from exc
-    relabel_state(state, layout, 0)
+        raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
+    relabel_state(state, layout, seq_id)
 
 
 def logits_rule(kind: int, paused: bool, has_logits: bool, alone: bool, shape: ModelShape) -> bool:

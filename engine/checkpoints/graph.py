@@ -369,10 +369,7 @@ class Graph:
             if line is not None and name != line:
                 continue
             tip = self.tip_of_line.get(name)
-            if is_shared_line(name):
-                out += [n for n in members if n.name not in self._reachable]
-                continue
-            if tip is None:
+            if tip is None:   # (a shared prefix has none: unused ones go by _drop_unused_shared)
                 continue   # no restorable node at all: keep everything for the user
             out += [n for n in members if n.name not in self._reachable and n.order < tip.order]
         return sorted(out, key=lambda n: (n.created_ns, n.name))
