@@ -218,125 +218,134 @@ def apply_levers(args) -> str:
     return ", ".join(parts)
 
 
-def run_window(args) -> dict:
-    home = Path(tempfile.mkdtemp(prefix="ui-stall-"))
-    os.environ["CHECKPOINT_CHAT_HOME"] = str(home)
-    label = apply_levers(args)
-    from PySide6.QtWidgets import QApplication
+class WindowRun:
+    """One window under the heartbeat, and the phases measured on it (one method each)."""
 
-    from gui.main_window import MainWindow
-    from gui.settings import AppSettings
-    from gui.tasks import ensure_event_loop
+    def __init__(self, args) -> None:
+        from PySide6.QtWidgets import QApplication
 
-    phases_wanted = set(args.phases.split(","))
-    app = QApplication.instance() or QApplication([])
-    ensure_event_loop(app)
-    s = AppSettings()
-    s.n_ctx, s.n_threads, s.seed, s.n_predict, s.autosave_every = 8192, args.threads, 7, args.n_predict, 0
-    w = MainWindow(s)
-    w.show()
-    beat = Heartbeat()
-    dog = Watchdog(beat) if args.diagnose else None
-    rows: list[dict] = []
-    marks: list[tuple[int, int]] = []
+        from gui.main_window import MainWindow
+        from gui.settings import AppSettings
+        from gui.tasks import ensure_event_loop
 
-    def phase(name: str, start: int, seconds: float, note: str = "", **extra) -> None:
+        self.args = args
+        self.app = QApplication.instance() or QApplication([])
+        ensure_event_loop(self.app)
+        s = AppSettings()
+        s.n_ctx, s.n_threads, s.seed, s.n_predict, s.autosave_every = 8192, args.threads, 7, args.n_predict, 0
+        self.w = w = MainWindow(s)
+        w.show()
+        self.beat = Heartbeat()
+        self.dog = Watchdog(self.beat) if args.diagnose else None
+        self.rows: list[dict] = []
+        self.marks: list[tuple[int, int]] = []
+        self.latencies: list[float] = []
+        self.repeats = max(1, args.prompt_tokens // 40)
+        self.events: dict[str, float] = {}
+        events = self.events
+        w.bridge.model_loaded.connect(lambda _i: events.setdefault("loaded", time.perf_counter()))
+        w.bridge.tokens_generated.connect(lambda *_: events.setdefault("first_token", time.perf_counter()))
+        w.bridge.generation_finished.connect(lambda *_: events.__setitem__("finished", time.perf_counter()))
+        w.bridge.generation_started.connect(lambda *_: events.setdefault("started", time.perf_counter()))
+        self.saves: list[tuple[float, int]] = []      # (when, size) of every checkpoint saved
+        w.bridge.checkpoint_saved.connect(lambda *a: self.saves.append((time.perf_counter(), a[2])))
+        self.wait(lambda: len(self.beat.ticks) > 20, 5)
+
+    def wait(self, predicate, timeout: float) -> None:
+        wait_until(self.app, predicate, timeout)
+
+    def phase(self, name: str, start: int, seconds: float, note: str = "", **extra) -> None:
         # only bookkeeping here: the statistics are computed after the run, because
         # sorting thousands of gaps on the UI thread would itself stall the next phase
-        marks.append((start, beat.mark()))
-        rows.append(dict(phase=name, seconds=seconds, note=note, **extra))
+        self.marks.append((start, self.beat.mark()))
+        self.rows.append(dict(phase=name, seconds=seconds, note=note, **extra))
 
-    events: dict[str, float] = {}
-    w.bridge.model_loaded.connect(lambda _i: events.setdefault("loaded", time.perf_counter()))
-    w.bridge.tokens_generated.connect(lambda *_: events.setdefault("first_token", time.perf_counter()))
-    w.bridge.generation_finished.connect(lambda *_: events.__setitem__("finished", time.perf_counter()))
-    saves: list[tuple[float, int]] = []      # (when, size) of every checkpoint saved
-    w.bridge.checkpoint_saved.connect(lambda *a: saves.append((time.perf_counter(), a[2])))
-
-    def saved_after(key: str) -> tuple[float, int] | None:
+    def saved_after(self, key: str) -> tuple[float, int] | None:
         """The first save after ``events[key]`` (a long prompt is saved before its answer)."""
-        return next((s for s in saves if key in events and s[0] >= events[key]), None)
-    wait_until(app, lambda: len(beat.ticks) > 20, 5)
+        return next((s for s in self.saves if key in self.events and s[0] >= self.events[key]), None)
 
-    # 0. baseline: the same heartbeat with the engine idle shows what the machine itself adds
-    m, t0 = beat.mark(), time.perf_counter()
-    wait_until(app, lambda: time.perf_counter() - t0 > 3.0, 10)
-    phase("idle (baseline)", m, time.perf_counter() - t0, "no model work; OS scheduling noise")
+    def sleep(self, seconds: float) -> None:
+        t0 = time.perf_counter()
+        self.wait(lambda: time.perf_counter() - t0 > seconds, seconds + 7)
 
-    # 1. model load
-    m, t0 = beat.mark(), time.perf_counter()
-    w.start()
-    wait_until(app, lambda: "loaded" in events, 120)
-    phase("model load", m, events["loaded"] - t0, w.bridge.model_info.name)
-    wait_until(app, lambda: w.worker.idle, 30)
+    # -- the phases, in the order they run ---------------------------------------------------------
+    def baseline(self) -> None:
+        """The same heartbeat with the engine idle shows what the machine itself adds."""
+        m, t0 = self.beat.mark(), time.perf_counter()
+        self.sleep(3.0)
+        self.phase("idle (baseline)", m, time.perf_counter() - t0, "no model work; OS scheduling noise")
 
-    # 2-4. prefill, generation, saving the large checkpoint
-    repeats = max(1, args.prompt_tokens // 40)
-    if phases_wanted & {"prefill", "generation", "save", "validate", "pause"}:
-        prompt = "Summarise this archive description in one paragraph.\n\n" + PARAGRAPH * repeats
-        m, t0 = beat.mark(), time.perf_counter()
+    def load(self) -> None:
+        m, t0 = self.beat.mark(), time.perf_counter()
+        self.w.start()
+        self.wait(lambda: "loaded" in self.events, 120)
+        self.phase("model load", m, self.events["loaded"] - t0, self.w.bridge.model_info.name)
+        self.wait(lambda: self.w.worker.idle, 30)
+
+    def long_prompt(self) -> None:
+        """Prefill, generation, and saving the large checkpoint after it."""
+        w, events = self.w, self.events
+        prompt = "Summarise this archive description in one paragraph.\n\n" + PARAGRAPH * self.repeats
+        m, t0 = self.beat.mark(), time.perf_counter()
         w.prompt_edit.setPlainText(prompt)
         w.send()
-        wait_until(app, lambda: "first_token" in events, 1200)
+        self.wait(lambda: "first_token" in events, 1200)
         n_prompt = w.context_usage.value()
-        phase("prefill", m, events["first_token"] - t0, f"{n_prompt:,} prompt tokens",
-              tok_s=n_prompt / (events["first_token"] - t0))
-        m = beat.mark()
-        wait_until(app, lambda: "finished" in events, 1200)
+        self.phase("prefill", m, events["first_token"] - t0, f"{n_prompt:,} prompt tokens",
+                   tok_s=n_prompt / (events["first_token"] - t0))
+        m = self.beat.mark()
+        self.wait(lambda: "finished" in events, 1200)
         summary = w.last_summary
-        phase("generation", m, events["finished"] - events["first_token"],
-              f"{summary.n_generated} tokens, {summary.tokens_per_s:.1f} tok/s", tok_s=summary.tokens_per_s)
-        m = beat.mark()
-        wait_until(app, lambda: saved_after("finished") is not None, 120)
-        when, size = saved_after("finished")
-        phase("save checkpoint", m, when - events["finished"], f"{size / 1e6:.1f} MB")
+        self.phase("generation", m, events["finished"] - events["first_token"],
+                   f"{summary.n_generated} tokens, {summary.tokens_per_s:.1f} tok/s", tok_s=summary.tokens_per_s)
+        m = self.beat.mark()
+        self.wait(lambda: self.saved_after("finished") is not None, 120)
+        when, size = self.saved_after("finished")
+        self.phase("save checkpoint", m, when - events["finished"], f"{size / 1e6:.1f} MB")
 
-    # 5. validate a 1 GB checkpoint through the browser
-    if "validate" in phases_wanted:
+    def validate_big(self) -> None:
+        """Validate a 1 GB checkpoint through the browser."""
+        w = self.w
         big = synthesize_big_checkpoint(w.store.folder / "synthetic-1gb.kvckpt")
         browser = w.show_browser()
-        wait_until(app, lambda: any(r.path == big for r in browser.model.rows), 30)
-        results = []
+        self.wait(lambda: any(r.path == big for r in browser.model.rows), 30)
+        results: list = []
         w.validation_finished.connect(results.append)
-        m, t0 = beat.mark(), time.perf_counter()
+        m, t0 = self.beat.mark(), time.perf_counter()
         w.validate_checkpoint(big)
-        wait_until(app, lambda: bool(results), 600)
+        self.wait(lambda: bool(results), 600)
         # the synthetic state is random bytes: its CRC passes, its structure does not
-        phase("validate 1 GB file", m, time.perf_counter() - t0,
-              f"{results[0].status}: {(results[0].reason or 'CRC OK')[:40]}")
+        self.phase("validate 1 GB file", m, time.perf_counter() - t0,
+                   f"{results[0].status}: {(results[0].reason or 'CRC OK')[:40]}")
         browser.hide()
         big.unlink()   # freeing 1 GB of file is the benchmark's own work, not the app's
-        t0 = time.perf_counter()   # ... and its gap must not open the next phase
-        wait_until(app, lambda: time.perf_counter() - t0 > 0.2, 5)
+        self.sleep(0.2)   # ... and its gap must not open the next phase
 
-    # 6. pause latency: during generation, then during a prefill
-    latencies = []
-    if "pause" in phases_wanted:
-        for label_, text, trigger in (
-                ("pause (generating)", "Tell me a long story about a lighthouse keeper.", "first_token"),
-                ("pause (prefill)", "Count the shelves.\n\n" + PARAGRAPH * repeats + "\nAgain:", "started")):
-            w.new_conversation()
-            for key in ("first_token", "finished", "started"):
-                events.pop(key, None)
-            w.bridge.generation_started.connect(lambda *_: events.setdefault("started", time.perf_counter()))
-            m = beat.mark()
-            w.prompt_edit.setPlainText(text)
-            w.send()
-            wait_until(app, lambda trigger=trigger: trigger in events, 600)
-            if trigger == "started":
-                wait_until(app, lambda: w.speed_label.text().startswith("Reading"), 10)
-                t_pause = time.perf_counter()   # pause well inside the prefill's first chunk
-                wait_until(app, lambda t_pause=t_pause: time.perf_counter() - t_pause > 0.3, 5)
-            w.pause()
-            wait_until(app, lambda: "finished" in events, 120)
-            latency = w.pause_latency_s
-            wait_until(app, lambda: saved_after("finished") is not None, 120)
-            phase(label_, m, latency, f"{w.last_summary.finish_reason}, saved "
-                                      f"{saved_after('finished')[1] / 1e6:.1f} MB")
-            latencies.append(latency)
+    def pause_latency(self, name: str, text: str, trigger: str) -> None:
+        """Pause an answer once ``trigger`` happened: its first token, or (``started``) well
+        inside its prefill's first chunk."""
+        w, events = self.w, self.events
+        w.new_conversation()
+        for key in ("first_token", "finished", "started"):
+            events.pop(key, None)
+        m = self.beat.mark()
+        w.prompt_edit.setPlainText(text)
+        w.send()
+        self.wait(lambda: trigger in events, 600)
+        if trigger == "started":
+            self.wait(lambda: w.speed_label.text().startswith("Reading"), 10)
+            self.sleep(0.3)
+        w.pause()
+        self.wait(lambda: "finished" in events, 120)
+        latency = w.pause_latency_s
+        self.wait(lambda: self.saved_after("finished") is not None, 120)
+        self.phase(name, m, latency, f"{w.last_summary.finish_reason}, saved "
+                                     f"{self.saved_after('finished')[1] / 1e6:.1f} MB")
+        self.latencies.append(latency)
 
-    # 7. two answers at once (two conversations), then one of them paused
-    if "two" in phases_wanted:
+    def two_answers(self) -> None:
+        """Two answers at once (two conversations), then one of them paused."""
+        w = self.w
         finished: list = []
         w.bridge.generation_finished.connect(lambda summary: finished.append(summary.conversation_id))
         streamed: set = set()
@@ -348,35 +357,59 @@ def run_window(args) -> dict:
             ids.append(w.current)
             w.prompt_edit.setPlainText(text)
             w.send()
-            wait_until(app, lambda: w.current in streamed, 600)
-        m, t0 = beat.mark(), time.perf_counter()
-        wait_until(app, lambda: time.perf_counter() - t0 > 3.0, 10)
-        phase("two answers", m, time.perf_counter() - t0, "both streaming")
-        m = beat.mark()
+            self.wait(lambda: w.current in streamed, 600)
+        m, t0 = self.beat.mark(), time.perf_counter()
+        self.sleep(3.0)
+        self.phase("two answers", m, time.perf_counter() - t0, "both streaming")
+        m = self.beat.mark()
         w.select_conversation(ids[0])
         w.pause()
-        wait_until(app, lambda: ids[0] in finished, 120)
+        self.wait(lambda: ids[0] in finished, 120)
         latency = w.pause_latency_s
         other = "the other still streaming" if ids[1] not in finished else "the other had ended"
-        phase("pause one of two", m, latency, other)
-        wait_until(app, lambda: ids[1] in finished, 600)
+        self.phase("pause one of two", m, latency, other)
+        self.wait(lambda: ids[1] in finished, 600)
 
-    w._close_done = True
-    w.worker.shutdown()
-    w.worker.join(60)
-    w.close()
-    beat.timer.stop()
-    spans = []
-    for row, (start, end) in zip(rows, marks, strict=True):
-        row["stall_ms"], row["p99_ms"], row["ticks"] = beat.stall_ms(start, end)
-        spans.append((row["phase"], beat.ticks[max(0, start - 1)], beat.ticks[max(0, end - 1)]))
-    diagnosis = ""
-    if dog is not None:
-        dog.stop()
-        diagnosis = dog.report(spans)
+    def close(self) -> str:
+        """Stop the window and the engine; the statistics of every phase; the diagnosis."""
+        w = self.w
+        w._close_done = True
+        w.worker.shutdown()
+        w.worker.join(60)
+        w.close()
+        self.beat.timer.stop()
+        spans = []
+        for row, (start, end) in zip(self.rows, self.marks, strict=True):
+            row["stall_ms"], row["p99_ms"], row["ticks"] = self.beat.stall_ms(start, end)
+            spans.append((row["phase"], self.beat.ticks[max(0, start - 1)], self.beat.ticks[max(0, end - 1)]))
+        if self.dog is None:
+            return ""
+        self.dog.stop()
+        return self.dog.report(spans)
+
+
+def run_window(args) -> dict:
+    home = Path(tempfile.mkdtemp(prefix="ui-stall-"))
+    os.environ["CHECKPOINT_CHAT_HOME"] = str(home)
+    label = apply_levers(args)
+    wanted = set(args.phases.split(","))
+    run = WindowRun(args)
+    run.baseline()
+    run.load()
+    if wanted & {"prefill", "generation", "save", "validate", "pause"}:
+        run.long_prompt()
+    if "validate" in wanted:
+        run.validate_big()
+    if "pause" in wanted:
+        run.pause_latency("pause (generating)", "Tell me a long story about a lighthouse keeper.", "first_token")
+        run.pause_latency("pause (prefill)", "Count the shelves.\n\n" + PARAGRAPH * run.repeats + "\nAgain:",
+                          "started")
+    if "two" in wanted:
+        run.two_answers()
+    diagnosis = run.close()
     if not args.keep:
         shutil.rmtree(home, ignore_errors=True)
-    return {"levers": label, "threads": args.threads, "rows": rows, "pause_latency_s": latencies,
+    return {"levers": label, "threads": args.threads, "rows": run.rows, "pause_latency_s": run.latencies,
             "diagnosis": diagnosis}
 
 

@@ -54,11 +54,11 @@ def worker_speed(path, tokens: int, threads: int, sequences: int) -> float:
         def __init__(self) -> None:
             self.events: queue.Queue = queue.Queue()
 
-        def on_model_loaded(self, info) -> None:
-            self.events.put(info)
+        def on_model_loaded(self, e) -> None:
+            self.events.put(e.info)
 
-        def on_model_failed(self, message: str) -> None:
-            self.events.put(RuntimeError(message))
+        def on_model_failed(self, e) -> None:
+            self.events.put(RuntimeError(e.message))
 
         def on_generation_finished(self, summary) -> None:
             self.events.put(summary)

@@ -4,7 +4,7 @@ Every request of a front end (the window, the server, a test) is one frozen data
 below, handed to :meth:`engine.worker.EngineWorker.submit` from any thread; the engine
 thread's loop only dispatches each one to its handler, when its :class:`Wait` allows.
 Each command has an :class:`Action`: what it was asked to do.  A failure is reported
-under its command's action (``WorkerListener.on_error(action, message)``), so a front
+under its command's action (the event ``engine.events.Failed(action, message)``), so a front
 end tells failures apart by that member (``action is Action.FORK``), never by the
 wording of a message; the member's value is the phrase a message may show ("Could not
 fork the conversation").
@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 
 
 class Action(StrEnum):
-    """What the engine was doing when something failed (``on_error``'s first argument)."""
+    """What the engine was doing when something failed (``engine.events.Failed.action``)."""
     LOAD_MODEL = "load the model"
     SET_SAMPLER = "change the sampler"
     NEW_CONVERSATION = "create a conversation"

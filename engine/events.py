@@ -2,10 +2,9 @@
 immutable data, and the listener interface that delivers it.
 
 Front ends (the window, the server, the command line, tests) send typed commands
-(engine.commands) and hear the engine thread through a :class:`WorkerListener`, whose
-callbacks carry the values below (frozen dataclasses, no native object inside) or
-plain numbers and text.  A failure carries its kind (engine.commands.Action), never
-only a sentence.
+(engine.commands) and hear the engine thread's events: the :class:`Event` dataclasses
+below (frozen, no native object inside), delivered to a :class:`WorkerListener`.  A
+failure (:class:`Failed`) carries its kind (engine.commands.Action), never only a sentence.
 """
 
 from __future__ import annotations
@@ -13,12 +12,12 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import Header
 from engine.commands import Action
 from engine.reasoning import ThinkFormat
-from engine.requests import RequestRefusal
 from engine.sampling import SamplerSettings
 
 
@@ -101,7 +100,76 @@ class ConversationSnapshot:
 
 
 @dataclass(frozen=True)
-class GenerationSummary:
+class Event:
+    """Something the engine thread reports.  Each kind is a frozen dataclass below, delivered
+    to :meth:`WorkerListener.on_event`, which hands it to the listener's method named by
+    ``handler`` (``on_text`` for :class:`TextDelta`, ...)."""
+    handler: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class ModelLoading(Event):
+    handler = "on_model_loading"
+    fraction: float
+
+
+@dataclass(frozen=True)
+class ModelLoaded(Event):
+    handler = "on_model_loaded"
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class ModelFailed(Event):
+    handler = "on_model_failed"
+    message: str
+
+
+@dataclass(frozen=True)
+class ConversationChanged(Event):
+    """A conversation's transcript, title, branches or head changed (or it is new)."""
+    handler = "on_conversation_changed"
+    snap: ConversationSnapshot
+
+
+@dataclass(frozen=True)
+class GenerationStarted(Event):
+    handler = "on_generation_started"
+    snap: ConversationSnapshot
+
+
+@dataclass(frozen=True)
+class PrefillProgress(Event):
+    """``done`` of the ``total`` prompt tokens are in the cache."""
+    handler = "on_prefill_progress"
+    conv_id: uuid.UUID
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class TextDelta(Event):
+    """More of an answer's text."""
+    handler = "on_text"
+    conv_id: uuid.UUID
+    delta: str
+
+
+@dataclass(frozen=True)
+class Progress(Event):
+    """An answer's counts with its text: tokens in the context, generated, and its speed."""
+    handler = "on_progress"
+    conv_id: uuid.UUID
+    n_tokens: int
+    n_generated: int
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class GenerationSummary(Event):
+    """An answer ended: finished, paused, stopped by a failure (``FINISH_ERROR``) or the
+    context's end, as ``finish_reason`` says."""
+    handler = "on_generation_finished"
     conversation_id: uuid.UUID
     finish_reason: str
     n_generated: int
@@ -120,39 +188,143 @@ class GenerationSummary:
     prefill_s: float = 0.0
 
 
-class WorkerListener:
-    """Callbacks the engine thread makes; override what you need.  They must return fast."""
+@dataclass(frozen=True)
+class CheckpointSaving(Event):
+    """A checkpoint of ``kind`` (engine.checkpoints.format KIND_*) is being written."""
+    handler = "on_checkpoint_saving"
+    conv_id: uuid.UUID
+    kind: int
 
-    def on_model_loading(self, fraction: float) -> None: ...
-    def on_model_loaded(self, info: ModelInfo) -> None: ...
-    def on_model_failed(self, message: str) -> None: ...
-    def on_conversation_changed(self, snap: ConversationSnapshot) -> None: ...
-    def on_generation_started(self, snap: ConversationSnapshot) -> None: ...
-    def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None: ...
-    def on_text(self, conv_id: uuid.UUID, delta: str) -> None: ...
-    def on_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
-                    tokens_per_s: float) -> None: ...
-    def on_generation_finished(self, summary: GenerationSummary) -> None: ...
-    def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None: ...
-    def on_checkpoint_saved(self, snap: ConversationSnapshot, path: Path, size: int,
-                            seconds: float, kind: int) -> None: ...
-    def on_conversation_deleted(self, conv_id: uuid.UUID) -> None: ...
-    #: a conversation was brought into the cache for use: ``resident`` (it was there: nothing
-    #: restored), else ``n_restored`` tokens restored from its files in ``seconds``
-    def on_conversation_activated(self, conv_id: uuid.UUID, resident: bool, n_restored: int,
-                                  seconds: float) -> None: ...
-    def on_exported(self, source: Path, target: Path) -> None: ...
-    def on_notice(self, title: str, message: str) -> None: ...
-    def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None: ...
-    #: ``action`` (engine.commands.Action) says what failed; a front end tells failures apart
-    #: by it, never by the message's wording
-    def on_error(self, action: Action, message: str) -> None: ...
-    def on_stopped(self) -> None: ...
-    # requests of another front end (engine.server): each one is tagged with the id it
-    # was submitted with; its answer's own callbacks above carry its conversation's id
-    def on_request_started(self, request_id: str, snap: ConversationSnapshot) -> None: ...
-    def on_request_finished(self, request_id: str, conv_id: uuid.UUID, checkpoint: Path | None) -> None: ...
-    def on_request_failed(self, request_id: str, refusal: RequestRefusal) -> None: ...
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    """A checkpoint landed (it was verified loadable before this is told)."""
+    handler = "on_checkpoint_saved"
+    snap: ConversationSnapshot
+    path: Path
+    size: int
+    seconds: float
+    kind: int
+
+
+@dataclass(frozen=True)
+class ConversationDeleted(Event):
+    handler = "on_conversation_deleted"
+    conv_id: uuid.UUID
+
+
+@dataclass(frozen=True)
+class ConversationActivated(Event):
+    """A conversation was brought into the cache for use: ``resident`` (it was there: nothing
+    restored), else ``n_restored`` tokens restored from its files in ``seconds``."""
+    handler = "on_conversation_activated"
+    conv_id: uuid.UUID
+    resident: bool
+    n_restored: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Exported(Event):
+    handler = "on_exported"
+    source: Path
+    target: Path
+
+
+@dataclass(frozen=True)
+class Notice(Event):
+    """Something a user should read that is not a failure (a template problem, a fallback)."""
+    handler = "on_notice"
+    title: str
+    message: str
+
+
+@dataclass(frozen=True)
+class NoRoomToAnswer(Event):
+    """``text`` was not sent: the context has no room left for an answer to it."""
+    handler = "on_context_full"
+    conv_id: uuid.UUID
+    text: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed(Event):
+    """A command (or the engine's own work) failed.  ``action`` (engine.commands.Action) says
+    what failed: a front end tells failures apart by it, never by the message's wording."""
+    handler = "on_error"
+    action: Action
+    message: str
+
+
+@dataclass(frozen=True)
+class Stopped(Event):
+    """The engine thread ended (after shutdown: every answer paused and saved)."""
+    handler = "on_stopped"
+
+
+@dataclass(frozen=True)
+class RequestRefusal:
+    """Why a server's request was not answered."""
+    reason: str       # one of engine.requests' reasons (CONTEXT_LENGTH_EXCEEDED, ...)
+    message: str      # one sentence for the client
+
+
+# requests of another front end (engine.server): each one is tagged with the id it was
+# submitted with; its answer's own events above carry its conversation's id
+@dataclass(frozen=True)
+class RequestStarted(Event):
+    handler = "on_request_started"
+    request_id: str
+    snap: ConversationSnapshot
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    handler = "on_request_finished"
+    request_id: str
+    conv_id: uuid.UUID
+    checkpoint: Path | None
+
+
+@dataclass(frozen=True)
+class RequestFailed(Event):
+    handler = "on_request_failed"
+    request_id: str
+    refusal: RequestRefusal
+
+
+class WorkerListener:
+    """Hears the engine thread's events; override the methods of the events you need.
+
+    The engine calls :meth:`on_event`, which calls the method the event's class names
+    (its ``handler``) with the event.  They run on the engine thread and must return fast.
+    """
+
+    def on_event(self, event: Event) -> None:
+        getattr(self, event.handler)(event)
+
+    def on_model_loading(self, e: ModelLoading) -> None: ...
+    def on_model_loaded(self, e: ModelLoaded) -> None: ...
+    def on_model_failed(self, e: ModelFailed) -> None: ...
+    def on_conversation_changed(self, e: ConversationChanged) -> None: ...
+    def on_generation_started(self, e: GenerationStarted) -> None: ...
+    def on_prefill_progress(self, e: PrefillProgress) -> None: ...
+    def on_text(self, e: TextDelta) -> None: ...
+    def on_progress(self, e: Progress) -> None: ...
+    def on_generation_finished(self, e: GenerationSummary) -> None: ...
+    def on_checkpoint_saving(self, e: CheckpointSaving) -> None: ...
+    def on_checkpoint_saved(self, e: CheckpointSaved) -> None: ...
+    def on_conversation_deleted(self, e: ConversationDeleted) -> None: ...
+    def on_conversation_activated(self, e: ConversationActivated) -> None: ...
+    def on_exported(self, e: Exported) -> None: ...
+    def on_notice(self, e: Notice) -> None: ...
+    def on_context_full(self, e: NoRoomToAnswer) -> None: ...
+    def on_error(self, e: Failed) -> None: ...
+    def on_stopped(self, e: Stopped) -> None: ...
+    def on_request_started(self, e: RequestStarted) -> None: ...
+    def on_request_finished(self, e: RequestFinished) -> None: ...
+    def on_request_failed(self, e: RequestFailed) -> None: ...
 
 
 #: GenerationSummary.finish_reason of an answer stopped by a failure (reported with on_error)

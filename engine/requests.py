@@ -46,11 +46,12 @@ from typing import Any
 from engine.commands import Action
 from engine.conversation import Answer, Conversation, title_from
 from engine.errors import AppError, CheckpointError
+from engine.events import ConversationChanged, Failed, RequestFailed, RequestFinished, RequestRefusal, RequestStarted
 from engine.sampling import SamplerSettings, random_seed
 
 log = logging.getLogger("engine")
 
-#: Why a request was not answered (RequestRefusal.reason).
+#: Why a request was not answered (engine.events.RequestRefusal.reason).
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 MODEL_NOT_FOUND = "model_not_found"
 NOT_READY = "not_ready"
@@ -77,12 +78,6 @@ class CompletionRequest:
     seed: int | None = None          # None: a random one (reported in on_request_started)
     n_predict: int = -1
     stop: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RequestRefusal:
-    reason: str       # one of the constants above
-    message: str      # one sentence for the client
 
 
 def _history_key(messages, think, *, sent: bool = False) -> list[tuple[str, str]]:
@@ -167,7 +162,7 @@ class RequestDesk:
             conv = self._request_conversation(request, rt)
             if engine.request_conversations_kept is not None:   # only `serve` lets them go
                 self.sessions.mark_served(self.sessions.named(conv.id))
-            engine.listener.on_request_started(rid, engine.snapshot(conv, branches=False))
+            engine.listener.emit(RequestStarted(rid, engine.snapshot(conv, branches=False)))
             answering = True
             if not self.hooks.start_answer(conv, request_id=rid):
                 raise _Refused(SHUTTING_DOWN, "the server is shutting down")
@@ -181,7 +176,7 @@ class RequestDesk:
                 log.exception("unexpected failure while answering request %s", rid)
             self.ended(rid, None, str(exc) or type(exc).__name__)
             if answering:   # the other front ends saw the answer start: they hear how it ended
-                engine.listener.on_error(ANSWER_ACTION, str(exc) or type(exc).__name__)
+                engine.listener.emit(Failed(ANSWER_ACTION, str(exc) or type(exc).__name__))
 
     def _ready(self, request: CompletionRequest):
         """The runtime to answer ``request`` with; refused when there is none to use."""
@@ -205,12 +200,12 @@ class RequestDesk:
             self._pending.discard(rid)
             self._cancelled.discard(rid)
         if refusal is not None:
-            listener.on_request_failed(rid, refusal)
+            listener.emit(RequestFailed(rid, refusal))
         elif conv_id is None:
-            listener.on_request_failed(rid, RequestRefusal(FAILED, failure or "the answer failed"))
+            listener.emit(RequestFailed(rid, RequestRefusal(FAILED, failure or "the answer failed")))
         else:
             session = self.sessions.get(conv_id)
-            listener.on_request_finished(rid, conv_id, session.head if session is not None else None)
+            listener.emit(RequestFinished(rid, conv_id, session.head if session is not None else None))
             self._let_go_of_served()
 
     def _let_go_of_served(self) -> None:
@@ -359,7 +354,7 @@ class RequestDesk:
         # the restored chain (verified by the restore) is what the first save builds on
         self.sessions.set_writer(conv.id, LineWriter.starting(view, store, default_line(conv.id),
                                                               [saved_info(d) for d in chain]))
-        self.engine.listener.on_conversation_changed(self.engine.snapshot(conv))
+        self.engine.listener.emit(ConversationChanged(self.engine.snapshot(conv)))
 
 
 def new_request_id() -> str:

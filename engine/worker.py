@@ -6,9 +6,9 @@ starts one thread that owns the model, the context and every conversation object
 other threads hand it typed commands (engine.commands: :meth:`EngineWorker.submit`, or
 the public methods that make them), which only go on a queue (or, for
 :meth:`EngineWorker.pause`, set a flag) and return at once; the thread's loop only
-dispatches each command to its handler.  Results come back through the plain
-callbacks of a :class:`~engine.events.WorkerListener`, called *on the engine thread*
-with the values of engine.events: a GUI turns them into queued Qt signals, a test can
+dispatches each command to its handler.  Results come back as events (the frozen
+dataclasses of engine.events), handed *on the engine thread* to each
+:class:`~engine.events.WorkerListener`: a GUI turns them into queued Qt signals, a test can
 record them; a failure comes with its command's kind (engine.commands.Action).  Several
 front ends may share one worker (``add_listener``: the window and its local server);
 the server's requests are served by the worker's :class:`~engine.requests.RequestDesk`.
@@ -63,7 +63,32 @@ from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import AppError, CheckpointError, ContextFull, GenerationError, IncompatibleState
-from engine.events import FINISH_ERROR, ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions, WorkerListener
+from engine.events import (
+    FINISH_ERROR,
+    CheckpointSaved,
+    CheckpointSaving,
+    ConversationActivated,
+    ConversationChanged,
+    ConversationDeleted,
+    ConversationSnapshot,
+    Event,
+    Exported,
+    Failed,
+    GenerationStarted,
+    GenerationSummary,
+    ModelFailed,
+    ModelInfo,
+    ModelLoaded,
+    ModelLoading,
+    ModelOptions,
+    NoRoomToAnswer,
+    Notice,
+    PrefillProgress,
+    Progress,
+    Stopped,
+    TextDelta,
+    WorkerListener,
+)
 from engine.requests import CompletionRequest, EngineHooks, RequestDesk
 from engine.sampling import SamplerSettings, random_seed
 from engine.sessions import RunningAnswer, SessionTable
@@ -80,7 +105,7 @@ class _Listeners:
 
     The list is replaced, never changed in place, so the engine thread iterates a
     consistent one while another thread adds or removes a listener.  The first
-    listener's exceptions reach the engine as they always did (a failing callback
+    listener's exceptions reach the engine as they always did (a failing listener
     stops the answer, which is saved); an added listener's are logged, so one front
     end's bug never costs another its answer, and every listener is told each event.
     """
@@ -88,40 +113,35 @@ class _Listeners:
     def __init__(self, first: WorkerListener) -> None:
         self.members: tuple[WorkerListener, ...] = (first,)
 
-    def __getattr__(self, name: str):
-        if not name.startswith("on_"):
-            raise AttributeError(name)
-
-        def call(*args) -> None:
-            failure = None
-            for index, listener in enumerate(self.members):
-                try:
-                    getattr(listener, name)(*args)
-                except Exception as exc:  # noqa: BLE001 - the others must still hear of it
-                    if index == 0:
-                        failure = exc
-                    else:
-                        log.exception("a listener failed in %s", name)
-            if failure is not None:
-                raise failure
-        return call
+    def emit(self, event: Event) -> None:
+        failure = None
+        for index, listener in enumerate(self.members):
+            try:
+                listener.on_event(event)
+            except Exception as exc:  # noqa: BLE001 - the others must still hear of it
+                if index == 0:
+                    failure = exc
+                else:
+                    log.exception("a listener failed in %s", event.handler)
+        if failure is not None:
+            raise failure
 
 
 class _Relay:
-    """The generation loop's listener, tagging each callback with the conversation, and
+    """The generation loop's listener, tagging each event with the conversation, and
     reporting the answer's progress (tokens in the context, speed) with its text."""
 
-    def __init__(self, listener: WorkerListener, conv: Conversation) -> None:
+    def __init__(self, listener: _Listeners, conv: Conversation) -> None:
         self._listener = listener
         self._conv = conv
         self._id = conv.id
         self._first: tuple[float, int] | None = None   # (time, tokens generated) at the first text
 
     def on_prefill_progress(self, done: int, total: int) -> None:
-        self._listener.on_prefill_progress(self._id, done, total)
+        self._listener.emit(PrefillProgress(self._id, done, total))
 
     def on_text(self, delta: str) -> None:
-        self._listener.on_text(self._id, delta)
+        self._listener.emit(TextDelta(self._id, delta))
         answer = self._conv.answer
         n = answer.n_generated if answer else 0
         now = time.perf_counter()
@@ -129,7 +149,7 @@ class _Relay:
             self._first = (now, n)
         elapsed = now - self._first[0]
         speed = (n - self._first[1]) / elapsed if elapsed > 0 else 0.0
-        self._listener.on_progress(self._id, len(self._conv.tokens), n, speed)
+        self._listener.emit(Progress(self._id, len(self._conv.tokens), n, speed))
 
 
 @dataclass(frozen=True)
@@ -207,7 +227,7 @@ class EngineWorker:
         self._listeners.members = (listener,) + self._listeners.members[1:]
 
     def add_listener(self, listener: WorkerListener) -> None:
-        """Tell ``listener`` too (on the engine thread) from the next callback on."""
+        """Tell ``listener`` too (on the engine thread) from the next event on."""
         if listener not in self._listeners.members:
             self._listeners.members = self._listeners.members + (listener,)
 
@@ -401,7 +421,7 @@ class EngineWorker:
             if self.runtime is not None:
                 self.runtime.close()
                 self.runtime = None
-            self.listener.on_stopped()
+            self.listener.emit(Stopped())
 
     def _next_command(self):
         """The next command to run now, or None when the running answers take a step.
@@ -445,7 +465,7 @@ class EngineWorker:
                 conv = self.sessions.conversation(conv_id)
                 if conv is None:
                     self.sessions.end(conv_id)   # named by this command alone: nothing to keep
-                self.listener.on_generation_finished(_failed(conv_id, conv))
+                self.listener.emit(_failed(conv_id, conv))
             raise
         finally:
             self._answer_running, self._answer_action = 0, None
@@ -511,7 +531,7 @@ class EngineWorker:
             message = f"unexpected {type(exc).__name__}: {exc}"
             if not quiet:
                 log.exception("unexpected failure while trying to %s", action)
-        self.listener.on_error(action, message)
+        self.listener.emit(Failed(action, message))
         return message
 
     # -- engine-thread implementations --------------------------------------------------------
@@ -530,7 +550,7 @@ class EngineWorker:
             def progress(fraction: float) -> bool:
                 if fraction - last[0] >= 0.01 or fraction >= 1.0:  # at most ~100 events
                     last[0] = fraction
-                    self.listener.on_model_loading(fraction)
+                    self.listener.emit(ModelLoading(fraction))
                 return not self._stopping.is_set()
 
             workers = None
@@ -547,7 +567,7 @@ class EngineWorker:
                                  progress=progress, workers=workers)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
             self._report_error(cmd.Action.LOAD_MODEL, exc)
-            self.listener.on_model_failed(str(exc))
+            self.listener.emit(ModelFailed(str(exc)))
             return
         self.runtime = rt
         self._batcher = self._new_batcher()
@@ -571,7 +591,7 @@ class EngineWorker:
             library_path=lib_path, library_version=lib_version, target=rt.target,
             sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
             exact_width=rt.exact_width, thinking=think_format(rt.model))
-        self.listener.on_model_loaded(self.model_info)
+        self.listener.emit(ModelLoaded(self.model_info))
 
     def _new_batcher(self) -> Batcher:
         from engine.concurrent import Batcher
@@ -629,11 +649,11 @@ class EngineWorker:
 
     def _do_adopt(self, conv: Conversation) -> None:
         self.sessions.adopt(conv)
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_show(self, conv_id: uuid.UUID) -> None:
         conv = self._conv(conv_id)
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
         self._bring_in(conv)
 
     def _bring_in(self, conv: Conversation) -> None:
@@ -656,8 +676,8 @@ class EngineWorker:
         restores, restored = rt.restores, rt.restored_tokens
         started = time.perf_counter()
         placement = self._activate(conv)
-        self.listener.on_conversation_activated(conv.id, placement.resident and rt.restores == restores,
-                                                rt.restored_tokens - restored, time.perf_counter() - started)
+        self.listener.emit(ConversationActivated(conv.id, placement.resident and rt.restores == restores,
+                                                rt.restored_tokens - restored, time.perf_counter() - started))
 
     def _do_set_sampler(self, conv_id: uuid.UUID, sampler: SamplerSettings) -> None:
         self._conv(conv_id).sampler = sampler
@@ -671,13 +691,13 @@ class EngineWorker:
             self._activate(conv)
             self._save(conv, KIND_MANUAL)
         else:
-            self.listener.on_conversation_changed(self.snapshot(conv))
+            self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_delete(self, conv_id: uuid.UUID) -> None:
         self._end_session(conv_id)
         report = graph.delete_conversation(self.store, conv_id)
         log.info("deleted conversation %s: %s", conv_id, report.describe())
-        self.listener.on_conversation_deleted(conv_id)
+        self.listener.emit(ConversationDeleted(conv_id))
         in_use = report.kept.get(graph.KEPT_IN_USE)
         if in_use:
             raise AppError(f"{in_use[0]} of its files could not be deleted now (another program "
@@ -711,11 +731,11 @@ class EngineWorker:
         else:   # its files are no parent of ours: the next save is a full file in this layout
             self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))
             session.head = None
-            self.listener.on_notice(
+            self.listener.emit(Notice(
                 "Checkpoint from another llama.cpp",
                 f"{other_layout}. Its {data.header.n_tokens} tokens are read again when it continues, "
-                "and it is saved anew in this layout.")
-        self.listener.on_conversation_changed(self.snapshot(conv))
+                "and it is saved anew in this layout."))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_export(self, source: Path, target: Path) -> None:
         from engine.checkpoints.chain import load_chain
@@ -740,7 +760,7 @@ class EngineWorker:
                 compact_into(rt, chain, target)
             finally:
                 rt.close()
-        self.listener.on_exported(source, target)
+        self.listener.emit(Exported(source, target))
 
     def _do_send(self, conv_id: uuid.UUID, text: str, n_predict: int) -> None:
         from engine.generation import begin_answer
@@ -758,11 +778,11 @@ class EngineWorker:
             conv.messages, conv.answer, conv.tokens = messages, answer, tokens
             if answer is not None:
                 answer.finish_reason = finish   # a paused answer stays resumable
-            self.listener.on_context_full(conv_id, text, (
+            self.listener.emit(NoRoomToAnswer(conv_id, text, (
                 f"The conversation is too long for this context ({len(tokens):,} of {rt.ctx.n_ctx:,} "
                 f"tokens; this message needs {ANSWER_ROOM - room:,} more to leave room for an answer). "
                 "It can go on in a new branch that keeps the system prompt and the most recent turns "
-                "that fit; the full conversation stays as it is."))
+                "that fit; the full conversation stays as it is.")))
             return
         self._notice_template_problem(rt)
         self._generate(conv)
@@ -809,7 +829,7 @@ class EngineWorker:
         self.sessions.adopt(conv)
         session.head = None
         self.sessions.set_writer(conv_id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex))
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _notice_template_problem(self, rt) -> None:
         """Tell the user once per loaded model when its chat template could not be used."""
@@ -817,7 +837,7 @@ class EngineWorker:
         problem = chat_template.template_problem(rt.model)
         if problem and self._template_noticed is not rt:
             self._template_noticed = rt
-            self.listener.on_notice("Chat template", problem[0].upper() + problem[1:] + ".")
+            self.listener.emit(Notice("Chat template", problem[0].upper() + problem[1:] + "."))
 
     def _do_resume(self, conv_id: uuid.UUID, n_predict: int | None) -> None:
         conv = self._conv(conv_id)
@@ -875,7 +895,7 @@ class EngineWorker:
         self._branch(conv)
         conv.system_prompt = text
         conv.messages, conv.answer, conv.tokens = [], None, []
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_continue_answer(self, conv_id: uuid.UUID, n_predict: int) -> None:
         conv = self._conv(conv_id)
@@ -906,7 +926,7 @@ class EngineWorker:
         session.close_writer()
         writer = self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
         session.head = writer.head.path if writer.head else head
-        self.listener.on_conversation_changed(self.snapshot(conv))
+        self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_fork(self, conv_id: uuid.UUID, index: int, new_id: uuid.UUID) -> None:
         from engine.checkpoints.format import read_metadata
@@ -939,11 +959,11 @@ class EngineWorker:
                 fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
                     view, self.store, default_line(fork.id), chain[:k]))
                 session.head = fork_writer.save_head(fork, KIND_MANUAL).path   # a delta of metadata only
-                self.listener.on_conversation_changed(self.snapshot(fork))
+                self.listener.emit(ConversationChanged(self.snapshot(fork)))
                 return
         # no file holds that point (compacted away): the fork decodes its prompt when used
         self.sessions.adopt(fork)
-        self.listener.on_conversation_changed(self.snapshot(fork))
+        self.listener.emit(ConversationChanged(self.snapshot(fork)))
 
     def _branch(self, conv: Conversation) -> None:
         """Go on with ``conv`` on a new line of history; its current line keeps its head.
@@ -996,7 +1016,7 @@ class EngineWorker:
         self._generating.set()
         rt.table.start(conv.id)
         try:
-            self.listener.on_generation_started(self.snapshot(conv, branches=False))
+            self.listener.emit(GenerationStarted(self.snapshot(conv, branches=False)))
             assert self._batcher is not None   # made together with the runtime
             self._batcher.add(job, requested_at=requested)
         except BaseException:
@@ -1023,7 +1043,7 @@ class EngineWorker:
         self._batcher.done.clear()   # the Batcher's record of ended jobs: the worker keeps none
         saved = False
         try:
-            self.listener.on_generation_finished(GenerationSummary(
+            self.listener.emit(GenerationSummary(
                 conversation_id=conv.id, finish_reason=result.finish_reason,
                 n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
                 n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
@@ -1062,10 +1082,10 @@ class EngineWorker:
                 # each front end hears which answer ended, under the action that started it
                 if running.request_id is not None:   # as a request's other failures are told
                     self.requests.ended(running.request_id, None, str(exc) or type(exc).__name__)
-                    self.listener.on_error(running.action, str(exc) or type(exc).__name__)
+                    self.listener.emit(Failed(running.action, str(exc) or type(exc).__name__))
                 else:
                     message = self._report_error(running.action, exc, quiet=message is not None)
-                self.listener.on_generation_finished(_failed(conv.id, conv))
+                self.listener.emit(_failed(conv.id, conv))
             except Exception:  # noqa: BLE001 - every other answer must still be ended
                 log.exception("could not report the failed answer of %s", conv_id)
         self._batcher = self._new_batcher()   # the failed one's state is not to be trusted
@@ -1098,23 +1118,23 @@ class EngineWorker:
 
     def _save(self, conv: Conversation, kind: int) -> None:
         kind = head_kind(conv.paused, kind)   # engine.checkpoint_policy: a truthful kind
-        self.listener.on_checkpoint_saving(conv.id, kind)
+        self.listener.emit(CheckpointSaving(conv.id, kind))
         info = self._writer(conv).save_head(conv, kind)
         self.sessions.named(conv.id).head = info.path
         if self.runtime is not None and conv.id in self.runtime.table:
             self.runtime.table.saved(conv.id)   # evicting it now loses nothing
-        self.listener.on_checkpoint_saved(self.snapshot(conv), info.path, info.size, info.seconds, kind)
+        self.listener.emit(CheckpointSaved(self.snapshot(conv), info.path, info.size, info.seconds, kind))
 
     def _autosave(self, conv: Conversation) -> None:
         """Autosave: a delta holding only the cells since the newest file of the line."""
         try:
             info = self._writer(conv).autosave(conv)
         except CheckpointError as exc:
-            self.listener.on_error(cmd.Action.AUTOSAVE, str(exc))
+            self.listener.emit(Failed(cmd.Action.AUTOSAVE, str(exc)))
             return
         self.sessions.named(conv.id).head = info.path
-        self.listener.on_checkpoint_saved(self.snapshot(conv, branches=False), info.path, info.size,
-                                          info.seconds, KIND_AUTOSAVE)
+        self.listener.emit(CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
+                                          info.seconds, KIND_AUTOSAVE))
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:

@@ -14,75 +14,72 @@ from __future__ import annotations
 
 import threading
 import uuid
-from pathlib import Path
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from engine.commands import Action
-from engine.events import ConversationSnapshot, GenerationSummary, ModelInfo, ModelOptions, WorkerListener
+from engine import events as ev
+from engine.events import GenerationSummary, ModelInfo, ModelOptions, WorkerListener
 from engine.worker import EngineWorker
 
 
 class _Listener(WorkerListener):
-    """Runs on the engine thread: turns callbacks into signal emissions."""
+    """Runs on the engine thread: turns the engine's events into signal emissions."""
 
     def __init__(self, bridge: EngineBridge) -> None:
         self.b = bridge
 
-    def on_model_loading(self, fraction: float) -> None:
-        self.b.model_loading.emit(float(fraction))
+    def on_model_loading(self, e: ev.ModelLoading) -> None:
+        self.b.model_loading.emit(float(e.fraction))
 
-    def on_model_loaded(self, info: ModelInfo) -> None:
-        self.b.model_loaded.emit(info)
+    def on_model_loaded(self, e: ev.ModelLoaded) -> None:
+        self.b.model_loaded.emit(e.info)
 
-    def on_model_failed(self, message: str) -> None:
-        self.b.model_failed.emit(message)
+    def on_model_failed(self, e: ev.ModelFailed) -> None:
+        self.b.model_failed.emit(e.message)
 
-    def on_conversation_changed(self, snap: ConversationSnapshot) -> None:
-        self.b.conversation_changed.emit(snap)
+    def on_conversation_changed(self, e: ev.ConversationChanged) -> None:
+        self.b.conversation_changed.emit(e.snap)
 
-    def on_generation_started(self, snap: ConversationSnapshot) -> None:
-        self.b.generation_started.emit(snap)
+    def on_generation_started(self, e: ev.GenerationStarted) -> None:
+        self.b.generation_started.emit(e.snap)
 
-    def on_prefill_progress(self, conv_id: uuid.UUID, done: int, total: int) -> None:
-        self.b.prefill_progressed.emit(conv_id, done, total)
+    def on_prefill_progress(self, e: ev.PrefillProgress) -> None:
+        self.b.prefill_progressed.emit(e.conv_id, e.done, e.total)
 
-    def on_text(self, conv_id: uuid.UUID, delta: str) -> None:
-        self.b._buffer_text(conv_id, delta)
+    def on_text(self, e: ev.TextDelta) -> None:
+        self.b._buffer_text(e.conv_id, e.delta)
 
-    def on_progress(self, conv_id: uuid.UUID, n_tokens: int, n_generated: int,
-                    tokens_per_s: float) -> None:
-        self.b._buffer_progress(conv_id, n_tokens, n_generated, tokens_per_s)
+    def on_progress(self, e: ev.Progress) -> None:
+        self.b._buffer_progress(e.conv_id, e.n_tokens, e.n_generated, e.tokens_per_s)
 
-    def on_generation_finished(self, summary: GenerationSummary) -> None:
-        self.b._finished_raw.emit(summary)
+    def on_generation_finished(self, e: GenerationSummary) -> None:
+        self.b._finished_raw.emit(e)
 
-    def on_checkpoint_saving(self, conv_id: uuid.UUID, kind: int) -> None:
-        self.b.checkpoint_saving.emit(conv_id, kind)
+    def on_checkpoint_saving(self, e: ev.CheckpointSaving) -> None:
+        self.b.checkpoint_saving.emit(e.conv_id, e.kind)
 
-    def on_checkpoint_saved(self, snap, path: Path, size: int, seconds: float, kind: int) -> None:
-        self.b.checkpoint_saved.emit(snap, str(path), int(size), float(seconds), int(kind))
+    def on_checkpoint_saved(self, e: ev.CheckpointSaved) -> None:
+        self.b.checkpoint_saved.emit(e.snap, str(e.path), int(e.size), float(e.seconds), int(e.kind))
 
-    def on_conversation_deleted(self, conv_id: uuid.UUID) -> None:
-        self.b.conversation_deleted.emit(conv_id)
+    def on_conversation_deleted(self, e: ev.ConversationDeleted) -> None:
+        self.b.conversation_deleted.emit(e.conv_id)
 
-    def on_conversation_activated(self, conv_id: uuid.UUID, resident: bool, n_restored: int,
-                                  seconds: float) -> None:
-        self.b.conversation_activated.emit(conv_id, bool(resident), int(n_restored), float(seconds))
+    def on_conversation_activated(self, e: ev.ConversationActivated) -> None:
+        self.b.conversation_activated.emit(e.conv_id, bool(e.resident), int(e.n_restored), float(e.seconds))
 
-    def on_notice(self, title: str, message: str) -> None:
-        self.b.notice_posted.emit(title, message)
+    def on_notice(self, e: ev.Notice) -> None:
+        self.b.notice_posted.emit(e.title, e.message)
 
-    def on_context_full(self, conv_id: uuid.UUID, text: str, message: str) -> None:
-        self.b.context_full.emit(conv_id, text, message)
+    def on_context_full(self, e: ev.NoRoomToAnswer) -> None:
+        self.b.context_full.emit(e.conv_id, e.text, e.message)
 
-    def on_exported(self, source: Path, target: Path) -> None:
-        self.b.checkpoint_exported.emit(str(source), str(target))
+    def on_exported(self, e: ev.Exported) -> None:
+        self.b.checkpoint_exported.emit(str(e.source), str(e.target))
 
-    def on_error(self, action: Action, message: str) -> None:
-        self.b.engine_failed.emit(action, message)
+    def on_error(self, e: ev.Failed) -> None:
+        self.b.engine_failed.emit(e.action, e.message)
 
-    def on_stopped(self) -> None:
+    def on_stopped(self, e: ev.Stopped) -> None:
         self.b.engine_stopped.emit()
 
 

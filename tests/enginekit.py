@@ -12,7 +12,7 @@ WINDOW_SEED = 1234
 
 
 class Recorder(WorkerListener):
-    """Records the engine thread's callbacks as ("kind", ...) tuples; waits for them."""
+    """Records the engine thread's events as ("kind", ...) tuples; waits for them."""
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
@@ -23,31 +23,31 @@ class Recorder(WorkerListener):
             self.events.append(event)
             self.cond.notify_all()
 
-    def on_model_loaded(self, info):
-        self._add("loaded", info)
+    def on_model_loaded(self, e):
+        self._add("loaded", e.info)
 
-    def on_generation_started(self, snap):
-        self._add("started", snap)
+    def on_generation_started(self, e):
+        self._add("started", e.snap)
 
     def on_generation_finished(self, summary):
         self._add("finished", summary)
 
-    def on_conversation_activated(self, conv_id, resident, n_restored, seconds):
-        self._add("activated", conv_id, resident, n_restored)
+    def on_conversation_activated(self, e):
+        self._add("activated", e.conv_id, e.resident, e.n_restored)
 
-    def on_checkpoint_saved(self, snap, path, size, seconds, kind):
-        self._add("saved", snap, path, kind)
+    def on_checkpoint_saved(self, e):
+        self._add("saved", e.snap, e.path, e.kind)
 
-    def on_conversation_changed(self, snap):
-        self._add("changed", snap)
+    def on_conversation_changed(self, e):
+        self._add("changed", e.snap)
 
-    def on_text(self, conv_id, text):
-        self._add("text", conv_id, text)
+    def on_text(self, e):
+        self._add("text", e.conv_id, e.delta)
 
-    def on_error(self, action, message):
-        self._add("error", action, message)
+    def on_error(self, e):
+        self._add("error", e.action, e.message)
 
-    def on_stopped(self):
+    def on_stopped(self, e):
         self._add("stopped")
 
     def wait(self, kind: str, count: int = 1, timeout: float = 300) -> list[tuple]:

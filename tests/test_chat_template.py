@@ -46,8 +46,8 @@ def test_the_worker_tells_the_user_once(smollm_path, tmp_path, monkeypatch):
         def __init__(self):
             self.notices, self.finished = [], threading.Semaphore(0)
 
-        def on_notice(self, title, message):
-            self.notices.append((title, message))
+        def on_notice(self, e):
+            self.notices.append((e.title, e.message))
 
         def on_generation_finished(self, summary):
             self.finished.release()

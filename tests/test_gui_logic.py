@@ -42,6 +42,7 @@ def test_worker_imports_native_only_lazily():
 
 def test_bridge_batches_tokens_into_few_deliveries(qtbot):
     from engine.checkpoints.store import Store
+    from engine.events import TextDelta
     from gui.bridge import EngineBridge
     bridge = EngineBridge(Store(Path("unused")))
     got = []
@@ -49,7 +50,7 @@ def test_bridge_batches_tokens_into_few_deliveries(qtbot):
     cid = uuid.uuid4()
     listener = bridge.worker.listener
     for i in range(1000):              # as fast as an engine could ever produce them
-        listener.on_text(cid, f"{i} ")
+        listener.emit(TextDelta(cid, f"{i} "))
     qtbot.waitUntil(lambda: "".join(got) == "".join(f"{i} " for i in range(1000)), timeout=2000)
     assert len(got) == 1               # one delivery, not a thousand
 

@@ -115,7 +115,7 @@ def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
     class Failing(Recorder):
         deltas = 0
 
-        def on_text(self, conv_id, text):
+        def on_text(self, e):
             Failing.deltas += 1
             if Failing.deltas == 6:
                 raise RuntimeError("a bug in a listener")
@@ -152,7 +152,7 @@ def test_a_pause_before_the_first_token_stops_the_answer_there(worker):
     gate = threading.Event()
 
     class Hold(WorkerListener):   # the engine thread waits in the first callback it makes
-        def on_conversation_changed(self, snap):
+        def on_conversation_changed(self, e):
             gate.wait()
     hold = Hold()
     w.add_listener(hold)

@@ -389,8 +389,8 @@ def test_the_window_reads_a_checkpoint_of_another_layout_again(tiny_model_path, 
     from engine.worker import EngineWorker, ModelOptions
 
     class Listener(Recorder):
-        def on_notice(self, title, message):
-            self._add("notice", title, message)
+        def on_notice(self, e):
+            self._add("notice", e.title, e.message)
 
     path = tiny_model_path("lfm2")
     rt = Runtime(path, memkit.SETTINGS)

@@ -201,19 +201,18 @@ class FakeWorker:
         pass
 
     def complete(self, request) -> None:
-        from engine.events import ConversationSnapshot, GenerationSummary
+        from engine.events import ConversationSnapshot, GenerationSummary, RequestFinished, RequestStarted, TextDelta
         link, conv = self.links[0], uuid.uuid4()
         snap = ConversationSnapshot(id=conv, title="t", transcript=(), paused=False, n_tokens=0, n_ctx=512,
                                     seed=1, checkpoint=None)
         loop = asyncio.get_running_loop()
 
         def run() -> None:   # as the engine thread would: events in order
-            link.on_request_started(request.request_id, snap)
+            link.on_event(RequestStarted(request.request_id, snap))
             for piece in self.pieces:
-                link.on_text(conv, piece)
-            link.on_generation_finished(GenerationSummary(conv, "stop", len(self.pieces), 5, 0, 1.0,
-                                                          "".join(self.pieces)))
-            link.on_request_finished(request.request_id, conv, None)
+                link.on_event(TextDelta(conv, piece))
+            link.on_event(GenerationSummary(conv, "stop", len(self.pieces), 5, 0, 1.0, "".join(self.pieces)))
+            link.on_event(RequestFinished(request.request_id, conv, None))
         loop.call_soon(run)
 
 

@@ -254,17 +254,17 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
     class Requests(Recorder):
         fail_text = False
 
-        def on_text(self, conv_id, text):
-            super().on_text(conv_id, text)
+        def on_text(self, e):
+            super().on_text(e)
             if self.fail_text:
                 self.fail_text = False
                 raise RuntimeError("a bug in a front end")
 
-        def on_request_finished(self, request_id, conv_id, checkpoint):
-            self._add("done", request_id, conv_id, checkpoint)
+        def on_request_finished(self, e):
+            self._add("done", e.request_id, e.conv_id, e.checkpoint)
 
-        def on_request_failed(self, request_id, refusal):
-            self._add("refused", request_id, refusal)
+        def on_request_failed(self, e):
+            self._add("refused", e.request_id, e.refusal)
 
     rec = Requests()
     w = EngineWorker(rec, Store(tmp_path / "store"))

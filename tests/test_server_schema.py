@@ -110,14 +110,15 @@ def test_response_shapes():
 
 def test_listeners_share_one_worker_and_an_added_ones_failure_stays_its_own():
     from engine.checkpoints.store import Store
+    from engine.events import RequestFailed, RequestRefusal, TextDelta
     from engine.worker import EngineWorker, WorkerListener
 
     class Recording(WorkerListener):
         def __init__(self, fail: bool = False) -> None:
             self.texts, self.fail = [], fail
 
-        def on_text(self, conv_id, delta):
-            self.texts.append(delta)
+        def on_text(self, e):
+            self.texts.append(e.delta)
             if self.fail:
                 raise RuntimeError("listener bug")
 
@@ -127,14 +128,14 @@ def test_listeners_share_one_worker_and_an_added_ones_failure_stays_its_own():
     worker.add_listener(failing)          # once is enough
     worker.add_listener(third)
     cid = uuid.uuid4()
-    worker.listener.on_text(cid, "a")     # the added listener's bug is logged, not raised
+    worker.listener.emit(TextDelta(cid, "a"))     # the added listener's bug is logged, not raised
     worker.remove_listener(failing)
-    worker.listener.on_text(cid, "b")
-    worker.listener.on_request_failed("r", None)   # a callback not every listener overrides
+    worker.listener.emit(TextDelta(cid, "b"))
+    worker.listener.emit(RequestFailed("r", RequestRefusal("failed", "x")))   # an event not every listener hears
     assert first.texts == ["a", "b"] and failing.texts == ["a"] and third.texts == ["a", "b"]
     primary = Recording(fail=True)
     worker.listener = primary             # assigning replaces the first listener only
     assert worker.listener.members == (primary, third)
     with pytest.raises(RuntimeError):     # the first listener's failure reaches the engine, as before
-        worker.listener.on_text(cid, "c")
+        worker.listener.emit(TextDelta(cid, "c"))
     assert third.texts == ["a", "b", "c"]

@@ -144,11 +144,11 @@ def test_requests_beyond_the_free_sequences_wait_and_the_rest_run_at_once(smollm
     from engine.requests import CompletionRequest
 
     class Requests(Recorder):
-        def on_request_started(self, request_id, snap):
-            self._add("req-started", request_id)
+        def on_request_started(self, e):
+            self._add("req-started", e.request_id)
 
-        def on_request_finished(self, request_id, conv_id, checkpoint):
-            self._add("req-done", request_id)
+        def on_request_finished(self, e):
+            self._add("req-done", e.request_id)
 
     rec = Requests()
     w = EngineWorker(rec, Store(tmp_path / "store"))

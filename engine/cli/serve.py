@@ -22,7 +22,7 @@ import threading
 from engine.cli.output import EXIT_OK
 from engine.commands import Action
 from engine.errors import AppError
-from engine.events import ModelInfo, WorkerListener
+from engine.events import Failed, GenerationSummary, ModelFailed, ModelInfo, ModelLoaded, Notice, WorkerListener
 
 API_KEY_ENV = "CHECKPOINT_CHAT_API_KEY"
 #: conversations kept open besides the one in the cache (EngineWorker.request_conversations_kept)
@@ -37,25 +37,25 @@ class _ServeListener(WorkerListener):
         self.info: ModelInfo | None = None
         self.failure: str | None = None
 
-    def on_model_loaded(self, info) -> None:
-        self.info = info
+    def on_model_loaded(self, e: ModelLoaded) -> None:
+        self.info = e.info
         self.settled.set()
 
-    def on_model_failed(self, message: str) -> None:
-        self.failure = message
+    def on_model_failed(self, e: ModelFailed) -> None:
+        self.failure = e.message
         self.settled.set()
 
-    def on_generation_finished(self, summary) -> None:
+    def on_generation_finished(self, summary: GenerationSummary) -> None:
         ttft = f", first token after {summary.ttft_s:.2f} s" if summary.ttft_s is not None else ""
         print(f"[ANSWER] {summary.n_prompt_tokens} prompt tokens ({summary.n_reused_tokens} restored), "
               f"{summary.n_generated} generated, {summary.finish_reason}{ttft}", file=sys.stderr, flush=True)
 
-    def on_error(self, action: Action, message: str) -> None:
-        if action is not Action.LOAD_MODEL:   # that one ends the command, as its one error line
-            print(f"warning: could not {action}: {message}", file=sys.stderr, flush=True)
+    def on_error(self, e: Failed) -> None:
+        if e.action is not Action.LOAD_MODEL:   # that one ends the command, as its one error line
+            print(f"warning: could not {e.action}: {e.message}", file=sys.stderr, flush=True)
 
-    def on_notice(self, title: str, message: str) -> None:
-        print(f"note: {message}", file=sys.stderr, flush=True)
+    def on_notice(self, e: Notice) -> None:
+        print(f"note: {e.message}", file=sys.stderr, flush=True)
 
 
 def server_options(args):

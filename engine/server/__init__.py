@@ -2,7 +2,7 @@
 
 HTTP runs on an asyncio loop; answers run on the engine thread.  The server speaks to
 the engine only through :class:`engine.worker.EngineWorker`'s public face (``complete``, ``model_info``,
-``cancel_request``, ``add_listener`` and the listener's ``on_request_*`` callbacks); what
+``cancel_request``, ``add_listener`` and the ``Request*`` events of engine.events); what
 the engine thread does for a request — find the conversation it continues or the stored
 checkpoint sharing its longest prefix, restore, generate, save — is the core's
 (:mod:`engine.requests`).  Nothing in the engine core imports this package (a test says so).

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.events import GenerationSummary
+from engine.events import GenerationSummary, RequestRefusal
 from engine.reasoning import ANSWER, Splitter, split
 from engine.requests import (
     CANCELLED,
@@ -40,7 +40,6 @@ from engine.requests import (
     NOT_READY,
     SHUTTING_DOWN,
     CompletionRequest,
-    RequestRefusal,
 )
 from engine.server import shapes
 from engine.server.link import EngineLink, Job

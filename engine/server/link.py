@@ -20,10 +20,18 @@ import asyncio
 import logging
 import threading
 import uuid
-from pathlib import Path
 
-from engine.events import ConversationSnapshot, GenerationSummary, WorkerListener
-from engine.requests import SHUTTING_DOWN, RequestRefusal
+from engine.events import (
+    GenerationSummary,
+    RequestFailed,
+    RequestFinished,
+    RequestRefusal,
+    RequestStarted,
+    Stopped,
+    TextDelta,
+    WorkerListener,
+)
+from engine.requests import SHUTTING_DOWN
 
 log = logging.getLogger("engine")
 
@@ -80,35 +88,35 @@ class EngineLink(WorkerListener):
         with self._lock:
             return self._jobs.get(request_id)
 
-    def on_request_started(self, request_id: str, snap: ConversationSnapshot) -> None:
-        job = self._job(request_id)
+    def on_request_started(self, e: RequestStarted) -> None:
+        job = self._job(e.request_id)
         if job is not None:
-            self._by_conv[snap.id] = job
-            job.post("started", snap)
+            self._by_conv[e.snap.id] = job
+            job.post("started", e.snap)
 
-    def on_text(self, conv_id: uuid.UUID, delta: str) -> None:
-        job = self._by_conv.get(conv_id)
+    def on_text(self, e: TextDelta) -> None:
+        job = self._by_conv.get(e.conv_id)
         if job is not None:
-            job.post("text", delta)
+            job.post("text", e.delta)
 
     def on_generation_finished(self, summary: GenerationSummary) -> None:
         job = self._by_conv.get(summary.conversation_id)
         if job is not None:
             job.post("finished", summary)
 
-    def on_request_finished(self, request_id: str, conv_id: uuid.UUID, checkpoint: Path | None) -> None:
-        self._by_conv.pop(conv_id, None)
-        job = self._job(request_id)
+    def on_request_finished(self, e: RequestFinished) -> None:
+        self._by_conv.pop(e.conv_id, None)
+        job = self._job(e.request_id)
         if job is not None:
-            job.post("done", checkpoint)
+            job.post("done", e.checkpoint)
 
-    def on_request_failed(self, request_id: str, refusal: RequestRefusal) -> None:
-        job = self._job(request_id)
+    def on_request_failed(self, e: RequestFailed) -> None:
+        job = self._job(e.request_id)
         self._by_conv = {c: j for c, j in self._by_conv.items() if j is not job}
         if job is not None:
-            job.post("failed", refusal)
+            job.post("failed", e.refusal)
 
-    def on_stopped(self) -> None:
+    def on_stopped(self, e: Stopped) -> None:
         self._by_conv = {}
         for job in self.jobs():
             job.post("failed", RequestRefusal(SHUTTING_DOWN, "the engine stopped"))

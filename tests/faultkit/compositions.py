@@ -56,14 +56,14 @@ class Driver:
         self.errors: list[tuple] = []
 
         class Listener(WorkerListener):
-            def on_text(self, conv_id, text):
+            def on_text(self, e):
                 driver.texts += 1
                 if driver.pause_after is not None and driver.texts >= driver.pause_after:
                     driver.pause_after = None
                     driver.worker.pause()   # on the engine thread: lands before the next token
 
-            def on_error(self, action, message):
-                driver.errors.append((action, message))
+            def on_error(self, e):
+                driver.errors.append((e.action, e.message))
 
         self.worker = EngineWorker(Listener(), self.store)
         self.worker.autosave_every = 4
