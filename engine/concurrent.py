@@ -181,7 +181,7 @@ class Batcher:
                 continue   # paused: the next step stops them (or goes on from where they are)
             job.listener.on_prefill_progress(end, len(job.conv.tokens))
             if end in self._marks(job) and end < len(job.conv.tokens):
-                prt.keep_mark(job.seq)
+                prt.keep_snapshot(job.seq)
             if end == len(job.conv.tokens):
                 if self.autosave is not None and job.checkpoint_prompt and report.n_decoded >= job.checkpoint_prompt:
                     self._callback(self.autosave, job)

@@ -110,16 +110,17 @@ def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_pre
         previous = cut_to_history(conv, runtime)
     conv.messages.append(("user", user_text))
     prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
-    kept = previous is not None and prompt.startswith(previous)
-    n_kept = len(conv.tokens) if kept else 0
-    if kept:
+    if previous is not None and not prompt.startswith(previous):
+        previous = None
+    n_kept = len(conv.tokens) if previous is not None else 0
+    if previous is not None:
         # the tokens the model has seen stay as they were, the new turn follows them: the
         # conversation's state stays a prefix of the next one (no tail decoded again, a
         # delta checkpoint on the last one), whatever re-tokenising the answer would give
         conv.tokens = conv.tokens + runtime.model.tokenize(prompt[len(previous):], add_special=False)
     else:
         conv.tokens = runtime.model.tokenize_prompt(prompt)
-    marks = turn_marks(conv, runtime.model, prompt, previous if kept else None, n_kept) \
+    marks = turn_marks(conv, runtime.model, prompt, previous, n_kept) \
         if runtime.model.memory_kind else ()
     conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict, marks=marks)
 
@@ -140,9 +141,9 @@ def turn_marks(conv: Conversation, model, prompt: str, previous: str | None, n_k
         return ()
     # where the message starts: the template's text for it with other words in its place
     # parts from the prompt there
-    probes = [chat_template.render_quietly(model, messages[:-1] + [("user", word)], add_assistant=False)
+    probes = [chat_template.render_quietly(model, messages[:-1] + [("user", word)], add_assistant=False) or ""
               for word in ("x", "y")]
-    starts = os.path.commonprefix(probes) if None not in probes else ""
+    starts = os.path.commonprefix(probes) if all(probes) else ""
     turn = chat_template.render_quietly(model, messages, add_assistant=False) or ""
     marks = set()
     for cut in (starts, turn):

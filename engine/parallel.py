@@ -230,7 +230,7 @@ class ParallelRuntime:
             del held.tokens[snapshot.n_tokens:]
             self._forget_logits(seq)
             if snapshot.logits is not None:
-                held.logits_len, held.logits, held.row, held.logits_alone = snapshot.n_tokens, snapshot.logits, -1, False
+                held.logits_len, held.logits, held.row = snapshot.n_tokens, snapshot.logits, -1
         else:
             self.drop(seq)
         return len(self._held[seq].tokens)
@@ -273,22 +273,21 @@ class ParallelRuntime:
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
                 held.logits_alone = len(chunks) == 1 and len(tokens) == 1
-                if self.shape.has_recurrent:   # the end of a prompt: see engine.snapshots
-                    held.snapshots.add(PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq),
-                                                           recurrent_only=self.shape.snapshot_recurrent_only),
-                                       held.tokens)
+                self.keep_snapshot(seq, logits=self.logits(seq))   # the end of a prompt
             else:
                 self._forget_logits(seq)
         return True
 
-    def keep_mark(self, seq: int) -> None:
-        """Keep a snapshot of ``seq`` where it is now: a recurrent memory's prompt mark, which
-        a chunk of its prompt ended at (engine.snapshots)."""
+    def keep_snapshot(self, seq: int, tokens: Sequence[int] | None = None,
+                      logits: np.ndarray | None = None) -> None:
+        """A recurrent memory keeps ``seq``'s state now, holding ``tokens`` (by default what
+        it holds; with ``logits`` after them, if known), to go back to (engine.snapshots):
+        a prompt's mark that a chunk ended at, a file of a restored chain."""
         held = self._held[seq]
         if self.shape.has_recurrent:
-            held.snapshots.add(PromptSnapshot.take(self.ctx, seq, held.tokens, None,
-                                                   recurrent_only=self.shape.snapshot_recurrent_only),
-                               held.tokens)
+            tokens = held.tokens if tokens is None else tokens
+            held.snapshots.add(PromptSnapshot.take(self.ctx, seq, tokens, logits,
+                                                   recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
     def decode_tokens(self, tokens: dict[int, int]) -> None:
         """One decode of one token per sequence (``{seq: token}``), each with its logits."""
@@ -411,6 +410,9 @@ class _Slot:
 
     def forget_logits(self) -> None:
         self.prt._forget_logits(self.seq)
+
+    def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        self.prt.keep_snapshot(self.seq, tokens, logits)
 
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         held = self.prt._held[self.seq]

@@ -234,9 +234,7 @@ class Runtime:
             report.n_decoded += len(chunk)
             pos = end
             if end in marks and end < total:
-                self._snapshots.add(PromptSnapshot.take(self.ctx, 0, self.kv_tokens, None,
-                                                        recurrent_only=self.shape.snapshot_recurrent_only),
-                                    self.kv_tokens)
+                self.keep_snapshot(self.kv_tokens)
             if on_progress:
                 on_progress(pos, total)
         self.ctx.clear_abort()
@@ -244,12 +242,16 @@ class Runtime:
             self._set_live_logits(alone=len(chunk) == 1)
             self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
                                    self.ctx.logits_last().copy())
-            if self.shape.has_recurrent:
-                self._snapshots.add(PromptSnapshot.take(self.ctx, 0, self.kv_tokens, self._prompt_logits[2],
-                                                        recurrent_only=self.shape.snapshot_recurrent_only),
-                                    self.kv_tokens)
+            self.keep_snapshot(self.kv_tokens, self._prompt_logits[2])
         report.seconds = time.perf_counter() - started
         return report
+
+    def keep_snapshot(self, tokens: Sequence[int], logits: np.ndarray | None = None) -> None:
+        """A recurrent memory keeps the cache's state now, holding ``tokens`` (with ``logits``
+        after them, if known), to go back to (engine.snapshots); other memories trim."""
+        if self.shape.has_recurrent:
+            self._snapshots.add(PromptSnapshot.take(self.ctx, 0, tokens, logits,
+                                                    recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
     def decode_token(self, token: int) -> None:
         """Append one sampled token to the cache; its logits become current."""
@@ -465,6 +467,9 @@ class _Slot:
         self.rt._forget_logits()
         self.rt._prompt_logits = None
         self.rt._snapshots.clear()
+
+    def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        self.rt.keep_snapshot(tokens, logits)
 
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.rt.kv_tokens = tokens

@@ -282,6 +282,36 @@ def test_regenerate_reads_nothing_again(arch, tiny_model_path):
 
 
 @pytest.mark.parametrize("arch", NOT_CONTROL)
+def test_regenerate_after_a_restore_reads_nothing_again(arch, tiny_model_path, tmp_path):
+    """In a new process, Regenerate of a restored answer goes back to the chain's file at
+    the end of its prompt (a snapshot kept while restoring), reads nothing again, and
+    draws what Regenerate in the first process drew, bit for bit."""
+    from engine.checkpoints.format import KIND_AUTOSAVE
+    from engine.generation import discard_answer
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        rt.prefill(conv.tokens)
+        prompt = rt.save(tmp_path / "prompt.kvckpt", conv, KIND_AUTOSAVE)   # as an answer's first autosave
+        generate(rt, conv)
+        rt.save(tmp_path / "answer.kvckpt", conv, KIND_PAUSE, parent=prompt)
+        discard_answer(conv)
+        again = generate(rt, conv)
+        expected = memkit.fingerprint(rt, again.text)
+    finally:
+        rt.close()
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        restored = rt.restore_chain(load_chain(tmp_path / "answer.kvckpt"))
+        discard_answer(restored)
+        regen = generate(rt, restored)
+        assert (regen.n_reused_tokens, regen.n_prefilled) == (regen.n_prompt_tokens, 0)
+        assert memkit.fingerprint(rt, regen.text) == expected
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", NOT_CONTROL)
 def test_an_edit_is_read_from_where_the_message_started(arch, tiny_model_path):
     """Editing the last user message goes back to the snapshot kept where that message
     started (Answer.marks), not to the start: only the new message is read, and the answer,
