@@ -12,6 +12,8 @@ and so widen every gap measured here.  For each, in one process, side by side (b
   restoring its checkpoint (read, verify, set the state, sample);
 * Regenerate of the last answer: the snapshot at the end of the prompt (engine.snapshots)
   against re-reading the conversation, which is what llama-server does for these models;
+* an Edit of the last user message (a long first turn given, then a short question): from
+  the snapshot kept where that message started (Answer.marks) against re-reading;
 * an autosave delta (16 new tokens) against a full save of the same conversation;
 * the state's bytes: per token, and the fixed recurrent part.
 
@@ -33,11 +35,11 @@ for extra in (ROOT, ROOT / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from benchmarks.common import prompt_tokens  # noqa: E402
+from benchmarks.common import prompt_text, prompt_tokens  # noqa: E402
 from engine.checkpoints.chain import load_chain  # noqa: E402
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header  # noqa: E402
 from engine.conversation import Conversation  # noqa: E402
-from engine.generation import Answer, discard_answer, generate  # noqa: E402
+from engine.generation import Answer, begin_answer, commit_answer, discard_answer, generate  # noqa: E402
 from engine.runtime import Runtime  # noqa: E402
 from engine.sampling import SamplerSettings  # noqa: E402
 from native.context import ContextSettings  # noqa: E402
@@ -62,6 +64,32 @@ def _restore_first_token(rt: Runtime, path: Path) -> None:
     c = rt.restore_chain(load_chain(path))
     c.answer = Answer(n_prompt_tokens=len(c.tokens), n_predict=1)
     generate(rt, c)
+
+
+def _edit_first_token(rt: Runtime, n_tokens: int, repeats: int) -> tuple[float, float]:
+    """An Edit of the second user message of a conversation whose first turn is about
+    ``n_tokens`` long, to its first token: (from the mark, re-reading the whole prompt)."""
+    long_text = rt.model.detokenize(prompt_tokens(rt.model, n_tokens - 64)[1:])
+    conv = Conversation(messages=[("user", long_text), ("assistant", prompt_text(1))],
+                        sampler=SamplerSettings(temperature=0.8, seed=5, ignore_eos=True))
+    begin_answer(conv, rt, "What happened next?", n_predict=8)
+    generate(rt, conv)
+    commit_answer(conv)
+    from_mark, reread = [], []
+    for k in range(repeats):
+        for times, clear in ((from_mark, False), (reread, True)):
+            generate(rt, _edited(conv, rt, k))            # the cache holds another edit...
+            edit = _edited(conv, rt, k + 1)
+            if clear:
+                rt.trim(0)
+            times.append(_timed(lambda edit=edit: generate(rt, edit, stop_after=1)))   # ...then this one
+    return min(from_mark), min(reread)
+
+
+def _edited(conv: Conversation, rt: Runtime, k: int) -> Conversation:
+    edit = Conversation(messages=conv.messages[:2], sampler=conv.sampler, tokens=list(conv.tokens))
+    begin_answer(edit, rt, f"Who was the keeper, number {k}?", n_predict=8)
+    return edit
 
 
 def measure(arch: str, model: Path, n_tokens: int, repeats: int, folder: Path) -> dict:
@@ -90,6 +118,8 @@ def measure(arch: str, model: Path, n_tokens: int, repeats: int, folder: Path) -
             reread.append(_timed(lambda: generate(rt, conv, stop_after=1)))
             generate(rt, conv)
         rt.trim(0)
+        edit, edit_reread = _edit_first_token(rt, n_tokens, repeats)
+        rt.trim(0)
         rt.prefill(tokens[:1])
         fixed = rt.ctx.state_size(0)   # one token: the recurrent part and one attention cell
     finally:
@@ -110,7 +140,8 @@ def measure(arch: str, model: Path, n_tokens: int, repeats: int, folder: Path) -
     per_token = (state_at_prompt - fixed) / max(1, n_tokens - 1)
     fixed -= per_token
     return {"arch": arch, "kind": kind, "restore": min(restore), "prefill": min(prefill),
-            "regen": min(regen), "reread": min(reread), "delta": delta_state, "whole": whole_state,
+            "regen": min(regen), "reread": min(reread), "edit": edit, "edit_reread": edit_reread,
+            "delta": delta_state, "whole": whole_state,
             "fixed": round(fixed), "per_token": per_token, "file": full.size}
 
 
@@ -160,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\nRegenerate the last answer, to its first token: snapshot vs re-reading the conversation:")
     print(table(["model", "re-read", "snapshot", "faster"],
                 [[r["arch"], ms(r["reread"]), ms(r["regen"]), f"{r['reread'] / r['regen']:.1f}x"] for r in results]))
+    print("\nEdit the last user message, to the first token: from where it started vs re-reading:")
+    print(table(["model", "re-read", "from the mark", "faster"],
+                [[r["arch"], ms(r["edit_reread"]), ms(r["edit"]), f"{r['edit_reread'] / r['edit']:.1f}x"]
+                 for r in results]))
     print("\nAutosave of 16 new tokens: delta state vs full state; state bytes by memory kind:")
     print(table(["model", "memory", "delta", "full", "delta/full", "per token", "fixed (recurrent)"],
                 [[r["arch"], r["kind"], f"{r['delta']:,} B", f"{r['whole']:,} B", f"{r['delta'] / r['whole']:.3f}",

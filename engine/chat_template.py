@@ -97,21 +97,43 @@ def render_plain(messages: Sequence[Message], add_assistant: bool) -> str:
 
 def render(model, messages: Sequence[Message], add_assistant: bool) -> str:
     """The prompt text for ``messages`` under ``model``'s template."""
-    think = think_format(model)
     problems: list[str] = []
+    text = _render_template(model, messages, add_assistant, problems)
+    if text is not None:
+        return text
+    if model.chat_template:
+        _problems[model] = (f"the model's chat template could not be used ({problems[0]}); the "
+                            "conversation is sent as a plain User:/Assistant: transcript, which "
+                            "the model may answer worse")
+    return render_plain(messages, add_assistant)
+
+
+def render_quietly(model, messages: Sequence[Message], add_assistant: bool) -> str | None:
+    """:func:`render`'s text where the model's template renders ``messages``, else None:
+    nothing logged or told to the user (a probe, e.g. engine.generation.turn_marks, may
+    give a template messages it refuses, such as a system prompt without a user message)."""
+    return _render_template(model, messages, add_assistant, None)
+
+
+def _render_template(model, messages: Sequence[Message], add_assistant: bool,
+                     problems: list[str] | None) -> str | None:
+    """The template's text (the model's own Jinja where it thinks, then llama.cpp's
+    built-in templates, then the Jinja), or the plain transcript when the model has no
+    template; None when its template fails (``problems`` gets why, and it is logged; no
+    list: a quiet probe)."""
+    quiet = problems is None
+    think = think_format(model)
     if think is not None:
-        text = render_jinja(model.chat_template, messages, add_assistant, problems=problems, think=think)
+        text = render_jinja(model.chat_template, messages, add_assistant, problems=problems, think=think,
+                            quiet=quiet)
         if text is not None:
             return text
     text = model.apply_chat_template_native(messages, add_assistant)
     if text is not None:
         return text
     template = model.chat_template
-    if template:
-        text = None if problems else render_jinja(template, messages, add_assistant, problems=problems)
-        if text is not None:
-            return text
-        _problems[model] = (f"the model's chat template could not be used ({problems[0]}); the "
-                            "conversation is sent as a plain User:/Assistant: transcript, which "
-                            "the model may answer worse")
-    return render_plain(messages, add_assistant)
+    if not template:
+        return render_plain(messages, add_assistant)
+    if think is not None:
+        return None   # its Jinja failed above already
+    return render_jinja(template, messages, add_assistant, problems=problems, quiet=quiet)

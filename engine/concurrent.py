@@ -154,7 +154,7 @@ class Batcher:
         chunks, room = [], prt.batch.capacity
         for job in self._prefilling:
             tokens, pos = job.conv.tokens, len(prt.tokens(job.seq))
-            end = chunk_end(pos, len(tokens), step)
+            end = chunk_end(pos, len(tokens), step, self._marks(job))
             if end - pos > room:
                 continue
             room -= end - pos
@@ -180,10 +180,17 @@ class Batcher:
             if not complete:
                 continue   # paused: the next step stops them (or goes on from where they are)
             job.listener.on_prefill_progress(end, len(job.conv.tokens))
+            if end in self._marks(job) and end < len(job.conv.tokens):
+                prt.keep_snapshot(job.seq)
             if end == len(job.conv.tokens):
                 if self.autosave is not None and job.checkpoint_prompt and report.n_decoded >= job.checkpoint_prompt:
                     self._callback(self.autosave, job)
                 self._start(job)
+
+    def _marks(self, job: Job) -> tuple[int, ...]:
+        """Where ``job``'s prompt is cut for a recurrent memory's snapshots (Answer.marks)."""
+        answer = job.conv.answer
+        return answer.marks if answer is not None and self.prt.shape.has_recurrent else ()
 
     def _abort_prefill(self, job: Job) -> None:
         report, _ = self._prefilling.pop(job)

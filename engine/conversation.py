@@ -18,6 +18,10 @@ from engine.sampling import SamplerSettings
 ROLES = ("system", "user", "assistant")
 
 
+#: marks an answer's prompt may carry (Answer.marks)
+MAX_MARKS = 4
+
+
 @dataclass
 class Answer:
     """The assistant answer being generated (or paused, or just finished)."""
@@ -28,6 +32,11 @@ class Answer:
     finish_reason: str | None = None   # None while unfinished; "stop", "length", "stop_string", "context_full"
     emitted: int = 0             # characters of ``text`` already shown (the rest may be a stop string's start)
     pending: bytes = b""         # trailing bytes of an incomplete UTF-8 character
+    #: token counts inside the prompt where its user turn starts and ends (ascending, each
+    #: 0 < mark < n_prompt_tokens): a recurrent memory cuts its prefill there and keeps a
+    #: snapshot (engine.snapshots), so an Edit of the turn, or a next turn whose template
+    #: rewrites this answer, reads from there instead of from the start
+    marks: tuple[int, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -37,17 +46,22 @@ class Answer:
         return {"text": self.text, "n_prompt_tokens": self.n_prompt_tokens,
                 "n_generated": self.n_generated, "n_predict": self.n_predict,
                 "finish_reason": self.finish_reason, "emitted": self.emitted,
-                "pending": self.pending.hex()}
+                "pending": self.pending.hex(), "marks": list(self.marks)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Answer:
+        n_prompt = int(data.get("n_prompt_tokens", 0))
+        marks = data.get("marks")
         return cls(text=str(data.get("text", "")),
-                   n_prompt_tokens=int(data.get("n_prompt_tokens", 0)),
+                   n_prompt_tokens=n_prompt,
                    n_generated=int(data.get("n_generated", 0)),
                    n_predict=int(data.get("n_predict", -1)),
                    finish_reason=data.get("finish_reason"),
                    emitted=int(data.get("emitted", 0)),
-                   pending=_hex_bytes(data.get("pending", ""))[:4])
+                   pending=_hex_bytes(data.get("pending", ""))[:4],
+                   # untrusted like every key: only ascending counts inside the prompt
+                   marks=tuple(sorted({m for m in marks[:MAX_MARKS] if type(m) is int and 0 < m < n_prompt}))
+                   if isinstance(marks, list) else ())
 
 
 def _hex_bytes(value) -> bytes:

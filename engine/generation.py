@@ -8,6 +8,7 @@ callbacks, which run on the generating thread and must return quickly.
 from __future__ import annotations
 
 import codecs
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -109,14 +110,55 @@ def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_pre
         previous = cut_to_history(conv, runtime)
     conv.messages.append(("user", user_text))
     prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
-    if previous is not None and prompt.startswith(previous):
+    if previous is not None and not prompt.startswith(previous):
+        previous = None
+    n_kept = len(conv.tokens) if previous is not None else 0
+    if previous is not None:
         # the tokens the model has seen stay as they were, the new turn follows them: the
         # conversation's state stays a prefix of the next one (no tail decoded again, a
         # delta checkpoint on the last one), whatever re-tokenising the answer would give
         conv.tokens = conv.tokens + runtime.model.tokenize(prompt[len(previous):], add_special=False)
     else:
         conv.tokens = runtime.model.tokenize_prompt(prompt)
-    conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict)
+    marks = turn_marks(conv, runtime.model, prompt, previous, n_kept) \
+        if runtime.model.memory_kind else ()
+    conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict, marks=marks)
+
+
+def turn_marks(conv: Conversation, model, prompt: str, previous: str | None, n_kept: int) -> tuple[int, ...]:
+    """Answer.marks of the prompt ``conv.tokens`` (rendered as ``prompt``): the token counts
+    where the user's last message starts (an Edit parts from the prompt there) and where
+    its turn ends, before the assistant's opening (a next turn whose template rewrites
+    the answer, dropping its thinking, parts there).
+
+    ``conv.tokens`` is either ``prompt`` tokenized whole (``previous`` None), or the
+    ``n_kept`` tokens the model saw for the text ``previous`` followed by the rest
+    tokenized; a mark is kept only where the tokens agree with a tokenization of the text
+    before it, so it is a true boundary of the prompt (none is better than a wrong one).
+    """
+    messages = conv.chat_messages()
+    if not messages or messages[-1][0] != "user":
+        return ()
+    # where the message starts: the template's text for it with other words in its place
+    # parts from the prompt there
+    probes = [chat_template.render_quietly(model, messages[:-1] + [("user", word)], add_assistant=False) or ""
+              for word in ("x", "y")]
+    starts = os.path.commonprefix(probes) if all(probes) else ""
+    turn = chat_template.render_quietly(model, messages, add_assistant=False) or ""
+    marks = set()
+    for cut in (starts, turn):
+        if not cut or len(cut) >= len(prompt) or not prompt.startswith(cut):
+            continue
+        if previous is None:
+            base, part = 0, model.tokenize_prompt(cut)
+        elif len(cut) >= len(previous):
+            base, part = n_kept, model.tokenize(prompt[len(previous):len(cut)], add_special=False)
+        else:
+            continue   # inside the tokens the model saw: their boundaries are not this text's
+        end = base + len(part)
+        if 0 < end < len(conv.tokens) and conv.tokens[base:end] == part:
+            marks.add(end)
+    return tuple(sorted(marks))
 
 
 def _state_text(conv: Conversation, runtime: HasModel) -> str | None:
@@ -172,7 +214,8 @@ def discard_answer(conv: Conversation) -> None:
         if conv.messages and conv.messages[-1][0] == "assistant" and conv.answer.finished:
             conv.messages.pop()
         conv.tokens = conv.tokens[:conv.answer.n_prompt_tokens]
-        conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=conv.answer.n_predict)
+        conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=conv.answer.n_predict,
+                             marks=conv.answer.marks)
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
@@ -335,7 +378,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
         raise GenerationError("there is no answer to continue")
     requested_at = time.perf_counter() if requested_at is None else requested_at
     report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
-                             on_progress=listener.on_prefill_progress)
+                             on_progress=listener.on_prefill_progress, marks=conv.answer.marks)
     if not report.aborted and autosave and checkpoint_prompt and report.n_decoded >= checkpoint_prompt:
         autosave(conv)
     step = AnswerStepper(conv, n_ctx=runtime.ctx.n_ctx, n_vocab=runtime.ctx.n_vocab, model=runtime.model,

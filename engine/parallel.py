@@ -44,7 +44,7 @@ from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
 from engine.runtime import Runtime, SaveInfo, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
-from engine.snapshots import PromptSnapshot
+from engine.snapshots import PromptSnapshot, Shelf
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -66,8 +66,8 @@ class _Held:
     row: int = -1                    # that row (live logits)
     #: the logits came from a decode of the last token alone (see Runtime.logits_worth_saving)
     logits_alone: bool = False
-    #: a recurrent memory's state at the end of its last prompt (engine.snapshots)
-    snapshot: PromptSnapshot | None = None
+    #: a recurrent memory's states at the end of its last prompt and at its marks (engine.snapshots)
+    snapshots: Shelf = field(default_factory=Shelf)
 
 
 class ParallelRuntime:
@@ -219,17 +219,18 @@ class ParallelRuntime:
     def trim(self, seq: int, n: int) -> int:
         """Keep only the first ``n`` tokens of ``seq``; returns how many were kept
         (a memory that cannot drop a tail, sliding window or recurrent, is emptied, unless
-        it goes back to the end of its last prompt: see engine.snapshots)."""
+        it goes back to the nearest snapshot at or before ``n``: see engine.snapshots)."""
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)
-        snapshot = held.snapshot
         if n > 0 and self.ctx.seq_rm(seq, n, -1):
             del held.tokens[n:]
             self._forget_logits(seq)
-        elif snapshot is not None and snapshot.holds(held.tokens, n) and snapshot.put_back(self.ctx, seq):
-            del held.tokens[n:]
-            held.logits_len, held.logits, held.row, held.logits_alone = n, snapshot.logits, -1, False
+        elif (snapshot := held.snapshots.nearest(held.tokens, n)) is not None and snapshot.put_back(self.ctx, seq):
+            del held.tokens[snapshot.n_tokens:]
+            self._forget_logits(seq)
+            if snapshot.logits is not None:
+                held.logits_len, held.logits, held.row = snapshot.n_tokens, snapshot.logits, -1
         else:
             self.drop(seq)
         return len(self._held[seq].tokens)
@@ -272,12 +273,21 @@ class ParallelRuntime:
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
                 held.logits_alone = len(chunks) == 1 and len(tokens) == 1
-                if self.shape.has_recurrent:   # the end of a prompt: see engine.snapshots
-                    held.snapshot = PromptSnapshot.take(self.ctx, seq, held.tokens, self.logits(seq),
-                                                        recurrent_only=self.shape.snapshot_recurrent_only)
+                self.keep_snapshot(seq, logits=self.logits(seq))   # the end of a prompt
             else:
                 self._forget_logits(seq)
         return True
+
+    def keep_snapshot(self, seq: int, tokens: Sequence[int] | None = None,
+                      logits: np.ndarray | None = None) -> None:
+        """A recurrent memory keeps ``seq``'s state now, holding ``tokens`` (by default what
+        it holds; with ``logits`` after them, if known), to go back to (engine.snapshots):
+        a prompt's mark that a chunk ended at, a file of a restored chain."""
+        held = self._held[seq]
+        if self.shape.has_recurrent:
+            tokens = held.tokens if tokens is None else tokens
+            held.snapshots.add(PromptSnapshot.take(self.ctx, seq, tokens, logits,
+                                                   recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
     def decode_tokens(self, tokens: dict[int, int]) -> None:
         """One decode of one token per sequence (``{seq: token}``), each with its logits."""
@@ -400,6 +410,9 @@ class _Slot:
 
     def forget_logits(self) -> None:
         self.prt._forget_logits(self.seq)
+
+    def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        self.prt.keep_snapshot(self.seq, tokens, logits)
 
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         held = self.prt._held[self.seq]

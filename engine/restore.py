@@ -14,7 +14,10 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    trimmed to the last of them; a memory that cannot drop a tail (sliding window,
    recurrent) is restored whole instead.
 3. **Apply** the rest: the base into the sequence, each delta through the scratch
-   sequence, which shares its cells (``seq_cp``) and is emptied after.
+   sequence, which shares its cells (``seq_cp``) and is emptied after.  A recurrent
+   memory keeps a snapshot (engine.snapshots) after each file that is the nearest below a
+   point its conversation goes back to (the answer's prompt end and its marks:
+   Regenerate, Edit, a thinking model's next turn), so those read only from there.
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
 
@@ -80,6 +83,10 @@ class SequenceSlot(Protocol):
 
     def forget_logits(self) -> None: ...
 
+    def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        """The sequence holds ``tokens`` now, a file of the chain applied (``logits`` after
+        them, None: none saved): a recurrent memory keeps a snapshot (engine.snapshots)."""
+
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         """The sequence holds ``tokens`` now, with ``logits`` after them (None: none saved)."""
 
@@ -105,7 +112,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     if not keep:
         slot.empty()
     slot.forget_logits()
-    _apply(slot, chain, keep)
+    _apply(slot, chain, keep, _files_to_go_back_to(chain, conv))
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()
         raise RestoreFailed("the restored state does not hold the promised tokens")
@@ -113,8 +120,22 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     return Restored(conv, n, n - kept)
 
 
-def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int) -> None:
-    """Set the states of ``chain[keep:]`` into the slot's sequence."""
+def _files_to_go_back_to(chain: Sequence[CheckpointData], conv: Conversation) -> set[int]:
+    """Indexes of the files of ``chain`` that are the last at or before each point ``conv``
+    goes back to: its answer's prompt end (Regenerate) and the prompt's marks (Answer.marks)."""
+    answer = conv.answer
+    points = (answer.n_prompt_tokens, *answer.marks) if answer is not None else ()
+    found = set()
+    for point in points:
+        below = [i for i, data in enumerate(chain) if 0 < data.header.n_tokens <= point]
+        if below:
+            found.add(below[-1])
+    return found
+
+
+def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snapshots: set[int]) -> None:
+    """Set the states of ``chain[keep:]`` into the slot's sequence; after each file of
+    ``snapshots``, the slot keeps a snapshot (SequenceSlot.passed)."""
     ctx, scratch_used = slot.ctx, False
     try:
         for i, data in enumerate(chain):
@@ -127,6 +148,8 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int) -> No
                 ctx.state_set_from(data.state, len(data.state), slot.scratch)
                 ctx.seq_cp(slot.scratch, slot.seq, -1, -1)
                 ctx.seq_rm(slot.scratch, -1, -1)
+            if i in snapshots:
+                slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
     except StateError as exc:
         slot.empty()
         if scratch_used:

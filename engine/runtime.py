@@ -45,7 +45,7 @@ from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
 from engine.restore import restore_into
-from engine.snapshots import PromptSnapshot
+from engine.snapshots import PromptSnapshot, Shelf
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -116,8 +116,9 @@ class Runtime:
         # logits at the end of the last prefill, with the digest of the tokens they follow:
         # Regenerate trims back to there and samples again without re-decoding
         self._prompt_logits: tuple[int, str, np.ndarray] | None = None
-        # with a recurrent memory, the state there too (engine.snapshots): it cannot trim
-        self._prompt_snapshot: PromptSnapshot | None = None
+        # with a recurrent memory, the state there and at the prompts' marks too
+        # (engine.snapshots): it cannot trim
+        self._snapshots = Shelf()
         self._state_buffer: np.ndarray | None = None  # reused by every save (_state_bytes)
         #: seconds the last restore_chain took (structure checks + setting the state)
         self.last_restore_s = 0.0
@@ -166,18 +167,19 @@ class Runtime:
         """Keep only the first ``n`` cached tokens; returns how many were kept.
 
         A memory that cannot drop a tail (sliding window past its window, recurrent) is
-        cleared, unless it is going back to the end of the last prompt: a recurrent memory
-        then puts back the snapshot taken there (engine.snapshots).
+        cleared, unless a recurrent memory has a snapshot at or before ``n`` (the end of the
+        last prompt, or one of its marks: engine.snapshots): it goes back to the nearest one,
+        and fewer than ``n`` tokens may be kept.
         """
         if n >= len(self.kv_tokens):
             return len(self.kv_tokens)
-        snapshot = self._prompt_snapshot
         if n > 0 and self.ctx.seq_rm(0, n, -1):
             del self.kv_tokens[n:]
-        elif snapshot is not None and snapshot.holds(self.kv_tokens, n) and snapshot.put_back(self.ctx, 0):
-            del self.kv_tokens[n:]
-            self._logits_len, self._logits_copy, self._logits_alone = n, snapshot.logits, False
-            return n
+        elif (snapshot := self._snapshots.nearest(self.kv_tokens, n)) is not None and snapshot.put_back(self.ctx, 0):
+            del self.kv_tokens[snapshot.n_tokens:]
+            if snapshot.logits is not None:
+                self._logits_len, self._logits_copy, self._logits_alone = snapshot.n_tokens, snapshot.logits, False
+                return snapshot.n_tokens
         else:
             self.ctx.clear()
             self.kv_tokens.clear()
@@ -189,14 +191,16 @@ class Runtime:
         return len(self.kv_tokens)
 
     def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
-                on_progress: Callable[[int, int], None] | None = None) -> PrefillReport:
+                on_progress: Callable[[int, int], None] | None = None, marks: Sequence[int] = ()) -> PrefillReport:
         """Make the cache hold exactly ``tokens`` with logits for the last one.
 
         Decodes only the part not already cached, in chunks aligned to absolute
         multiples of the batch size, so an interrupted prefill resumed later splits the
         work exactly as an uninterrupted one would.  Stops early (``aborted``) when
         ``should_stop`` turns true; the abort callback also interrupts a running chunk,
-        except for recurrent and hybrid memories (Model.can_abort_mid_batch).
+        except for recurrent and hybrid memories (Model.can_abort_mid_batch).  A recurrent
+        memory also cuts a chunk at each of ``marks`` and keeps a snapshot there
+        (engine.snapshots).
         """
         started = time.perf_counter()
         total = len(tokens)
@@ -208,13 +212,14 @@ class Runtime:
         report = PrefillReport(n_prompt=total, n_reused=keep)
         self.ctx.clear_abort()  # a stale request from an earlier run must not cut this one
         step = self.settings.n_batch
+        marks = marks if self.shape.has_recurrent else ()
         pos = keep
         chunk: Sequence[int] = ()
         while pos < total:
             if should_stop():
                 report.aborted = True
                 break
-            end = chunk_end(pos, total, step)
+            end = chunk_end(pos, total, step, marks)
             chunk = tokens[pos:end]
             rc = self.ctx.decode(chunk, pos, logits_last=end == total, abortable=True,
                                  should_abort=should_stop)
@@ -228,6 +233,8 @@ class Runtime:
             self.kv_tokens.extend(chunk)
             report.n_decoded += len(chunk)
             pos = end
+            if end in marks and end < total:
+                self.keep_snapshot(self.kv_tokens)
             if on_progress:
                 on_progress(pos, total)
         self.ctx.clear_abort()
@@ -235,11 +242,16 @@ class Runtime:
             self._set_live_logits(alone=len(chunk) == 1)
             self._prompt_logits = (len(self.kv_tokens), tokens_digest(self.kv_tokens),
                                    self.ctx.logits_last().copy())
-            if self.shape.has_recurrent:
-                self._prompt_snapshot = PromptSnapshot.take(self.ctx, 0, self.kv_tokens, self._prompt_logits[2],
-                                                            recurrent_only=self.shape.snapshot_recurrent_only)
+            self.keep_snapshot(self.kv_tokens, self._prompt_logits[2])
         report.seconds = time.perf_counter() - started
         return report
+
+    def keep_snapshot(self, tokens: Sequence[int], logits: np.ndarray | None = None) -> None:
+        """A recurrent memory keeps the cache's state now, holding ``tokens`` (with ``logits``
+        after them, if known), to go back to (engine.snapshots); other memories trim."""
+        if self.shape.has_recurrent:
+            self._snapshots.add(PromptSnapshot.take(self.ctx, 0, tokens, logits,
+                                                    recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
     def decode_token(self, token: int) -> None:
         """Append one sampled token to the cache; its logits become current."""
@@ -453,7 +465,11 @@ class _Slot:
 
     def forget_logits(self) -> None:
         self.rt._forget_logits()
-        self.rt._prompt_logits = self.rt._prompt_snapshot = None
+        self.rt._prompt_logits = None
+        self.rt._snapshots.clear()
+
+    def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
+        self.rt.keep_snapshot(tokens, logits)
 
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.rt.kv_tokens = tokens
@@ -533,12 +549,13 @@ def logits_rule(kind: int, paused: bool, has_logits: bool, alone: bool, shape: M
     return kind in (KIND_PAUSE, KIND_EXIT) or (paused and kind != KIND_AUTOSAVE)
 
 
-def chunk_end(pos: int, total: int, step: int) -> int:
+def chunk_end(pos: int, total: int, step: int, marks: Sequence[int] = ()) -> int:
     """Where the prompt chunk that starts at ``pos`` ends: at the next absolute multiple
-    of the batch size ``step`` (or at ``total``).  Every prefill cuts its chunks so, alone
-    or beside other sequences, interrupted or not: a prompt's cache is then built from
-    the same pieces whichever way it was decoded."""
-    return min(total, (pos // step + 1) * step)
+    of the batch size ``step``, or at the next of ``marks`` (a recurrent memory's
+    snapshots), or at ``total``.  Every prefill cuts its chunks so, alone or beside other
+    sequences, interrupted or not: a prompt's cache is then built from the same pieces
+    whichever way it was decoded."""
+    return min([total, (pos // step + 1) * step] + [m for m in marks if m > pos])
 
 
 def _name_still_free(path: Path) -> None:

@@ -1,16 +1,26 @@
-"""A sequence's state at the end of its prompt, kept in memory where the cache cannot go back.
+"""A sequence's state at the points a conversation returns to, kept in memory where the cache
+cannot go back.
 
 A recurrent memory (or a hybrid's recurrent part) holds one snapshot per sequence, after its
-last token: it cannot drop a tail (``llama_memory_seq_rm`` refuses), so Regenerate — back to
-the end of the prompt, a new answer from there — would have to read the whole conversation
-again.  A :class:`PromptSnapshot` is taken when a prompt has been read (the state and the
-next-token logits, a few hundred KB for a small hybrid: the attention cells plus the
-recurrent rows) and put back instead.  Attention-only memories trim their tail and never
-need one.  A hybrid without a sliding window keeps only its recurrent part (llama.cpp's
+last token: it cannot drop a tail (``llama_memory_seq_rm`` refuses), so going back — to
+the end of the prompt (Regenerate), or to where the next turn's prompt parts from this
+one's — would mean reading the whole conversation again.  A :class:`PromptSnapshot` is the
+state at one position (a few hundred KB for a small hybrid: the attention cells plus the
+recurrent rows), and a :class:`Shelf` keeps a sequence's few latest ones: at the end of
+each prompt (with its next-token logits) and at the prompt's marks
+(``engine.conversation.Answer.marks``: where the user's turn starts and ends, so an Edit of
+it, or a next turn whose template rewrites the answer — a thinking model's dropped thinking
+— reads only from there).  Attention-only memories trim their tail and never need one.  A
+hybrid without a sliding window keeps only its recurrent part (llama.cpp's
 ``PARTIAL_ONLY`` state: a fixed size, however long the conversation): putting it back
-replaces the recurrent state, after which the attention cells past the prompt can be
-dropped like any attention tail.  llama.cpp's own rollback (``n_rs_seq``) keeps per-token snapshots for a few
-tokens only (speculative decoding): an answer is longer.
+replaces the recurrent state, after which the attention cells past it can be dropped like
+any attention tail.  llama.cpp's own rollback (``n_rs_seq``) keeps per-token snapshots for
+a few tokens only (speculative decoding): an answer is longer.
+
+Decoding in pieces cut at the marks gives the same state, bit for bit, as decoding in one
+piece on the pinned llama.cpp's CPU kernels (measured for mamba2, rwkv7, lfm2, qwen35,
+granitehybrid and falcon-h1 at batch 32 and 512), so a snapshot only saves work: reading
+again from it gives what reading from the start would.
 """
 
 from __future__ import annotations
@@ -30,11 +40,11 @@ class PromptSnapshot:
     n_tokens: int
     digest: str            # of the tokens it holds (engine.checkpoints.chain.tokens_digest)
     state: np.ndarray      # llama_state_seq_get_data(_ext) of the sequence
-    logits: np.ndarray     # the next-token logits after them
+    logits: np.ndarray | None   # the next-token logits after them (None at a mark: decoding goes on)
     recurrent_only: bool = False   # the state is a hybrid's recurrent part (STATE_RECURRENT_ONLY)
 
     @classmethod
-    def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray, *,
+    def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray | None, *,
              recurrent_only: bool = False) -> PromptSnapshot | None:
         """The snapshot of ``seq`` now; None when it cannot be had (no memory for the copy,
         llama.cpp refusing): a prompt that was read stays read, Regenerate reads it again."""
@@ -45,8 +55,8 @@ class PromptSnapshot:
             written = ctx.state_get_into(buf, size, seq, flags)
         except (StateError, MemoryError):
             return None
-        return cls(len(tokens), tokens_digest(tokens), buf[:written], np.array(logits, copy=True),
-                   recurrent_only)
+        return cls(len(tokens), tokens_digest(tokens), buf[:written],
+                   None if logits is None else np.array(logits, copy=True), recurrent_only)
 
     def holds(self, tokens: Sequence[int], n: int) -> bool:
         """Whether this is the state after ``tokens[:n]``."""
@@ -68,3 +78,32 @@ class PromptSnapshot:
             ctx.seq_rm(seq, -1, -1)
             return False
         return True
+
+
+class Shelf:
+    """One sequence's latest snapshots (at most ``capacity``), the newest positions kept."""
+
+    capacity = 4
+
+    def __init__(self) -> None:
+        self._items: list[PromptSnapshot] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, snapshot: PromptSnapshot | None, tokens: Sequence[int]) -> None:
+        """Keep ``snapshot`` (of ``tokens``, what the sequence holds now); those that are no
+        longer a prefix of ``tokens`` go, then the oldest beyond the capacity."""
+        if snapshot is None:
+            return
+        kept = [s for s in self._items if s.n_tokens != snapshot.n_tokens and s.holds(tokens, s.n_tokens)]
+        kept.append(snapshot)
+        kept.sort(key=lambda s: s.n_tokens)
+        self._items = kept[-self.capacity:]
+
+    def nearest(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
+        """The snapshot of the most of ``tokens[:n]``, or None."""
+        return next((s for s in reversed(self._items) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)), None)
+
+    def clear(self) -> None:
+        self._items = []

@@ -281,6 +281,76 @@ def test_regenerate_reads_nothing_again(arch, tiny_model_path):
         rt.close()
 
 
+@pytest.mark.parametrize("arch", NOT_CONTROL)
+def test_regenerate_after_a_restore_reads_nothing_again(arch, tiny_model_path, tmp_path):
+    """In a new process, Regenerate of a restored answer goes back to the chain's file at
+    the end of its prompt (a snapshot kept while restoring), reads nothing again, and
+    draws what Regenerate in the first process drew, bit for bit."""
+    from engine.checkpoints.format import KIND_AUTOSAVE
+    from engine.generation import discard_answer
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        rt.prefill(conv.tokens)
+        prompt = rt.save(tmp_path / "prompt.kvckpt", conv, KIND_AUTOSAVE)   # as an answer's first autosave
+        generate(rt, conv)
+        rt.save(tmp_path / "answer.kvckpt", conv, KIND_PAUSE, parent=prompt)
+        discard_answer(conv)
+        again = generate(rt, conv)
+        expected = memkit.fingerprint(rt, again.text)
+    finally:
+        rt.close()
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        restored = rt.restore_chain(load_chain(tmp_path / "answer.kvckpt"))
+        discard_answer(restored)
+        regen = generate(rt, restored)
+        assert (regen.n_reused_tokens, regen.n_prefilled) == (regen.n_prompt_tokens, 0)
+        assert memkit.fingerprint(rt, regen.text) == expected
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", NOT_CONTROL)
+def test_an_edit_is_read_from_where_the_message_started(arch, tiny_model_path):
+    """Editing the last user message goes back to the snapshot kept where that message
+    started (Answer.marks), not to the start: only the new message is read, and the answer,
+    its logits and the state are, bit for bit, those of reading the edited prompt whole in a
+    new cache.  (The history is given, not generated: tokens decoded one by one as an answer
+    give other bits than the same tokens read in a prompt, which is why a branch continues
+    the states the model had, and a re-read is no reference for it.)"""
+    import copy
+
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, commit_answer
+    from engine.sampling import SamplerSettings
+    history = [("user", memkit.PROMPT), ("assistant", "The keeper lit the lamp and watched the sea all night.")]
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = Conversation(messages=list(history), sampler=SamplerSettings(temperature=0.8, seed=11, ignore_eos=True))
+        begin_answer(conv, rt, "And then what happened?", n_predict=8)
+        generate(rt, conv)
+        commit_answer(conv)
+        edit = copy.deepcopy(conv)              # the second message edited: the first turn kept
+        edit.messages, edit.answer = edit.messages[:2], None
+        begin_answer(edit, rt, "Who was he?", n_predict=8)
+        alone = copy.deepcopy(edit)
+        start, _ = edit.answer.marks
+        assert edit.tokens[:start] == conv.tokens[:start] and edit.tokens[start] != conv.tokens[start]
+        edited = generate(rt, edit)
+        assert (edited.n_reused_tokens, edited.n_prefilled) == (start, edited.n_prompt_tokens - start)
+        expected = memkit.fingerprint(rt, edited.text)
+    finally:
+        rt.close()
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        whole = generate(rt, alone)
+        assert whole.n_reused_tokens == 0
+        assert memkit.fingerprint(rt, whole.text) == expected
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "rwkv7"])
 def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path, tmp_path):
     """The window's engine thread on a hybrid and a recurrent model: answers, Regenerate

@@ -386,7 +386,12 @@ def test_a_thinking_models_next_turn_is_the_same_in_process_and_after_a_restore(
                          f"<|im_start|>assistant\n{parts.answer}<|im_end|>\n"
                          "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n<think>\n")
         assert conv.tokens == rt.model.tokenize_prompt(second_prompt)    # the first thinking dropped
+        # the first turn kept a snapshot where the user's message ended (Answer.marks): the
+        # second is read from there, not from the start (the answer's text and the new turn)
+        first_turn = rt.model.tokenize_prompt(first_prompt[:-len("<|im_start|>assistant\n<think>\n")])
+        assert first_turn == conv.tokens[:len(first_turn)]
         in_process = generate(rt, conv)
+        assert in_process.n_reused_tokens == len(first_turn) > 0
         expected = memkit.fingerprint(rt, in_process.text), list(conv.tokens)
     finally:
         rt.close()
@@ -397,6 +402,7 @@ def test_a_thinking_models_next_turn_is_the_same_in_process_and_after_a_restore(
         assert restored.answer.text == raw             # the thinking kept, as the model wrote it
         begin_answer(restored, rt, Q2, n_predict=10)
         after_restore = generate(rt, restored)
+        assert after_restore.n_reused_tokens == 0     # no snapshot in a new process: read whole
         assert (memkit.fingerprint(rt, after_restore.text), list(restored.tokens)) == expected
     finally:
         rt.close()
@@ -431,3 +437,62 @@ def test_run_json_gives_the_thinking_apart(thinker, tmp_path):
     assert out["n_generated"] == 8 and raw.strip()
     assert (out["reasoning_content"], out["text"]) == (parts.thinking or None, parts.answer)
     assert out["reasoning_content"]     # the prompt opened the block: the model began thinking
+
+
+def test_the_window_engine_reads_a_thinking_hybrids_next_turn_and_an_edit_from_the_turns_snapshots(
+        thinker, tmp_path):
+    """The window's engine on a hybrid whose template drops past thinking: the next turn is
+    read from where the user's first message ended, and an edit of the second message from
+    where it started (the snapshots of Answer.marks), not from the start; each gives what
+    reading the whole prompt in a fresh cache gives, bit for bit."""
+    import memkit
+    from enginekit import Recorder
+
+    from engine.checkpoints.store import Store
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    from native.model import Model
+
+    vocab = Model(thinker, vocab_only=True)
+    try:
+        turn_1 = len(vocab.tokenize_prompt("<|im_start|>system\nBe brief.<|im_end|>\n"
+                                           "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"))
+        header = len(vocab.tokenize("<|im_start|>assistant\n", add_special=False))
+    finally:
+        vocab.close()
+    sampler = SamplerSettings(temperature=0.0, seed=7, ignore_eos=True)
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(thinker, n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        a = w.new_conversation(system_prompt=SYSTEM, sampler=sampler)
+        w.send(a, Q1, n_predict=10)
+        rec.wait("finished")
+        w.send(a, Q2, n_predict=10)
+        second = rec.wait("finished", 2)[-1][1]
+        assert second.n_reused_tokens == turn_1
+        w.edit_message(a, 2, "And 4+4?", n_predict=10)
+        edited = rec.wait("finished", 3)[-1][1]
+        assert not rec.of("error"), rec.of("error")
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    # the edit's prompt parts from the second turn's after the first answer and its header
+    assert turn_1 + header < edited.n_reused_tokens < second.n_prompt_tokens
+    rt = Runtime(thinker, memkit.SETTINGS)   # the same prompt read whole in a fresh cache
+    try:
+        conv = Conversation(system_prompt=SYSTEM, sampler=sampler)
+        begin_answer(conv, rt, Q1, n_predict=10)
+        generate(rt, conv)
+        rt.trim(0)
+        begin_answer(conv, rt, "And 4+4?", n_predict=10)
+        alone = generate(rt, conv)
+        assert alone.n_reused_tokens == 0
+        assert (alone.text, alone.n_prompt_tokens) == (edited.text, edited.n_prompt_tokens)
+    finally:
+        rt.close()
