@@ -186,6 +186,8 @@ class GenerationSummary(Event):
     restore_s: float = 0.0
     #: decoding the prompt tokens the cache lacked, nothing else
     prefill_s: float = 0.0
+    #: of the n_generated tokens, those of the model's thinking (engine.reasoning.thinking_tokens)
+    n_reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ one rule every front end uses:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 THINKING = "thinking"
@@ -179,6 +180,26 @@ def _merged(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
         elif text:
             out.append((kind, text))
     return out
+
+
+def thinking_tokens(pieces: Sequence[bytes], fmt: ThinkFormat | None) -> int:
+    """How many of an answer's tokens (``pieces``: their bytes, in order) are its thinking:
+    every one up to the token that completes the block's closing tag; all of them while the
+    block is still open; none when the answer has no block."""
+    whole = b"".join(pieces)
+    parts = split(whole.decode("utf-8", "replace"), fmt)
+    if fmt is None or not parts.block:
+        return 0
+    end = whole.find(fmt.close_tag.encode())
+    if end < 0:
+        return len(pieces)
+    end += len(fmt.close_tag.encode())
+    seen = 0
+    for n, piece in enumerate(pieces, 1):
+        seen += len(piece)
+        if seen >= end:
+            return n
+    return len(pieces)
 
 
 def split(text: str, fmt: ThinkFormat | None, *, final: bool = True, before: str = "") -> Parts:

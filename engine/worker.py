@@ -1033,6 +1033,16 @@ class EngineWorker:
             self.runtime.table.finish(conv.id, durable=durable)
         return running
 
+    def _reasoning_tokens(self, conv: Conversation, n_generated: int) -> int:
+        """Of the last ``n_generated`` tokens of ``conv``'s answer, those of its thinking."""
+        a, info, rt = conv.answer, self.model_info, self.runtime
+        if a is None or info is None or info.thinking is None or rt is None or not n_generated:
+            return 0
+        from engine.reasoning import thinking_tokens
+        answer_tokens = conv.tokens[a.n_prompt_tokens:a.n_prompt_tokens + a.n_generated]
+        thinking = thinking_tokens([rt.model.token_to_piece(t) for t in answer_tokens], info.thinking)
+        return max(0, thinking - (a.n_generated - n_generated))   # those of this run
+
     def _answer_stopped(self, job) -> None:
         """An answer stopped (Batcher callback, between two decodes): report it, save its
         sequence, and tell the request it served."""
@@ -1048,7 +1058,7 @@ class EngineWorker:
                 n_generated=result.n_generated, n_prompt_tokens=result.n_prompt_tokens,
                 n_reused_tokens=result.n_reused_tokens, tokens_per_s=result.tokens_per_s,
                 text=result.text, ttft_s=result.ttft_s, restore_s=running.restore_s,
-                prefill_s=result.prefill_s))
+                prefill_s=result.prefill_s, n_reasoning_tokens=self._reasoning_tokens(conv, result.n_generated)))
             kind = self._pause_kind if result.paused else KIND_MANUAL   # made truthful by _save
             if not result.paused:
                 from engine.generation import commit_answer

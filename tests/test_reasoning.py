@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from engine import chat_template
-from engine.reasoning import ANSWER, THINKING, Splitter, ThinkFormat, format_of, split
+from engine.reasoning import ANSWER, THINKING, Splitter, ThinkFormat, format_of, split, thinking_tokens
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text("utf-8")
@@ -81,6 +81,17 @@ def test_the_parts_are_the_same_whole_or_in_any_pieces(fmt, text, thinking, answ
     for _ in range(200):
         cuts = rng.sample(range(1, len(text)), k=rng.randint(0, min(6, len(text) - 1)))
         assert pieces_of(text, fmt, cuts) == (thinking, answer)
+
+
+@pytest.mark.parametrize(("fmt", "pieces", "expected"), [
+    (OPENED, [b"Two", b" plus", b" two.\n</", b"think", b">\n\n", b"Four."], 5),   # the closing tag ends in 5
+    (TAGGED, [b"<think>", b"hm", b"</think>", b"Four."], 3),
+    (OPENED, [b"Still", b" thinking"], 2),                     # the block never closed: all of it
+    (TAGGED, [b"Four", b"."], 0),                               # no block
+    (None, [b"<think>", b"x", b"</think>"], 0),                 # a model that does not think
+])
+def test_the_thinking_tokens_are_those_up_to_the_closing_tag(fmt, pieces, expected):
+    assert thinking_tokens(pieces, fmt) == expected
 
 
 def test_a_tag_cut_across_tokens_is_held_back_until_the_next_piece_decides():
@@ -476,6 +487,8 @@ def test_the_window_engine_reads_a_thinking_hybrids_next_turn_and_an_edit_from_t
         w.send(a, Q2, n_predict=10)
         second = rec.wait("finished", 2)[-1][1]
         assert second.n_reused_tokens == turn_1
+        # usage's reasoning_tokens: a random model seldom closes its block, so most are thinking
+        assert 0 < second.n_reasoning_tokens <= second.n_generated == 10
         w.edit_message(a, 2, "And 4+4?", n_predict=10)
         edited = rec.wait("finished", 3)[-1][1]
         assert not rec.of("error"), rec.of("error")

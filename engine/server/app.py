@@ -297,7 +297,7 @@ class _Reply:
 
     def usage(self) -> dict:
         s = self.finished()
-        return shapes.usage(s.n_prompt_tokens, s.n_generated, s.n_reused_tokens)
+        return shapes.usage(s.n_prompt_tokens, s.n_generated, s.n_reused_tokens, s.n_reasoning_tokens)
 
     def extension(self) -> dict:
         return shapes.extension(self.snap.id, self.snap.seed, self.checkpoint)

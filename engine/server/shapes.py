@@ -34,11 +34,12 @@ def finish_reason(engine_reason: str) -> str:
     return FINISH_REASONS.get(engine_reason, "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 def extension(conversation: uuid.UUID | None, seed: int | None, checkpoint: Path | None) -> dict[str, Any]:
