@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 
 from engine.conversation import Conversation
 from engine.errors import GenerationError
-from engine.generation import FINISH_PAUSED, AnswerStepper, Control, GenerationResult, Listener, NullListener
+from engine.generation import (
+    FINISH_PAUSED,
+    AnswerStepper,
+    Control,
+    GenerationResult,
+    Listener,
+    NullListener,
+    mark_wants_file,
+)
 from engine.parallel import ParallelRuntime
 from engine.runtime import PrefillReport, chunk_end
 
@@ -182,6 +190,8 @@ class Batcher:
             job.listener.on_prefill_progress(end, len(job.conv.tokens))
             if end in self._marks(job) and end < len(job.conv.tokens):
                 prt.keep_snapshot(job.seq)
+                if self.autosave is not None and job.checkpoint_prompt and mark_wants_file(job.conv, prt.model, end):
+                    self._callback(self.autosave, job)
             if end == len(job.conv.tokens):
                 if self.autosave is not None and job.checkpoint_prompt and report.n_decoded >= job.checkpoint_prompt:
                     self._callback(self.autosave, job)

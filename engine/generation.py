@@ -98,6 +98,24 @@ class HasModel(Protocol):
     def model(self) -> Model: ...
 
 
+#: a recurrent memory's prompt mark gets a file of its own (an autosave, with a line in the
+#: store) only this many tokens into the prompt or more: before that, reading the prompt
+#: again costs less than the file
+MARK_FILE_MIN = 64
+
+
+def mark_wants_file(conv: Conversation, model, pos: int) -> bool:
+    """Whether a recurrent memory's prefill of ``conv``, at its mark ``pos``, autosaves (with
+    a line in the store): only at the end of the user's turn of a thinking model, whose
+    template drops the answer's thinking from the next turn's prompt, so that turn parts
+    from this one there, in this process or the next.  (Elsewhere a file of the chain is
+    close enough: an Edit after a restart goes back to the previous answer's file, a few
+    tokens before the message; each file of a hybrid holds its whole recurrent state.)"""
+    marks = conv.answer.marks if conv.answer is not None else ()
+    return bool(marks) and pos == marks[-1] and pos >= MARK_FILE_MIN \
+        and chat_template.think_format(model) is not None
+
+
 def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_predict: int = -1) -> None:
     """Add a user turn and make ``conv.tokens`` the prompt for the assistant's answer."""
     commit_answer(conv)
@@ -367,7 +385,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     ``checkpoint_prompt``: when a prefill decoded at least this many tokens (0: never),
     ``autosave`` is called right after it, before the first token: the prompt is then a
     file of the chain, so a crash in the answer's first tokens keeps it, and a
-    regenerated answer (a branch) stores only its own cells on top of it.
+    regenerated answer (a branch) stores only its own cells on top of it.  With it, a
+    recurrent memory's prefill also autosaves where :func:`mark_wants_file` says.
     ``requested_at`` (a ``time.perf_counter()`` value) is when the user asked, so that
     ``ttft_s`` includes what the caller did before (reading and restoring a
     checkpoint); by default it counts from this call.
@@ -377,8 +396,15 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     if conv.answer is None or conv.answer.finished:
         raise GenerationError("there is no answer to continue")
     requested_at = time.perf_counter() if requested_at is None else requested_at
+    # a line in the store (checkpoint_prompt) gets a file at each mark of a recurrent
+    # memory's prompt: going back there in a new process reads nothing before it
+    def on_mark(pos: int) -> None:
+        if autosave is not None and checkpoint_prompt and mark_wants_file(conv, runtime.model, pos):
+            autosave(conv)
+
     report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
-                             on_progress=listener.on_prefill_progress, marks=conv.answer.marks)
+                             on_progress=listener.on_prefill_progress, marks=conv.answer.marks,
+                             on_mark=on_mark)
     if not report.aborted and autosave and checkpoint_prompt and report.n_decoded >= checkpoint_prompt:
         autosave(conv)
     step = AnswerStepper(conv, n_ctx=runtime.ctx.n_ctx, n_vocab=runtime.ctx.n_vocab, model=runtime.model,

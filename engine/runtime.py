@@ -191,7 +191,8 @@ class Runtime:
         return len(self.kv_tokens)
 
     def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
-                on_progress: Callable[[int, int], None] | None = None, marks: Sequence[int] = ()) -> PrefillReport:
+                on_progress: Callable[[int, int], None] | None = None, marks: Sequence[int] = (),
+                on_mark: Callable[[int], None] | None = None) -> PrefillReport:
         """Make the cache hold exactly ``tokens`` with logits for the last one.
 
         Decodes only the part not already cached, in chunks aligned to absolute
@@ -200,7 +201,8 @@ class Runtime:
         ``should_stop`` turns true; the abort callback also interrupts a running chunk,
         except for recurrent and hybrid memories (Model.can_abort_mid_batch).  A recurrent
         memory also cuts a chunk at each of ``marks`` and keeps a snapshot there
-        (engine.snapshots).
+        (engine.snapshots), then calls ``on_mark`` with the position (an autosave: the chain
+        then has a file there, which a restore in a new process turns into a snapshot again).
         """
         started = time.perf_counter()
         total = len(tokens)
@@ -235,6 +237,8 @@ class Runtime:
             pos = end
             if end in marks and end < total:
                 self.keep_snapshot(self.kv_tokens)
+                if on_mark is not None:
+                    on_mark(end)
             if on_progress:
                 on_progress(pos, total)
         self.ctx.clear_abort()

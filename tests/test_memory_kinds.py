@@ -487,8 +487,12 @@ def test_the_window_reads_a_checkpoint_of_another_layout_again(tiny_model_path, 
         w.resume(conv_id)
         summary = rec.wait("finished")[-1][1]
         assert summary.finish_reason == "length" and summary.n_reused_tokens == 0
-        head = read_header(rec.wait("saved")[-1][2])
-        assert head.state_layout == 1 and not head.is_delta
+        head = rec.wait("saved")[-1][2]
+        # the new head's chain is of this layout alone (its base: where the prompt was read
+        # to a mark, or the head itself), none of the old file's
+        chain = load_chain(head)
+        assert [d.header.state_layout for d in chain] == [1] * len(chain) and not chain[0].header.is_delta
+        assert info.path not in [d.path for d in chain]
         assert not rec.of("error")
     finally:
         w.shutdown()

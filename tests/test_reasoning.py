@@ -509,3 +509,32 @@ def test_the_window_engine_reads_a_thinking_hybrids_next_turn_and_an_edit_from_t
         assert (alone.text, alone.n_prompt_tokens) == (edited.text, edited.n_prompt_tokens)
     finally:
         rt.close()
+
+
+def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file(thinker, app_home):
+    """`run` in the store: the first turn's prefill autosaves where the user's message
+    ended (a mark of a recurrent memory's prompt), so the next turn, in a new process, is
+    read from that file's snapshot, not from the start (its template drops the thinking)."""
+    from conftest import run_cli
+
+    from engine.checkpoints.chain import load_chain
+    from engine.generation import MARK_FILE_MIN
+    from native.model import Model
+    system = ("Answer briefly, exactly, and in plain words; say so when unsure. " * 4).strip()
+    vocab = Model(thinker, vocab_only=True)
+    try:
+        turn_1 = len(vocab.tokenize_prompt(f"<|im_start|>system\n{system}<|im_end|>\n"
+                                           "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"))
+    finally:
+        vocab.close()
+    assert turn_1 >= MARK_FILE_MIN      # a mark this far in is worth a file
+    common = ["-m", str(thinker), "-c", "512", "-t", "2", "--temp", "0", "--seed", "7", "-n", "8", "--json"]
+
+    def run(*args: str) -> dict:
+        return json.loads(run_cli("run", *common, *args, check=True).stdout.strip().splitlines()[-1])
+    first = run("--system", system, "-p", Q1)
+    chain = load_chain(Path(first["checkpoint"]))
+    # the file at the turn's end mark, none where the message began (68 tokens in)
+    assert [data.header.n_tokens for data in chain] == [turn_1, first["n_prompt_tokens"] + 8]
+    second = run("--checkpoint-load", first["checkpoint"], "-p", Q2)
+    assert (second["n_reused_tokens"], second["n_generated"]) == (turn_1, 8)
