@@ -114,3 +114,34 @@ def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny
     assert outcome.problems == []
     assert outcome.heads_lost == []
     assert outcome.orphans == [], "files no head needs were left behind"
+
+
+@pytest.fixture(scope="module")
+def thinker_checker(tiny_model_path):
+    """A tiny qwen35 carrying Qwen3.5's chat template (a thinking hybrid), and its checker."""
+    from pathlib import Path
+
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    template = (Path(__file__).parent / "templates" / "qwen3.5.jinja").read_text(encoding="utf-8")
+    model = tiny_model_path("qwen35", chat_template=template)
+    rt = Runtime(model, ContextSettings(n_ctx=1024, n_threads=2))
+    yield model, rt
+    rt.close()
+
+
+@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=10))
+def test_a_thinking_hybrid_on_a_long_system_prompt_keeps_every_head(actions, thinker_checker, tmp_path_factory):
+    """The same on a thinking hybrid whose template drops past thinking, with a system prompt
+    long enough that each prefill autosaves where the user's turn ends (engine.generation
+    .mark_wants_file) and restores keep snapshots at such files (engine.restore)."""
+    model, checker = thinker_checker
+    driver, outcome = run_sequence(model, tmp_path_factory.mktemp("prop-thinker"), actions, checker,
+                                   system=SHARED_SYSTEM)
+    print(f"thinker: {len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"

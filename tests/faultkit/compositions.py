@@ -272,9 +272,12 @@ def check(driver: Driver, runtime) -> Outcome:
                     begin_answer(conv, runtime, "And then?", n_predict=-1)
                 result = generate(runtime, conv, stop_after=5)
                 # an autosave head (a killed run's) carries no logits: its last token,
-                # a generated one, is decoded again (engine.runtime.logits_rule)
+                # a generated one, is decoded again (engine.runtime.logits_rule); one that
+                # a prefill wrote at a mark of its prompt (engine.generation.mark_wants_file)
+                # holds only that far: the rest of the prompt is read, none of what it holds
                 redecoded = 0 if head.header.has_logits else 1
-                if restored and paused and result.n_reused_tokens < result.n_prompt_tokens - redecoded:
+                held = min(head.header.n_tokens, result.n_prompt_tokens)
+                if restored and paused and result.n_reused_tokens < held - redecoded:
                     out.problems.append(f"{head.name}: the restore re-decoded the prompt")
                 texts.append(result.text)
         except AppError as exc:
