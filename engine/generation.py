@@ -396,8 +396,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
     if conv.answer is None or conv.answer.finished:
         raise GenerationError("there is no answer to continue")
     requested_at = time.perf_counter() if requested_at is None else requested_at
-    # a line in the store (checkpoint_prompt) gets a file at each mark of a recurrent
-    # memory's prompt: going back there in a new process reads nothing before it
+    # a line in the store (checkpoint_prompt) gets a file at the marks that want one
+    # (mark_wants_file): going back there in a new process reads nothing before it
     def on_mark(pos: int) -> None:
         if autosave is not None and checkpoint_prompt and mark_wants_file(conv, runtime.model, pos):
             autosave(conv)
