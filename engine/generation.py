@@ -22,6 +22,8 @@ from engine.conversation import Answer, Conversation, title_from
 from engine.errors import GenerationError
 from engine.runtime import PrefillReport, Runtime
 from engine.sampling import seed_for
+from engine.shared_prefix import MIN_TOKENS as SHARED_MIN_TOKENS
+from engine.shared_prefix import system_prompt_text
 from native.model import Model
 from native.sampler import SamplerChain
 
@@ -163,20 +165,28 @@ def turn_marks(conv: Conversation, model, prompt: str, previous: str | None, n_k
               for word in ("x", "y")]
     starts = os.path.commonprefix(probes) if all(probes) else ""
     turn = chat_template.render_quietly(model, messages, add_assistant=False) or ""
-    marks = set()
-    for cut in (starts, turn):
-        if not cut or len(cut) >= len(prompt) or not prompt.startswith(cut):
-            continue
-        if previous is None:
-            base, part = 0, model.tokenize_prompt(cut)
-        elif len(cut) >= len(previous):
-            base, part = n_kept, model.tokenize(prompt[len(previous):len(cut)], add_special=False)
-        else:
-            continue   # inside the tokens the model saw: their boundaries are not this text's
-        end = base + len(part)
-        if 0 < end < len(conv.tokens) and conv.tokens[base:end] == part:
-            marks.add(end)
+    marks = {end for end in (_mark_at(cut, conv, model, prompt, previous, n_kept) for cut in (starts, turn)) if end}
+    # where a long system prompt ends, in a first turn: its shared prefix's recurrent part
+    # (engine.shared_prefix) is the snapshot kept there
+    system_end = _mark_at(system_prompt_text(model, conv), conv, model, prompt, previous, n_kept)
+    if system_end >= SHARED_MIN_TOKENS:
+        marks.add(system_end)
     return tuple(sorted(marks))
+
+
+def _mark_at(cut: str, conv: Conversation, model, prompt: str, previous: str | None, n_kept: int) -> int:
+    """The token count where the prompt's text ``cut`` ends (turn_marks), or 0 where that
+    is no boundary of its tokens."""
+    if not cut or len(cut) >= len(prompt) or not prompt.startswith(cut):
+        return 0
+    if previous is None:
+        base, part = 0, model.tokenize_prompt(cut)
+    elif len(cut) >= len(previous):
+        base, part = n_kept, model.tokenize(prompt[len(previous):len(cut)], add_special=False)
+    else:
+        return 0   # inside the tokens the model saw: their boundaries are not this text's
+    end = base + len(part)
+    return end if 0 < end < len(conv.tokens) and conv.tokens[base:end] == part else 0
 
 
 def _state_text(conv: Conversation, runtime: HasModel) -> str | None:

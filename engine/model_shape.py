@@ -101,6 +101,15 @@ class ModelShape:
         return self.memory == MEMORY_ATTENTION and not self.n_swa
 
     @property
+    def prefix_from_snapshot(self) -> bool:
+        """Whether a prefix of the cache can be saved alone from a snapshot taken where it
+        ends (engine.snapshots): a recurrent memory, or a hybrid without a sliding window,
+        whose state at a position exists only where it was taken; the attention cells
+        before it (a hybrid's) are then read by position.  A shared prefix of such a model
+        needs its prefill cut at the system prompt's end (engine.generation.turn_marks)."""
+        return self.memory == MEMORY_RECURRENT or self.snapshot_recurrent_only
+
+    @property
     def has_recurrent(self) -> bool:
         """A recurrent part: a fixed-size snapshot per sequence, which cannot drop a tail."""
         return self.memory != MEMORY_ATTENTION

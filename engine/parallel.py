@@ -42,7 +42,7 @@ from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.conversation import Conversation
 from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
-from engine.runtime import Runtime, SaveInfo, logits_rule, relabel_as
+from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
 from engine.snapshots import PromptSnapshot, Shelf
 from native.batch import SeqBatch
@@ -458,6 +458,10 @@ class SequenceView:
     def has_logits(self) -> bool:
         return self._prt.has_logits(self.seq)
 
+    def snapshot_at(self, n: int) -> PromptSnapshot | None:
+        held = self._prt._held[self.seq]
+        return held.snapshots.at(held.tokens, n)
+
     def logits(self) -> np.ndarray:
         return self._prt.logits(self.seq)
 
@@ -468,7 +472,10 @@ class SequenceView:
         prt, ctx = self._prt, self._prt.ctx
         source = self.seq
         partial = bool(p0) or upto is not None
-        if partial:   # shares the cells; copies nothing
+        if upto is not None and not p0:
+            copy_prefix(self, self.seq, prt.scratch, upto)
+            source = prt.scratch
+        elif partial:   # shares the cells; copies nothing
             ctx.seq_cp(self.seq, prt.scratch, p0, -1 if upto is None else upto)
             source = prt.scratch
         try:

@@ -39,11 +39,13 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
     The divergent tail is trimmed from the cache.  A memory that cannot drop a tail
     (``llama_memory_seq_rm`` fails: some sliding-window or recurrent models) only takes
     checkpoints that are entirely a prefix of the prompt; if none exists, the prompt is
-    decoded in full.  Compares against what the cache already holds first.
+    decoded in full; a recurrent or hybrid memory (which goes back only to its snapshots)
+    looks at those alone: a shared prefix (engine.shared_prefix) is one.  Compares
+    against what the cache already holds first.
     """
     in_cache = common_prefix(runtime.kv_tokens, tokens)
-    can_trim = True
-    for match in PrefixIndex(folder).matches(tokens, runtime.target.key):
+    can_trim = not runtime.shape.has_recurrent
+    for match in PrefixIndex(folder).matches(tokens, runtime.target.key, whole=not can_trim):
         if match.n_common <= in_cache:
             break
         if not match.exact and not can_trim:

@@ -382,7 +382,10 @@ class Runtime:
         (p0 == 0) is then relabelled as sequence 0's, as a full file's state is.
         """
         seq = 0
-        if p0 or upto is not None:
+        if upto is not None and not p0:
+            copy_prefix(self, 0, 1, upto)
+            seq = 1
+        elif p0 or upto is not None:
             self.ctx.seq_cp(0, 1, p0, -1 if upto is None else upto)
             seq = 1
         try:
@@ -398,6 +401,10 @@ class Runtime:
         finally:
             if seq:
                 self.ctx.seq_rm(1, -1, -1)
+
+    def snapshot_at(self, n: int) -> PromptSnapshot | None:
+        """The recurrent state after exactly the cache's first ``n`` tokens, if kept."""
+        return self._snapshots.at(self.kv_tokens, n)
 
     def prefix_state(self, n: int) -> np.ndarray:
         """The state of the cache's first ``n`` cells, as a file of them holds it (a view
@@ -500,9 +507,10 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
     for a full file), after checking that they belong to ``conv`` and build on ``parent``."""
     n = len(rt.kv_tokens)
     if upto is not None:
-        if not 0 < upto <= n or len(conv.tokens) != upto or not rt.shape.cells_by_position:
+        if not 0 < upto <= n or len(conv.tokens) != upto or not can_save_prefix(rt, upto):
             raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
-                             "memory, with the conversation of exactly those tokens")
+                             "memory, or a recurrent one with a snapshot where it ends, with the "
+                             "conversation of exactly those tokens")
         n = upto
     if list(conv.tokens[:n]) != rt.kv_tokens[:n]:
         raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
@@ -515,6 +523,31 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
         raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
                          "(n_seq_max >= 2, kv_unified)")
     return n, p0
+
+
+def can_save_prefix(rt, n: int) -> bool:
+    """Whether ``rt``'s first ``n`` cache positions can be saved alone (a shared prefix):
+    any range of a plain attention memory; a recurrent or hybrid one only where a
+    snapshot was kept (ModelShape.prefix_from_snapshot)."""
+    if rt.shape.cells_by_position:
+        return True
+    return n == len(rt.kv_tokens) or (rt.shape.prefix_from_snapshot and rt.snapshot_at(n) is not None)
+
+
+def copy_prefix(rt, source: int, scratch: int, n: int) -> None:
+    """Make the empty ``scratch`` sequence hold ``source``'s state after its first ``n``
+    tokens.  The attention cells are shared (``seq_cp`` adds a sequence id; nothing is
+    copied); a recurrent part exists only as it is now, so where ``n`` is not the end,
+    the snapshot taken at ``n`` is put back into the scratch sequence (SaveFailed when
+    there is none)."""
+    rt.ctx.seq_cp(source, scratch, 0, n)
+    if not rt.shape.has_recurrent or n == len(rt.kv_tokens):
+        return
+    snapshot = rt.snapshot_at(n) if rt.shape.prefix_from_snapshot else None
+    if snapshot is None or not snapshot.put_back(rt.ctx, scratch):
+        rt.ctx.seq_rm(scratch, -1, -1)
+        raise SaveFailed(f"this model's memory keeps no state at position {n}; "
+                         "the prefix was not saved alone")
 
 
 def relabel_as(state: np.ndarray, rt, *, n_tokens: int, first_pos: int, source: int, seq_id: int) -> None:

@@ -16,17 +16,23 @@ at those positions (a conversation that decoded the system prompt in other batch
 boundaries might differ in the last bits; it then writes a prefix of its own).  So a
 conversation restored from its chain holds exactly the cells it had.
 
-Where.  Only a plain attention memory (no sliding window, no recurrent part) can save
-and restore a range of positions on its own (ModelShape.cells_by_position); the other
-kinds store their full state per conversation, as before.  The graph keeps a prefix as
-long as some head's chain holds it, never shows it as a conversation, and deletes it
-with the last conversation that used it.
+Where.  A plain attention memory (no sliding window, no recurrent part) can save and
+restore a range of positions on its own (ModelShape.cells_by_position).  A recurrent
+state exists only where it was taken: a recurrent or hybrid model's prefill is cut at
+the system prompt's end (a mark: engine.generation.turn_marks), the snapshot kept there
+is the prefix's recurrent part, and a hybrid's conversation is then a delta holding its
+own attention cells and its whole recurrent state (small, a fixed size).  A new
+conversation that starts from the prefix (``run --reuse-prefix``, a server request)
+reads only its own tokens.  A sliding window stores its full state per conversation,
+as before.  The graph keeps a prefix as long as some head's chain holds it, never shows
+it as a conversation, and deletes it with the last conversation that used it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import uuid
 from collections.abc import Sequence
 
@@ -39,7 +45,7 @@ from engine.checkpoints.graph import SHARED_LINE, Graph
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation, title_from
 from engine.errors import CheckpointError
-from engine.runtime import SaveInfo
+from engine.runtime import SaveInfo, can_save_prefix
 
 log = logging.getLogger("engine")
 
@@ -55,15 +61,31 @@ def shared_line(target_key: str, tokens: Sequence[int]) -> str:
     return SHARED_LINE + h.hexdigest()
 
 
-def system_prompt_end(runtime, conv: Conversation) -> int:
-    """How many of the cache's first tokens are the conversation's system prompt, as
-    the chat template renders it alone (0: none, or a template that cannot)."""
+def system_prompt_text(model, conv: Conversation) -> str:
+    """The chat template's text for ``conv``'s system prompt, the part every conversation
+    with it begins with ("" when it has none, or the template renders nothing to go by).
+
+    The system message rendered alone, where a conversation's rendering begins with that
+    text; else (Qwen3.5's template refuses messages without a user query, or renders the
+    system prompt alone otherwise than before a user message) where the first user
+    message starts, found as the text two renderings with different user messages share:
+    the system prompt and the user's header, also the same in every such conversation."""
     if not conv.system_prompt:
-        return 0
-    try:
-        text = chat_template.render(runtime.model, [("system", conv.system_prompt)], add_assistant=False)
-    except Exception as exc:   # a template may refuse a system message alone (Jinja raises anything)
-        log.debug("no shared prefix: the template does not render a system prompt alone (%s)", exc)
+        return ""
+    system = [("system", conv.system_prompt)]
+    probes = [chat_template.render_quietly(model, system + [("user", word)], add_assistant=False)
+              for word in ("x", "y")]
+    if not (probes[0] and probes[1]):
+        return ""
+    alone = chat_template.render_quietly(model, system, add_assistant=False)
+    return alone if alone and probes[0].startswith(alone) else os.path.commonprefix(probes)
+
+
+def system_prompt_end(runtime, conv: Conversation) -> int:
+    """How many of the cache's first tokens are the conversation's system prompt
+    (:func:`system_prompt_text`; 0: none, or a template that renders nothing to go by)."""
+    text = system_prompt_text(runtime.model, conv)
+    if not text:
         return 0
     return common_prefix(runtime.model.tokenize_prompt(text), runtime.kv_tokens)
 
@@ -72,10 +94,11 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
     """The shared prefix a full checkpoint of ``conv`` should be a delta on: found in
     ``store`` (the same cells, byte for byte) or written now.  None when the conversation
     has no system prompt worth sharing or the memory cannot store a range of positions."""
-    if not (runtime.settings.supports_deltas and runtime.shape.cells_by_position):
+    shape = runtime.shape
+    if not (runtime.settings.supports_deltas and (shape.cells_by_position or shape.prefix_from_snapshot)):
         return None
     n = system_prompt_end(runtime, conv)
-    if n < MIN_TOKENS or n >= len(runtime.kv_tokens):
+    if n < MIN_TOKENS or n >= len(runtime.kv_tokens) or not can_save_prefix(runtime, n):
         return None
     tokens = list(runtime.kv_tokens[:n])
     line = shared_line(runtime.target.key, tokens)

@@ -105,5 +105,10 @@ class Shelf:
         """The snapshot of the most of ``tokens[:n]``, or None."""
         return next((s for s in reversed(self._items) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)), None)
 
+    def at(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
+        """The snapshot after exactly ``tokens[:n]``, or None."""
+        found = self.nearest(tokens, n)
+        return found if found is not None and found.n_tokens == n else None
+
     def clear(self) -> None:
         self._items = []

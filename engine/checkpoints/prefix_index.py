@@ -108,8 +108,10 @@ class PrefixIndex:
                 log.warning("could not write the prefix index: %s", exc)
         return new
 
-    def matches(self, tokens: Sequence[int], key: str, limit: int = 4) -> list[Match]:
-        """The checkpoints sharing the longest prefixes with ``tokens``, best first."""
+    def matches(self, tokens: Sequence[int], key: str, limit: int = 4, *, whole: bool = False) -> list[Match]:
+        """The checkpoints sharing the longest prefixes with ``tokens``, best first;
+        ``whole``: only those that may be a prefix of ``tokens`` entire (for a memory that
+        cannot drop a tail: the longer ones would crowd them out of ``limit``)."""
         wanted = block_hashes(tokens)
         scored = []
         for name, entry in self.refresh().items():
@@ -119,6 +121,8 @@ class PrefixIndex:
             blocks = 0
             while blocks < min(len(hashes), len(wanted)) and hashes[blocks] == wanted[blocks]:
                 blocks += 1
+            if whole and (blocks < len(hashes) or not 0 < entry.get("n_tokens", 0) <= len(tokens)):
+                continue
             if blocks:
                 scored.append((blocks, name))
         out = []
