@@ -44,7 +44,7 @@ from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.restore import restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
-from engine.snapshots import PromptSnapshot, Shelf
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -68,6 +68,8 @@ class _Held:
     logits_alone: bool = False
     #: a recurrent memory's states at the end of its last prompt and at its marks (engine.snapshots)
     snapshots: Shelf = field(default_factory=Shelf)
+    #: where a sliding window's tail can be dropped exactly (engine.snapshots)
+    window: WindowCover = field(default_factory=lambda: WindowCover(0))
 
 
 class ParallelRuntime:
@@ -91,7 +93,7 @@ class ParallelRuntime:
         self.scratch = sequences
         self.table = SequenceTable(sequences)
         self.batch = SeqBatch(max(settings.n_batch, sequences))
-        self._held = [_Held() for _ in range(sequences)]
+        self._held = [self._nothing_held() for _ in range(sequences)]
         #: the shape saved files declare, and that restored files must have
         self.file_settings = replace(settings, n_seq_max=FILE_SEQ_MAX, kv_unified=True)
         self.target = Target(self._rt.target.model, ContextShape.of(self.file_settings, self.ctx.n_ctx))
@@ -167,7 +169,10 @@ class ParallelRuntime:
     def drop(self, seq: int) -> None:
         """Empty sequence ``seq`` (its conversation's files are untouched)."""
         self.ctx.seq_rm(seq, -1, -1)
-        self._held[seq] = _Held()
+        self._held[seq] = self._nothing_held()
+
+    def _nothing_held(self) -> _Held:
+        return _Held(window=WindowCover(self.shape.n_swa))
 
     def tokens(self, seq: int) -> list[int]:
         """The tokens sequence ``seq`` holds (do not modify)."""
@@ -223,11 +228,14 @@ class ParallelRuntime:
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)
-        if n > 0 and self.ctx.seq_rm(seq, n, -1):
-            del held.tokens[n:]
+        cut = held.window.nearest_cut(n)   # a sliding window: where what stays is whole
+        if cut > 0 and self.ctx.seq_rm(seq, cut, -1):
+            del held.tokens[cut:]
+            held.window.cut(cut)
             self._forget_logits(seq)
         elif (snapshot := held.snapshots.nearest(held.tokens, n)) is not None and snapshot.put_back(self.ctx, seq):
             del held.tokens[snapshot.n_tokens:]
+            held.window.cut(snapshot.n_tokens)
             self._forget_logits(seq)
             if snapshot.logits is not None:
                 held.logits_len, held.logits, held.row = snapshot.n_tokens, snapshot.logits, -1
@@ -264,11 +272,13 @@ class ParallelRuntime:
             for seq, tokens, _ in chunks:
                 held = self._held[seq]
                 done = self.ctx.pos_max(seq) + 1 - len(held.tokens)
+                held.window.decoded(len(held.tokens), len(held.tokens) + max(0, done))
                 held.tokens.extend(tokens[:max(0, done)])
                 self._forget_logits(seq)
             return False
         for (seq, tokens, logits_last), row in zip(chunks, rows, strict=True):
             held = self._held[seq]
+            held.window.decoded(len(held.tokens), len(held.tokens) + len(tokens))
             held.tokens.extend(tokens)
             if logits_last:
                 held.logits_len, held.logits, held.row = len(held.tokens), None, row
@@ -297,6 +307,7 @@ class ParallelRuntime:
         self._decode(tokens.keys())
         for seq, token in tokens.items():
             held = self._held[seq]
+            held.window.decoded(len(held.tokens), len(held.tokens) + 1)
             held.tokens.append(token)
             held.logits_len, held.logits, held.row = len(held.tokens), None, rows[seq]
             # several sequences in one decode give each the logits of its decode alone
@@ -407,6 +418,9 @@ class _Slot:
 
     def empty(self) -> None:
         self.prt.drop(self.seq)
+
+    def applied(self, first: int, end: int) -> None:
+        self.prt._held[self.seq].window.restored(first, end)
 
     def forget_logits(self) -> None:
         self.prt._forget_logits(self.seq)

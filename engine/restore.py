@@ -83,6 +83,10 @@ class SequenceSlot(Protocol):
 
     def forget_logits(self) -> None: ...
 
+    def applied(self, first: int, end: int) -> None:
+        """A file's state of positions ``first..end-1`` was set into the sequence (a sliding
+        window holds only its cells before ``end``: engine.snapshots.WindowCover)."""
+
     def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
         """The sequence holds ``tokens`` now, a file of the chain applied (``logits`` after
         them, None: none saved): a recurrent memory keeps a snapshot (engine.snapshots)."""
@@ -148,6 +152,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 ctx.state_set_from(data.state, len(data.state), slot.scratch)
                 ctx.seq_cp(slot.scratch, slot.seq, -1, -1)
                 ctx.seq_rm(slot.scratch, -1, -1)
+            slot.applied(data.header.parent_n_tokens if i else 0, data.header.n_tokens)
             if i in snapshots:
                 slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
     except StateError as exc:

@@ -45,7 +45,7 @@ from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
 from engine.restore import restore_into
-from engine.snapshots import PromptSnapshot, Shelf
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -119,6 +119,8 @@ class Runtime:
         # with a recurrent memory, the state there and at the prompts' marks too
         # (engine.snapshots): it cannot trim
         self._snapshots = Shelf()
+        # where a sliding window's tail can be dropped exactly (engine.snapshots)
+        self._window = WindowCover(self.shape.n_swa)
         self._state_buffer: np.ndarray | None = None  # reused by every save (_state_bytes)
         #: seconds the last restore_chain took (structure checks + setting the state)
         self.last_restore_s = 0.0
@@ -169,20 +171,26 @@ class Runtime:
         A memory that cannot drop a tail (sliding window past its window, recurrent) is
         cleared, unless a recurrent memory has a snapshot at or before ``n`` (the end of the
         last prompt, or one of its marks: engine.snapshots): it goes back to the nearest one,
-        and fewer than ``n`` tokens may be kept.
+        and fewer than ``n`` tokens may be kept.  A sliding window restored from a file
+        holds only the window before the file's end: it is cut at most where the window
+        before the cut is whole (engine.snapshots.WindowCover), which may be fewer than ``n``.
         """
         if n >= len(self.kv_tokens):
             return len(self.kv_tokens)
-        if n > 0 and self.ctx.seq_rm(0, n, -1):
-            del self.kv_tokens[n:]
+        cut = self._window.nearest_cut(n)   # a sliding window: where what stays is whole
+        if cut > 0 and self.ctx.seq_rm(0, cut, -1):
+            del self.kv_tokens[cut:]
+            self._window.cut(cut)
         elif (snapshot := self._snapshots.nearest(self.kv_tokens, n)) is not None and snapshot.put_back(self.ctx, 0):
             del self.kv_tokens[snapshot.n_tokens:]
+            self._window.cut(snapshot.n_tokens)
             if snapshot.logits is not None:
                 self._logits_len, self._logits_copy, self._logits_alone = snapshot.n_tokens, snapshot.logits, False
                 return snapshot.n_tokens
         else:
             self.ctx.clear()
             self.kv_tokens.clear()
+            self._window.clear()
         saved = self._prompt_logits
         if saved and saved[0] == len(self.kv_tokens) and saved[1] == tokens_digest(self.kv_tokens):
             self._logits_len, self._logits_copy, self._logits_alone = saved[0], saved[2], False
@@ -228,11 +236,13 @@ class Runtime:
             if rc == DECODE_ABORTED:
                 done = self.ctx.pos_max() + 1
                 self.kv_tokens.extend(tokens[pos:done])
+                self._window.decoded(pos, done)
                 self._forget_logits()
                 report.aborted = True
                 report.n_decoded += done - pos
                 break
             self.kv_tokens.extend(chunk)
+            self._window.decoded(pos, end)
             report.n_decoded += len(chunk)
             pos = end
             if end in marks and end < total:
@@ -263,6 +273,7 @@ class Runtime:
             raise GenerationError("the context is full")
         self.ctx.decode((token,), len(self.kv_tokens), logits_last=True, abortable=False)
         self.kv_tokens.append(token)
+        self._window.decoded(len(self.kv_tokens) - 1, len(self.kv_tokens))
         self._set_live_logits(alone=True)
 
     # -- compatibility ---------------------------------------------------------------------
@@ -473,6 +484,10 @@ class _Slot:
     def empty(self) -> None:
         self.ctx.clear(data=False)   # the cells are freed; what a restore sets, it overwrites
         self.rt.kv_tokens = []
+        self.rt._window.clear()
+
+    def applied(self, first: int, end: int) -> None:
+        self.rt._window.restored(first, end)
 
     def forget_logits(self) -> None:
         self.rt._forget_logits()

@@ -112,3 +112,61 @@ class Shelf:
 
     def clear(self) -> None:
         self._items = []
+
+
+class WindowCover:
+    """Which positions' sliding-window cells a sequence holds, so that a tail is dropped
+    only where what stays is exactly what decoding gave.
+
+    A sliding-window cache (Gemma 3: ``n_swa`` 512, llama.cpp's full-size window cache)
+    keeps every cell it decoded, but a saved state holds only the window before its end:
+    a file of positions ``first..end-1`` sets the window cells ``max(first, end - n_swa)
+    ..end-1`` (measured on the pinned llama.cpp).  Dropping the tail at ``m`` is exact
+    only when the ``n_swa`` positions before ``m`` are all held; llama.cpp's
+    ``seq_rm`` succeeds either way, and the next tokens would then see a window with
+    holes (logits off by ~1, silently).  Without a window (``n_swa`` 0) every cut is exact.
+    """
+
+    def __init__(self, n_swa: int) -> None:
+        self.n_swa = n_swa
+        self._spans: list[tuple[int, int]] = []   # held positions [start, end), disjoint, sorted
+
+    def decoded(self, start: int, end: int) -> None:
+        """Positions ``start..end-1`` were decoded: every cell is held."""
+        self._add(start, end)
+
+    def restored(self, first: int, end: int) -> None:
+        """A state of positions ``first..end-1`` was set: the window before ``end`` is held."""
+        self._add(max(first, end - self.n_swa) if self.n_swa else first, end)
+
+    def can_cut(self, m: int) -> bool:
+        """Whether keeping only positions below ``m`` leaves a window that decoding gave."""
+        return self.nearest_cut(m) == m
+
+    def nearest_cut(self, n: int) -> int:
+        """The most positions, at most ``n``, that can be kept exactly (0: none)."""
+        if not self.n_swa:
+            return n
+        best = 0
+        for start, end in self._spans:
+            m = min(end, n)
+            if start == 0 or m - self.n_swa >= start:
+                best = max(best, m)
+        return best
+
+    def cut(self, m: int) -> None:
+        self._spans = [(start, min(end, m)) for start, end in self._spans if start < m]
+
+    def clear(self) -> None:
+        self._spans = []
+
+    def _add(self, start: int, end: int) -> None:
+        if start >= end:
+            return
+        merged: list[tuple[int, int]] = []
+        for s, e in sorted([*self._spans, (start, end)]):
+            if merged and s <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+            else:
+                merged.append((s, e))
+        self._spans = merged

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
@@ -512,10 +513,17 @@ def _components(graph: Graph, nodes: list[Node]) -> list[list[Node]]:
     return sorted((g for g in groups if g), key=lambda g: (g[-1].created_ns, g[-1].name))
 
 
+#: an unused shared prefix younger than this is kept by a prune: its writer may not have
+#: landed the delta on it yet (an autosave lands on a helper thread, and the worker prunes
+#: right after its save)
+SHARED_GRACE_S = 120.0
+
+
 def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
-          stale_temp_age_s: float = STALE_TEMP_AGE_S) -> PruneReport:
+          stale_temp_age_s: float = STALE_TEMP_AGE_S, shared_grace_s: float = SHARED_GRACE_S) -> PruneReport:
     """Delete superseded chains, oldest first, while the store holds more than
-    ``budget_bytes`` (every checkpoint counts); None deletes every superseded file."""
+    ``budget_bytes`` (every checkpoint counts); None deletes every superseded file.  The
+    shared prefixes no head uses go too, once older than ``shared_grace_s``."""
     report = PruneReport()
     if not store.folder.is_dir():
         return report
@@ -534,19 +542,23 @@ def prune(store: Store, budget_bytes: int | None = DEFAULT_BUDGET_BYTES, *,
             _delete_leaves_first(store, graph, chain, report)
             total -= report.freed_bytes - before
         before = report.freed_bytes
-        unused = _drop_unused_shared(store, graph, report)
+        unused = _drop_unused_shared(store, graph, report, shared_grace_s)
         total -= report.freed_bytes - before
         _classify(graph, report, {n.name for n in candidates} | unused)
         report.store_bytes = total
     return report
 
 
-def _drop_unused_shared(store: Store, graph: Graph, report: PruneReport) -> set[str]:
-    """Delete the shared prefixes no head uses any more (lock held); their names.
+def _drop_unused_shared(store: Store, graph: Graph, report: PruneReport, grace_s: float = 0.0) -> set[str]:
+    """Delete the shared prefixes no head uses any more, written over ``grace_s`` ago
+    (lock held); their names.
 
     A writer that has just stored a prefix and not yet its delta on it loses the race
-    harmlessly: the delta's rename requires its parent, so it writes a full file."""
-    unused = graph.unused_shared()
+    harmlessly when the prefix goes meanwhile (the delta's rename requires its parent, so
+    it writes a full file), but the conversation then shares nothing: a prune spares
+    young prefixes; a delete (the user's) does not."""
+    born_before = time.time_ns() - int(grace_s * 1e9)
+    unused = [n for n in graph.unused_shared() if n.created_ns <= born_before]
     _delete_leaves_first(store, graph, unused, report)
     return {n.name for n in unused}
 
