@@ -183,3 +183,41 @@ def test_cli_reuse_prefix_on_a_hybrid_reads_only_the_question(tiny_model_path, a
     assert len(shared) == 1 and second["n_reused_tokens"] == shared[0].header.n_tokens
     own_first = one - shared[0].size
     assert size() - one < own_first + shared[0].size // 2, "the second conversation stored the prefix again"
+
+
+@pytest.mark.parametrize("arch", ["llama", "lfm2"])
+def test_the_windows_conversations_share_their_system_prompt(arch, tiny_model_path, tmp_path, monkeypatch):
+    """Through the window's engine thread, autosaving as it does (each autosave lands on a
+    helper thread, and the worker prunes right after): two conversations with one long
+    system prompt both build on one stored prefix.  (The prune used to delete the prefix
+    before the delta on it had landed, and nothing was shared.)"""
+    import os
+    import time
+
+    from enginekit import Recorder
+
+    from engine.checkpoints import atomic
+    from engine.worker import EngineWorker, ModelOptions
+
+    def slow_fsync(fd: int) -> None:   # a disk slower than the worker's prune after a save
+        time.sleep(0.3)
+        os.fsync(fd)
+    monkeypatch.setattr(atomic, "fsync", slow_fsync)
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path))
+    w.start()
+    try:
+        w.autosave_every = 4
+        w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        for i, q in enumerate(QUESTIONS[:2]):
+            conv = w.new_conversation(system_prompt=SYSTEM, sampler=SamplerSettings(seed=i, ignore_eos=True))
+            w.send(conv, q, n_predict=12)
+            rec.finished_for(conv)
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    shared = _shared(tmp_path)
+    assert len(shared) == 1, f"{len(shared)} stored prefixes"
+    g = Graph.scan(tmp_path)
+    assert len(g.heads) == 2 and all(g.chain(h)[0] is shared[0] for h in g.heads)
