@@ -110,6 +110,15 @@ class ModelShape:
         return self.memory == MEMORY_RECURRENT or self.snapshot_recurrent_only
 
     @property
+    def prefix_from_window(self) -> bool:
+        """Whether a prefix of the cache can be saved alone where the sliding window before
+        its end is whole (a live cache; engine.snapshots.WindowCover): an attention memory
+        with a sliding window (Gemma 3).  Its cells at the positions before the end are
+        the same whatever follows them (measured byte for byte on Gemma 3 270M), and a
+        saved state holds the window before its end."""
+        return self.memory == MEMORY_ATTENTION and self.n_swa > 0
+
+    @property
     def has_recurrent(self) -> bool:
         """A recurrent part: a fixed-size snapshot per sequence, which cannot drop a tail."""
         return self.memory != MEMORY_ATTENTION

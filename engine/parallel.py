@@ -476,6 +476,9 @@ class SequenceView:
         held = self._prt._held[self.seq]
         return held.snapshots.at(held.tokens, n)
 
+    def window_whole_at(self, n: int) -> bool:
+        return self._prt._held[self.seq].window.can_cut(n)
+
     def logits(self) -> np.ndarray:
         return self._prt.logits(self.seq)
 

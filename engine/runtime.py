@@ -417,6 +417,10 @@ class Runtime:
         """The recurrent state after exactly the cache's first ``n`` tokens, if kept."""
         return self._snapshots.at(self.kv_tokens, n)
 
+    def window_whole_at(self, n: int) -> bool:
+        """Whether a sliding window's cells before position ``n`` are all held (WindowCover)."""
+        return self._window.can_cut(n)
+
     def prefix_state(self, n: int) -> np.ndarray:
         """The state of the cache's first ``n`` cells, as a file of them holds it (a view
         of the save buffer: valid until the next save)."""
@@ -523,9 +527,8 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
     n = len(rt.kv_tokens)
     if upto is not None:
         if not 0 < upto <= n or len(conv.tokens) != upto or not can_save_prefix(rt, upto):
-            raise SaveFailed("a prefix of the cache is saved alone only from a plain attention "
-                             "memory, or a recurrent one with a snapshot where it ends, with the "
-                             "conversation of exactly those tokens")
+            raise SaveFailed("a prefix of the cache is saved alone only where its state is held "
+                             "whole (can_save_prefix), with the conversation of exactly those tokens")
         n = upto
     if list(conv.tokens[:n]) != rt.kv_tokens[:n]:
         raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
@@ -542,11 +545,15 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
 
 def can_save_prefix(rt, n: int) -> bool:
     """Whether ``rt``'s first ``n`` cache positions can be saved alone (a shared prefix):
-    any range of a plain attention memory; a recurrent or hybrid one only where a
+    any range of a plain attention memory; a sliding window where the window before ``n``
+    is whole (ModelShape.prefix_from_window); a recurrent or hybrid one only where a
     snapshot was kept (ModelShape.prefix_from_snapshot)."""
-    if rt.shape.cells_by_position:
+    shape = rt.shape
+    if shape.cells_by_position or n == len(rt.kv_tokens):
         return True
-    return n == len(rt.kv_tokens) or (rt.shape.prefix_from_snapshot and rt.snapshot_at(n) is not None)
+    if shape.prefix_from_window:
+        return rt.window_whole_at(n)
+    return shape.prefix_from_snapshot and rt.snapshot_at(n) is not None
 
 
 def copy_prefix(rt, source: int, scratch: int, n: int) -> None:

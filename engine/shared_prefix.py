@@ -23,9 +23,12 @@ the system prompt's end (a mark: engine.generation.turn_marks), the snapshot kep
 is the prefix's recurrent part, and a hybrid's conversation is then a delta holding its
 own attention cells and its whole recurrent state (small, a fixed size).  A new
 conversation that starts from the prefix (``run --reuse-prefix``, a server request)
-reads only its own tokens.  A sliding window stores its full state per conversation,
-as before.  The graph keeps a prefix as long as some head's chain holds it, never shows
-it as a conversation, and deletes it with the last conversation that used it.
+reads only its own tokens.  A sliding window (Gemma 3) shares its prefix where the
+cache was decoded live up to the system prompt's end (a restored cache holds only the
+window before each file's end: engine.snapshots.WindowCover); its cells before a
+position are the same whatever follows.  The graph keeps a prefix as long as some
+head's chain holds it, never shows it as a conversation, and deletes it with the last
+conversation that used it.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
     ``store`` (the same cells, byte for byte) or written now.  None when the conversation
     has no system prompt worth sharing or the memory cannot store a range of positions."""
     shape = runtime.shape
-    if not (runtime.settings.supports_deltas and (shape.cells_by_position or shape.prefix_from_snapshot)):
+    if not (runtime.settings.supports_deltas
+            and (shape.cells_by_position or shape.prefix_from_window or shape.prefix_from_snapshot)):
         return None
     n = system_prompt_end(runtime, conv)
     if n < MIN_TOKENS or n >= len(runtime.kv_tokens) or not can_save_prefix(runtime, n):

@@ -236,6 +236,9 @@ class Context:
         params.type_k = settings.type_k
         params.type_v = settings.type_v
         params.kv_unified = settings.kv_unified
+        # a sliding window keeps every cell it decoded (llama.cpp's default, said here):
+        # dropping a tail, a shared prefix and a delta's parent rely on it (engine.snapshots)
+        params.swa_full = True
         params.no_perf = True
         self._abort = threading.Event()
         self._abortable = False  # only decodes started with abortable=True may be cut short

@@ -133,8 +133,8 @@ def test_short_prompts_and_other_memories_store_no_prefix(smollm_runtime, tmp_pa
     conv = Conversation(system_prompt=SYSTEM)
     begin_answer(conv, rt, QUESTIONS[0], n_predict=4)
     generate(rt, conv)
-    # a sliding window cannot store a range of positions on its own
-    monkeypatch.setattr(rt, "shape", replace(rt.shape, n_swa=512))
+    # a hybrid with a sliding window keeps whole snapshots only: no prefix of its own
+    monkeypatch.setattr(rt, "shape", replace(rt.shape, n_swa=512, memory=2))
     assert shared_base(rt, Store(tmp_path / "swa"), conv) is None
 
 
@@ -223,3 +223,35 @@ def test_export_of_a_conversation_on_a_shared_prefix_is_one_whole_file(smollm_ru
     rt.trim(0)
     rt.restore(alone)
     assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), held)
+
+
+def test_a_sliding_window_shares_its_system_prompt_and_resumes_exactly(gemma_path, tmp_path):
+    """Gemma 3 (n_swa 512): the prefix is stored once from a live cache and each chain
+    (prefix + delta) restores to the bytes and logits the conversation had; a cache
+    restored from a file (its window holds only the end) writes no prefix."""
+    rt = Runtime(gemma_path, ContextSettings(n_ctx=2048, n_threads=2))
+    system = SYSTEM * 2   # past the 512-token window
+    try:
+        heads, states = [], []
+        for q in QUESTIONS[:2]:
+            conv, writer = _answer(rt, tmp_path / "store", q, system=system, stop_after=8)
+            heads.append(writer.head.path)
+            states.append((np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True), np.array(rt.logits(), copy=True)))
+        g = Graph.scan(tmp_path / "store")
+        shared = _shared(g)
+        assert len(shared) == 1 and shared[0].header.n_tokens > 512
+        assert all(g.chain(g.nodes[h.name])[0] is shared[0] for h in heads)
+        for head, (state, logits) in zip(heads, states, strict=True):
+            rt.trim(0)
+            rt.restore_chain(load_chain(head))
+            assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), state)
+            assert np.array_equal(rt.logits(), logits)
+        # restored from one whole file: the window before the system prompt's end is not held
+        from engine.compaction import compact_into
+        whole = compact_into(rt, load_chain(heads[0]), tmp_path / "whole.kvckpt")
+        rt.trim(0)
+        conv = rt.restore(read_checkpoint(whole.path))
+        assert shared_base(rt, Store(tmp_path / "other"), conv) is None
+        assert shared_base(rt, Store(tmp_path / "store"), conv) is None
+    finally:
+        rt.close()
