@@ -1,6 +1,6 @@
 """Store bytes against the KV state they hold: today's layout vs the layout before issue 25.
 
-``python -m benchmarks.store_footprint [--models smollm,gemma] [--conversations 10]``
+``python -m benchmarks.store_footprint [--models smollm,gemma,lfm2,qwen35,mamba2] [--conversations 10]``
 
 Side by side in one process, on the same model and the same conversations:
 
@@ -15,17 +15,25 @@ default chain, head written at the end); (2) ``--conversations`` conversations s
 ~1,500-token system prompt, each with its own question and a 16-token answer.  The KV
 bytes a store must hold at the least are measured from llama.cpp's own state of the
 tokens (one sequence, no logits): for case 2, one system prompt plus each conversation's
-own tokens.  Prints tables and exits 0.
+own tokens (and, for a recurrent or hybrid model, each conversation's own recurrent
+state, which exists only at its end).  ``lfm2``, ``qwen35`` and ``mamba2`` are the tiny
+random-weight models of tests/tinymodels.py (8 layers for the hybrids, SmolLM2's 49k
+vocabulary): their states are tiny, so the per-file logits (196 KB, kept in each head of
+a recurrent model: nothing can decode its last token again) weigh most.  Prints tables
+and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.common import MODEL_KEYS, Table, context_settings, model_path
+
+TINY = {"lfm2": 8, "qwen35": 8, "mamba2": 4}   # tests/tinymodels.py, with these layer counts
 
 MB = 1e6
 SYSTEM = ("You are the support assistant of Northwind Shipping. Answer in two sentences, cite the "
@@ -63,6 +71,25 @@ def state_bytes(rt, n: int) -> int:
         return rt.ctx.state_size(1)
     finally:
         rt.ctx.seq_rm(1, -1, -1)
+
+
+def recurrent_bytes(rt) -> int:
+    """The size of one sequence's recurrent state (0 for attention): what every
+    conversation of a recurrent or hybrid model holds of its own at its end."""
+    from native.context import STATE_RECURRENT_ONLY
+    if not rt.shape.has_recurrent:
+        return 0
+    return rt.ctx.state_size(0, STATE_RECURRENT_ONLY if rt.shape.snapshot_recurrent_only else 0)
+
+
+def model_for(key: str, folder: Path) -> Path:
+    if key not in TINY:
+        return model_path(key)
+    extra = Path(__file__).resolve().parent.parent / "tests"
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+    import tinymodels
+    return tinymodels.cached(key, folder / "models", n_layer=TINY[key])
 
 
 def autosave_case(rt, folder: Path) -> tuple[int, int, int]:
@@ -105,7 +132,7 @@ def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
         writer.close()
         n_system = system_prompt_end(rt, conv)
         whole, prefix = state_bytes(rt, len(rt.kv_tokens)), state_bytes(rt, n_system)
-        floor += whole if i == 0 else whole - prefix
+        floor += whole if i == 0 else whole - prefix + recurrent_bytes(rt)
     return store_bytes(folder), floor, n_system
 
 
@@ -124,7 +151,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for key in args.models.split(","):
-            rt = Runtime(model_path(key), context_settings(4096, args.threads))
+            rt = Runtime(model_for(key, root), context_settings(4096, args.threads))
             try:
                 with layout_before():
                     before, kv, _ = autosave_case(rt, root / key / "auto-before")
@@ -139,8 +166,8 @@ def main(argv=None) -> int:
             finally:
                 rt.close()
     auto.notes.append("kv: llama.cpp's state of the final cache (one sequence, q8_0 K/V, no logits)")
-    shared.notes.append("a sliding-window model (Gemma 3) stores no shared prefix: its cells depend on "
-                        "where the cache ends")
+    shared.notes.append("floor: one system prompt's state + each conversation's own cells (+ its own "
+                        "recurrent state, for recurrent and hybrid models); no logits")
     print(auto.render())
     print()
     print(shared.render())
