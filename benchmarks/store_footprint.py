@@ -15,7 +15,8 @@ default chain, head written at the end); (2) ``--conversations`` conversations s
 ~1,500-token system prompt, each with its own question and a 16-token answer.  The KV
 bytes a store must hold at the least are measured from llama.cpp's own state of the
 tokens (one sequence, no logits): for case 2, one system prompt plus each conversation's
-own tokens (and, for a recurrent or hybrid model, each conversation's own recurrent
+own tokens (llama.cpp's state of the positions after the system prompt: for a sliding
+window the window's cells there, for a recurrent or hybrid model also its whole recurrent
 state, which exists only at its end).  ``lfm2``, ``qwen35`` and ``mamba2`` are the tiny
 random-weight models of tests/tinymodels.py (8 layers for the hybrids, SmolLM2's 49k
 vocabulary): their states are tiny, so the per-file logits (196 KB, kept in each head of
@@ -62,24 +63,17 @@ def store_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.kvckpt"))
 
 
-def state_bytes(rt, n: int) -> int:
-    """llama.cpp's state of the cache's first ``n`` positions (what a store must hold)."""
-    if n == len(rt.kv_tokens):
+def state_bytes(rt, n: int, first: int = 0) -> int:
+    """llama.cpp's state of the cache's positions ``first..n-1`` (what a store must hold:
+    a sliding window's state holds the window before ``n``, a recurrent one its whole
+    state)."""
+    if n == len(rt.kv_tokens) and not first:
         return rt.ctx.state_size(0)
-    rt.ctx.seq_cp(0, 1, 0, n)
+    rt.ctx.seq_cp(0, 1, first, n)
     try:
         return rt.ctx.state_size(1)
     finally:
         rt.ctx.seq_rm(1, -1, -1)
-
-
-def recurrent_bytes(rt) -> int:
-    """The size of one sequence's recurrent state (0 for attention): what every
-    conversation of a recurrent or hybrid model holds of its own at its end."""
-    from native.context import STATE_RECURRENT_ONLY
-    if not rt.shape.has_recurrent:
-        return 0
-    return rt.ctx.state_size(0, STATE_RECURRENT_ONLY if rt.shape.snapshot_recurrent_only else 0)
 
 
 def model_for(key: str, folder: Path) -> Path:
@@ -131,8 +125,8 @@ def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
         writer.save_head(conv, KIND_MANUAL)
         writer.close()
         n_system = system_prompt_end(rt, conv)
-        whole, prefix = state_bytes(rt, len(rt.kv_tokens)), state_bytes(rt, n_system)
-        floor += whole if i == 0 else whole - prefix + recurrent_bytes(rt)
+        # the first holds the whole state; each other one only what follows the prompt
+        floor += state_bytes(rt, len(rt.kv_tokens), 0 if i == 0 else n_system)
     return store_bytes(folder), floor, n_system
 
 
@@ -166,8 +160,9 @@ def main(argv=None) -> int:
             finally:
                 rt.close()
     auto.notes.append("kv: llama.cpp's state of the final cache (one sequence, q8_0 K/V, no logits)")
-    shared.notes.append("floor: one system prompt's state + each conversation's own cells (+ its own "
-                        "recurrent state, for recurrent and hybrid models); no logits")
+    shared.notes.append("floor: the first conversation's state + each other one's state after the system "
+                        "prompt (llama.cpp's own: a sliding window's cells there, a recurrent state whole); "
+                        "no logits")
     print(auto.render())
     print()
     print(shared.render())

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoints.chain import common_prefix, load_chain
+from engine.checkpoints.graph import default_line
 from engine.checkpoints.prefix_index import PrefixIndex
+from engine.checkpoints.store import Store
+from engine.conversation import Conversation
 from engine.errors import CheckpointError
+from engine.history import LineWriter, saved_info
 from engine.runtime import Runtime
 
 log = logging.getLogger("engine")
@@ -63,3 +67,19 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
         can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
         in_cache = common_prefix(runtime.kv_tokens, tokens)
     return PrefixReuse("cache" if in_cache else "recompute", in_cache)
+
+
+def start_from_stored_prefix(runtime: Runtime, store: Store, conv: Conversation) -> LineWriter:
+    """A new conversation's start: the cache holds as much of ``conv``'s prompt as the
+    store's checkpoints give (:func:`reuse_stored_prefix`: a long system prompt's shared
+    prefix, another conversation's turns), and its line writer builds its first save on
+    the restored files where they are the store's own (a delta on the shared prefix).
+    Used by the window's new conversations and the server's requests alike."""
+    chain: tuple = ()          # the source's verified chain (CheckpointData), full file first
+    try:
+        reuse = reuse_stored_prefix(runtime, store.folder, conv.tokens)
+        chain = reuse.chain if reuse.chain and store.contains(reuse.chain[-1].path) else ()
+        log.info("%s: %s", conv.title, reuse.describe())
+    except (CheckpointError, OSError) as exc:
+        log.info("no stored prefix used (%s)", exc)
+    return LineWriter.starting(runtime, store, default_line(conv.id), [saved_info(d) for d in chain])

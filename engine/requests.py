@@ -338,22 +338,10 @@ class RequestDesk:
         """Make ``conv`` the conversation in the cache, starting from the stored checkpoint
         that shares the longest prefix with its tokens; the first save builds on that
         checkpoint's files where they are a prefix of it."""
-        from engine.checkpoints.graph import default_line
-        from engine.history import LineWriter, saved_info
-        from engine.prefix_reuse import reuse_stored_prefix
-        store = self.engine.store
-        view = rt.view_of(conv.id)
-        chain: tuple = ()          # the source's verified chain (CheckpointData), full file first
-        try:
-            reuse = reuse_stored_prefix(view, store.folder, conv.tokens)
-            chain = reuse.chain if reuse.chain and store.contains(reuse.chain[-1].path) else ()
-            log.info("request: %s", reuse.describe())
-        except (CheckpointError, OSError) as exc:
-            log.info("no stored prefix used (%s)", exc)
+        from engine.prefix_reuse import start_from_stored_prefix
+        writer = start_from_stored_prefix(rt.view_of(conv.id), self.engine.store, conv)
         self.sessions.adopt(conv)
-        # the restored chain (verified by the restore) is what the first save builds on
-        self.sessions.set_writer(conv.id, LineWriter.starting(view, store, default_line(conv.id),
-                                                              [saved_info(d) for d in chain]))
+        self.sessions.set_writer(conv.id, writer)
         self.engine.listener.emit(ConversationChanged(self.engine.snapshot(conv)))
 
 

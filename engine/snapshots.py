@@ -122,7 +122,8 @@ class WindowCover:
     keeps every cell it decoded, but a saved state holds only the window before its end:
     a file of positions ``first..end-1`` sets the window cells ``max(first, end - n_swa)
     ..end-1`` (measured on the pinned llama.cpp).  Dropping the tail at ``m`` is exact
-    only when the ``n_swa`` positions before ``m`` are all held; llama.cpp's
+    only when the ``n_swa - 1`` positions before ``m`` are all held (what the token at
+    ``m`` sees); llama.cpp's
     ``seq_rm`` succeeds either way, and the next tokens would then see a window with
     holes (logits off by ~1, silently).  Without a window (``n_swa`` 0) every cut is exact.
     """
@@ -150,7 +151,9 @@ class WindowCover:
         best = 0
         for start, end in self._spans:
             m = min(end, n)
-            if start == 0 or m - self.n_swa >= start:
+            # the token at m sees positions m - n_swa + 1 .. m (llama.cpp's standard window;
+            # a chunked one sees fewer)
+            if start == 0 or m - self.n_swa + 1 >= start:
                 best = max(best, m)
         return best
 

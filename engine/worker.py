@@ -1196,6 +1196,11 @@ class EngineWorker:
         session = self.sessions.named(conv.id)
         writer, head = session.writer, session.head_path
         if head is None:
+            if writer is None and conv.answer is not None and running:
+                # a new conversation's first answer: from the store's longest stored prefix
+                # of its prompt (a long system prompt's shared prefix), not from nothing
+                from engine.prefix_reuse import start_from_stored_prefix
+                self.sessions.set_writer(conv.id, start_from_stored_prefix(view, self.store, conv))
             self._writer(conv)
             return placement
         in_cache = common_prefix(view.kv_tokens, conv.tokens)

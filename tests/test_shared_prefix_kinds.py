@@ -210,14 +210,18 @@ def test_the_windows_conversations_share_their_system_prompt(arch, tiny_model_pa
         w.autosave_every = 4
         w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
         rec.wait("loaded")
+        reused = []
         for i, q in enumerate(QUESTIONS[:2]):
             conv = w.new_conversation(system_prompt=SYSTEM, sampler=SamplerSettings(seed=i, ignore_eos=True))
             w.send(conv, q, n_predict=12)
-            rec.finished_for(conv)
+            reused.append(rec.finished_for(conv).n_reused_tokens)
     finally:
         w.shutdown()
         assert w.join(60)
     shared = _shared(tmp_path)
     assert len(shared) == 1, f"{len(shared)} stored prefixes"
+    # the second conversation started from what the store holds (a hybrid: the shared prefix;
+    # attention: the first conversation's files, trimmed after the user's header)
+    assert reused[0] == 0 and reused[1] >= shared[0].header.n_tokens
     g = Graph.scan(tmp_path)
     assert len(g.heads) == 2 and all(g.chain(h)[0] is shared[0] for h in g.heads)

@@ -82,12 +82,12 @@ def test_a_restored_chain_is_cut_exactly_at_a_file_end(gemma_path, tmp_path):
 
 
 def test_window_cover():
-    w = WindowCover(4)
+    w = WindowCover(4)   # the token at m sees m-3..m
     w.decoded(0, 10)
     assert [w.nearest_cut(n) for n in (0, 3, 10, 12)] == [0, 3, 10, 10]
     w.clear()
     w.restored(0, 10)   # a file of positions 0..9 sets the window 6..9
-    assert w.nearest_cut(9) == 0 and w.nearest_cut(10) == 10
+    assert w.nearest_cut(8) == 0 and w.nearest_cut(9) == 9 and w.nearest_cut(10) == 10
     w.restored(10, 12)  # a delta 10..11 on it
     assert w.nearest_cut(12) == 12 and w.nearest_cut(11) == 11
     w.decoded(12, 20)
@@ -97,5 +97,5 @@ def test_window_cover():
     w.clear()
     w.restored(0, 10)
     w.decoded(10, 12)   # read on after a restore
-    assert w.nearest_cut(11) == 11 and w.nearest_cut(9) == 0
+    assert w.nearest_cut(11) == 11 and w.nearest_cut(8) == 0
     assert WindowCover(0).nearest_cut(7) == 7
