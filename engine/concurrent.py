@@ -198,9 +198,11 @@ class Batcher:
                 self._start(job)
 
     def _marks(self, job: Job) -> tuple[int, ...]:
-        """Where ``job``'s prompt is cut for a recurrent memory's snapshots (Answer.marks)."""
+        """Where ``job``'s prompt is cut (Answer.marks): a recurrent memory's snapshots, a
+        sliding window's system-prompt end (Runtime.prefill)."""
         answer = job.conv.answer
-        return answer.marks if answer is not None and self.prt.shape.has_recurrent else ()
+        shape = self.prt.shape
+        return answer.marks if answer is not None and (shape.has_recurrent or shape.prefix_from_window) else ()
 
     def _abort_prefill(self, job: Job) -> None:
         report, _ = self._prefilling.pop(job)

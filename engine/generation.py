@@ -140,8 +140,12 @@ def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_pre
         conv.tokens = conv.tokens + runtime.model.tokenize(prompt[len(previous):], add_special=False)
     else:
         conv.tokens = runtime.model.tokenize_prompt(prompt)
-    marks = turn_marks(conv, runtime.model, prompt, previous, n_kept) \
-        if runtime.model.memory_kind else ()
+    if runtime.model.memory_kind:
+        marks = turn_marks(conv, runtime.model, prompt, previous, n_kept)
+    elif runtime.model.shape.n_swa:
+        marks = system_mark(conv, runtime.model, prompt, previous, n_kept)
+    else:
+        marks = ()
     conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=n_predict, marks=marks)
 
 
@@ -166,12 +170,20 @@ def turn_marks(conv: Conversation, model, prompt: str, previous: str | None, n_k
     starts = os.path.commonprefix(probes) if all(probes) else ""
     turn = chat_template.render_quietly(model, messages, add_assistant=False) or ""
     marks = {end for end in (_mark_at(cut, conv, model, prompt, previous, n_kept) for cut in (starts, turn)) if end}
-    # where a long system prompt ends, in a first turn: its shared prefix's recurrent part
-    # (engine.shared_prefix) is the snapshot kept there
-    system_end = _mark_at(system_prompt_text(model, conv), conv, model, prompt, previous, n_kept)
-    if system_end >= SHARED_MIN_TOKENS:
-        marks.add(system_end)
+    # its shared prefix's recurrent part (engine.shared_prefix) is the snapshot kept there
+    marks.update(system_mark(conv, model, prompt, previous, n_kept))
     return tuple(sorted(marks))
+
+
+def system_mark(conv: Conversation, model, prompt: str, previous: str | None, n_kept: int) -> tuple[int, ...]:
+    """Where a long system prompt ends, in a first turn (a mark: turn_marks), or ().
+
+    A conversation that starts from the system prompt's shared prefix (engine.shared_prefix)
+    reads on from there: a prefill from nothing is cut there too, so both decode the same
+    pieces (a sliding window's bits depend on them; a recurrent memory keeps its snapshot
+    there)."""
+    end = _mark_at(system_prompt_text(model, conv), conv, model, prompt, previous, n_kept)
+    return (end,) if end >= SHARED_MIN_TOKENS else ()
 
 
 def _mark_at(cut: str, conv: Conversation, model, prompt: str, previous: str | None, n_kept: int) -> int:

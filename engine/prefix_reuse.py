@@ -44,14 +44,14 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
     (``llama_memory_seq_rm`` fails: some sliding-window or recurrent models) only takes
     checkpoints that are entirely a prefix of the prompt; if none exists, the prompt is
     decoded in full; a recurrent or hybrid memory (which goes back only to its snapshots)
-    looks at those alone: a shared prefix (engine.shared_prefix) is one.  Compares
-    against what the cache already holds first.
+    looks at those alone: a shared prefix (engine.shared_prefix) is one; a sliding window
+    tries them first.  Compares against what the cache already holds first.
     """
     in_cache = common_prefix(runtime.kv_tokens, tokens)
     can_trim = not runtime.shape.has_recurrent
-    for match in PrefixIndex(folder).matches(tokens, runtime.target.key, whole=not can_trim):
+    for match in _candidates(runtime, folder, tokens):
         if match.n_common <= in_cache:
-            break
+            continue
         if not match.exact and not can_trim:
             continue
         try:
@@ -67,6 +67,18 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
         can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
         in_cache = common_prefix(runtime.kv_tokens, tokens)
     return PrefixReuse("cache" if in_cache else "recompute", in_cache)
+
+
+def _candidates(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> list:
+    """The stored checkpoints to try, best first (engine.checkpoints.prefix_index.Match)."""
+    index, key = PrefixIndex(folder), runtime.target.key
+    if runtime.shape.has_recurrent:
+        return index.matches(tokens, key, whole=True)
+    if runtime.shape.prefix_from_window:
+        # whole files first: a sliding window's bits depend on where a prefill was cut, and
+        # a shared prefix ends at a cut that a prefill from nothing makes too (Answer.marks)
+        return index.matches(tokens, key, whole=True) + index.matches(tokens, key)
+    return index.matches(tokens, key)
 
 
 def start_from_stored_prefix(runtime: Runtime, store: Store, conv: Conversation) -> LineWriter:

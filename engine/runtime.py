@@ -208,7 +208,8 @@ class Runtime:
         work exactly as an uninterrupted one would.  Stops early (``aborted``) when
         ``should_stop`` turns true; the abort callback also interrupts a running chunk,
         except for recurrent and hybrid memories (Model.can_abort_mid_batch).  A recurrent
-        memory also cuts a chunk at each of ``marks`` and keeps a snapshot there
+        memory (and a sliding window: a long system prompt's end) also cuts a chunk at each
+        of ``marks``, the recurrent one keeping a snapshot there
         (engine.snapshots), then calls ``on_mark`` with the position (an autosave: the chain
         then has a file there, which a restore in a new process turns into a snapshot again).
         """
@@ -222,7 +223,7 @@ class Runtime:
         report = PrefillReport(n_prompt=total, n_reused=keep)
         self.ctx.clear_abort()  # a stale request from an earlier run must not cut this one
         step = self.settings.n_batch
-        marks = marks if self.shape.has_recurrent else ()
+        marks = marks if self.shape.has_recurrent or self.shape.prefix_from_window else ()
         pos = keep
         chunk: Sequence[int] = ()
         while pos < total:

@@ -255,3 +255,36 @@ def test_a_sliding_window_shares_its_system_prompt_and_resumes_exactly(gemma_pat
         assert shared_base(rt, Store(tmp_path / "store"), conv) is None
     finally:
         rt.close()
+
+
+def test_a_sliding_window_started_from_the_prefix_equals_reading_it_all(gemma_path, tmp_path):
+    """A new conversation restores the stored prefix and reads on from the system prompt's
+    end; one read from nothing is cut there too (Answer.marks), so both decode the same
+    pieces and end with the same bytes and logits — its question long enough that the
+    prompt crosses a batch boundary after the prefix (where the cut matters for a window)."""
+    from engine.prefix_reuse import start_from_stored_prefix
+    system = SYSTEM * 2
+    question = "Tell me everything about parcels, labels and depots. " * 40
+    settings = ContextSettings(n_ctx=2048, n_threads=2)
+    rt = Runtime(gemma_path, settings)
+    try:
+        _answer(rt, tmp_path, QUESTIONS[0], system=system)
+        rt.trim(0)
+        conv = Conversation(system_prompt=system)
+        begin_answer(conv, rt, question, n_predict=4)
+        assert len(conv.answer.marks) == 1 and len(conv.tokens) > 1024 > conv.answer.marks[0] > 512
+        rt.prefill(conv.tokens, marks=conv.answer.marks)
+        expected = (np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True), np.array(rt.logits(), copy=True))
+    finally:
+        rt.close()
+    fresh = Runtime(gemma_path, settings)
+    try:
+        conv = Conversation(system_prompt=system)
+        begin_answer(conv, fresh, question, n_predict=4)
+        start_from_stored_prefix(fresh, Store(tmp_path), conv)
+        report = fresh.prefill(conv.tokens, marks=conv.answer.marks)
+        assert report.n_reused == conv.answer.marks[0], "it did not start from the shared prefix"
+        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected[0])
+        assert np.array_equal(fresh.logits(), expected[1])
+    finally:
+        fresh.close()

@@ -125,12 +125,16 @@ class PrefixIndex:
                 continue
             if blocks:
                 scored.append((blocks, name))
-        out = []
-        for _, name in sorted(scored, reverse=True)[:limit]:
+        out: list[Match] = []
+        for _, name in sorted(scored, reverse=True):
+            if len(out) == limit:
+                break
             try:
                 header, stored = read_tokens(self.folder / name)
             except (CheckpointError, OSError):
                 continue
             n = common_prefix(list(stored[:header.n_tokens]), list(tokens))
+            if whole and n < header.n_tokens:
+                continue
             out.append(Match(self.folder / name, n, header.n_tokens))
         return sorted(out, key=lambda m: (m.n_common, m.exact), reverse=True)
