@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoints.chain import common_prefix, load_chain
 from engine.checkpoints.graph import default_line
@@ -20,6 +21,9 @@ from engine.conversation import Conversation
 from engine.errors import CheckpointError
 from engine.history import LineWriter, saved_info
 from engine.runtime import Runtime
+
+if TYPE_CHECKING:
+    from engine.parallel import ConversationView
 
 log = logging.getLogger("engine")
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class PrefixReuse:
                 }[self.how]
 
 
-def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> PrefixReuse:
+def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int]) -> PrefixReuse:
     """Restore the stored checkpoint that shares the longest prefix with ``tokens``.
 
     The divergent tail is trimmed from the cache.  A memory that cannot drop a tail
@@ -69,7 +73,7 @@ def reuse_stored_prefix(runtime: Runtime, folder: str | Path, tokens: Sequence[i
     return PrefixReuse("cache" if in_cache else "recompute", in_cache)
 
 
-def _candidates(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> list:
+def _candidates(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int]) -> list:
     """The stored checkpoints to try, best first (engine.checkpoints.prefix_index.Match)."""
     index, key = PrefixIndex(folder), runtime.target.key
     if runtime.shape.has_recurrent:
@@ -81,7 +85,7 @@ def _candidates(runtime: Runtime, folder: str | Path, tokens: Sequence[int]) -> 
     return index.matches(tokens, key)
 
 
-def start_from_stored_prefix(runtime: Runtime, store: Store, conv: Conversation) -> LineWriter:
+def start_from_stored_prefix(runtime: Runtime | ConversationView, store: Store, conv: Conversation) -> LineWriter:
     """A new conversation's start: the cache holds as much of ``conv``'s prompt as the
     store's checkpoints give (:func:`reuse_stored_prefix`: a long system prompt's shared
     prefix, another conversation's turns), and its line writer builds its first save on

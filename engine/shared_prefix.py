@@ -76,12 +76,12 @@ def system_prompt_text(model, conv: Conversation) -> str:
     if not conv.system_prompt:
         return ""
     system = [("system", conv.system_prompt)]
-    probes = [chat_template.render_quietly(model, system + [("user", word)], add_assistant=False)
-              for word in ("x", "y")]
-    if not (probes[0] and probes[1]):
+    x, y = (chat_template.render_quietly(model, system + [("user", word)], add_assistant=False)
+            for word in ("x", "y"))
+    if not (x and y):
         return ""
     alone = chat_template.render_quietly(model, system, add_assistant=False)
-    return alone if alone and probes[0].startswith(alone) else os.path.commonprefix(probes)
+    return alone if alone and x.startswith(alone) else os.path.commonprefix([x, y])
 
 
 def system_prompt_end(runtime, conv: Conversation) -> int:
