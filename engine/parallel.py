@@ -24,6 +24,17 @@ as one of their own.  The writing is ``Runtime.save`` itself, on a :class:`Seque
 autosaves a running answer as deltas too.  :meth:`restore` reads such a chain (deltas
 too) into any sequence.
 
+Cell order: attention sums a sequence's cells in the order they lie in the cache (flash
+attention's running softmax), so a sequence's bits are its bits alone only while its
+cells lie in position order, other sequences' cells between them being skipped.
+llama.cpp puts new cells at the first free cells from where it last freed some, so a
+sequence that grows after another's cells below it were freed (an Edit, a Delete, an
+eviction) writes its next cells below its first ones, and its logits change (0.60 on
+SmolLM2).  So whatever frees cells while another sequence holds some marks the cache
+fragmented, and before its next decode or restore every sequence's state is read out
+and put back in order (:meth:`ParallelRuntime._repack`: bytes copied, nothing
+recomputed).
+
 Like every native owner it belongs to one thread.
 """
 
@@ -41,6 +52,7 @@ from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.conversation import Conversation
 from engine.errors import GenerationError, RestoreFailed, SaveFailed
+from engine.model_shape import MEMORY_RECURRENT
 from engine.restore import restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
@@ -94,6 +106,12 @@ class ParallelRuntime:
         self.table = SequenceTable(sequences)
         self.batch = SeqBatch(max(settings.n_batch, sequences))
         self._held = [self._nothing_held() for _ in range(sequences)]
+        #: cells were freed while other sequences held cells above them: the cache is
+        #: packed again before anything else is put into it (see the module docstring)
+        self.fragmented = False
+        #: times the cache was packed again, and the seconds the last one took
+        self.repacks = 0
+        self.last_repack_s = 0.0
         #: the shape saved files declare, and that restored files must have
         self.file_settings = replace(settings, n_seq_max=FILE_SEQ_MAX, kv_unified=True)
         self.target = Target(self._rt.target.model, ContextShape.of(self.file_settings, self.ctx.n_ctx))
@@ -168,8 +186,43 @@ class ParallelRuntime:
 
     def drop(self, seq: int) -> None:
         """Empty sequence ``seq`` (its conversation's files are untouched)."""
+        self._freeing(seq)
         self.ctx.seq_rm(seq, -1, -1)
         self._held[seq] = self._nothing_held()
+
+    def _freeing(self, seq: int) -> None:
+        """Cells of ``seq`` are about to be freed: the cache is fragmented when any other
+        sequence holds cells (they may lie above the freed ones; llama.cpp does not say)."""
+        if self._held[seq].tokens and self.shape.memory != MEMORY_RECURRENT and any(
+                held.tokens for other, held in enumerate(self._held) if other != seq):
+            self.fragmented = True
+
+    def _repack(self) -> None:
+        """Put every sequence's cells back in position order, at the start of the cache
+        (the module docstring says why).  Each state is read out, the cache emptied, and
+        the states put back one after another: llama.cpp places a restored state's cells
+        in the order they were read, from the first free cell on.  The logits of the last
+        decode stay where they are (a sequence's state does not hold them)."""
+        started = time.perf_counter()
+        states = []
+        for seq, held in enumerate(self._held):
+            if held.tokens:
+                size = self.ctx.state_size(seq)
+                buf = np.empty(size, dtype=np.uint8)
+                states.append((seq, buf[:self.ctx.state_get_into(buf, size, seq)]))
+        self.ctx.clear(data=False)
+        self.fragmented = False
+        lost = []
+        for seq, state in states:
+            try:
+                self.ctx.state_set_from(state, len(state), seq)
+            except StateError:
+                lost.append(seq)
+        for seq in lost:   # not seen: the same cells fit again; the files still hold it
+            self.ctx.seq_rm(seq, -1, -1)
+            self._held[seq] = self._nothing_held()
+        self.repacks += 1
+        self.last_repack_s = time.perf_counter() - started
 
     def _nothing_held(self) -> _Held:
         return _Held(window=WindowCover(self.shape.n_swa))
@@ -228,6 +281,7 @@ class ParallelRuntime:
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)
+        self._freeing(seq)
         cut = held.window.nearest_cut(n)   # a sliding window: where what stays is whole
         if cut > 0 and self.ctx.seq_rm(seq, cut, -1):
             del held.tokens[cut:]
@@ -317,6 +371,8 @@ class ParallelRuntime:
     def _decode(self, participants, should_abort: Callable[[], bool] | None = None) -> int:
         if any(len(self._held[s].tokens) >= self.ctx.n_ctx for s in participants):
             raise GenerationError("the context is full")
+        if self.fragmented:
+            self._repack()
         self._keep_logits(set(participants))
         rc = self.batch.decode(self.ctx, should_abort=should_abort)
         self.decodes += 1
@@ -343,11 +399,15 @@ class ParallelRuntime:
         n = self.sequences
         nexts = [probe[(k + 1) % len(probe)] for k in range(n)]
 
+        step = max(1, self.settings.n_batch)   # a decode takes at most n_batch tokens
+
         def fill(seqs) -> None:
             for seq in seqs:
                 self.drop(seq)
             for seq in seqs:
-                self.decode_chunks([(seq, probe[:len(probe) - 1 - seq % 2], False)])
+                tokens = probe[:len(probe) - 1 - seq % 2]
+                for start in range(0, len(tokens), step):
+                    self.decode_chunks([(seq, tokens[start:start + step], False)])
 
         alone = []
         for seq in range(n):
@@ -386,8 +446,10 @@ class ParallelRuntime:
         (engine.restore: every file is checked before llama.cpp sees a byte, so a refused
         chain leaves the sequence as it was; if llama.cpp itself refuses a state, the
         sequence is emptied: RestoreFailed)."""
+        if self.fragmented:
+            self._repack()
         started = time.perf_counter()
-        try:
+        try:   # what it frees, it frees through trim and drop (which mark the cache)
             done = restore_into(_Slot(self, seq), chain, self.target)
         finally:
             self.last_restore_s = time.perf_counter() - started

@@ -226,7 +226,11 @@ class Context:
         self.settings = settings
         params = ll.llama_context_default_params()
         params.n_ctx = settings.n_ctx
-        params.n_batch = settings.n_batch
+        # llama.cpp reserves one output per sequence when it makes the context and aborts
+        # the process (GGML_ASSERT n_outputs_max) when its batch is smaller: a batch of 3
+        # with 5 sequences (a parallel runtime's 4 and a scratch one) did.  The prefill chunk
+        # stays the one asked for (decode refuses more; llama.cpp splits into ubatches of it).
+        params.n_batch = max(settings.n_batch, settings.n_seq_max)
         params.n_ubatch = min(settings.n_ubatch, settings.n_batch)
         params.n_seq_max = settings.n_seq_max
         threads = settings.n_threads or _physical_cores()

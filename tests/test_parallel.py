@@ -9,6 +9,9 @@ another sequence — is byte-identical to the same answer generated alone by
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 
 from engine.checkpoints.chain import load_chain
@@ -250,3 +253,100 @@ def test_without_flash_attention_no_batch_width_is_promised_exact(smollm_path):
         assert Batcher(prt).width == 2       # nothing to gain from splitting: all at once
     finally:
         prt.close()
+
+
+def _logits_alone(model_path, pieces) -> np.ndarray:
+    """The next-token logits after ``pieces`` (token runs, each one decode) in a cache
+    holding nothing else."""
+    prt = ParallelRuntime(model_path, ContextSettings(n_ctx=1024, n_threads=2), sequences=2, exact_width=1)
+    try:
+        for piece in pieces:
+            prt.decode_chunks([(1, piece, True)])
+        return np.array(prt.logits(1), copy=True)
+    finally:
+        prt.close()
+
+
+@pytest.mark.parametrize("model", ["smollm_path", "gemma_path"])
+@pytest.mark.parametrize("how", ["delete", "edit"])
+def test_a_sequence_grown_into_cells_another_freed_keeps_its_bits(request, model, how):
+    """Found by the store's compositions (``[("answer", 0, 24), ("pause", 1, 2), ("edit",
+    0, 4) or ("delete", 0, 0), ("pause", 1, 5)]``): conversation B's next turn landed in
+    the cells an Edit or a Delete of conversation A freed, below B's first cells; flash
+    attention then summed B's cells in another order and B's logits (0.60 apart here),
+    and so its files, were not B's alone (engine.parallel: cell order).  Gemma 3: a
+    sliding window's cache is packed too."""
+    model_path = request.getfixturevalue(model)
+    prt = ParallelRuntime(model_path, ContextSettings(n_ctx=1024, n_threads=2), sequences=2, exact_width=1)
+    try:
+        tokens = prt.model.tokenize("Rivers and hills, roads and towns, lakes and seas, " * 6, add_special=True)
+        pieces = [tokens[:12], tokens[12:26], tokens[26:30]]
+        prt.decode_chunks([(0, tokens[:30], True)])   # A, then B above it
+        prt.decode_chunks([(1, pieces[0], True)])
+        for token in tokens[30:34]:                    # both answering: their cells interleave
+            prt.decode_tokens({0: token, 1: token})
+        prt.trim(1, 12)
+        before = prt.repacks
+        if how == "delete":
+            prt.drop(0)                                # A deleted: B would grow into its cells
+        else:
+            prt.trim(0, 4)                             # A edited: the same below B's cells
+        assert prt.fragmented
+        prt.decode_chunks([(1, pieces[1], True)])
+        prt.decode_chunks([(1, pieces[2], True)])
+        assert prt.repacks == before + 1 and not prt.fragmented
+        assert np.array_equal(prt.logits(1), _logits_alone(model_path, pieces))
+        if how == "edit":   # A, packed too, still holds what it held
+            assert prt.tokens(0) == tokens[:4] and prt.ctx.pos_max(0) == 3
+    finally:
+        prt.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_a_hybrid_packed_again_keeps_its_bits(tiny_model_path, arch):
+    """A hybrid's state holds its recurrent part beside its cells: packed again after a
+    Delete of the conversation below it, the other continues as it would alone.  (The
+    tiny models' attention gives the same bits in any cell order; what is tested here is
+    that packing keeps a hybrid's state whole.)"""
+    path = tiny_model_path(arch)
+    prt = ParallelRuntime(path, ContextSettings(n_ctx=512, n_threads=2), sequences=2, exact_width=1)
+    try:
+        tokens = [(7 * i) % 200 + 3 for i in range(40)]
+        prt.decode_chunks([(0, tokens[:20], True)])
+        prt.decode_chunks([(1, tokens[:10], True)])
+        prt.drop(0)
+        prt.decode_chunks([(1, tokens[10:25], True)])
+        assert prt.repacks == 1
+        assert np.array_equal(prt.logits(1), _logits_alone(path, [tokens[:10], tokens[10:25]]))
+    finally:
+        prt.close()
+
+
+def test_switching_and_growing_without_freeing_packs_nothing(smollm_parallel):
+    prt = smollm_parallel
+    reset(prt)   # evicting the others frees cells: packed once, at the next decode
+    seqs = [prt.place(key).seq for key in ("a", "b")]
+    tokens = prt.model.tokenize("Lakes and seas, rivers and hills.", add_special=True)
+    prt.decode_chunks([(seqs[0], tokens, True)])
+    before = prt.repacks
+    prt.decode_chunks([(seqs[1], tokens, True)])
+    prt.decode_tokens({seq: tokens[1] for seq in seqs})
+    prt.place("a")
+    prt.decode_tokens({seqs[0]: tokens[2]})
+    assert prt.repacks == before and not prt.fragmented
+
+
+@pytest.mark.parametrize("n_batch", [1, 3])
+def test_a_batch_smaller_than_the_sequences_loads_and_generates_as_alone(smollm_path, alone, n_batch):
+    """``serve -b 3`` or ``run --parallel -b 1``: the exact-width probe feeds its prompts in
+    batches that fit (it decoded 5 tokens at once and could not load), and llama.cpp's
+    context reserves an output for every sequence whatever the batch (a batch of 1 with
+    5 sequences aborted the process)."""
+    settings = replace(SETTINGS, n_batch=n_batch, n_ubatch=n_batch)
+    prt = ParallelRuntime(smollm_path, settings, sequences=4)
+    try:
+        assert prt.exact_width >= 1
+        jobs = run_together(prt, range(2), 0.8)
+    finally:
+        prt.close()
+    assert [jobs[i].result.text for i in range(2)] == alone(smollm_path, 0.8)[:2]

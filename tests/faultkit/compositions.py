@@ -44,9 +44,10 @@ def random_actions(rng: random.Random, n: int) -> list[tuple[str, int, int]]:
 class Driver:
     """The worker, a store, and the conversations the app has (up to three)."""
 
-    def __init__(self, model: Path, home: Path, system: str = "") -> None:
+    def __init__(self, model: Path, home: Path, system: str = "", n_batch: int | None = None) -> None:
         from engine.checkpoints.store import Store
         self.system = system   # the system prompt of slots 0 and 1 (a shared prefix when long)
+        self.n_batch = n_batch   # the prefill chunk of the worker and of the CLI (None: theirs)
         from engine.worker import EngineWorker, ModelOptions, WorkerListener
         self.home = home
         self.store = Store(home / "data" / "checkpoints")
@@ -69,7 +70,7 @@ class Driver:
         self.worker.autosave_every = 4
         self.worker.autosave_budget = 10**12
         self.worker.start()
-        self.worker.load_model(ModelOptions(model, n_ctx=1024, n_threads=2))
+        self.worker.load_model(ModelOptions(model, n_ctx=1024, n_threads=2, n_batch=n_batch))
         self.wait()
         self.kills = 0
         self.answered: set[uuid.UUID] = set()   # conversations with a message: they have files
@@ -200,6 +201,8 @@ class Driver:
                 "-n", "400", "--ignore-eos", "--checkpoint-save-interval", "4", "--threads", "1"]
         if not self.paused(c):
             args += ["-p", "Go on."]
+        if self.n_batch:
+            args += ["-b", str(self.n_batch)]
         before = {p.name for p in self.store.files()}
         env = dict(os.environ, CHECKPOINT_CHAT_HOME=str(self.home))
         proc = subprocess.Popen(args, cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL,
@@ -227,7 +230,13 @@ class Outcome:
 
 
 def check(driver: Driver, runtime) -> Outcome:
-    """The invariants after a clean exit (see tests/test_store_properties.py)."""
+    """The invariants after a clean exit (see tests/test_store_properties.py).
+
+    A head's continuation is compared with the same tokens decoded from scratch in
+    ``runtime``: an exact reference only where its decodes give the bits the app's did
+    whatever their batch boundaries (SmolLM2; Gemma 3 with batches of at most 3 tokens:
+    ``run_sequence``'s ``n_batch``).
+    """
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.graph import Graph
     from engine.errors import AppError
@@ -288,8 +297,13 @@ def check(driver: Driver, runtime) -> Outcome:
     return out
 
 
-def run_sequence(model: Path, home: Path, actions, runtime, system: str = "") -> tuple[Driver, Outcome]:
-    driver = Driver(model, home, system)
+def run_sequence(model: Path, home: Path, actions, runtime, system: str = "",
+                 n_batch: int | None = None) -> tuple[Driver, Outcome]:
+    """Perform ``actions`` on a fresh store in ``home``, exit cleanly, and check the
+    invariants with ``runtime`` (a context shaped like the worker's).  ``n_batch``: the
+    prefill chunk of the worker and of the killed CLI runs; the checking runtime must use
+    the same (see check: its recompute is the reference)."""
+    driver = Driver(model, home, system, n_batch)
     try:
         for kind, slot, n in actions:
             driver.run(kind, slot, n)
