@@ -17,7 +17,11 @@ times one restore, with the files warm in the page cache (read once just before)
   it; ``read`` is what reading the file costs besides them, ``other`` the rest);
 * ``floor_ms``: the raw floor — read each file's state section into fresh memory and
   hand it to ``llama_state_seq_set_data`` (a delta through sequence 1, ``seq_cp``,
-  ``seq_rm``), with no check at all.
+  ``seq_rm``), with no check at all;
+* ``loadfile_ms``: llama.cpp's own ``llama_state_seq_load_file`` of the same tokens'
+  state, called as llama-server's slot restore calls it (once for the token count, once
+  to load) and timed as it times it: llama-server's restore without the server, so it is
+  measured on every machine (the file is written by ``llama_state_seq_save_file``).
 
 With a llama-server binary (``--llama-server PATH`` or ``LLAMA_SERVER=PATH``; build the
 ``llama-server`` target of the llama.cpp that llama-cpp-python vendors), the same tokens
@@ -70,8 +74,8 @@ PARTS = ("read", "crc", "json", "arrays", "walk", "link", "compat", "clear", "se
 
 def table() -> Table:
     return Table("Restore in a new process, files warm in the page cache (ms, medians)",
-                 ["tokens", "layout", "files_MB", "restore_ms", "floor_ms", "server_ms",
-                  "vs_server", "vs_floor", "best_vs_server", *PARTS])
+                 ["tokens", "layout", "files_MB", "restore_ms", "floor_ms", "loadfile_ms", "server_ms",
+                  "vs_loadfile", "best_vs_loadfile", "vs_server", "vs_floor", "best_vs_server", *PARTS])
 
 
 # -- the child: one restore in a fresh process ------------------------------------------------
@@ -116,6 +120,8 @@ def child(args) -> int:
         files = [Path(p) for p in args.child_files]
         if args.child == "floor":
             result = {"total": _floor(rt, files)}
+        elif args.child == "loadfile":
+            result = {"total": _load_file(rt, files[0])}
         else:
             probes = _Probes()
             probes.install()
@@ -162,6 +168,24 @@ def _floor(rt, files: list[Path]) -> float:
     return clock() - started
 
 
+def _load_file(rt, path: Path) -> float:
+    """llama_state_seq_load_file as llama-server's slot restore calls it (server-context.cpp)."""
+    import ctypes
+    ll, ctx = rt.ctx._ll, rt.ctx
+    name = str(path).encode()
+    count = ctypes.c_size_t(0)
+    started = clock()
+    if not ll.llama_state_seq_load_file(ctx.ptr, name, 0, None, 0, ctypes.byref(count)):
+        raise SystemExit("llama_state_seq_load_file refused its own file")
+    tokens = (ctypes.c_int32 * max(1, count.value))()
+    if not ll.llama_state_seq_load_file(ctx.ptr, name, 0, tokens, len(tokens), ctypes.byref(count)):
+        raise SystemExit("llama_state_seq_load_file refused its own file")
+    spent = clock() - started
+    if ctx.pos_max(0) + 1 != count.value:
+        raise SystemExit("llama_state_seq_load_file restored other tokens")
+    return spent
+
+
 def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
     for f in files:   # warm in the page cache
         f.read_bytes()
@@ -182,10 +206,15 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int) -> dict
     manifest = folder / f"manifest-{n_ctx}.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
-        if all(n in known for n in sizes):
-            return {n: {"full": [Path(p) for p in known[n]["full"]],
-                        "chain": [Path(p) for p in known[n]["chain"]], "tokens": known[n]["tokens"]}
+        if all(n in known and "llama" in known[n] for n in sizes):
+            return {n: {"full": [Path(p) for p in known[n]["full"]], "chain": [Path(p) for p in known[n]["chain"]],
+                        "llama": [Path(p) for p in known[n]["llama"]], "tokens": known[n]["tokens"]}
                     for n in sizes}
+    return _make_files_anew(folder, sizes, n_ctx, threads, manifest)
+
+
+def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
+                     manifest: Path) -> dict[int, dict[str, list[Path]]]:
     from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
     from engine.generation import generate
     from engine.runtime import Runtime
@@ -209,12 +238,23 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int) -> dict
                 parent = rt.save(folder / f"chain-{n}-{i}.kvckpt", conv, parent=parent)
                 chain.append(parent.path)
             full = rt.save(folder / f"full-{n}.kvckpt", conv).path
-            files[n] = {"full": [full], "chain": chain, "tokens": list(tokens)}
+            llama_file = folder / f"llama-{n}.seqstate"
+            _save_llama_file(rt, llama_file, conv.tokens)
+            files[n] = {"full": [full], "chain": chain, "tokens": list(tokens), "llama": [llama_file]}
     finally:
         rt.close()
     manifest.write_text(json.dumps({n: {"full": [str(p) for p in v["full"]], "chain": [str(p) for p in v["chain"]],
-                                        "tokens": v["tokens"]} for n, v in files.items()}))
+                                        "llama": [str(p) for p in v["llama"]], "tokens": v["tokens"]}
+                                    for n, v in files.items()}))
     return files
+
+
+def _save_llama_file(rt, path: Path, tokens) -> None:
+    """The sequence's state in llama.cpp's own sequence file (llama_state_seq_save_file)."""
+    import ctypes
+    arr = (ctypes.c_int32 * len(tokens))(*tokens)
+    if not rt.ctx._ll.llama_state_seq_save_file(rt.ctx.ptr, str(path).encode(), 0, arr, len(tokens)):
+        raise SystemExit("llama_state_seq_save_file failed")
 
 
 # -- llama-server ----------------------------------------------------------------------------
@@ -315,18 +355,21 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
             for layout in ("full", "chain"):
                 paths = files[n][layout]
                 echo(f"{layout} {n} tokens ...", file=sys.stderr)
-                apps, floors = [], []
-                for _ in range(repeats):   # interleaved: the machine's noise falls on both
+                apps, floors, loads = [], [], []
+                for _ in range(repeats):   # interleaved: the machine's noise falls on all
                     apps.append(_run_child("app", paths, n_ctx, threads))
                     floors.append(_run_child("floor", paths, n_ctx, threads)["total"])
+                    loads.append(_run_child("loadfile", files[n]["llama"], n_ctx, threads)["total"])
                 restore_ms = median([a["total"] for a in apps]) * 1e3
                 floor_ms = median(floors) * 1e3
+                load_ms = median(loads) * 1e3
                 srv = servers.get(n, {}).get("restore_ms")
                 best = min(a["total"] for a in apps) * 1e3
                 parts = {p: median([a["parts"].get(p, 0.0) for a in apps]) * 1e3 for p in PARTS}
                 out.add(tokens=n, layout=f"{layout} ({len(paths)})",
                         files_MB=sum(p.stat().st_size for p in paths) / 1e6,
-                        restore_ms=restore_ms, floor_ms=floor_ms, server_ms=srv,
+                        restore_ms=restore_ms, floor_ms=floor_ms, loadfile_ms=load_ms, server_ms=srv,
+                        vs_loadfile=ratio(restore_ms, load_ms), best_vs_loadfile=ratio(best, min(loads) * 1e3),
                         vs_server=ratio(restore_ms, srv), vs_floor=ratio(restore_ms, floor_ms),
                         best_vs_server=ratio(best, servers.get(n, {}).get("best_ms")), **parts)
     if server:
@@ -350,7 +393,7 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), metavar="PATH")
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     parser.add_argument("--folder", metavar="DIR", help="make the checkpoints here, or use those made there before")
-    parser.add_argument("--child", choices=("app", "floor"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("app", "floor", "loadfile"), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
