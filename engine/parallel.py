@@ -52,7 +52,7 @@ from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.conversation import Conversation
 from engine.errors import GenerationError, RestoreFailed, SaveFailed
-from engine.model_shape import MEMORY_RECURRENT
+from engine.model_shape import MEMORY_ATTENTION, MEMORY_RECURRENT
 from engine.restore import restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
@@ -274,6 +274,18 @@ class ParallelRuntime:
         return logits_rule(kind, paused, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
 
     # -- decoding -------------------------------------------------------------------------
+    def can_keep(self, seq: int, n: int) -> int:
+        """How many tokens :meth:`trim` ``(seq, n)`` would keep; nothing changes.  What a
+        memory that cannot drop a tail holds of a shorter prompt is what it can go back
+        to, not what it shares with it (the worker then restores a file instead)."""
+        held = self._held[seq]
+        if n >= len(held.tokens):
+            return len(held.tokens)
+        if self.shape.memory == MEMORY_ATTENTION and (cut := held.window.nearest_cut(n)) > 0:
+            return cut
+        snapshot = held.snapshots.nearest(held.tokens, n)
+        return 0 if snapshot is None else snapshot.n_tokens
+
     def trim(self, seq: int, n: int) -> int:
         """Keep only the first ``n`` tokens of ``seq``; returns how many were kept
         (a memory that cannot drop a tail, sliding window or recurrent, is emptied, unless
@@ -647,6 +659,10 @@ class ConversationView(SequenceView):
     def trim(self, n: int) -> int:
         seq = self.seq
         return 0 if seq is None else self._prt.trim(seq, n)
+
+    def can_keep(self, n: int) -> int:
+        seq = self.seq
+        return 0 if seq is None else self._prt.can_keep(seq, n)
 
     def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         seq = self.place().seq

@@ -1203,7 +1203,8 @@ class EngineWorker:
                 self.sessions.set_writer(conv.id, start_from_stored_prefix(view, self.store, conv))
             self._writer(conv)
             return placement
-        in_cache = common_prefix(view.kv_tokens, conv.tokens)
+        # what the sequence can go back to: a recurrent memory past its snapshots, none
+        in_cache = view.can_keep(common_prefix(view.kv_tokens, conv.tokens))
         if writer is not None and writer.head and writer.head.n_tokens <= in_cache:
             return placement   # the cache already holds all the head has (and the writer knows its files)
         try:

@@ -350,3 +350,28 @@ def test_a_batch_smaller_than_the_sequences_loads_and_generates_as_alone(smollm_
     finally:
         prt.close()
     assert [jobs[i].result.text for i in range(2)] == alone(smollm_path, 0.8)[:2]
+
+
+@pytest.mark.parametrize("arch", ["rwkv7", "lfm2", "llama"])
+def test_what_a_sequence_can_go_back_to_is_what_a_trim_keeps(tiny_model_path, arch):
+    """ParallelRuntime.can_keep (the worker restores a file when the cache cannot go back
+    as far as it shares) says what trim then does: a recurrent or hybrid memory goes back
+    only to a snapshot, an attention one anywhere."""
+    prt = ParallelRuntime(tiny_model_path(arch), ContextSettings(n_ctx=256, n_threads=2), sequences=1,
+                          exact_width=1)
+    try:
+        tokens = [(5 * i) % 150 + 3 for i in range(30)]
+        for n in (7, 12, 29):
+            for target in (3, 9, 12, 20, 30, 40):
+                prt.drop(0)
+                prt.decode_chunks([(0, tokens[:n], False)])
+                prt.keep_snapshot(0)                     # a mark at n, as a prompt cut there keeps
+                prt.decode_chunks([(0, tokens[n:], True)])
+                expected = prt.can_keep(0, target)
+                assert prt.tokens(0) == tokens and prt.trim(0, target) == expected, (n, target)
+                if arch == "llama":
+                    assert expected == min(target, 30)
+                else:
+                    assert expected == (30 if target >= 30 else n if target >= n else 0), (n, target)
+    finally:
+        prt.close()
