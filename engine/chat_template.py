@@ -16,11 +16,17 @@ thinking.  Each past answer goes in as its final text (``content``) and its thin
 thinking goes back into the prompt (Qwen3's drops the thinking of answers before the
 last user message).  An answer's stored text is what the model wrote, tags included
 (engine.reasoning), so the split happens here, on every rendering, by the one rule.
+
+Templates that write today's date (``strftime_now``: gpt-oss's system header, Llama 3's)
+get the date the conversation began (``now``), not the day it is rendered: a conversation
+continued the next day must render the same prompt, or its whole cache would be read
+again from the date on.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -52,20 +58,27 @@ def think_format(model) -> ThinkFormat | None:
 
 
 def _message(role: str, content: str, think: ThinkFormat | None) -> dict:
-    """One message as a template reads it; an answer's thinking apart from its text."""
+    """One message as a template reads it; an answer's thinking apart from its text
+    (``reasoning_content`` as llama-server names it, ``thinking`` as gpt-oss's template
+    does), and its final text without the channel header it began with (gpt-oss)."""
     if think is None or role != "assistant":
         return {"role": role, "content": content}
     parts = split(content, think)
-    if not parts.block:
+    if not parts.block and not parts.headed:
         return {"role": role, "content": content}
-    return {"role": role, "content": parts.answer, "reasoning_content": parts.thinking}
+    if not parts.block:
+        return {"role": role, "content": parts.answer}
+    return {"role": role, "content": parts.answer, "reasoning_content": parts.thinking,
+            "thinking": parts.thinking}
 
 
 def render_jinja(template: str, messages: Sequence[Message], add_assistant: bool,
                  bos: str = "", eos: str = "", problems: list[str] | None = None, *,
-                 think: ThinkFormat | None = None, quiet: bool = False) -> str | None:
+                 think: ThinkFormat | None = None, quiet: bool = False,
+                 now: float | None = None) -> str | None:
     """``messages`` rendered by the Jinja ``template``, or None when it fails (``problems``
-    gets why; ``quiet``: nothing logged).  With ``think``, answers are split (_message)."""
+    gets why; ``quiet``: nothing logged).  With ``think``, answers are split (_message).
+    ``now``: the time ``strftime_now`` gives (the conversation's start; default: now)."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -74,6 +87,8 @@ def render_jinja(template: str, messages: Sequence[Message], add_assistant: bool
             raise ValueError(message)
 
         env.globals["raise_exception"] = raise_exception
+        when = time.localtime(time.time() if now is None else now)
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt, when)
         return env.from_string(template).render(
             messages=[_message(r, c, think) for r, c in messages],
             add_generation_prompt=add_assistant, bos_token=bos, eos_token=eos)
@@ -95,10 +110,11 @@ def render_plain(messages: Sequence[Message], add_assistant: bool) -> str:
     return text + ("Assistant:" if add_assistant else "")
 
 
-def render(model, messages: Sequence[Message], add_assistant: bool) -> str:
-    """The prompt text for ``messages`` under ``model``'s template."""
+def render(model, messages: Sequence[Message], add_assistant: bool, *, now: float | None = None) -> str:
+    """The prompt text for ``messages`` under ``model``'s template (``now``: the time a
+    template's date comes from, the conversation's start: see the module docstring)."""
     problems: list[str] = []
-    text = _render_template(model, messages, add_assistant, problems)
+    text = _render_template(model, messages, add_assistant, problems, now)
     if text is not None:
         return text
     if model.chat_template:
@@ -108,15 +124,16 @@ def render(model, messages: Sequence[Message], add_assistant: bool) -> str:
     return render_plain(messages, add_assistant)
 
 
-def render_quietly(model, messages: Sequence[Message], add_assistant: bool) -> str | None:
+def render_quietly(model, messages: Sequence[Message], add_assistant: bool, *,
+                   now: float | None = None) -> str | None:
     """:func:`render`'s text where the model's template renders ``messages``, else None:
     nothing logged or told to the user (a probe, e.g. engine.generation.turn_marks, may
     give a template messages it refuses, such as a system prompt without a user message)."""
-    return _render_template(model, messages, add_assistant, None)
+    return _render_template(model, messages, add_assistant, None, now)
 
 
 def _render_template(model, messages: Sequence[Message], add_assistant: bool,
-                     problems: list[str] | None) -> str | None:
+                     problems: list[str] | None, now: float | None = None) -> str | None:
     """The template's text (the model's own Jinja where it thinks, then llama.cpp's
     built-in templates, then the Jinja), or the plain transcript when the model has no
     template; None when its template fails (``problems`` gets why, and it is logged; no
@@ -125,7 +142,7 @@ def _render_template(model, messages: Sequence[Message], add_assistant: bool,
     think = think_format(model)
     if think is not None:
         text = render_jinja(model.chat_template, messages, add_assistant, problems=problems, think=think,
-                            quiet=quiet)
+                            quiet=quiet, now=now)
         if text is not None:
             return text
     text = model.apply_chat_template_native(messages, add_assistant)
@@ -136,4 +153,4 @@ def _render_template(model, messages: Sequence[Message], add_assistant: bool,
         return render_plain(messages, add_assistant)
     if think is not None:
         return None   # its Jinja failed above already
-    return render_jinja(template, messages, add_assistant, problems=problems, quiet=quiet)
+    return render_jinja(template, messages, add_assistant, problems=problems, quiet=quiet, now=now)

@@ -129,7 +129,7 @@ def begin_answer(conv: Conversation, runtime: HasModel, user_text: str, *, n_pre
     if previous is None:
         previous = cut_to_history(conv, runtime)
     conv.messages.append(("user", user_text))
-    prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True)
+    prompt = chat_template.render(runtime.model, conv.chat_messages(), add_assistant=True, now=conv.created)
     if previous is not None and not prompt.startswith(previous):
         previous = None
     n_kept = len(conv.tokens) if previous is not None else 0
@@ -165,10 +165,11 @@ def turn_marks(conv: Conversation, model, prompt: str, previous: str | None, n_k
         return ()
     # where the message starts: the template's text for it with other words in its place
     # parts from the prompt there
-    probes = [chat_template.render_quietly(model, messages[:-1] + [("user", word)], add_assistant=False) or ""
+    probes = [chat_template.render_quietly(model, messages[:-1] + [("user", word)], add_assistant=False,
+                                           now=conv.created) or ""
               for word in ("x", "y")]
     starts = os.path.commonprefix(probes) if all(probes) else ""
-    turn = chat_template.render_quietly(model, messages, add_assistant=False) or ""
+    turn = chat_template.render_quietly(model, messages, add_assistant=False, now=conv.created) or ""
     marks = {end for end in (_mark_at(cut, conv, model, prompt, previous, n_kept) for cut in (starts, turn)) if end}
     # its shared prefix's recurrent part (engine.shared_prefix) is the snapshot kept there
     marks.update(system_mark(conv, model, prompt, previous, n_kept))
@@ -210,7 +211,7 @@ def _state_text(conv: Conversation, runtime: HasModel) -> str | None:
         return None
     if len(conv.tokens) != a.n_prompt_tokens + a.n_generated:
         return None
-    before = chat_template.render(runtime.model, conv.chat_messages()[:-1], add_assistant=True)
+    before = chat_template.render(runtime.model, conv.chat_messages()[:-1], add_assistant=True, now=conv.created)
     return before + a.text
 
 
@@ -227,7 +228,8 @@ def cut_to_history(conv: Conversation, runtime: HasModel) -> str | None:
     if conv.answer is not None or not conv.tokens or not conv.messages or conv.messages[-1][0] != "assistant":
         return None
     model = runtime.model
-    text = chat_template.render(model, conv.chat_messages()[:-1], add_assistant=True) + conv.messages[-1][1]
+    text = chat_template.render(model, conv.chat_messages()[:-1], add_assistant=True,
+                                now=conv.created) + conv.messages[-1][1]
     target = b"".join(model.token_to_piece(t) for t in model.tokenize_prompt(text))
     seen = 0
     for n, token in enumerate(conv.tokens, 1):

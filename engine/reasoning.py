@@ -4,6 +4,11 @@ Qwen3, Qwen3.5, DeepSeek-R1 and SmolLM3 write their reasoning first, between ``<
 and ``</think>``, then the answer.  Some templates (Qwen3.5, DeepSeek-R1's newer ones)
 open the block themselves at the end of the generation prompt, so the model's output
 starts inside its thinking and only the closing tag appears in the answer's text.
+gpt-oss writes channels (OpenAI's harmony format): ``<|channel|>analysis<|message|>``
+opens its thinking, and ``<|end|><|start|>assistant<|channel|>final<|message|>`` begins
+the answer (``<|end|>`` is a control token, rendered empty in an answer's text; llama.cpp
+renders the other three); an answer without thinking starts with
+``<|channel|>final<|message|>`` (:attr:`ThinkFormat.answer_tag`), which is not shown.
 
 Whether a model thinks, and whether its prompt opens the block, is read from its chat
 template (:func:`format_of`), never guessed from an answer.  The answer's text stays
@@ -50,10 +55,17 @@ class ThinkFormat:
     close_tag: str = "</think>"
     #: the generation prompt ends with ``open_tag``: the answer starts inside the block
     opened_by_prompt: bool = False
+    #: a header an answer without a thinking block starts with, dropped (gpt-oss)
+    answer_tag: str = ""
 
 
 #: the tags the supported families use (Qwen3, Qwen3.5, QwQ, DeepSeek-R1, SmolLM3)
 TAGS = ("<think>", "</think>")
+
+#: gpt-oss's channels, as they appear in an answer's text (module docstring)
+HARMONY = ThinkFormat(open_tag="<|channel|>analysis<|message|>",
+                      close_tag="<|start|>assistant<|channel|>final<|message|>",
+                      answer_tag="<|channel|>final<|message|>")
 
 
 def format_of(template: str | None, generation_prompt: str | None) -> ThinkFormat | None:
@@ -66,6 +78,8 @@ def format_of(template: str | None, generation_prompt: str | None) -> ThinkForma
     tag (an empty block, ``<think>\\n\\n</think>``, is thinking switched off, not opened).
     """
     open_tag, close_tag = TAGS
+    if template and HARMONY.open_tag in template:
+        return HARMONY    # its generation prompt ends with "<|start|>assistant": nothing is opened
     if not template or close_tag not in template:
         return None
     opened = generation_prompt is not None and generation_prompt.rstrip().endswith(open_tag)
@@ -78,6 +92,7 @@ class Parts:
     answer: str
     state: str = ANSWERING    # STARTING, IN_THINKING or ANSWERING where the text ended
     block: bool = False       # a thinking block was opened (it may be empty, or still open)
+    headed: bool = False      # the answer began with the format's answer_tag (dropped)
 
     @property
     def thinking_open(self) -> bool:
@@ -92,6 +107,7 @@ class Splitter:
         self.fmt = fmt
         self.state = ANSWERING if fmt is None else IN_THINKING if fmt.opened_by_prompt else STARTING
         self.had_block = self.state == IN_THINKING
+        self.had_header = False
         self._held = ""          # text not given out yet: it may still be (part of) a tag
         self._strip = True       # drop whitespace at the start of the current part
 
@@ -116,10 +132,14 @@ class Splitter:
             elif self.state == STARTING:
                 rest = text.lstrip()
                 tag = fmt.open_tag
+                header = fmt.answer_tag
                 if rest.startswith(tag):
                     self.state, self.had_block, self._strip = IN_THINKING, True, True
                     text = rest[len(tag):]
-                elif tag.startswith(rest):
+                elif header and rest.startswith(header):
+                    self.state, self.had_header, self._strip = ANSWERING, True, True
+                    text = rest[len(header):]
+                elif tag.startswith(rest) or header.startswith(rest):
                     self._held = text          # whitespace and a part of the tag, or nothing
                     text = ""
                 else:
@@ -214,4 +234,4 @@ def split(text: str, fmt: ThinkFormat | None, *, final: bool = True, before: str
     pieces = splitter.feed(text) + (splitter.finish() if final else [])
     thinking = "".join(t for kind, t in pieces if kind == THINKING)
     answer = "".join(t for kind, t in pieces if kind == ANSWER)
-    return Parts(thinking, answer, splitter.state, splitter.had_block)
+    return Parts(thinking, answer, splitter.state, splitter.had_block, splitter.had_header)

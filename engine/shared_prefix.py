@@ -76,11 +76,11 @@ def system_prompt_text(model, conv: Conversation) -> str:
     if not conv.system_prompt:
         return ""
     system = [("system", conv.system_prompt)]
-    x, y = (chat_template.render_quietly(model, system + [("user", word)], add_assistant=False)
+    x, y = (chat_template.render_quietly(model, system + [("user", word)], add_assistant=False, now=conv.created)
             for word in ("x", "y"))
     if not (x and y):
         return ""
-    alone = chat_template.render_quietly(model, system, add_assistant=False)
+    alone = chat_template.render_quietly(model, system, add_assistant=False, now=conv.created)
     return alone if alone and x.startswith(alone) else os.path.commonprefix([x, y])
 
 

@@ -802,7 +802,7 @@ class EngineWorker:
                 continue   # a kept history starts with a turn of the user's
             kept = turns[start:] + [("user", text)]
             head = [("system", conv.system_prompt)] if conv.system_prompt else []
-            prompt = chat_template.render(rt.model, head + kept, add_assistant=True)
+            prompt = chat_template.render(rt.model, head + kept, add_assistant=True, now=conv.created)
             if len(rt.model.tokenize_prompt(prompt)) <= budget:
                 break
         else:

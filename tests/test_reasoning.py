@@ -3,7 +3,9 @@
 The chat templates under tests/templates/ are the ``tokenizer.chat_template`` of real
 thinking models, byte for byte: Qwen3 (llama.cpp's ``models/templates/Qwen-Qwen3-0.6B.jinja``),
 Qwen3.5 (Qwen3.5-35B-A3B's, sha256 a4aee8af…f715 as published) and DeepSeek-R1-Distill
-(llama.cpp's ``models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja``).
+(llama.cpp's ``models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja``) and
+gpt-oss (llama.cpp's ``models/templates/openai-gpt-oss-120b.jinja``: channels, the harmony
+format).
 
 Fast tests: the splitter (whole and piece by piece, tags cut anywhere), what each template
 renders for a conversation with thinking, the server's shapes (a fake engine behind the
@@ -25,12 +27,22 @@ from pathlib import Path
 import pytest
 
 from engine import chat_template
-from engine.reasoning import ANSWER, THINKING, Splitter, ThinkFormat, format_of, split, thinking_tokens
+from engine.reasoning import (
+    ANSWER,
+    HARMONY,
+    THINKING,
+    Splitter,
+    ThinkFormat,
+    format_of,
+    split,
+    thinking_tokens,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 QWEN3 = (TEMPLATES / "qwen3.jinja").read_text("utf-8")
 QWEN35 = (TEMPLATES / "qwen3.5.jinja").read_text("utf-8")
 DEEPSEEK_R1 = (TEMPLATES / "deepseek-r1-distill.jinja").read_text("utf-8")
+GPT_OSS = (TEMPLATES / "gpt-oss.jinja").read_text("utf-8")
 
 TAGGED = ThinkFormat()                               # Qwen3: the model opens the block
 OPENED = ThinkFormat(opened_by_prompt=True)          # Qwen3.5, DeepSeek-R1: the prompt does
@@ -72,6 +84,12 @@ def pieces_of(text: str, fmt, cuts) -> tuple[str, str]:
     (TAGGED, "<think>\nunclosed", "unclosed", ""),
     (None, "<think>\nkept as written\n</think>\n\nall of it", "",
      "<think>\nkept as written\n</think>\n\nall of it"),
+    # gpt-oss: <|end|> is a control token, rendered empty in the answer's text
+    (HARMONY, "<|channel|>analysis<|message|>Two plus two.<|start|>assistant<|channel|>final<|message|>Four.",
+     "Two plus two.", "Four."),
+    (HARMONY, "<|channel|>final<|message|>Four, without thinking.", "", "Four, without thinking."),
+    (HARMONY, "<|channel|>analysis<|message|>Still weighing it", "Still weighing it", ""),
+    (HARMONY, "A plain answer.", "", "A plain answer."),
 ])
 def test_the_parts_are_the_same_whole_or_in_any_pieces(fmt, text, thinking, answer):
     parts = split(text, fmt)
@@ -89,6 +107,9 @@ def test_the_parts_are_the_same_whole_or_in_any_pieces(fmt, text, thinking, answ
     (OPENED, [b"Still", b" thinking"], 2),                     # the block never closed: all of it
     (TAGGED, [b"Four", b"."], 0),                               # no block
     (None, [b"<think>", b"x", b"</think>"], 0),                 # a model that does not think
+    (HARMONY, [b"<|channel|>", b"analysis", b"<|message|>", b"Hm", b".", b"", b"<|start|>", b"assistant",
+               b"<|channel|>", b"final", b"<|message|>", b"Four"], 11),
+    (HARMONY, [b"<|channel|>", b"final", b"<|message|>", b"Four"], 0),
 ])
 def test_the_thinking_tokens_are_those_up_to_the_closing_tag(fmt, pieces, expected):
     assert thinking_tokens(pieces, fmt) == expected
@@ -132,7 +153,8 @@ def test_whether_a_model_thinks_is_read_from_its_template():
     assert format_of(QWEN3, chat_template.render_jinja(QWEN3, [("user", "Hi")], True)) == TAGGED
     assert format_of(QWEN35, chat_template.render_jinja(QWEN35, [("user", "Hi")], True)) == OPENED
     assert format_of(DEEPSEEK_R1, chat_template.render_jinja(DEEPSEEK_R1, [("user", "Hi")], True)) == OPENED
-    for template in (QWEN3, QWEN35, DEEPSEEK_R1):
+    assert format_of(GPT_OSS, chat_template.render_jinja(GPT_OSS, [("user", "Hi")], True)) == HARMONY
+    for template in (QWEN3, QWEN35, DEEPSEEK_R1, GPT_OSS):
         assert chat_template.think_format(TemplateModel(template)) is not None
     # thinking switched off by the prompt (an empty block) is not a block opened
     assert format_of(QWEN35, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == TAGGED
@@ -186,6 +208,61 @@ def test_deepseek_r1_drops_past_thinking():
     assert chat_template.render(model, two_turns(raw), add_assistant=True) == (
         "Be brief.<｜User｜>What is 2+2?<｜Assistant｜>Four.<｜end▁of▁sentence｜>"
         "<｜User｜>And 3+3?<｜Assistant｜><think>\n")
+
+
+def test_gpt_oss_drops_past_analysis_and_dates_the_prompt_by_the_conversations_start():
+    """gpt-oss's template refused an answer's channels in its content, and wrote today's
+    date (``strftime_now``, which the Jinja environment lacked: the template could not be
+    used at all): a conversation continued the next day would read its prompt again."""
+    import time
+    model = TemplateModel(GPT_OSS)
+    began = time.mktime((2026, 1, 15, 12, 0, 0, 0, 0, -1))
+    raw = "<|channel|>analysis<|message|>Two plus two.<|start|>assistant<|channel|>final<|message|>Four."
+    prompt = chat_template.render(model, two_turns(raw), add_assistant=True, now=began)
+    assert chat_template.template_problem(model) is None
+    assert "Current date: 2026-01-15\n" in prompt
+    assert "<|start|>developer<|message|># Instructions\n\nBe brief." in prompt
+    assert prompt.endswith("<|start|>user<|message|>What is 2+2?<|end|>"
+                           "<|start|>assistant<|channel|>final<|message|>Four.<|end|>"
+                           "<|start|>user<|message|>And 3+3?<|end|><|start|>assistant")
+    assert "Two plus two." not in prompt                   # past analysis is dropped
+    assert chat_template.render(model, two_turns(raw), add_assistant=True, now=began + 86400) != prompt
+    # the answer a Continue goes on from keeps its analysis
+    assert chat_template.render(model, two_turns(raw)[:3], add_assistant=False, now=began).endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Two plus two.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Four.<|return|>")
+    # an answer without analysis goes back as its final text, not its channel header
+    plain = two_turns("<|channel|>final<|message|>Four.")
+    assert "<|start|>assistant<|channel|>final<|message|>Four.<|end|>" in \
+        chat_template.render(model, plain, add_assistant=True, now=began)
+
+
+def test_a_conversation_renders_the_date_it_began(tiny_model_path):
+    """Through the real generation path: the prompt of a conversation begun on another
+    day carries that day, and its next turn continues the tokens the model saw."""
+    import time
+
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, commit_answer
+    from native.model import Model
+    began = time.mktime((2025, 3, 4, 12, 0, 0, 0, 0, -1))
+    with Model(tiny_model_path("llama", chat_template=GPT_OSS)) as model:
+        class Holder:
+            pass
+        holder = Holder()
+        holder.model = model
+        conv = Conversation(created=began)
+        begin_answer(conv, holder, "Hi")
+        assert "Current date: 2025-03-04" in model.detokenize(conv.tokens)
+        first = list(conv.tokens)
+        conv.answer.text = "<|channel|>final<|message|>Hello."
+        reply = model.tokenize("<|channel|>final<|message|>Hello.", add_special=False)
+        conv.tokens += reply
+        conv.answer.n_generated = len(reply)
+        conv.answer.finish_reason = "stop"
+        commit_answer(conv)
+        begin_answer(conv, holder, "Bye")
+        assert conv.tokens[:len(first)] == first
 
 
 # -- the server's shapes, a fake engine behind the real HTTP side ----------------------------------
