@@ -245,6 +245,10 @@ class Batcher:
                 chosen[job.seq] = token
         if not chosen:
             return
+        if self.autosave is not None:
+            for job, stepper in self._running.items():
+                if job.seq in chosen and stepper.autosave_next(job.autosave_every):
+                    prt.keep_step_snapshot(job.seq)   # its autosave is written one token short
         width = self.width
         items = list(chosen.items())
         for start in range(0, len(items), width):

@@ -365,6 +365,11 @@ class AnswerStepper:
             a.emitted = show_upto
         return True
 
+    def autosave_next(self, every: int) -> bool:
+        """Whether the next token accepted makes an autosave due (autosave_due): a
+        recurrent memory keeps its state before it (engine.runtime.saves_one_short)."""
+        return bool(every) and (self.answer.n_generated + 1) % every == 0
+
     def autosave_due(self, every: int) -> bool:
         """Whether an autosave every ``every`` tokens falls now; if so, the bytes of an
         incomplete character are kept in the answer, so the save resumes it exactly."""
@@ -443,6 +448,8 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
             token = step.choose(runtime.logits, len(runtime.kv_tokens))
             if token is None:
                 break
+            if autosave and step.autosave_next(autosave_every):
+                runtime.keep_step_snapshot()
             runtime.decode_token(token)
             if not step.accepted(token):
                 break

@@ -365,6 +365,14 @@ class ParallelRuntime:
             held.snapshots.add(PromptSnapshot.take(self.ctx, seq, tokens, logits,
                                                    recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
+    def keep_step_snapshot(self, seq: int) -> None:
+        """A recurrent memory keeps ``seq``'s state now, before the token an autosave will
+        end with (engine.runtime.Runtime.keep_step_snapshot)."""
+        held = self._held[seq]
+        if self.shape.has_recurrent:
+            held.snapshots.keep_step(PromptSnapshot.take(self.ctx, seq, held.tokens, None,
+                                                         recurrent_only=self.shape.snapshot_recurrent_only))
+
     def decode_tokens(self, tokens: dict[int, int]) -> None:
         """One decode of one token per sequence (``{seq: token}``), each with its logits."""
         self.batch.clear()
@@ -559,15 +567,23 @@ class SequenceView:
     def logits_worth_saving(self, kind: int, paused: bool) -> bool:
         return self._prt.logits_worth_saving(self.seq, kind, paused)
 
+    def logits_decoded_alone(self) -> bool:
+        seq = self.seq
+        return seq is not None and self._prt.has_logits(seq) and self._prt._held[seq].logits_alone
+
+    def keep_step_snapshot(self) -> None:
+        if self.seq is not None:
+            self._prt.keep_step_snapshot(self.seq)
+
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx
         source = self.seq
         partial = bool(p0) or upto is not None
-        if upto is not None and not p0:
-            copy_prefix(self, self.seq, prt.scratch, upto)
+        if upto is not None:   # a prefix, or a delta written one token short
+            copy_prefix(self, self.seq, prt.scratch, upto, p0)
             source = prt.scratch
         elif partial:   # shares the cells; copies nothing
-            ctx.seq_cp(self.seq, prt.scratch, p0, -1 if upto is None else upto)
+            ctx.seq_cp(self.seq, prt.scratch, p0, -1)
             source = prt.scratch
         try:
             size = ctx.state_size(source)

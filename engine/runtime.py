@@ -268,6 +268,17 @@ class Runtime:
             self._snapshots.add(PromptSnapshot.take(self.ctx, 0, tokens, logits,
                                                     recurrent_only=self.shape.snapshot_recurrent_only), tokens)
 
+    def keep_step_snapshot(self) -> None:
+        """A recurrent memory keeps its state now, before the token an autosave will end
+        with (Shelf.keep_step): that autosave is then written one token short."""
+        if self.shape.has_recurrent:
+            self._snapshots.keep_step(PromptSnapshot.take(
+                self.ctx, 0, self.kv_tokens, None, recurrent_only=self.shape.snapshot_recurrent_only))
+
+    def logits_decoded_alone(self) -> bool:
+        """Whether the current logits came from decoding the last token alone."""
+        return self.has_logits() and self._logits_alone
+
     def decode_token(self, token: int) -> None:
         """Append one sampled token to the cache; its logits become current."""
         if len(self.kv_tokens) >= self.ctx.n_ctx:
@@ -332,10 +343,15 @@ class Runtime:
         fsync and the rename into place happen on its helper thread (an autosave).
         ``upto``: the file holds only the cache's first ``upto`` tokens (no logits), and
         ``conv`` is the conversation of those tokens: a shared prefix (engine.shared_prefix).
+        An autosave of a recurrent memory is written one token short where it can be
+        (:func:`saves_one_short`).
         """
         started = time.perf_counter()
         path = Path(path)
-        n, p0 = _saved_span(self, conv, parent, upto)
+        short = upto is None and saves_one_short(self, conv, kind)
+        if short:
+            upto = len(self.kv_tokens) - 1
+        n, p0 = _saved_span(self, conv, parent, upto, pending=int(short))
         kv = self.kv_tokens[:n]
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind, n)
@@ -394,11 +410,11 @@ class Runtime:
         (p0 == 0) is then relabelled as sequence 0's, as a full file's state is.
         """
         seq = 0
-        if upto is not None and not p0:
-            copy_prefix(self, 0, 1, upto)
+        if upto is not None:   # a prefix, or a delta written one token short
+            copy_prefix(self, 0, 1, upto, p0)
             seq = 1
-        elif p0 or upto is not None:
-            self.ctx.seq_cp(0, 1, p0, -1 if upto is None else upto)
+        elif p0:
+            self.ctx.seq_cp(0, 1, p0, -1)
             seq = 1
         try:
             size = self.ctx.state_size(seq)
@@ -522,12 +538,14 @@ def runtime_shape(model: Model) -> ModelShape:
     return shape
 
 
-def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | None) -> tuple[int, int]:
+def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | None,
+                pending: int = 0) -> tuple[int, int]:
     """The positions a save of ``rt``'s cache writes, ``p0..n-1`` (p0: the parent's end, 0
-    for a full file), after checking that they belong to ``conv`` and build on ``parent``."""
+    for a full file), after checking that they belong to ``conv`` and build on ``parent``
+    (``pending``: tokens of ``conv`` after ``upto`` that the file leaves to be decoded)."""
     n = len(rt.kv_tokens)
     if upto is not None:
-        if not 0 < upto <= n or len(conv.tokens) != upto or not can_save_prefix(rt, upto):
+        if not 0 < upto <= n or len(conv.tokens) != upto + pending or not can_save_prefix(rt, upto):
             raise SaveFailed("a prefix of the cache is saved alone only where its state is held "
                              "whole (can_save_prefix), with the conversation of exactly those tokens")
         n = upto
@@ -544,6 +562,24 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
     return n, p0
 
 
+def saves_one_short(rt, conv: Conversation, kind: int) -> bool:
+    """Whether an autosave of ``rt`` is written one token short: its state before the
+    cache's last token, that token in the file's token list still to be decoded, and no
+    logits.
+
+    A recurrent memory cannot decode its last token again, so its files carry the
+    next-token logits (vocabulary x 4 bytes: 196 KB for a 49k vocabulary, 1 MB for
+    Qwen3.5's 248k), which only resuming from the file would use.  Where that token was
+    decoded alone (a generated one) and the state before it was kept
+    (Runtime.keep_step_snapshot, just before it was decoded), resuming decodes it alone
+    again: the same state and the same logits, bit for bit.  Only an autosave of an answer
+    in progress: a pause or an exit is resumed from at once, a finished answer's logits
+    serve a Continue."""
+    n = len(rt.kv_tokens)
+    return (kind == KIND_AUTOSAVE and rt.shape.has_recurrent and n >= 2
+            and len(conv.tokens) == n and rt.logits_decoded_alone() and rt.snapshot_at(n - 1) is not None)
+
+
 def can_save_prefix(rt, n: int) -> bool:
     """Whether ``rt``'s first ``n`` cache positions can be saved alone (a shared prefix):
     any range of a plain attention memory; a sliding window where the window before ``n``
@@ -557,13 +593,13 @@ def can_save_prefix(rt, n: int) -> bool:
     return shape.prefix_from_snapshot and rt.snapshot_at(n) is not None
 
 
-def copy_prefix(rt, source: int, scratch: int, n: int) -> None:
+def copy_prefix(rt, source: int, scratch: int, n: int, p0: int = 0) -> None:
     """Make the empty ``scratch`` sequence hold ``source``'s state after its first ``n``
-    tokens.  The attention cells are shared (``seq_cp`` adds a sequence id; nothing is
-    copied); a recurrent part exists only as it is now, so where ``n`` is not the end,
-    the snapshot taken at ``n`` is put back into the scratch sequence (SaveFailed when
-    there is none)."""
-    rt.ctx.seq_cp(source, scratch, 0, n)
+    tokens (its cells from position ``p0`` on: a delta).  The attention cells are shared
+    (``seq_cp`` adds a sequence id; nothing is copied); a recurrent part exists only as
+    it is now, so where ``n`` is not the end, the snapshot taken at ``n`` is put back into
+    the scratch sequence (SaveFailed when there is none)."""
+    rt.ctx.seq_cp(source, scratch, p0, n)
     if not rt.shape.has_recurrent or n == len(rt.kv_tokens):
         return
     snapshot = rt.snapshot_at(n) if rt.shape.prefix_from_snapshot else None

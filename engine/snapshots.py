@@ -81,12 +81,14 @@ class PromptSnapshot:
 
 
 class Shelf:
-    """One sequence's latest snapshots (at most ``capacity``), the newest positions kept."""
+    """One sequence's latest snapshots (at most ``capacity``), the newest positions kept,
+    and its *step*: the state one token before an autosave's end (:meth:`keep_step`)."""
 
     capacity = 4
 
     def __init__(self) -> None:
         self._items: list[PromptSnapshot] = []
+        self._step: PromptSnapshot | None = None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -101,9 +103,21 @@ class Shelf:
         kept.sort(key=lambda s: s.n_tokens)
         self._items = kept[-self.capacity:]
 
+    def keep_step(self, snapshot: PromptSnapshot | None) -> None:
+        """Keep ``snapshot`` apart from the others, replacing the last one so kept: the
+        state before the token an autosave will end with, so that the autosave is written
+        one token short and needs no logits (engine.runtime.saves_one_short).  It never
+        pushes a prompt's snapshots off the shelf."""
+        self._step = snapshot
+
     def nearest(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
         """The snapshot of the most of ``tokens[:n]``, or None."""
-        return next((s for s in reversed(self._items) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)), None)
+        found = next((s for s in reversed(self._items) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)), None)
+        step = self._step
+        if step is not None and step.n_tokens <= n and (found is None or step.n_tokens > found.n_tokens) \
+                and step.holds(tokens, step.n_tokens):
+            return step
+        return found
 
     def at(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
         """The snapshot after exactly ``tokens[:n]``, or None."""
@@ -112,6 +126,7 @@ class Shelf:
 
     def clear(self) -> None:
         self._items = []
+        self._step = None
 
 
 class WindowCover:

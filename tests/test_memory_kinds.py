@@ -104,7 +104,8 @@ def test_pause_and_resume_in_a_new_process_is_exact(arch, tiny_model_path, refer
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_autosave_chain_restores_exactly(arch, tiny_model_path, references, tmp_path):
-    """Deltas every 4 tokens: attention cells as deltas, the recurrent snapshot whole."""
+    """Deltas every 4 tokens: attention cells as deltas, the recurrent snapshot whole, and
+    no logits (a recurrent memory's autosave is its state one token short)."""
     path = tiny_model_path(arch)
     rt = Runtime(path, memkit.SETTINGS)
     try:
@@ -122,6 +123,12 @@ def test_autosave_chain_restores_exactly(arch, tiny_model_path, references, tmp_
         # snapshot; never the whole conversation's cells
         if KIND[arch] != "recurrent":
             assert h.state_len < full.state_len
+    for info in chain_infos:
+        h = read_header(info.path)
+        # no file carries logits: an attention memory decodes its last token again; a
+        # recurrent one is saved from its state before that token (saves_one_short)
+        assert not h.has_logits
+        assert h.n_tokens == h.n_tokens_total - (KIND[arch] != "attention")
     rt = Runtime(path, memkit.SETTINGS)
     try:
         conv = rt.restore_chain(load_chain(chain_infos[-1].path))
@@ -129,6 +136,7 @@ def test_autosave_chain_restores_exactly(arch, tiny_model_path, references, tmp_
         got = memkit.fingerprint(rt, rest.text)
     finally:
         rt.close()
+    assert rest.n_prefilled == 1     # the last token, decoded alone as it was
     reference = references(arch)
     assert (got["logits"], got["state"]) == (reference["logits"], reference["state"])
 
