@@ -14,7 +14,9 @@ a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurr
    best of ``--repeats`` (a shared machine's noise only ever slows a run down).
 b. Switch latency at ``--switch-tokens`` tokens: until a conversation can sample its next
    token, when it is resident (nothing to do) and when it was evicted (read, verify and
-   restore its file into a sequence); a full prefill of it for scale.
+   restore its file into a sequence); a full prefill of it for scale; and what packing the
+   cache again costs (engine.parallel: after an Edit, Delete or eviction frees cells below
+   another conversation's, every state is read out and put back in order).
 c. (``--exactness``) max |logit difference|, teacher-forced, between each of 4 answers
    generated together and the same answer alone, per model, KV cache type, prefill mode
    (joint: the prompts in one decode; separate: one prompt per decode) and generated
@@ -202,9 +204,21 @@ def switch_table(key: str, args, work: Path) -> Table:
             prt.restore(load_chain(path), seq)
             prt.logits(seq)
             restored.append(clock() - started)
+        packed = []
+        for _ in range(args.repeats):   # another conversation's Delete frees cells below it
+            prt.place(a.id)
+            prt.evict(convs[1].id)       # frees the cells below a's: the cache is packed again
+            seq = prt.place(convs[1].id).seq
+            prt.restore(load_chain(path), seq)   # (a's own file: the same size, any tokens do)
+            started = clock()
+            prt._repack()
+            packed.append(clock() - started)
         r_ms, s_ms, p_ms = min(resident) * 1e3, min(restored) * 1e3, min(prefill_s) * 1e3
+        k_ms = min(packed) * 1e3
         t.add(how="resident", tokens=n, ms=r_ms, vs_resident=1.0)
         t.add(how="restored from its file", tokens=n, ms=s_ms, vs_resident=ratio(s_ms, r_ms))
+        t.add(how="packed again after a Delete (two conversations)", tokens=2 * n, ms=k_ms,
+              vs_resident=ratio(k_ms, r_ms))
         t.add(how="prefilled again (for scale)", tokens=n, ms=p_ms, vs_resident=ratio(p_ms, r_ms))
         t.notes.append(f"file {path.stat().st_size / 1e6:.1f} MB (page cache warm); best of {args.repeats}")
     finally:

@@ -18,5 +18,5 @@ def test_the_parallel_benchmark_runs_and_prints_its_tables(smollm_path, tmp_path
     assert "a. Aggregate generation tokens/s" in out and "ours_vs_bare" in out
     for answers in (1, 2, 4):
         assert any(line.split()[:1] == [str(answers)] for line in out.splitlines()), answers
-    assert "restored from its file" in out and "resident" in out
+    assert "restored from its file" in out and "resident" in out and "packed again" in out
     assert "q8_0 + flash attn     joint" in out and "exact_width" in out
