@@ -71,7 +71,9 @@ DEFAULT_SEQUENCES = 4
 
 @dataclass
 class _Held:
-    """What the cache holds for one sequence."""
+    """What the cache holds for one sequence (ParallelRuntime._nothing_held makes one)."""
+    #: where a sliding window's tail can be dropped exactly (engine.snapshots)
+    window: WindowCover
     tokens: list[int] = field(default_factory=list)
     logits_len: int = -1             # the token count the logits belong to (-1: none)
     logits: np.ndarray | None = None  # a copy; None while they are a row of the last decode
@@ -80,8 +82,6 @@ class _Held:
     logits_alone: bool = False
     #: a recurrent memory's states at the end of its last prompt and at its marks (engine.snapshots)
     snapshots: Shelf = field(default_factory=Shelf)
-    #: where a sliding window's tail can be dropped exactly (engine.snapshots)
-    window: WindowCover = field(default_factory=lambda: WindowCover(0))
 
 
 class ParallelRuntime:

@@ -81,7 +81,9 @@ def _candidates(runtime: Runtime | ConversationView, folder: str | Path, tokens:
     if runtime.shape.prefix_from_window:
         # whole files first: a sliding window's bits depend on where a prefill was cut, and
         # a shared prefix ends at a cut that a prefill from nothing makes too (Answer.marks)
-        return index.matches(tokens, key, whole=True) + index.matches(tokens, key)
+        whole = index.matches(tokens, key, whole=True)
+        seen = {m.path for m in whole}
+        return whole + [m for m in index.matches(tokens, key) if m.path not in seen]
     return index.matches(tokens, key)
 
 
