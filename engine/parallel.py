@@ -40,6 +40,7 @@ Like every native owner it belongs to one thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -60,6 +61,8 @@ from engine.snapshots import PromptSnapshot, Shelf, WindowCover
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
+
+log = logging.getLogger("engine")
 
 #: The sequence count a saved file declares: the single-sequence context's (its
 #: sequence 1 is the scratch space for deltas), so that context restores it.
@@ -202,7 +205,9 @@ class ParallelRuntime:
         (the module docstring says why).  Each state is read out, the cache emptied, and
         the states put back one after another: llama.cpp places a restored state's cells
         in the order they were read, from the first free cell on.  The logits of the last
-        decode stay where they are (a sequence's state does not hold them)."""
+        decode stay where they are (a sequence's state does not hold them).  A sliding
+        window's state holds only the window before its end: that is what it holds after
+        (WindowCover.restored), so a later cut never leaves the window with holes."""
         started = time.perf_counter()
         states = []
         for seq, held in enumerate(self._held):
@@ -218,7 +223,12 @@ class ParallelRuntime:
                 self.ctx.state_set_from(state, len(state), seq)
             except StateError:
                 lost.append(seq)
-        for seq in lost:   # not seen: the same cells fit again; the files still hold it
+                continue
+            held = self._held[seq]
+            held.window = WindowCover(self.shape.n_swa)
+            held.window.restored(0, len(held.tokens))
+        for seq in lost:   # not seen: the same cells fit again; its files hold it
+            log.warning("sequence %d could not be put back after packing the cache: it is read again", seq)
             self.ctx.seq_rm(seq, -1, -1)
             self._held[seq] = self._nothing_held()
         self.repacks += 1

@@ -375,3 +375,46 @@ def test_what_a_sequence_can_go_back_to_is_what_a_trim_keeps(tiny_model_path, ar
                     assert expected == (30 if target >= 30 else n if target >= n else 0), (n, target)
     finally:
         prt.close()
+
+
+def test_a_sliding_window_packed_again_is_never_cut_where_its_window_has_holes(gemma_path):
+    """Packing the cache puts a sequence's state back, and a sliding window's state holds
+    only the window before its end (Gemma 3: 512 positions): a later Edit far back must
+    not keep cells whose window is gone (the next tokens would see holes, silently wrong),
+    so the sequence is read again from there and its logits are its own."""
+    settings = ContextSettings(n_ctx=2048, n_threads=2)
+    prt = ParallelRuntime(gemma_path, settings, sequences=2, exact_width=1)
+    try:
+        tokens = prt.model.tokenize("Rivers and hills, roads and towns, lakes and seas. " * 70,
+                                    add_special=True)[:720]
+        assert 300 < prt.shape.n_swa < len(tokens)
+        prt.decode_chunks([(0, tokens[:40], True)])              # A below B
+        for start in range(0, 700, 350):
+            prt.decode_chunks([(1, tokens[start:start + 350], True)])
+        prt.drop(0)                                             # A deleted: B is packed again
+        prt.decode_chunks([(1, tokens[700:701], True)])
+        assert prt.repacks == 1
+        kept = prt.trim(1, 300)                                 # an Edit far back in B
+        assert kept == 0     # its window before 300 was not put back: read again, not cut there
+        rest = tokens[kept:310]
+        for start in range(0, len(rest), 350):
+            prt.decode_chunks([(1, rest[start:start + 350], True)])
+        got = np.array(prt.logits(1), copy=True)
+    finally:
+        prt.close()
+    assert np.array_equal(got, _logits_alone_in(gemma_path, settings, tokens[:310], kept))
+
+
+def _logits_alone_in(model_path, settings, tokens, cut: int) -> np.ndarray:
+    """The logits after ``tokens`` decoded alone, in the pieces the test above decoded them
+    (a sliding window's bits depend on where a prefill was cut)."""
+    prt = ParallelRuntime(model_path, settings, sequences=2, exact_width=1)
+    try:
+        pieces = [tokens[:cut]] if cut else []
+        rest = tokens[cut:]
+        pieces += [rest[start:start + 350] for start in range(0, len(rest), 350)]
+        for piece in pieces:
+            prt.decode_chunks([(1, piece, True)])
+        return np.array(prt.logits(1), copy=True)
+    finally:
+        prt.close()
