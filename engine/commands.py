@@ -242,3 +242,13 @@ class Complete(Command):
 
     def wait(self) -> Wait:
         return Wait(sequence=True)
+
+
+# -- from the engine's own helper thread -----------------------------------------------------
+@dataclass(frozen=True)
+class Announce(Command):
+    """An event the engine thread emits when it comes to this command: an autosave's
+    CheckpointSaved, queued by the checkpoint helper thread once the file has landed
+    (nothing is announced as saved before it can be loaded)."""
+    event: Any                      # engine.events.Event
+    action = Action.AUTOSAVE

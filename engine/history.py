@@ -168,6 +168,19 @@ class LineWriter:
         chain = self.chain
         return chain[-1] if chain else None
 
+    @property
+    def landing(self) -> bool:
+        """Whether the newest save is still landing (its fsync and rename on the helper thread)."""
+        return self._landing.in_flight
+
+    def when_landed(self, step) -> None:
+        """Run ``step`` once the newest save is on disk: at once when it is, else on the
+        helper thread after it landed (never if it failed: :meth:`settle` reports that)."""
+        if self._landing.in_flight:
+            self._landing.then(step)
+        else:
+            step()
+
     def settle(self) -> None:
         """Wait for the autosave still landing; if it failed, it is no file of the chain."""
         if not self._landing.in_flight:

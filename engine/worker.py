@@ -482,6 +482,7 @@ class EngineWorker:
             cmd.EditMessage: self._do_edit_message, cmd.ContinueAnswer: self._do_continue_answer,
             cmd.SendInNewBranch: self._do_send_in_new_branch, cmd.OpenCheckpoint: self._do_open_checkpoint,
             cmd.Export: self._do_export, cmd.Complete: self.requests.serve,
+            cmd.Announce: self.listener.emit,
         }
 
     def _must_wait(self, item: _Queued, earlier: list[_Queued]) -> bool:
@@ -1137,14 +1138,19 @@ class EngineWorker:
 
     def _autosave(self, conv: Conversation) -> None:
         """Autosave: a delta holding only the cells since the newest file of the line."""
+        writer = self._writer(conv)
         try:
-            info = self._writer(conv).autosave(conv)
+            info = writer.autosave(conv)
         except CheckpointError as exc:
             self.listener.emit(Failed(cmd.Action.AUTOSAVE, str(exc)))
             return
         self.sessions.named(conv.id).head = info.path
-        self.listener.emit(CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
-                                          info.seconds, KIND_AUTOSAVE))
+        saved = CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
+                                info.seconds, KIND_AUTOSAVE)
+        if writer.landing:   # announced once it has landed, by this thread (cmd.Announce)
+            writer.when_landed(lambda: self.submit(cmd.Announce(saved)))
+        else:
+            self.listener.emit(saved)
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:

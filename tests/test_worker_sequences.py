@@ -186,7 +186,7 @@ CHILD = textwrap.dedent("""
     for i, prompt in enumerate(("Tell me about the sea.", "Describe a mountain village.")):
         ids.append(w.new_conversation(sampler=SamplerSettings(seed=100 + i, temperature=0.8, ignore_eos=True)))
     for conv, prompt in zip(ids, ("Tell me about the sea.", "Describe a mountain village.")):
-        w.send(conv, prompt, n_predict=400)
+        w.send(conv, prompt, n_predict=int(sys.argv[4]))
     while not all(any(e[1].id == c and e[3] == KIND_AUTOSAVE for e in rec.of("saved")) for c in ids):
         time.sleep(0.01)
     print("autosaved", *ids, flush=True)
@@ -194,47 +194,61 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_kill_9_with_two_answers_running_leaves_both_restorable(smollm_path, tmp_path):
+@pytest.mark.parametrize("arch", ["smollm", "lfm2", "qwen35"])
+def test_kill_9_with_two_answers_running_leaves_both_restorable(arch, smollm_path, tiny_model_path, tmp_path):
+    """Two answers generated together (the Batcher), the process killed: each resumes from
+    its last autosave in a new process exactly as the uninterrupted answer goes on (its
+    text, and its last logits).  A hybrid's autosaves are written one token short
+    (engine.runtime.saves_one_short): the state before their last token, no logits."""
+    import numpy as np
+    model = smollm_path if arch == "smollm" else tiny_model_path(arch)
     store = tmp_path / "store"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(smollm_path), str(store),
-                              os.path.dirname(__file__)], stdout=subprocess.PIPE, text=True)
+    # the tiny models answer ~10x faster: longer answers, killed at once, still in flight
+    n_predict, settle = (400, 0.3) if arch == "smollm" else (900, 0.0)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(store),
+                              os.path.dirname(__file__), str(n_predict)], stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline().split()
         assert line and line[0] == "autosaved", line
-        time.sleep(0.3)                        # a few more tokens, maybe another autosave
+        time.sleep(settle)                     # a few more tokens, maybe another autosave
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()
         child.wait(30)
     heads = {h.conversation_id: h for h in Graph.scan(Store(store)).heads}
     assert {str(c) for c in heads} == set(line[1:3])
-    rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
+    rt = Runtime(model, ContextSettings(n_ctx=1024, n_threads=2))
     try:
         for i, conv_id in enumerate(sorted(heads, key=lambda c: line.index(str(c)))):
             head = heads[conv_id]
-            assert head.header.kind == KIND_AUTOSAVE
+            assert head.header.kind == KIND_AUTOSAVE and not head.header.has_logits
+            assert head.header.n_tokens == head.header.n_tokens_total - (arch != "smollm")
             conv = rt.restore_chain(load_chain(head.path))     # verified, restorable
             done = conv.answer.n_generated
             assert done >= 4 and conv.paused
             # it goes on exactly as the uninterrupted answer would have
             conv.answer.n_predict = done + 12
             generate(rt, conv)
-            alone = alone_answer(rt, i, done + 12)
+            resumed = np.array(rt.logits(), copy=True)
+            alone, alone_logits = alone_answer(rt, i, done + 12)
             assert conv.answer.text == alone
+            assert np.array_equal(resumed, alone_logits)
             rt.trim(0)
     finally:
         rt.close()
 
 
-def alone_answer(rt: Runtime, i: int, n: int) -> str:
-    """Conversation ``i`` of the child answered alone, ``n`` tokens."""
+def alone_answer(rt: Runtime, i: int, n: int):
+    """Conversation ``i`` of the child answered alone, ``n`` tokens: its text and last logits."""
+    import numpy as np
+
     from engine.conversation import Conversation
     from engine.generation import begin_answer
     rt.trim(0)
     conv = Conversation(sampler=SamplerSettings(seed=100 + i, temperature=0.8, ignore_eos=True))
     begin_answer(conv, rt, PROMPTS[i], n_predict=n)
     generate(rt, conv)
-    return conv.answer.text
+    return conv.answer.text, np.array(rt.logits(), copy=True)
 
 
 def test_closing_with_two_answers_running_saves_both_as_exit_checkpoints(smollm_path, tmp_path):
