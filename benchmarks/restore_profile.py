@@ -1,20 +1,23 @@
 """Issue 25 point 4: where a restore's time goes, and llama-server's slot restore beside it.
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
-                                         [--llama-server PATH] [--json out.json]
+                                         [--deltas 3] [--llama-server PATH] [--json out.json]
 
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
 size a long prose prompt is prefilled and saved twice: as one full checkpoint, and as a
-chain (a full base 48 tokens short, then three deltas of 16 tokens each), both ending at
-the same token.  Then, for each file and each repeat, a NEW PROCESS loads the model and
-times one restore, with the files warm in the page cache (read once just before):
+chain (a full base, then three deltas of 16 tokens each; ``--deltas`` more or fewer),
+both ending at the same token.  Then, for each file and each repeat, a NEW PROCESS loads
+the model and times one restore, with the files warm in the page cache (read once just
+before):
 
 * ``restore_ms``: what ``run --checkpoint-load`` counts as its restore (``restore_s``):
   ``load_chain`` (read, every check of the file) and ``Runtime.restore_chain`` (the
   compatibility and state checks, ``llama_state_seq_set_data``, the deltas' ``seq_cp``),
-  broken down by timing the functions it calls (each part exclusive of the parts inside
-  it; ``read`` is what reading the file costs besides them, ``other`` the rest);
+  broken down by timing the functions it calls on the restoring thread (each part
+  exclusive of the parts inside it; ``read`` is what reading the file costs besides them,
+  ``settle`` the wait for a large state's CRC, computed on a second thread while
+  ``set_data`` copies, ``other`` the rest);
 * ``floor_ms``: the raw floor — read each file's state section into fresh memory and
   hand it to ``llama_state_seq_set_data`` (a delta through sequence 1, ``seq_cp``,
   ``seq_rm``), with no check at all;
@@ -67,9 +70,10 @@ PROBES = (
     ("native.context", "Context.seq_cp", "seq_cp"),
     ("native.context", "Context.seq_rm", "seq_cp"),
     ("engine.restore", "_conversation_of", "conversation"),
+    ("engine.checkpoints.format", "CheckpointData.settle", "settle"),
 )
 PARTS = ("read", "crc", "json", "arrays", "walk", "link", "compat", "clear", "set_data", "seq_cp",
-         "conversation", "other")
+         "conversation", "settle", "other")
 
 
 def table() -> Table:
@@ -87,7 +91,12 @@ class _Probes:
         self._stack: list[float] = []   # time spent in nested probes, per open probe
 
     def wrap(self, part: str, fn):
+        import threading
+        main = threading.main_thread()
+
         def timed(*args, **kwargs):
+            if threading.current_thread() is not main:   # a checksum running beside the restore
+                return fn(*args, **kwargs)
             self._stack.append(0.0)
             started = clock()
             try:
@@ -126,7 +135,7 @@ def child(args) -> int:
             probes = _Probes()
             probes.install()
             started = clock()
-            chain = load_chain(files[-1])
+            chain = load_chain(files[-1], crc_later=True)
             conv = rt.restore_chain(chain)
             total = clock() - started
             if len(conv.tokens) < chain[-1].header.n_tokens:
@@ -199,22 +208,23 @@ def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
 
 
 # -- the files -------------------------------------------------------------------------------
-def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int) -> dict[int, dict[str, list[Path]]]:
+def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
+               deltas: int = DELTAS) -> dict[int, dict[str, list[Path]]]:
     """Per size: the full checkpoint, and the chain (base + deltas), as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
-    manifest = folder / f"manifest-{n_ctx}.json"
+    manifest = folder / f"manifest-{n_ctx}{'' if deltas == DELTAS else f'-{deltas}'}.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and "llama" in known[n] for n in sizes):
             return {n: {"full": [Path(p) for p in known[n]["full"]], "chain": [Path(p) for p in known[n]["chain"]],
                         "llama": [Path(p) for p in known[n]["llama"]], "tokens": known[n]["tokens"]}
                     for n in sizes}
-    return _make_files_anew(folder, sizes, n_ctx, threads, manifest)
+    return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas)
 
 
 def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
-                     manifest: Path) -> dict[int, dict[str, list[Path]]]:
+                     manifest: Path, deltas: int) -> dict[int, dict[str, list[Path]]]:
     from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
     from engine.generation import generate
     from engine.runtime import Runtime
@@ -225,17 +235,17 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             tokens = prompt_tokens(rt.model, n)
             rt.trim(0)
             rt.ctx.clear()
-            base_n = max(1, n - DELTAS * DELTA_TOKENS)
+            base_n = max(1, n - deltas * DELTA_TOKENS)
             conv = greedy_conversation(tokens[:base_n])
             generate(rt, conv, stop_after=0)
-            parent = rt.save(folder / f"chain-{n}-0.kvckpt", conv)
+            parent = rt.save(folder / f"chain{deltas}-{n}-0.kvckpt", conv)
             chain = [parent.path]
-            for i in range(1, DELTAS + 1):
+            for i in range(1, deltas + 1):
                 m = min(n, base_n + i * DELTA_TOKENS)
                 conv.tokens = list(tokens[:m])
                 conv.answer.n_prompt_tokens = m
                 generate(rt, conv, stop_after=0)
-                parent = rt.save(folder / f"chain-{n}-{i}.kvckpt", conv, parent=parent)
+                parent = rt.save(folder / f"chain{deltas}-{n}-{i}.kvckpt", conv, parent=parent)
                 chain.append(parent.path)
             full = rt.save(folder / f"full-{n}.kvckpt", conv).path
             llama_file = folder / f"llama-{n}.seqstate"
@@ -339,7 +349,7 @@ def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, thr
 
 # -- the run ---------------------------------------------------------------------------------
 def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
-        keep: str | None = None) -> dict:
+        keep: str | None = None, deltas: int = DELTAS) -> dict:
     n_ctx = ctx_size_for(max(sizes))
     out = table()
     servers: dict[int, dict] = {}
@@ -347,7 +357,7 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
         folder = Path(keep) if keep else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         echo(f"making checkpoints of {sizes} tokens (n_ctx {n_ctx}) ...", file=sys.stderr)
-        files = make_files(folder, sizes, n_ctx, threads)
+        files = make_files(folder, sizes, n_ctx, threads, deltas)
         for n in sizes:
             if server:
                 echo(f"llama-server, {n} tokens ...", file=sys.stderr)
@@ -393,6 +403,9 @@ def main(argv=None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"), metavar="PATH")
     parser.add_argument("--json", metavar="PATH", help="write the report here")
     parser.add_argument("--folder", metavar="DIR", help="make the checkpoints here, or use those made there before")
+    parser.add_argument("--deltas", type=int, default=DELTAS,
+                        help=f"deltas of {DELTA_TOKENS} tokens in the chain (default {DELTAS}; "
+                             "16: an answer's autosaves)")
     parser.add_argument("--child", choices=("app", "floor", "loadfile"), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
@@ -404,7 +417,7 @@ def main(argv=None) -> int:
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
-                 echo=print, keep=args.folder)
+                 echo=print, keep=args.folder, deltas=args.deltas)
     data = report["table"]
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
-from engine.checkpoints.chain import tokens_digest
+from engine.checkpoints.chain import settle, tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData
 from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.store import Store
@@ -138,7 +138,11 @@ class LineWriter:
     @classmethod
     def continuing(cls, runtime: SavingRuntime, store: Store, chain: Sequence[CheckpointData],
                    **kwargs) -> LineWriter:
-        """A writer for a conversation restored from ``chain`` (files of ``store``, or not)."""
+        """A writer for a conversation restored from ``chain`` (files of ``store``, or not).
+
+        Its files become parents of the next saves, so a chain read with ``crc_later``
+        must have been checked whole: CheckpointError otherwise."""
+        settle(chain)
         line = line_to_continue(store, chain) or uuid.uuid4().hex
         # a branch still builds on the files it came from, when they are in this store
         infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []

@@ -474,8 +474,9 @@ class ParallelRuntime:
     def restore(self, chain: Sequence[CheckpointData], seq: int) -> Conversation:
         """Put a verified chain (a full file, then deltas on it) into sequence ``seq``
         (engine.restore: every file is checked before llama.cpp sees a byte, so a refused
-        chain leaves the sequence as it was; if llama.cpp itself refuses a state, the
-        sequence is emptied: RestoreFailed)."""
+        chain leaves the sequence as it was; if llama.cpp itself refuses a state, or a
+        large state's checksum, computed while llama.cpp copied it, fails, the sequence is
+        emptied)."""
         if self.fragmented:
             self._repack()
         started = time.perf_counter()

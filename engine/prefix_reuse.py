@@ -59,7 +59,7 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
         if not match.exact and not can_trim:
             continue
         try:
-            chain = load_chain(match.path)
+            chain = load_chain(match.path, crc_later=True)   # settled by the restore
             runtime.restore_chain(chain)
         except CheckpointError as exc:
             log.info("prefix candidate %s skipped: %s", match.path.name, exc)

@@ -9,6 +9,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
 1. **Check** every file before llama.cpp sees a byte (:func:`checked_chain`): each
    file's compatibility with the target and its state's structure, the links between
    them, the last file's conversation.  A refused chain leaves the sequence as it was.
+   (A large state's checksum may still be running then, on another core: see
+   :func:`restore_into`.)
 2. **Keep** the files the sequence holds already (:func:`files_in_cache`): switching
    between branches of one conversation applies only what differs.  The sequence is
    trimmed to the last of them; a memory that cannot drop a tail (sliding window,
@@ -34,12 +36,12 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.checkpoints.chain import check_link, common_prefix
+from engine.checkpoints.chain import check_link, common_prefix, settle
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import check_state_for
 from engine.conversation import Conversation
-from engine.errors import BrokenChain, CorruptMetadata, RestoreFailed
+from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, RestoreFailed
 from native.errors import StateError
 
 
@@ -104,7 +106,30 @@ class Restored:
 
 
 def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target) -> Restored:
-    """Restore ``chain`` into ``slot``'s sequence (see the module docstring)."""
+    """Restore ``chain`` into ``slot``'s sequence (see the module docstring).
+
+    A chain read with ``crc_later`` (engine.checkpoints.chain.load_chain) is settled here:
+    its large states' checksums are computed while llama.cpp copies them, on another core,
+    which is what a restore would otherwise spend on top of the copy.  llama.cpp only ever
+    sees states whose structure was walked (every length, position and sequence id checked);
+    when a checksum then fails, the sequence is emptied before anything is decoded from it or
+    kept of it, and the restore fails with the reason as it would have before the copy.
+    """
+    try:
+        restored = _restore(slot, chain, target)
+    except BaseException:
+        settle(chain)   # a damaged file is the reason, whatever else it made go wrong
+        raise
+    try:
+        settle(chain)
+    except CheckpointError:
+        slot.empty()
+        slot.forget_logits()
+        raise
+    return restored
+
+
+def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target) -> Restored:
     conv = checked_chain(chain, target)
     last = chain[-1]
     n = last.header.n_tokens
@@ -203,6 +228,7 @@ def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversati
     structure: the states are not used.  Another model or context is still refused."""
     if not chain:
         raise BrokenChain("no checkpoint to restore")
+    settle(chain)
     for data in chain:
         target.check(replace(data.header, state_layout=STATE_LAYOUT), data.meta)
     for prev, data in zip(chain, chain[1:], strict=False):

@@ -709,7 +709,9 @@ class EngineWorker:
         from engine.history import LineWriter
         from engine.restore import text_of_chain
         rt = self._need_runtime()
-        chain = load_chain(path)             # a delta brings its ancestors along, verified
+        # a delta brings its ancestors along, verified (the restore or the reading again settles
+        # the checksums still running: load_chain's crc_later)
+        chain = load_chain(path, crc_later=True)
         data = chain[-1]
         try:
             rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
@@ -914,7 +916,7 @@ class EngineWorker:
         from engine.checkpoints.chain import load_chain
         from engine.history import LineWriter
         rt = self._need_runtime()
-        chain = load_chain(head)
+        chain = load_chain(head, crc_later=True)   # settled by the restore
         data = chain[-1]
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")
@@ -1214,7 +1216,7 @@ class EngineWorker:
         if writer is not None and writer.head and writer.head.n_tokens <= in_cache:
             return placement   # the cache already holds all the head has (and the writer knows its files)
         try:
-            chain = load_chain(head)
+            chain = load_chain(head, crc_later=True)   # settled by the restore, or the writer
             self._restore_prefix(chain, conv, in_cache)
             if writer is None:
                 self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))

@@ -71,10 +71,25 @@ def parent_ref(meta: dict, what: str = "the delta") -> ParentRef:
     return ParentRef(name, cid, crc, n)
 
 
-def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData]:
-    """``path`` and its ancestors, base first, every file verified and linked."""
+def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = False) -> list[CheckpointData]:
+    """``path`` and its ancestors, base first, every file verified and linked.
+
+    ``crc_later``: the large states' checksums are still being computed when this returns
+    (read_checkpoint); whoever uses the chain calls :func:`settle` before keeping anything
+    of it (engine.restore.restore_into does).  A damaged file is still reported as such,
+    whatever else the unsettled files made go wrong here.
+    """
     path = Path(path)
-    chain = [read_checkpoint(path, progress=progress)]
+    chain = [read_checkpoint(path, progress=progress, crc_later=crc_later)]
+    try:
+        _load_ancestors(path, chain, progress, crc_later)
+    except CheckpointError:
+        settle(chain)   # damage is the reason, when a file's checksum says so
+        raise
+    return chain
+
+
+def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: bool) -> None:
     seen = {path.resolve()}
     first = path                   # the file chain[0] was read from
     while chain[0].header.is_delta:
@@ -87,14 +102,26 @@ def load_chain(path: str | os.PathLike, *, progress=None) -> list[CheckpointData
         if not parent_path.is_file():
             raise BrokenChain(f"the parent checkpoint {name} is missing from {path.parent}")
         try:
-            parent = read_checkpoint(parent_path, progress=progress)
+            parent = read_checkpoint(parent_path, progress=progress, crc_later=crc_later)
         except CheckpointError as exc:
             raise BrokenChain(f"the parent checkpoint {name} is damaged: {exc}") from exc
-        check_link(parent, chain[0])
         chain.insert(0, parent)
+        check_link(parent, chain[1])
         first = parent_path
         seen.add(parent_path.resolve())
-    return chain
+
+
+def settle(chain: Sequence[CheckpointData]) -> None:
+    """Wait for the checksums of a chain read with ``crc_later``, newest file first; its
+    damage is a ChecksumMismatch, an ancestor's a BrokenChain that names it (as
+    :func:`load_chain` reports them).  Returns at once for a checked chain."""
+    for data in reversed(chain):
+        try:
+            data.settle()
+        except CheckpointError as exc:
+            if data is chain[-1]:
+                raise
+            raise BrokenChain(f"the parent checkpoint {data.path.name} is damaged: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -113,6 +140,12 @@ class LinkFacts:
 
 
 def facts_of(data: CheckpointData) -> LinkFacts:
+    if data.link_facts is None:   # computed once per file read (load_chain and the restore both link)
+        data.link_facts = _facts_of(data)
+    return data.link_facts
+
+
+def _facts_of(data: CheckpointData) -> LinkFacts:
     h = data.header
     cid = data.meta.get("checkpoint_id")
     name = data.path.name if data.path else "a checkpoint"

@@ -82,7 +82,8 @@ with another conversation state, e.g. a pause before the first token or a rename
 written without copying the context again. Restoring applies the chain's base to
 sequence 0 and each delta through sequence 1 (copy to 0, then drop 1), which gives
 exactly the cache a full checkpoint would. Every file of a chain is verified, and linked
-by id and CRC, before anything reaches llama.cpp.
+by id and CRC, before anything of it is used (a large state's CRC while llama.cpp copies
+it: engine.restore).
 
 Metadata keys the store relies on
 ---------------------------------
@@ -501,7 +502,13 @@ def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[s
 
 @dataclass
 class CheckpointData:
-    """A checkpoint read into memory and verified against its checksums."""
+    """A checkpoint read into memory and verified against its checksums.
+
+    Read with ``crc_later`` (read_checkpoint), a large state's checksum may still be being
+    computed on a helper thread (``pending_crc``): everything else was checked, and the
+    state's structure can be walked, but nothing may be kept from the file before
+    :meth:`settle` has returned (engine.restore does, after llama.cpp has copied the state).
+    """
     header: Header
     meta: dict[str, Any]
     tokens: np.ndarray               # int32, n_tokens_total
@@ -509,7 +516,19 @@ class CheckpointData:
     state: np.ndarray                # uint8, exactly state_len bytes
     path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice
+    link_facts: Any = field(default=None, repr=False, compare=False)
+    pending_crc: _CrcThread | None = field(default=None, repr=False, compare=False)
+
+    def settle(self) -> None:
+        """Wait for a checksum still being computed; ChecksumMismatch when the file was
+        damaged (and again on every later call).  Returns at once for a checked file."""
+        job = self.pending_crc
+        if job is None:
+            return
+        if job.result() != self.payload_crc:
+            raise ChecksumMismatch(PAYLOAD_MISMATCH)
+        self.pending_crc = None
 
 
 #: Payloads at least this large have their CRC32 computed on a helper thread while the
@@ -530,9 +549,10 @@ class _CrcThread:
     keep the GIL hand-offs as few as theirs (a busy UI thread makes each one wait).
     """
 
-    def __init__(self, parts: tuple[memoryview, ...], chunk: int = 8 << 20) -> None:
+    def __init__(self, parts: tuple[memoryview, ...], chunk: int = 8 << 20, initial: int = 0) -> None:
         self._parts = parts
         self._chunk = chunk
+        self._initial = initial   # the CRC of the bytes before these (crc32's running value)
         self._stop = threading.Event()
         self._value: int | None = None
         self._error: BaseException | None = None
@@ -540,7 +560,7 @@ class _CrcThread:
         self._thread.start()
 
     def _run(self) -> None:
-        crc = 0
+        crc = self._initial
         try:
             for view in self._parts:
                 for start in range(0, len(view), self._chunk):
@@ -625,19 +645,32 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
+#: what a payload whose CRC32 differs from its trailer's is
+PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was written"
+
+#: with ``crc_later``, states at least this large are checksummed on a helper thread
+#: (below it starting a thread costs more than the checksum)
+CRC_LATER_MIN_BYTES = 1 << 20
+
+
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
-                    limits: Limits = LIMITS, progress=None) -> CheckpointData:
+                    limits: Limits = LIMITS, progress=None, crc_later: bool = False) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
     establishes that the file is intact and well-formed.  ``progress(done, total)`` is
     called while the state streams in.  The state is a read-only array: on Linux the
     file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
+
+    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on a helper
+    thread, started here, so that llama.cpp can copy it meanwhile (engine.restore); the
+    caller must :meth:`CheckpointData.settle` before it keeps anything of the file.
     """
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
+        later = crc_later and load_state and header.state_len >= CRC_LATER_MIN_BYTES
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
@@ -646,15 +679,18 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         crc = crc32(arrays, crc)
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         mapping = mapped.map_file(f.fileno(), size, header.state_len) if load_state else None
+        # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
-            state, crc = _map_state(mapping, header, crc, progress)
+            state, state_crc = _map_state(mapping, header, None if later else crc, progress)
+            crc = crc if later else state_crc
             f.seek(size - TRAILER_LEN)
         else:
             # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
             # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
             state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
             if load_state:
-                crc = _read_state_into(f, state, crc, progress)
+                state_crc = _read_state_into(f, state, None if later else crc, progress)
+                crc = crc if later else state_crc
                 state.flags.writeable = False   # as a mapped state: nobody edits a checked state
             else:
                 crc = _crc_of_rest(f, header.state_len, crc, progress)
@@ -662,22 +698,31 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
     stored_crc, end_magic = struct.unpack("<I4s", trailer)
     if end_magic != TRAILER_MAGIC:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
-    if stored_crc != crc:
-        raise ChecksumMismatch("payload checksum mismatch: the file was damaged after it was written")
-    tokens, logits = _token_arrays(header, tokens_view, logits_view)
-    return CheckpointData(header=header, meta=meta, tokens=tokens, logits=logits, state=state,
-                          path=path, payload_crc=crc)
+    # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
+    # to take the GIL back between chunks would wait for the restoring thread's Python code
+    job = _CrcThread((byte_view(state),), chunk=max(1, len(state)), initial=crc) if later else None
+    if job is None and stored_crc != crc:
+        raise ChecksumMismatch(PAYLOAD_MISMATCH)
+    data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
+                          path=path, payload_crc=stored_crc, pending_crc=job)
+    try:
+        data.tokens, data.logits = _token_arrays(header, tokens_view, logits_view)
+    except CorruptMetadata:
+        data.settle()   # damage is the reason, when the checksum says so
+        raise
+    return data
 
 
 def _token_arrays(header: Header, tokens_view: memoryview,
                   logits_view: memoryview) -> tuple[np.ndarray, np.ndarray | None]:
-    """The token ids and the logits, as arrays of their own, checked."""
-    tokens = np.frombuffer(tokens_view, dtype="<i4").astype(np.int32)
+    """The token ids and the logits, checked: read-only arrays over the bytes read (copied
+    only where the machine's byte order is not the file's)."""
+    tokens = np.frombuffer(tokens_view, dtype="<i4").astype(np.int32, copy=False)
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= header.n_vocab):
         raise CorruptMetadata("the token array holds ids outside the vocabulary")
     logits = None
     if header.has_logits:
-        logits = np.frombuffer(logits_view, dtype="<f4").astype(np.float32)
+        logits = np.frombuffer(logits_view, dtype="<f4").astype(np.float32, copy=False)
         finite = np.isfinite(logits)
         # -inf is a masked-out token (a grammar, a banned id); NaN and +inf are damage
         if not finite.all() and not (logits[~finite] == -np.inf).all():
@@ -685,9 +730,11 @@ def _token_arrays(header: Header, tokens_view: memoryview,
     return tokens, logits
 
 
-def _map_state(mapping, header: Header, crc: int, progress, chunk: int = 8 << 20) -> tuple[np.ndarray, int]:
+def _map_state(mapping, header: Header, crc: int | None, progress,
+               chunk: int = 8 << 20) -> tuple[np.ndarray, int | None]:
     """The state section of a mapped file, each chunk mapped in (never a fault to disk: see
-    engine.checkpoints.mapped) and checksummed in turn; the array holds the mapping."""
+    engine.checkpoints.mapped) and checksummed in turn (``crc`` None: not checksummed); the
+    array holds the mapping."""
     start, total = header.state_offset, header.state_len
     state = np.frombuffer(mapping, dtype=np.uint8, count=total, offset=start)
     view = memoryview(mapping)[start:start + total]
@@ -696,7 +743,8 @@ def _map_state(mapping, header: Header, crc: int, progress, chunk: int = 8 << 20
         while done < total:
             n = min(chunk, total - done)
             mapped.populate(mapping, start + done, n)
-            crc = crc32(view[done:done + n], crc)
+            if crc is not None:
+                crc = crc32(view[done:done + n], crc)
             done += n
             if progress:
                 progress(done, total)
@@ -705,7 +753,8 @@ def _map_state(mapping, header: Header, crc: int, progress, chunk: int = 8 << 20
     return state, crc
 
 
-def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int, progress, chunk: int = 8 << 20) -> int:
+def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, progress,
+                     chunk: int = 8 << 20) -> int | None:
     view = state.data.cast("B")
     done = 0
     total = len(state)
@@ -713,7 +762,8 @@ def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int, progress
         n = f.readinto(view[done:done + chunk])
         if not n:
             raise TruncatedCheckpoint("the file ends inside its KV state")
-        crc = crc32(view[done:done + n], crc)
+        if crc is not None:
+            crc = crc32(view[done:done + n], crc)
         done += n
         if progress:
             progress(done, total)

@@ -68,26 +68,39 @@ class StateLayout:
     cell_words: int = 3
 
 
+_U32, _I32, _U64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q")
+
+
 class _Reader:
+    """Reads a blob front to back; every read is bounded by its end."""
+
     def __init__(self, data: memoryview) -> None:
         self.data = data
         self.pos = 0
 
-    def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self.pos + n > len(self.data):
+    def _at(self, n: int, what: str) -> int:
+        """Where ``n`` bytes start, the reader moved past them."""
+        at = self.pos
+        if n < 0 or at + n > len(self.data):
             raise CorruptState(f"the KV state ends inside its {what}")
-        part = self.data[self.pos:self.pos + n]
-        self.pos += n
-        return part
+        self.pos = at + n
+        return at
+
+    def take(self, n: int, what: str) -> memoryview:
+        at = self._at(n, what)
+        return self.data[at:at + n]
+
+    def skip(self, n: int, what: str) -> None:
+        self._at(n, what)
 
     def u32(self, what: str) -> int:
-        return struct.unpack("<I", self.take(4, what))[0]
+        return _U32.unpack_from(self.data, self._at(4, what))[0]
 
     def i32(self, what: str) -> int:
-        return struct.unpack("<i", self.take(4, what))[0]
+        return _I32.unpack_from(self.data, self._at(4, what))[0]
 
     def u64(self, what: str) -> int:
-        return struct.unpack("<Q", self.take(8, what))[0]
+        return _U64.unpack_from(self.data, self._at(8, what))[0]
 
 
 def check_state(state: StateBytes, *, n_tokens: int, n_ctx: int,
@@ -146,7 +159,7 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
         row = r.u64("recurrent row size")
         if row > LIMITS.max_recurrent_layer:   # one row can be no more than its layer's R + S
             raise CorruptState("the recurrent state's rows have an impossible size")
-        r.take(row * cells, "recurrent data")
+        r.skip(row * cells, "recurrent data")
         sizes.append(row)
     half = len(sizes) // 2
     if not sizes or len(sizes) % 2:
@@ -232,7 +245,7 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
             row = r.u64("K row size")
             if row == 0 or row > max_row_k:
                 raise CorruptState("the KV state's K rows have an impossible size")
-            r.take(row * cells, "K data")
+            r.skip(row * cells, "K data")
         for _ in range(layers):
             if r.i32("V type") != type_v:
                 raise CorruptState("the KV state's V type differs from its header")
@@ -241,12 +254,12 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
                 n_embd = r.u32("V width")
                 if el == 0 or el > 4 or n_embd == 0 or n_embd > n_head_kv * n_embd_head_v:
                     raise CorruptState("the KV state's V rows have an impossible size")
-                r.take(el * n_embd * cells, "V data")
+                r.skip(el * n_embd * cells, "V data")
             else:
                 row = r.u64("V row size")
                 if row == 0 or row > max_row_v:
                     raise CorruptState("the KV state's V rows have an impossible size")
-                r.take(row * cells, "V data")
+                r.skip(row * cells, "V data")
         blocks.append((cells, layers))
     if not blocks:
         raise CorruptState("the KV state holds no cache")

@@ -128,7 +128,7 @@ class RunSession:
 
     # -- the steps ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from engine.checkpoints.chain import load_chain
+        from engine.checkpoints.chain import load_chain, settle
         from engine.checkpoints.compat import ContextShape, Target
         from engine.runtime import Runtime
         from native.library import bindings, choose_library
@@ -141,7 +141,8 @@ class RunSession:
                 print(f"note: a run saving to {args.checkpoint_load} stopped before writing it; its "
                       f"newest autosave is {newer} (load that to continue from there)", file=sys.stderr)
         started = time.perf_counter()
-        self.chain = load_chain(args.checkpoint_load) if args.checkpoint_load else None
+        # its checksums run on while the model loads (settled when it is restored)
+        self.chain = load_chain(args.checkpoint_load, crc_later=True) if args.checkpoint_load else None
         self.read_s = time.perf_counter() - started if self.chain else 0.0
         data = self.chain[-1] if self.chain else None
         settings = context_settings(args, data.header if data else None)
@@ -152,9 +153,14 @@ class RunSession:
         if args.rpc:
             from engine.cli.rpc import connect_workers
             workers = connect_workers(args.rpc, args.rpc_timeout)
-        self.runtime = rt = Runtime(model_path(args, data.meta if data else None), settings,
-                                    n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu,
-                                    workers=workers)
+        try:
+            self.runtime = rt = Runtime(model_path(args, data.meta if data else None), settings,
+                                        n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu,
+                                        workers=workers)
+        except BaseException:
+            if self.chain:
+                settle(self.chain)   # a damaged file named the model: that is the reason
+            raise
         if workers is not None:
             print(f"[RPC] {rt.model.placement}", file=sys.stderr, flush=True)
         # the request, for time to first token: now (model loaded) less the read above
@@ -220,13 +226,17 @@ class RunSession:
     def restore_or_read_again(self, chain):
         """The chain restored; or, when its states were written by another llama.cpp (state
         layout), its conversation read again from its tokens, saved anew at the end."""
+        from engine.checkpoints.chain import settle
         from engine.errors import IncompatibleState
         from engine.restore import text_of_chain
         rt = self.rt
         try:
-            return rt.restore_chain(chain)
+            conv = rt.restore_chain(chain)
+            settle(self.chain)   # the files after an edited turn too: the new branch names them
+            return conv
         except IncompatibleState as exc:
             conv = text_of_chain(chain, rt.target)
+            settle(self.chain)
             rt.trim(0)
             print(f"note: {exc}; its {chain[-1].header.n_tokens} tokens are read again, and it is "
                   "saved anew in this layout", file=sys.stderr)

@@ -1,0 +1,150 @@
+"""A large state's checksum is computed while llama.cpp copies it (load_chain's ``crc_later``,
+issue 25's restore speed): a damaged file is still refused with the reason it had before,
+and nothing of it stays in the cache, the conversation's or another's.
+
+The files are real (SmolLM2, the default q8_0 cache); the threshold for checksumming later
+is lowered so that small states take that path, on the mapped reader and the copying one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.checkpoints import format as fmt
+from engine.checkpoints import mapped
+from engine.checkpoints.chain import load_chain
+from engine.concurrent import Batcher, Job
+from engine.conversation import Conversation
+from engine.errors import BrokenChain, ChecksumMismatch
+from engine.generation import begin_answer, generate
+from engine.parallel import ParallelRuntime
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+
+SETTINGS = ContextSettings(n_ctx=1024, n_threads=2)
+
+
+@pytest.fixture(params=["mapped", "read"])
+def later_always(request, monkeypatch):
+    """Every state is checksummed later; mapped or read into memory, as the parameter says."""
+    if request.param == "mapped" and not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here")
+    monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if request.param == "mapped" else 1 << 62)
+
+
+@pytest.fixture(scope="module")
+def rt(smollm_path):
+    runtime = Runtime(smollm_path, SETTINGS)
+    yield runtime
+    runtime.close()
+
+
+def _conv(runtime, text: str, seed: int) -> Conversation:
+    conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=seed, ignore_eos=True))
+    begin_answer(conv, runtime, text, n_predict=24)
+    return conv
+
+
+def _saved(runtime: Runtime, path, text: str, seed: int, stop_after: int = 6, parent=None):
+    runtime.trim(0)
+    conv = _conv(runtime, text, seed)
+    generate(runtime, conv, stop_after=stop_after)
+    return runtime.save(path, conv, parent=parent), conv
+
+
+def _damaged_copy(src, dst, where: str = "state") -> None:
+    """``src`` with one bit flipped: in the middle of the K/V data, or in a token id."""
+    data = bytearray(src.read_bytes())
+    h = fmt.read_header(src)
+    at = h.state_offset + h.state_len - h.state_len // 3 if where == "state" else \
+        fmt.HEADER_LEN + h.meta_len + 4 * (h.n_tokens // 2) + 3   # a token id's high byte
+    data[at] ^= 0x40
+    dst.write_bytes(bytes(data))
+
+
+def test_a_damaged_state_is_refused_after_the_copy_and_nothing_of_it_stays(rt, tmp_path, later_always,
+                                                                            monkeypatch):
+    good, _ = _saved(rt, tmp_path / "good.kvckpt", "Write a few lines about lighthouses.", 1)
+    bad = tmp_path / "bad.kvckpt"
+    _damaged_copy(good.path, bad)
+    chain = load_chain(bad, crc_later=True)
+    assert chain[-1].pending_crc is not None, "the checksum was not left to run on"
+    copied = []
+    real = rt.ctx.state_set_from
+    monkeypatch.setattr(rt.ctx, "state_set_from", lambda *a, **k: (copied.append(a[1]), real(*a, **k))[1])
+    rt.trim(0)
+    with pytest.raises(ChecksumMismatch, match="damaged after it was written"):
+        rt.restore_chain(chain)
+    assert copied, "llama.cpp never took the state: the overlap was not exercised"
+    assert rt.ctx.pos_max(0) == -1 and rt.kv_tokens == [], "cells of a damaged file stayed in the cache"
+    with pytest.raises(ChecksumMismatch):   # and it stays refused
+        chain[-1].settle()
+    # the same file undamaged restores, and continues as it would have
+    conv = rt.restore_chain(load_chain(good.path, crc_later=True))
+    assert rt.ctx.pos_max(0) == good.n_tokens - 1
+    assert generate(rt, conv).n_prefilled == 0
+
+
+def test_a_damaged_token_array_is_a_checksum_mismatch_not_a_vocabulary_error(rt, tmp_path, later_always):
+    good, _ = _saved(rt, tmp_path / "good.kvckpt", "List three fruits and their colours.", 2)
+    bad = tmp_path / "bad.kvckpt"
+    _damaged_copy(good.path, bad, where="tokens")
+    with pytest.raises(ChecksumMismatch):
+        load_chain(bad, crc_later=True)
+
+
+def test_a_damaged_parent_is_named_as_before(rt, tmp_path, later_always):
+    base, conv = _saved(rt, tmp_path / "base.kvckpt", "Tell me a short story about a cat.", 3)
+    generate(rt, conv, stop_after=5)
+    delta = rt.save(tmp_path / "delta.kvckpt", conv, parent=base)
+    assert fmt.read_header(delta.path).is_delta
+    _damaged_copy(base.path, tmp_path / "base.kvckpt")
+    chain = load_chain(delta.path, crc_later=True)
+    rt.trim(0)
+    with pytest.raises(BrokenChain, match="the parent checkpoint base.kvckpt is damaged: payload checksum"):
+        rt.restore_chain(chain)
+    assert rt.ctx.pos_max(0) == -1
+
+
+def test_another_conversation_in_the_cache_keeps_its_state(smollm_path, tmp_path, later_always):
+    """ParallelRuntime: a damaged file restored into one sequence costs the others nothing:
+    their state bytes are the same before and after, and their answers go on exactly."""
+    single = Runtime(smollm_path, SETTINGS)
+    try:
+        good, _ = _saved(single, tmp_path / "good.kvckpt", "What is the capital of France? Explain.", 4)
+        expected = generate(single, _conv(single, "Write a few lines about lighthouses.", 5)).text \
+            if single.trim(0) == 0 else None
+    finally:
+        single.close()
+    _damaged_copy(good.path, tmp_path / "bad.kvckpt")
+    prt = ParallelRuntime(smollm_path, SETTINGS, sequences=2)
+    try:
+        other = _conv(prt, "Write a few lines about lighthouses.", 5)
+        job = Job(other, prt.place(other.id, running=True).seq)
+        job.stop_after = 9
+        b = Batcher(prt)
+        b.add(job)
+        b.run()
+        before = _state(prt, job.seq)
+        target = prt.place("restored", running=True).seq
+        with pytest.raises(ChecksumMismatch):
+            prt.restore(load_chain(tmp_path / "bad.kvckpt", crc_later=True), target)
+        assert prt.tokens(target) == [] and prt.ctx.pos_max(target) == -1
+        assert np.array_equal(_state(prt, job.seq), before), "the other conversation's state changed"
+        first = job.result.text
+        resumed = Job(other, job.seq)
+        b = Batcher(prt)
+        b.add(resumed)
+        b.run()
+        assert first + resumed.result.text == expected
+    finally:
+        prt.close()
+
+
+def _state(prt: ParallelRuntime, seq: int) -> np.ndarray:
+    size = prt.ctx.state_size(seq)
+    buf = np.empty(size, dtype=np.uint8)
+    return buf[:prt.ctx.state_get_into(buf, size, seq)].copy()
