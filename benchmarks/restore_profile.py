@@ -238,17 +238,17 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             base_n = max(1, n - deltas * DELTA_TOKENS)
             conv = greedy_conversation(tokens[:base_n])
             generate(rt, conv, stop_after=0)
-            parent = rt.save(folder / f"chain{deltas}-{n}-0.kvckpt", conv)
+            parent = rt.save(folder / f"chain{deltas}-{n}-0-ctx{n_ctx}.kvckpt", conv)
             chain = [parent.path]
             for i in range(1, deltas + 1):
                 m = min(n, base_n + i * DELTA_TOKENS)
                 conv.tokens = list(tokens[:m])
                 conv.answer.n_prompt_tokens = m
                 generate(rt, conv, stop_after=0)
-                parent = rt.save(folder / f"chain{deltas}-{n}-{i}.kvckpt", conv, parent=parent)
+                parent = rt.save(folder / f"chain{deltas}-{n}-{i}-ctx{n_ctx}.kvckpt", conv, parent=parent)
                 chain.append(parent.path)
-            full = rt.save(folder / f"full-{n}.kvckpt", conv).path
-            llama_file = folder / f"llama-{n}.seqstate"
+            full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv).path
+            llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
             files[n] = {"full": [full], "chain": chain, "tokens": list(tokens), "llama": [llama_file]}
     finally:

@@ -8,7 +8,7 @@ from faultkit import synthetic
 
 from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
-from engine.errors import ChecksumMismatch, TruncatedCheckpoint
+from engine.errors import CheckpointError, ChecksumMismatch, TruncatedCheckpoint
 
 pytestmark = pytest.mark.skipif(not mapped.supported(), reason="no MADV_POPULATE_READ here")
 
@@ -44,6 +44,33 @@ def test_copying_reader_gives_the_same_and_read_only(tmp_path, monkeypatch):
     got = fmt.read_checkpoint(path)
     assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
     assert not got.state.flags.writeable
+    assert got.payload_crc == int.from_bytes(data[-fmt.TRAILER_LEN:-4], "little")
+    first = fmt.HEADER_LEN + h.meta_len
+    assert got.tokens.tobytes() == data[first:first + h.tokens_len]
+
+
+@pytest.mark.parametrize("reader", ["mapped", "copied"])
+@pytest.mark.parametrize("section", ["metadata", "tokens", "logits", "state", "trailer"])
+@pytest.mark.parametrize("later", [False, True], ids=["now", "later"])
+def test_every_reader_refuses_a_flip_in_every_section(tmp_path, monkeypatch, reader, section, later):
+    """Either reader, its checksum computed at once or on a helper thread (crc_later)."""
+    if reader == "mapped" and not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here")
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if reader == "mapped" else 1 << 62)
+    path, data, h = _file(tmp_path)
+    start = {"metadata": fmt.HEADER_LEN, "tokens": fmt.HEADER_LEN + h.meta_len,
+             "logits": fmt.HEADER_LEN + h.meta_len + h.tokens_len, "state": h.state_offset,
+             "trailer": h.file_len - fmt.TRAILER_LEN}[section]
+    damaged = bytearray(data)
+    damaged[start + 1] ^= 0x08
+    path.write_bytes(bytes(damaged))
+    monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    with pytest.raises(CheckpointError):
+        fmt.read_checkpoint(path, crc_later=later).settle()
+    path.write_bytes(data)
+    intact = fmt.read_checkpoint(path, crc_later=later)
+    intact.settle()
+    assert intact.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
