@@ -63,6 +63,9 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
             runtime.restore_chain(chain)
         except CheckpointError as exc:
             log.info("prefix candidate %s skipped: %s", match.path.name, exc)
+            # a state refused after llama.cpp took it (its checksum, or llama.cpp itself)
+            # left the sequence empty
+            in_cache = common_prefix(runtime.kv_tokens, tokens)
             continue
         kept = runtime.trim(match.n_common)
         if kept == match.n_common:

@@ -709,9 +709,7 @@ class EngineWorker:
         from engine.history import LineWriter
         from engine.restore import text_of_chain
         rt = self._need_runtime()
-        # a delta brings its ancestors along, verified (the restore or the reading again settles
-        # the checksums still running: load_chain's crc_later)
-        chain = load_chain(path, crc_later=True)
+        chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
         try:
             rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
@@ -916,7 +914,7 @@ class EngineWorker:
         from engine.checkpoints.chain import load_chain
         from engine.history import LineWriter
         rt = self._need_runtime()
-        chain = load_chain(head, crc_later=True)   # settled by the restore
+        chain = load_chain(head)
         data = chain[-1]
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")

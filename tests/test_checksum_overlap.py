@@ -148,3 +148,21 @@ def _state(prt: ParallelRuntime, seq: int) -> np.ndarray:
     size = prt.ctx.state_size(seq)
     buf = np.empty(size, dtype=np.uint8)
     return buf[:prt.ctx.state_get_into(buf, size, seq)].copy()
+
+
+def test_prefix_reuse_skips_a_damaged_file_and_says_what_the_cache_holds(rt, tmp_path, later_always):
+    """The stored file that shares the most of a prompt is damaged in its state: it is
+    skipped, and since its restore emptied the cache, the answer says nothing is reused
+    (not the tokens the cache held before)."""
+    from engine.prefix_reuse import reuse_stored_prefix
+    store = tmp_path / "store"
+    store.mkdir()
+    text = " ".join(f"Line {i}: write a few lines about lighthouses and the sea." for i in range(8))
+    good, conv = _saved(rt, tmp_path / "good.kvckpt", text, 6)   # over the index's 64-token blocks
+    _damaged_copy(good.path, store / "damaged.kvckpt")
+    prompt = list(conv.tokens)
+    rt.trim(0)
+    rt.prefill(prompt[:5])               # the cache holds the prompt's first tokens
+    reuse = reuse_stored_prefix(rt, store, prompt)
+    assert (reuse.how, reuse.n_tokens) == ("recompute", 0), reuse.describe()
+    assert rt.kv_tokens == [] and rt.ctx.pos_max(0) == -1
