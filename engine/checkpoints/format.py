@@ -682,7 +682,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
             state, state_crc = _map_state(mapping, header, None if later else crc, progress)
-            crc = crc if later else state_crc
+            if state_crc is not None:   # None: left to the helper
+                crc = state_crc
             f.seek(size - TRAILER_LEN)
         else:
             # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
@@ -690,7 +691,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
             state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
             if load_state:
                 state_crc = _read_state_into(f, state, None if later else crc, progress)
-                crc = crc if later else state_crc
+                if state_crc is not None:   # None: left to the helper
+                    crc = state_crc
                 state.flags.writeable = False   # as a mapped state: nobody edits a checked state
             else:
                 crc = _crc_of_rest(f, header.state_len, crc, progress)

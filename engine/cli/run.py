@@ -232,11 +232,11 @@ class RunSession:
         rt = self.rt
         try:
             conv = rt.restore_chain(chain)
-            settle(self.chain)   # the files after an edited turn too: the new branch names them
+            settle(self.chain or chain)   # the files after an edited turn too: the new branch names them
             return conv
         except IncompatibleState as exc:
             conv = text_of_chain(chain, rt.target)
-            settle(self.chain)
+            settle(self.chain or chain)
             rt.trim(0)
             print(f"note: {exc}; its {chain[-1].header.n_tokens} tokens are read again, and it is "
                   "saved anew in this layout", file=sys.stderr)
