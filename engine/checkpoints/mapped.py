@@ -5,8 +5,9 @@ llama.cpp copies it (engine.restore), so the state has to lie in memory whole be
 ``llama_state_seq_set_data`` copies it into the KV cache.  Read into fresh memory, that
 costs a page fault and a copy per 4 KiB: measured here (SmolLM2, 92 MB state, files in
 the page cache) about 16 ms, as long as llama-server's whole slot restore of the same
-tokens, which streams its file through one small reused buffer and checks nothing.  Mapped, the page cache's own pages
-are used: about 7 ms to map them, no copy (benchmarks/restore_profile.py).
+tokens, which streams its file through one small reused buffer and checks nothing.
+Mapped, the page cache's own pages are used: about 7 ms to map them, no copy
+(benchmarks/restore_profile.py).
 
 Why the mapping is safe to check and to hand to llama.cpp:
 
