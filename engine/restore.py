@@ -117,7 +117,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     """
     try:
         restored = _restore(slot, chain, target)
-    except BaseException:
+    except Exception:   # (an interrupt stays an interrupt)
         settle(chain)   # a damaged file is the reason, whatever else it made go wrong
         raise
     try:

@@ -120,7 +120,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -135,6 +135,9 @@ from engine.errors import (
     TruncatedCheckpoint,
     UnsupportedVersion,
 )
+
+if TYPE_CHECKING:   # the chain module reads files with this one
+    from engine.checkpoints.chain import LinkFacts
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 TRAILER_MAGIC = b"KVE1"
@@ -517,7 +520,7 @@ class CheckpointData:
     path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice
-    link_facts: Any = field(default=None, repr=False, compare=False)
+    link_facts: LinkFacts | None = field(default=None, repr=False, compare=False)
     pending_crc: _CrcThread | None = field(default=None, repr=False, compare=False)
 
     def settle(self) -> None:

@@ -157,7 +157,7 @@ class RunSession:
             self.runtime = rt = Runtime(model_path(args, data.meta if data else None), settings,
                                         n_gpu_layers=args.n_gpu_layers, main_gpu=args.main_gpu,
                                         workers=workers)
-        except BaseException:
+        except Exception:   # (an interrupt stays an interrupt)
             if self.chain:
                 settle(self.chain)   # a damaged file named the model: that is the reason
             raise
