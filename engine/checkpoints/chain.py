@@ -140,9 +140,10 @@ class LinkFacts:
 
 
 def facts_of(data: CheckpointData) -> LinkFacts:
-    if data.link_facts is None:   # computed once per file read (load_chain and the restore both link)
-        data.link_facts = _facts_of(data)
-    return data.link_facts
+    facts = data.link_facts
+    if not isinstance(facts, LinkFacts):   # computed once per file read (load_chain and the restore both link)
+        facts = data.link_facts = _facts_of(data)
+    return facts
 
 
 def _facts_of(data: CheckpointData) -> LinkFacts:

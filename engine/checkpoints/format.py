@@ -120,7 +120,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -135,9 +135,6 @@ from engine.errors import (
     TruncatedCheckpoint,
     UnsupportedVersion,
 )
-
-if TYPE_CHECKING:   # the chain module reads files with this one
-    from engine.checkpoints.chain import LinkFacts
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 TRAILER_MAGIC = b"KVE1"
@@ -519,8 +516,9 @@ class CheckpointData:
     state: np.ndarray                # uint8, exactly state_len bytes
     path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
-    #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice
-    link_facts: LinkFacts | None = field(default=None, repr=False, compare=False)
+    #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice.
+    #: Typed loosely because the chain module sits above this one (imports point one way).
+    link_facts: object = field(default=None, repr=False, compare=False)
     pending_crc: _CrcThread | None = field(default=None, repr=False, compare=False)
 
     def settle(self) -> None:
