@@ -11,9 +11,10 @@ import time
 
 import pytest
 from conftest import ROOT, run_cli
+from faultkit import corrupt
 
 from engine.checkpoints.chain import load_chain
-from engine.checkpoints.format import read_header
+from engine.checkpoints.format import HEADER_LEN, read_header
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
@@ -94,6 +95,17 @@ def test_broken_chains_are_refused_with_reason(smollm_runtime, tmp_path):
     assert rt.kv_tokens == kv_before, "a refused chain touched the cache"
     done = run_cli("validate", str(last))
     assert done.returncode == 1 and "replaced or altered" in done.stderr
+
+    # a delta that names itself as its parent (resealed: its checksum is right)
+    raw = last.read_bytes()
+    meta_len = corrupt.header_fields(raw)["meta_len"]
+    meta = json.loads(raw[HEADER_LEN:HEADER_LEN + meta_len])
+    meta["parent"]["file"] = last.name
+    new_meta = json.dumps(meta).encode()
+    last.write_bytes(corrupt.with_payload_crc(corrupt.with_header(raw[:HEADER_LEN], meta_len=len(new_meta))
+                                              + new_meta + raw[HEADER_LEN + meta_len:]))
+    with pytest.raises(BrokenChain, match="loops back"):
+        load_chain(last)
 
 
 def test_crash_loses_at_most_the_autosave_interval(smollm_path, app_home, tmp_path):

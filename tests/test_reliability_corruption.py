@@ -196,6 +196,22 @@ def test_writer_refuses_metadata_a_reader_would_refuse():
     assert fmt.decode_metadata(fmt.encode_metadata({"text": "{[" * 100_000})) == {"text": "{[" * 100_000}
 
 
+def test_metadata_depth_is_counted_on_the_bytes_alike_for_reader_and_writer():
+    ok = {"a": [[[{"b": "]]]}}"}]]]}   # brackets inside strings do not count
+    assert fmt.decode_metadata(fmt.encode_metadata(ok)) == ok
+    deepest = fmt.LIMITS.max_json_depth
+    for depth in (deepest - 1, deepest):   # the object itself is one level
+        text = b'{"a":' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+        assert fmt.decode_metadata(text) == json.loads(text)
+    too_deep = b'{"a":' + b"[" * deepest + b"]" * deepest + b"}"
+    with pytest.raises(CorruptMetadata, match="nested too deeply"):
+        fmt.decode_metadata(too_deep)
+    with pytest.raises(CorruptMetadata, match="nested too deeply"):   # never written either
+        fmt.encode_metadata(json.loads(too_deep))
+    with pytest.raises(CorruptMetadata, match="pair up"):
+        fmt.decode_metadata(b'{"a":[1]]]]]}')
+
+
 def test_truncated_magic_and_foreign_files(tmp_path):
     assert isinstance(corrupt.verdict(fmt.MAGIC[:5], tmp_path / "a"), TruncatedCheckpoint)
     assert isinstance(corrupt.verdict(b"GGUF" + bytes(300), tmp_path / "a"), NotACheckpoint)

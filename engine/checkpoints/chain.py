@@ -90,14 +90,15 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
 
 
 def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: bool) -> None:
-    seen = {path.resolve()}
+    # every parent is a plain name in the folder of ``path`` (parent_ref): names find a loop
+    seen = {os.path.normcase(path.name)}
     first = path                   # the file chain[0] was read from
     while chain[0].header.is_delta:
         if len(chain) >= MAX_CHAIN:
             raise BrokenChain(f"the chain is longer than {MAX_CHAIN} files")
         name = parent_ref(chain[0].meta, first.name).file
         parent_path = path.parent / name
-        if parent_path.resolve() in seen:
+        if os.path.normcase(name) in seen:
             raise BrokenChain(f"the chain loops back to {name}")
         if not parent_path.is_file():
             raise BrokenChain(f"the parent checkpoint {name} is missing from {path.parent}")
@@ -108,7 +109,7 @@ def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later
         chain.insert(0, parent)
         check_link(parent, chain[1])
         first = parent_path
-        seen.add(parent_path.resolve())
+        seen.add(os.path.normcase(name))
 
 
 def settle(chain: Sequence[CheckpointData]) -> None:

@@ -169,7 +169,7 @@ assert _HEADER.size == HEADER_LEN
 class Limits:
     """Upper bounds a reader enforces before allocating anything."""
     max_meta: int = 16 << 20          # 16 MiB of JSON
-    max_json_depth: int = 32
+    max_json_depth: int = 32         # objects and lists inside each other
     # Parsed JSON costs far more memory than its text (an empty list is 2 bytes of text
     # and 56 of Python object), so the number of containers and values is capped too,
     # counted on the raw bytes before parsing.  A conversation needs about two
@@ -449,8 +449,9 @@ def _check_json_shape(data: bytes, limits: Limits) -> None:
 
     Escapes are removed first (so a ``\\"`` cannot end a string), then strings, which
     cannot hold structure; both patterns are linear-time.  What remains is counted:
-    ``{`` and ``[`` open containers, ``,`` and ``:`` separate values.  Counting an
-    invalid document wrongly only matters if it parses, and then the count is exact.
+    ``{`` and ``[`` open containers, ``,`` and ``:`` separate values, and the brackets
+    give the nesting depth (objects and lists inside each other).  Counting an invalid
+    document wrongly only matters if it parses, and then the count is exact.
     """
     skeleton = _JSON_STRING.sub(b"", _JSON_ESCAPE.sub(b"", data))
     containers = skeleton.count(b"{") + skeleton.count(b"[")
@@ -461,21 +462,22 @@ def _check_json_shape(data: bytes, limits: Limits) -> None:
     if values > limits.max_json_values:
         raise CorruptMetadata(f"the metadata block holds {values} values, more than the "
                               f"{limits.max_json_values} allowed")
+    if skeleton.count(b"}") + skeleton.count(b"]") != containers:
+        raise CorruptMetadata("the metadata block is not valid JSON: its brackets do not pair up")
+    # the nesting depth: a running count over the brackets alone (2 x containers), a slice
+    # at a time so that hostile nesting costs little memory to refuse
+    brackets = np.frombuffer(skeleton.translate(None, _NOT_A_BRACKET), dtype=np.uint8)
+    level = 0
+    for start in range(0, len(brackets), 1 << 14):
+        part = brackets[start:start + (1 << 14)]
+        steps = ((part == ord("{")) | (part == ord("["))).view(np.int8) * np.int8(2) - np.int8(1)
+        levels = np.cumsum(steps, dtype=np.int32) + level
+        if int(levels.max()) > limits.max_json_depth:
+            raise CorruptMetadata("the metadata block is nested too deeply")
+        level = int(levels[-1])
 
 
-def _depth(value: Any, limit: int) -> int:
-    stack = [(value, 1)]
-    deepest = 0
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            return deepest
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
+_NOT_A_BRACKET = bytes(b for b in range(256) if b not in b"{}[]")
 
 
 def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[str, Any]:
@@ -493,8 +495,6 @@ def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[s
         raise CorruptMetadata(f"the metadata block is not valid JSON: {exc}") from None
     if not isinstance(meta, dict):
         raise CorruptMetadata("the metadata block is not a JSON object")
-    if _depth(meta, limits.max_json_depth) > limits.max_json_depth:
-        raise CorruptMetadata("the metadata block is nested too deeply")
     return meta
 
 

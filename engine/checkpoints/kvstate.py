@@ -37,7 +37,9 @@ crafted to pass the CRC still cannot smuggle in another shape.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -71,6 +73,12 @@ class StateLayout:
 _U32, _I32, _U64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q")
 
 
+#: a layer's rows: int32 type, uint64 row size
+_ROWS = struct.Struct("<iQ")
+#: a layer's transposed V: int32 type, uint32 element size, uint32 width
+_V_TRANSPOSED = struct.Struct("<iII")
+
+
 class _Reader:
     """Reads a blob front to back; every read is bounded by its end."""
 
@@ -101,6 +109,28 @@ class _Reader:
 
     def u64(self, what: str) -> int:
         return _U64.unpack_from(self.data, self._at(8, what))[0]
+
+    def layers(self, count: int, cells: int, entry: struct.Struct,
+               cell_bytes: Callable[[tuple[int, ...]], int], what: str) -> None:
+        """Walk ``count`` per-layer entries: a header ``entry``, then ``cells`` times
+        ``cell_bytes(header)`` bytes (``cell_bytes`` checks the header: CorruptState).
+
+        Most models give every layer of a cache the same header: then the first is checked
+        and the others' bytes are compared with its bytes in one numpy operation, each at
+        its place in the blob (a strided view), instead of one Python step per layer.  Any
+        difference, or a blob too short for that many, takes the step-by-step walk, which
+        names the fault."""
+        at, size = self.pos, entry.size
+        if count > 1 and at + size <= len(self.data):
+            stride = size + cell_bytes(entry.unpack_from(self.data, at)) * cells
+            if at + count * stride <= len(self.data):
+                headers = np.ndarray((count, size), np.uint8, buffer=self.data, offset=at, strides=(stride, 1))
+                if (headers == headers[0]).all():
+                    self.pos = at + count * stride
+                    return
+        for _ in range(count):
+            header = entry.unpack_from(self.data, self._at(size, f"{what} row header"))
+            self.skip(cell_bytes(header) * cells, f"{what} data")
 
 
 def check_state(state: StateBytes, *, n_tokens: int, n_ctx: int,
@@ -199,6 +229,25 @@ def _check_cell_table(r: _Reader, cells: int, n_tokens: int, first_pos: int, seq
         raise CorruptState("the KV state holds a position twice")
 
 
+def _row_bytes(part: str, type_: int, max_row: int, entry: tuple[int, ...]) -> int:
+    """A layer's K or V rows (type, row size), checked: bytes per cell."""
+    if entry[0] != type_:
+        raise CorruptState(f"the KV state's {part} type differs from its header")
+    if entry[1] == 0 or entry[1] > max_row:
+        raise CorruptState(f"the KV state's {part} rows have an impossible size")
+    return entry[1]
+
+
+def _v_column_bytes(type_v: int, max_width: int, entry: tuple[int, ...]) -> int:
+    """A layer's transposed V (type, element size, width), checked: bytes per cell."""
+    if entry[0] != type_v:
+        raise CorruptState("the KV state's V type differs from its header")
+    el, width = entry[1], entry[2]
+    if el == 0 or el > 4 or width == 0 or width > max_width:
+        raise CorruptState("the KV state's V rows have an impossible size")
+    return el * width
+
+
 def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, n_layer: int,
                       type_k: int, type_v: int, flash_attn: bool, n_head_kv: int,
                       n_embd_head_k: int, n_embd_head_v: int, first_pos: int,
@@ -239,27 +288,12 @@ def _attention_blocks(r: _Reader, count: int | None, n_tokens: int, n_ctx: int, 
         # window): cells, no layers
         if (layers == 0 and count is None) or layers > n_layer:
             raise CorruptState(f"the KV state has {layers} layers, the model {n_layer}")
-        for _ in range(layers):
-            if r.i32("K type") != type_k:
-                raise CorruptState("the KV state's K type differs from its header")
-            row = r.u64("K row size")
-            if row == 0 or row > max_row_k:
-                raise CorruptState("the KV state's K rows have an impossible size")
-            r.skip(row * cells, "K data")
-        for _ in range(layers):
-            if r.i32("V type") != type_v:
-                raise CorruptState("the KV state's V type differs from its header")
-            if v_trans:
-                el = r.u32("V element size")
-                n_embd = r.u32("V width")
-                if el == 0 or el > 4 or n_embd == 0 or n_embd > n_head_kv * n_embd_head_v:
-                    raise CorruptState("the KV state's V rows have an impossible size")
-                r.skip(el * n_embd * cells, "V data")
-            else:
-                row = r.u64("V row size")
-                if row == 0 or row > max_row_v:
-                    raise CorruptState("the KV state's V rows have an impossible size")
-                r.skip(row * cells, "V data")
+
+        r.layers(layers, cells, _ROWS, partial(_row_bytes, "K", type_k, max_row_k), "K")
+        if v_trans:
+            r.layers(layers, cells, _V_TRANSPOSED, partial(_v_column_bytes, type_v, n_head_kv * n_embd_head_v), "V")
+        else:
+            r.layers(layers, cells, _ROWS, partial(_row_bytes, "V", type_v, max_row_v), "V")
         blocks.append((cells, layers))
     if not blocks:
         raise CorruptState("the KV state holds no cache")
