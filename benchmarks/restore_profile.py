@@ -5,11 +5,12 @@
 
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
-size a long prose prompt is prefilled and saved twice: as one full checkpoint, and as a
-chain (a full base, then three deltas of 16 tokens each; ``--deltas`` more or fewer),
-both ending at the same token.  Then, for each file and each repeat, a NEW PROCESS loads
-the model and times one restore, with the files warm in the page cache (read once just
-before):
+size a long prose prompt is prefilled and answered, and saved twice at the same token: as
+one full checkpoint, and as a chain written as an answer's line is (the prompt's file,
+then an autosave every 16 generated tokens and the pause that ends the answer: three
+deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app).  Then,
+for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
+the files warm in the page cache (read once just before):
 
 * ``restore_ms``: what ``run --checkpoint-load`` counts as its restore (``restore_s``):
   ``load_chain`` (read, every check of the file) and ``Runtime.restore_chain`` (the
@@ -213,7 +214,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     """Per size: the full checkpoint, and the chain (base + deltas), as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
-    manifest = folder / f"manifest-{n_ctx}{'' if deltas == DELTAS else f'-{deltas}'}.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-answer.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and "llama" in known[n] for n in sizes):
@@ -226,6 +227,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
 def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
                      manifest: Path, deltas: int) -> dict[int, dict[str, list[Path]]]:
     from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
+    from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
     from engine.generation import generate
     from engine.runtime import Runtime
     rt = Runtime(model_path("smollm"), context_settings(n_ctx, threads))
@@ -235,22 +237,23 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             tokens = prompt_tokens(rt.model, n)
             rt.trim(0)
             rt.ctx.clear()
+            # as an answer's line is written: the prompt (its checkpoint keeps the prefill's
+            # logits), then an autosave every DELTA_TOKENS generated tokens (no logits: the
+            # last token was decoded alone), then the pause that ends it (with logits)
             base_n = max(1, n - deltas * DELTA_TOKENS)
             conv = greedy_conversation(tokens[:base_n])
             generate(rt, conv, stop_after=0)
-            parent = rt.save(folder / f"chain{deltas}-{n}-0-ctx{n_ctx}.kvckpt", conv)
+            parent = rt.save(folder / f"chain{deltas}-{n}-0-ctx{n_ctx}.kvckpt", conv, KIND_AUTOSAVE)
             chain = [parent.path]
             for i in range(1, deltas + 1):
-                m = min(n, base_n + i * DELTA_TOKENS)
-                conv.tokens = list(tokens[:m])
-                conv.answer.n_prompt_tokens = m
-                generate(rt, conv, stop_after=0)
-                parent = rt.save(folder / f"chain{deltas}-{n}-{i}-ctx{n_ctx}.kvckpt", conv, parent=parent)
+                generate(rt, conv, stop_after=DELTA_TOKENS)
+                kind = KIND_PAUSE if i == deltas else KIND_AUTOSAVE
+                parent = rt.save(folder / f"chain{deltas}-{n}-{i}-ctx{n_ctx}.kvckpt", conv, kind, parent=parent)
                 chain.append(parent.path)
-            full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv).path
+            full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
-            files[n] = {"full": [full], "chain": chain, "tokens": list(tokens), "llama": [llama_file]}
+            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file]}
     finally:
         rt.close()
     manifest.write_text(json.dumps({n: {"full": [str(p) for p in v["full"]], "chain": [str(p) for p in v["chain"]],

@@ -27,8 +27,8 @@ another branch, exit)
 
 A head's kind is truthful (:func:`head_kind`): a listing shows pause and exit as
 "paused", so a paused conversation is never saved as manual and a finished one never as
-a pause or an exit.  Compaction (autosaves folded into one delta on the last milestone,
-a full file once a chain is long) is ``engine.history.ChainPolicy``'s.  Pruning
+a pause or an exit.  Compaction (an answer's autosaves folded into its head, a full file
+once a chain is long) is ``engine.history.LineWriter``'s and ``ChainPolicy``'s.  Pruning
 superseded files under a disk budget is the window's setting (the engine worker's
 ``autosave_budget``); a command-line run only retires what each save supersedes on its
 own line.

@@ -5,12 +5,13 @@ chain*: the files on disk, base first, whose KV states are prefixes of what the 
 holds now.  Every save, autosave or head (pause, exit, a finished answer), goes on top
 of it:
 
-* a **delta** on the newest file of the live chain that is still a prefix of the
-  cache, so a save costs the tokens since that file, not the whole context, and every
-  turn's end stays a file of the chain (see :meth:`LineWriter._parent_index`); when the
-  cache was trimmed (Regenerate), the delta goes on the file before the trimmed part,
-  and when nothing new was decoded (a pause before the first token, a rename) the delta
-  holds no cells at all;
+* a **delta**: an autosave on the newest file of the live chain that is still a prefix
+  of the cache, so it costs the tokens since that file, not the whole context; a head on
+  the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
+  it, so every turn's end stays a file of the chain and a restore reads one file per
+  turn (see :meth:`LineWriter._parent_index`); when the cache was trimmed (Regenerate),
+  the delta goes on the file before the trimmed part, and when nothing new was decoded
+  (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
   :class:`ChainPolicy`'s number of files, or when the delta's parent disappeared
   meanwhile.
@@ -123,6 +124,7 @@ class LineWriter:
         self._land_now = False   # after a failed landing, the next save is synchronous
         self.saves = 0
         self.bytes_written = 0
+        self._written: set[str] = set()   # checkpoint ids of the files this writer wrote
 
     @classmethod
     def starting(cls, runtime: SavingRuntime, store: Store, line: str, chain: Sequence[SaveInfo] = (),
@@ -208,34 +210,45 @@ class LineWriter:
             return tip
         return None
 
-    def _parent_index(self) -> int | None:
+    def _parent_index(self, tip: int | None, prompt_end: int = 0, *, head: bool = False) -> int | None:
         """Index in the live chain of the file the next delta goes on, or None (full).
 
-        A chain is *milestones* — its base and each head: a finished answer, a pause, a
-        rename — with autosaves between them.  Every save goes on the newest file the
-        cache still starts with, which keeps a pause as cheap as an autosave and every
-        turn's end a file of the chain (editing any turn restores its state exactly, see
-        engine.branches).  When more than ``max_tail`` autosaves follow the last milestone
-        the next save goes on the milestone instead, folding them into one delta (they
-        are retired).  A chain of ``max_files`` files gets a full file.
+        A chain is *anchors* — its base, each head (a finished answer, a pause, a rename)
+        the files at or before the end of the answer's prompt (``prompt_end``: the prompt's
+        own checkpoint and its marks, where Regenerate and Edit go back to) and the files
+        this writer did not write (a restored autosave a user may name again) — with
+        autosaves between them.  An autosave goes on the newest file the cache still starts
+        with, so it costs only the tokens since then; when more than ``max_tail`` autosaves
+        follow the last anchor it goes on the anchor instead, folding them into one delta.
+        A ``head`` always goes on the last anchor: the answer's autosaves are folded into it
+        (and retired once it has landed), so a restore reads one file per turn, not one
+        per autosave, and every turn's end stays a file of the chain (editing any turn
+        restores its state exactly, see engine.branches).  A chain of ``max_files`` files
+        gets a full file.  ``tip``: :meth:`_tip_index`.
         """
+        if tip is None:
+            return None
+
+        def anchor(i: int) -> bool:   # (a file before the tip is a prefix of the cache)
+            info = self.chain[i]
+            return (bool(info.checkpoint_id) and info.n_tokens > 0
+                    and (i == 0 or info.kind != KIND_AUTOSAVE or info.n_tokens <= prompt_end
+                         or info.checkpoint_id not in self._written))
+
+        last_anchor = max((i for i in range(tip + 1) if anchor(i)), default=tip)
+        parent = last_anchor if head or tip - last_anchor >= self.policy.max_tail else tip
+        return None if parent + 2 > self.policy.max_files else parent
+
+    def _tip_index(self) -> int | None:
+        """Index of the newest file of the live chain the cache starts with (None: none, or
+        no deltas); the files before it are its ancestors (a chain's links are prefixes),
+        so one digest decides, not one per file."""
         if self.mode != "delta" or not self.runtime.settings.supports_deltas or not self.chain:
             return None
         kv = self.runtime.kv_tokens
-
-        def usable(info: SaveInfo) -> bool:
-            return bool(info.checkpoint_id) and 0 < info.n_tokens <= len(kv)
-
-        # the newest file the cache starts with; the files before it are its ancestors (a
-        # chain's links are prefixes), so one digest decides, not one per file
-        tip = next((i for i in range(len(self.chain) - 1, -1, -1) if usable(self.chain[i])
-                    and tokens_digest(kv[:self.chain[i].n_tokens]) == self.chain[i].tokens_digest), None)
-        if tip is None:
-            return None
-        milestone = max((i for i in range(tip + 1) if usable(self.chain[i])
-                         and (i == 0 or self.chain[i].kind != KIND_AUTOSAVE)), default=tip)
-        parent = milestone if tip - milestone >= self.policy.max_tail else tip
-        return None if parent + 2 > self.policy.max_files else parent
+        return next((i for i in range(len(self.chain) - 1, -1, -1)
+                     if self.chain[i].checkpoint_id and 0 < self.chain[i].n_tokens <= len(kv)
+                     and tokens_digest(kv[:self.chain[i].n_tokens]) == self.chain[i].tokens_digest), None)
 
     # -- saving -------------------------------------------------------------------------------
     def autosave(self, conv: Conversation) -> SaveInfo:
@@ -252,8 +265,10 @@ class LineWriter:
         return self._write(conv, kind)
 
     def _write(self, conv: Conversation, kind: int) -> SaveInfo:
-        idx = self._parent_index()
-        if self.saves == 0 and self.chain and idx != len(self.chain) - 1:
+        tip = self._tip_index()
+        prompt_end = conv.answer.n_prompt_tokens if conv.answer is not None else 0
+        idx = self._parent_index(tip, prompt_end, head=kind != KIND_AUTOSAVE)
+        if self.saves == 0 and self.chain and tip != len(self.chain) - 1:
             # the first save does not build on the file this writer started from (the
             # conversation was cut, or re-tokenised otherwise): go on as a branch, so that
             # file — one a user may have been handed — stays a head of its own
@@ -285,6 +300,7 @@ class LineWriter:
         self._chain = (self._chain[:idx + 1] if idx is not None else []) + [info]
         self.next_seq += 1
         self.saves += 1
+        self._written.add(info.checkpoint_id)
         self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
             if in_background:

@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QDeadlineTimer, QObject, Signal, Slot
 from PySide6.QtNetwork import QLocalServer, QLocalSocket
 
 from engine import paths
@@ -30,6 +30,10 @@ from engine import paths
 log = logging.getLogger("gui")
 
 HAND_OVER_TIMEOUT_MS = 3000
+#: how long a later start waits for the running instance's ``ok`` once connected: an
+#: instance that accepted the connection is alive, perhaps busy (a loaded machine, a
+#: slow Wine pipe); giving up early would start a second app
+ANSWER_TIMEOUT_MS = 20_000
 _MAX_MESSAGE = 1 << 20
 
 
@@ -39,7 +43,8 @@ def server_name(data_dir: Path | None = None) -> str:
     return "CheckpointChat-" + hashlib.sha256(folder.encode("utf-8")).hexdigest()[:16]
 
 
-def hand_over(files: list, name: str | None = None, timeout_ms: int = HAND_OVER_TIMEOUT_MS) -> bool:
+def hand_over(files: list, name: str | None = None, timeout_ms: int = HAND_OVER_TIMEOUT_MS,
+              answer_timeout_ms: int = ANSWER_TIMEOUT_MS) -> bool:
     """Give ``files`` to the instance already running; False when there is none.
 
     Needs a QCoreApplication (the app's own, created before the window).
@@ -50,9 +55,11 @@ def hand_over(files: list, name: str | None = None, timeout_ms: int = HAND_OVER_
         return False
     message = json.dumps([str(Path(f).resolve()) for f in files]).encode("utf-8") + b"\n"
     socket.write(message)
-    socket.waitForBytesWritten(timeout_ms)
+    deadline = QDeadlineTimer(answer_timeout_ms)
+    socket.waitForBytesWritten(answer_timeout_ms)
     answer = b""
-    while b"\n" not in answer and socket.waitForReadyRead(timeout_ms):
+    while b"\n" not in answer and not deadline.hasExpired() \
+            and socket.waitForReadyRead(max(1, deadline.remainingTime())):
         answer += socket.readAll().data()
     socket.disconnectFromServer()
     if not answer.startswith(b"ok"):

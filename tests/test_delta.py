@@ -9,12 +9,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import ROOT, run_cli
 from faultkit import corrupt
 
 from engine.checkpoints.chain import load_chain
-from engine.checkpoints.format import HEADER_LEN, read_header
+from engine.checkpoints.format import HEADER_LEN, KIND_PAUSE, read_header
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
@@ -62,6 +63,40 @@ def test_chain_restores_exactly(model, request, tmp_path):
         resumed = second.restore_chain(chain)
         rest = generate(second, resumed)
         assert rest.n_reused_tokens == rest.n_prompt_tokens - 1
+        assert part.text + rest.text == reference
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("model", ["smollm", "gemma"])
+def test_a_pause_folds_its_answers_autosaves_into_one_file(model, request, tmp_path):
+    """The head an answer's stop writes goes on the last anchor, not on the newest autosave:
+    a restore then reads one file for the answer, and the autosaves are retired."""
+    path = request.getfixturevalue(f"{model}_path")
+    settings = ContextSettings(n_ctx=2048, n_threads=2)
+    first = Runtime(path, settings)
+    try:
+        reference = generate(first, _conversation(first, LONG)).text
+        first.trim(0)
+        conv = _conversation(first, LONG)
+        saver = LineWriter(first, Store(tmp_path), "line")
+        part = generate(first, conv, autosave=saver, autosave_every=8, stop_after=28)
+        autosaves = [info.path for info in saver.chain]
+        assert len(autosaves) == 3   # a full file (its base: an anchor), then 2 deltas
+        head = saver.save_head(conv, KIND_PAUSE)
+        logits_at_pause = first.logits().copy()
+        assert [info.path for info in saver.chain] == [autosaves[0], head.path]
+        assert not any(p.exists() for p in autosaves[1:]), "the folded autosaves were not retired"
+    finally:
+        first.close()
+    second = Runtime(path, settings)
+    try:
+        chain = load_chain(head.path)
+        assert [d.path for d in chain] == [autosaves[0], head.path]
+        resumed = second.restore_chain(chain)
+        assert np.array_equal(second.logits(), logits_at_pause)
+        rest = generate(second, resumed)
+        assert rest.n_reused_tokens == rest.n_prompt_tokens   # the pause kept its logits
         assert part.text + rest.text == reference
     finally:
         second.close()

@@ -247,10 +247,27 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
         return SaveInfo(tmp_path / name, 1, 0.0, n, checkpoint_id=name, tokens_digest=tokens_digest(kv[:n]),
                         kind=kind)
     chain = [info(0, KIND_MANUAL, "base")] + [info(10 * k, KIND_AUTOSAVE, f"a{k}") for k in range(1, 5)]
-    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
-    assert writer._parent_index() == 4
-    chain[0] = info(5, KIND_MANUAL, "base")            # now a milestone: the tail folds onto it
-    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
-    assert writer._parent_index() == 0
+
+    def writer_of(chain, max_tail=2):   # as if it had written the chain's autosaves itself
+        writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=max_tail))
+        writer._written.update(i.checkpoint_id for i in chain)
+        return writer
+    writer = writer_of(chain)
+    assert writer._parent_index(writer._tip_index()) == 4
+    assert writer._parent_index(writer._tip_index(), head=True) == 4   # no anchor to fold onto
+    chain[0] = info(5, KIND_MANUAL, "base")            # now an anchor: the tail folds onto it
+    writer = writer_of(chain)
+    assert writer._parent_index(writer._tip_index()) == 0
+    # files up to the answer's prompt end are anchors too (Regenerate and Edit go back there)
+    assert writer._parent_index(writer._tip_index(), prompt_end=20) == 2
     runtime.kv_tokens = kv[:15] + [-1] * 85             # the cache left a2..a4 behind
-    assert writer._parent_index() == 1
+    assert writer._tip_index() == 1 and writer._parent_index(1) == 1
+    # a head folds the autosaves since the last anchor into itself, however few they are
+    runtime.kv_tokens = kv
+    writer = writer_of(chain, max_tail=16)
+    assert writer._parent_index(writer._tip_index()) == 4
+    assert writer._parent_index(writer._tip_index(), head=True) == 0
+    assert writer._parent_index(writer._tip_index(), prompt_end=30, head=True) == 3
+    # but never the files it started from: a restored autosave stays (its user may name it again)
+    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
+    assert writer._parent_index(writer._tip_index(), head=True) == 4
