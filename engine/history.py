@@ -61,6 +61,9 @@ class ChainPolicy:
     #: files in one chain (each is read, verified and applied on restore); past this the
     #: next save is one full file (the turn ends before it are then gone)
     max_files: int = 128
+    #: a head (pause, finished answer, exit) goes on the last anchor, folding the answer's
+    #: autosaves into it (False: on the newest file, as before 2026-12-03; for benchmarks)
+    fold_heads: bool = True
     #: a prefill of at least this many tokens is saved before the answer's first token
     #: (engine.generation: checkpoint_prompt): a crash keeps it, and a regenerated answer
     #: stores only its own cells on top of it
@@ -236,7 +239,8 @@ class LineWriter:
                          or info.checkpoint_id not in self._written))
 
         last_anchor = max((i for i in range(tip + 1) if anchor(i)), default=tip)
-        parent = last_anchor if head or tip - last_anchor >= self.policy.max_tail else tip
+        fold = head and self.policy.fold_heads
+        parent = last_anchor if fold or tip - last_anchor >= self.policy.max_tail else tip
         return None if parent + 2 > self.policy.max_files else parent
 
     def _tip_index(self) -> int | None:

@@ -55,3 +55,15 @@ def test_the_restore_profile_times_llama_cpps_own_load_beside_ours(smollm_path, 
     for row in rows:
         assert row["restore_ms"] > 0 and row["floor_ms"] > 0 and row["loadfile_ms"] > 0
         assert row["vs_loadfile"] > 0 and row["server_ms"] is None
+
+
+def test_folding_an_answers_autosaves_into_its_head_leaves_fewer_files_to_read(smollm_path):
+    """benchmarks.head_fold at its smallest: the pause's head on the newest autosave and
+    folded onto the last anchor, side by side."""
+    from benchmarks.head_fold import measure, parse
+    rows = measure(parse(["--prompt", "300", "--tokens", "40", "--every", "8", "--repeats", "1"])).rows
+    before, now = rows
+    assert before["files_read"] == 1 + 40 // 8 + 1   # the prompt's file, 5 autosaves, the head
+    assert now["files_read"] == 2                # the prompt's file and the head
+    assert now["head_MB"] > before["head_MB"] and now["store_MB"] < before["store_MB"]
+    assert all(r["pause_ms"] > 0 and r["restore_ms"] > 0 for r in rows)

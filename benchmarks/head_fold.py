@@ -1,0 +1,114 @@
+"""What folding an answer's autosaves into its head costs a pause, and saves a restore.
+
+    python -m benchmarks.head_fold [--prompt 1000] [--tokens 512] [--every 64] [--repeats 3]
+
+SmolLM2 with the app's context settings.  A prompt of ``--prompt`` tokens is answered
+greedily for ``--tokens`` tokens with an autosave every ``--every`` (the window's default
+is 64) on a line in a fresh store, as the app writes it (engine.history.LineWriter, the
+prompt's own checkpoint included), then paused: the pause writes the line's head.  Two
+layouts, interleaved run by run: the head on the newest autosave (before 2026-12-03) and
+the head folded onto the last anchor (now, ``ChainPolicy.fold_heads``).  For each: the
+pause's save (write, fsync, retiring what it supersedes), the head's bytes, the files a
+restore reads and the store's bytes after the pause, and the restore of the head's chain
+(``load_chain`` + ``Runtime.restore_chain``, every check; in a second context of the same
+process, warm, median of 5).  Prints a table, exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+
+LAYOUTS = (("newest", "head on the newest autosave (before)", False),
+           ("folded", "head folded onto the last anchor (now)", True))
+
+
+def one_run(rt, reader, tokens: list[int], args, fold: bool, folder: Path) -> dict:
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.format import KIND_PAUSE
+    from engine.checkpoints.store import Store
+    from engine.generation import generate
+    from engine.history import ChainPolicy, LineWriter
+    rt.trim(0)
+    rt.ctx.clear()
+    store = Store(folder)
+    writer = LineWriter.starting(rt, store, uuid.uuid4().hex, policy=ChainPolicy(fold_heads=fold))
+    conv = greedy_conversation(tokens)
+    generate(rt, conv, stop_after=args.tokens, autosave=writer, autosave_every=args.every,
+             checkpoint_prompt=writer.policy.prompt_checkpoint)
+    writer.settle()
+    started = clock()
+    head = writer.save_head(conv, KIND_PAUSE)
+    pause_s = clock() - started
+    writer.close()
+    restores = []
+    for _ in range(5):
+        reader.trim(0)
+        reader.ctx.clear()
+        started = clock()
+        chain = load_chain(head.path, crc_later=True)
+        reader.restore_chain(chain)
+        restores.append(clock() - started)
+    if reader.kv_tokens != rt.kv_tokens:
+        raise SystemExit("the restore holds other tokens")
+    store_bytes = sum(p.stat().st_size for p in folder.glob("*.kvckpt"))
+    return {"pause_ms": pause_s * 1e3, "head_mb": head.size / 1e6, "files": len(chain),
+            "store_mb": store_bytes / 1e6, "restore_ms": median(restores) * 1e3}
+
+
+def measure(args) -> Table:
+    """Both layouts, interleaved run by run; the table (see the module docstring)."""
+    from benchmarks.common import context_settings, model_path, prompt_tokens
+    from engine.runtime import Runtime
+    settings = context_settings(ctx_size_for(args.prompt + args.tokens + 16), args.threads)
+    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
+    runs: dict[str, list[dict]] = {key: [] for key, _, _ in LAYOUTS}
+    try:
+        tokens = prompt_tokens(rt.model, args.prompt)
+        with tempfile.TemporaryDirectory(prefix="head-fold-") as tmp:
+            for r in range(args.repeats):
+                for key, _, fold in LAYOUTS:
+                    runs[key].append(one_run(rt, reader, tokens, args, fold, Path(tmp) / f"{key}-{r}"))
+    finally:
+        rt.close()
+        reader.close()
+    table = Table(f"An answer's pause and its restore (SmolLM2, {args.prompt:,}-token prompt, {args.tokens} "
+                  f"tokens, autosave every {args.every}; medians of {args.repeats})",
+                  ["layout", "pause_ms", "head_MB", "files_read", "store_MB", "restore_ms", "restore_vs_before"])
+    before = median([r["restore_ms"] for r in runs["newest"]])
+    for key, label, _ in LAYOUTS:
+        rs = runs[key]
+        restore = median([r["restore_ms"] for r in rs])
+        table.add(layout=label, pause_ms=median([r["pause_ms"] for r in rs]),
+                  head_MB=median([r["head_mb"] for r in rs]), files_read=rs[0]["files"],
+                  store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
+                  restore_vs_before=ratio(restore, before))
+    return table
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=1000)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--every", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(measure(parse(argv)).render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
