@@ -216,7 +216,7 @@ class LineWriter:
     def _parent_index(self, tip: int | None, prompt_end: int = 0, *, head: bool = False) -> int | None:
         """Index in the live chain of the file the next delta goes on, or None (full).
 
-        A chain is *anchors* — its base, each head (a finished answer, a pause, a rename)
+        A chain is *anchors* — its base, each head (a finished answer, a pause, a rename),
         the files at or before the end of the answer's prompt (``prompt_end``: the prompt's
         own checkpoint and its marks, where Regenerate and Edit go back to) and the files
         this writer did not write (a restored autosave a user may name again) — with
