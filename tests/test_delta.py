@@ -34,6 +34,19 @@ def _conversation(runtime, text: str) -> Conversation:
     return conv
 
 
+def _autosaved_answer(runtime, folder, *, stop_after: int):
+    """The whole answer's text (the reference), then the same answer again from an empty
+    cache, autosaved every 8 tokens on a line in ``folder`` and stopped after ``stop_after``
+    tokens: (reference, conversation, its LineWriter, the part generated)."""
+    # the prompt is longer than Gemma 3's 512-token window, so its ring wraps
+    reference = generate(runtime, _conversation(runtime, LONG)).text
+    runtime.trim(0)
+    conv = _conversation(runtime, LONG)
+    saver = LineWriter(runtime, Store(folder), "line")
+    part = generate(runtime, conv, autosave=saver, autosave_every=8, stop_after=stop_after)
+    return reference, conv, saver, part
+
+
 @pytest.mark.parametrize("model", ["smollm", "gemma"])
 def test_chain_restores_exactly(model, request, tmp_path):
     """Autosave deltas every 8 tokens; resume from the chain in a fresh context."""
@@ -41,12 +54,7 @@ def test_chain_restores_exactly(model, request, tmp_path):
     settings = ContextSettings(n_ctx=2048, n_threads=2)
     first = Runtime(path, settings)
     try:
-        # the prompt is longer than Gemma 3's 512-token window, so its ring wraps
-        reference = generate(first, _conversation(first, LONG)).text
-        first.trim(0)
-        conv = _conversation(first, LONG)
-        saver = LineWriter(first, Store(tmp_path), "line")
-        part = generate(first, conv, autosave=saver, autosave_every=8, stop_after=24)
+        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=24)
         assert [info.delta for info in saver.chain] == [False, True, True]
         full_size = saver.chain[0].size
         assert all(info.size < full_size / 4 for info in saver.chain[1:]), "deltas are not small"
@@ -76,11 +84,7 @@ def test_a_pause_folds_its_answers_autosaves_into_one_file(model, request, tmp_p
     settings = ContextSettings(n_ctx=2048, n_threads=2)
     first = Runtime(path, settings)
     try:
-        reference = generate(first, _conversation(first, LONG)).text
-        first.trim(0)
-        conv = _conversation(first, LONG)
-        saver = LineWriter(first, Store(tmp_path), "line")
-        part = generate(first, conv, autosave=saver, autosave_every=8, stop_after=28)
+        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=28)
         autosaves = [info.path for info in saver.chain]
         assert len(autosaves) == 3   # a full file (its base: an anchor), then 2 deltas
         head = saver.save_head(conv, KIND_PAUSE)
