@@ -40,17 +40,21 @@ from typing import Any, Protocol
 
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
-from engine.checkpoints.chain import settle, tokens_digest
+from engine.checkpoints.chain import common_prefix, settle, tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData
 from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import SaveFailed
+from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base
 from native.context import ContextSettings
 
 log = logging.getLogger("engine")
+
+#: a cut (LineWriter._cut) must spare writing at least this many tokens' cells again
+MIN_CUT_GAIN = 64
 
 
 @dataclass(frozen=True)
@@ -99,9 +103,13 @@ class SavingRuntime(Protocol):
     @property
     def settings(self) -> ContextSettings: ...
 
+    @property
+    def shape(self) -> ModelShape: ...
+
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = ...,
              parent: SaveInfo | None = ..., *, line: str | None = ..., seq: int = ...,
-             fresh: bool = ..., landing: Any = ..., upto: int | None = ...) -> SaveInfo: ...
+             fresh: bool = ..., landing: Any = ..., upto: int | None = ...,
+             cut: int | None = ...) -> SaveInfo: ...
 
 
 class LineWriter:
@@ -277,7 +285,10 @@ class LineWriter:
             # conversation was cut, or re-tokenised otherwise): go on as a branch, so that
             # file — one a user may have been handed — stays a head of its own
             self._branch_off()
-        if idx is None and self.mode == "delta":
+        cut = self._cut(tip, idx)
+        if cut is not None:
+            idx = cut[0]
+        elif idx is None and self.mode == "delta":
             idx = self._on_shared_prefix(conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
@@ -286,13 +297,14 @@ class LineWriter:
         landing = self._landing if kind == KIND_AUTOSAVE and not self._land_now else None
         try:
             self.store.ensure()
-            info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing)
+            info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing,
+                              cut=cut[1] if cut else None)
         except SaveFailed:
             if idx is None:
                 raise
             # the parent went away meanwhile (another process pruned or deleted it)
             log.info("delta parent %s is gone; writing a full checkpoint", self.chain[idx].path.name)
-            idx, superseding = None, True
+            idx, cut, superseding = None, None, True
             info = self._save(conv, kind, None)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
@@ -301,7 +313,8 @@ class LineWriter:
             self._landing_info = info
         else:
             self._land_now = False
-        self._chain = (self._chain[:idx + 1] if idx is not None else []) + [info]
+        # after a cut, the file cut from holds more than the cache: the delta is the base
+        self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
         self.next_seq += 1
         self.saves += 1
         self._written.add(info.checkpoint_id)
@@ -312,6 +325,33 @@ class LineWriter:
             else:
                 self.retire()   # a head: what the store shows after it is final
         return info
+
+    def _cut(self, tip: int | None, idx: int | None) -> tuple[int, int] | None:
+        """(index, tokens): a file of the live chain that the cache shares more of than the
+        file the next delta would go on, to build on its first tokens (a *cut*,
+        engine.checkpoints.chain.can_cut), or None.
+
+        A conversation started from another's stored prefix that holds more than it
+        shares (a document followed by another question: engine.prefix_reuse) then
+        stores only its own tokens.  Only when it is worth it: the cut must save at least
+        :data:`MIN_CUT_GAIN` tokens, and use at least half of the cut file's own cells,
+        since the file stays in the store as long as the delta does."""
+        if (self.mode != "delta" or not self.runtime.settings.supports_deltas
+                or not self.runtime.shape.cells_by_position or tip == len(self.chain) - 1):
+            return None
+        kv = self.runtime.kv_tokens
+        below = self.chain[idx].n_tokens if idx is not None else 0
+        for i, info in enumerate(self.chain):
+            if info.tokens is None or not info.checkpoint_id:
+                continue
+            shared = common_prefix(info.tokens, kv)
+            if shared >= info.n_tokens:
+                continue   # a prefix of the cache: the tip is at or after it
+            own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
+            if shared - below >= MIN_CUT_GAIN and shared - own >= info.n_tokens - shared:
+                return i, shared
+            return None
+        return None
 
     def _on_shared_prefix(self, conv: Conversation) -> int | None:
         """Start the chain on the store's shared prefix of the conversation's system
@@ -326,11 +366,12 @@ class LineWriter:
         self._chain = [base]
         return 0
 
-    def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None) -> SaveInfo:
+    def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,
+              cut: int | None = None) -> SaveInfo:
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
                 else self.store.new_path(conv.title))
         return self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
-                                 fresh=True, landing=landing)
+                                 fresh=True, landing=landing, cut=cut)
 
     def retire(self) -> None:
         """Delete what this line's head supersedes (the head is durable)."""

@@ -134,9 +134,9 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target
     last = chain[-1]
     n = last.header.n_tokens
     keep = files_in_cache(slot.tokens, chain)
-    if keep and slot.trim(chain[keep - 1].header.n_tokens) != chain[keep - 1].header.n_tokens:
-        keep = 0   # the memory cannot drop a tail (sliding window): restore it all
-    kept = chain[keep - 1].header.n_tokens if keep else 0
+    kept = used_end(chain, keep - 1) if keep else 0
+    if keep and slot.trim(kept) != kept:
+        keep, kept = 0, 0   # the memory cannot drop a tail (sliding window): restore it all
     slot.make_room(n)
     if not keep:
         slot.empty()
@@ -168,8 +168,14 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
     ctx, scratch_used = slot.ctx, False
     try:
         for i, data in enumerate(chain):
-            if i < keep or not len(data.state):
-                continue   # in the cache already; or no cells (empty, or metadata only)
+            if i < keep:
+                continue   # in the cache already
+            if i and data.header.parent_n_tokens < chain[i - 1].header.n_tokens:
+                # a cut (engine.checkpoints.chain.can_cut): the delta builds on the parent's
+                # first tokens only; its cells from there on go
+                ctx.seq_rm(slot.seq, data.header.parent_n_tokens, -1)
+            if not len(data.state):
+                continue   # no cells (empty, or metadata only)
             if i == 0:
                 ctx.state_set_from(data.state, len(data.state), slot.seq)
             else:   # a delta: through the scratch sequence, which shares its cells
@@ -197,9 +203,16 @@ def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> in
     last = chain[-1]
     shared = common_prefix(cached, last.tokens[:last.header.n_tokens])
     for k in range(len(chain), 0, -1):
-        if 0 < chain[k - 1].header.n_tokens <= shared:
+        if 0 < used_end(chain, k - 1) <= shared:
             return k
     return 0
+
+
+def used_end(chain: Sequence[CheckpointData], i: int) -> int:
+    """How many of ``chain[i]``'s tokens the chain's last file holds: all of them, or, when
+    the next file is a cut (engine.checkpoints.chain.can_cut), as many as it builds on."""
+    held = chain[i].header.n_tokens
+    return min(held, chain[i + 1].header.parent_n_tokens) if i + 1 < len(chain) else held
 
 
 def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:

@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,16 +77,19 @@ class SaveInfo:
     delta: bool = False
     line: str = ""
     kind: int = KIND_MANUAL
+    #: its tokens, when at hand (a file read back): what a cut on it is checked against
+    tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of_file(cls, data: CheckpointData) -> SaveInfo:
         """What a writer needs to know of a file it did not write (a restored chain's)."""
         h = data.header
         cid = data.meta.get("checkpoint_id")
+        held = data.tokens[:h.n_tokens]
         return cls(path=data.path, size=h.file_len, seconds=0.0, n_tokens=h.n_tokens,
                    checkpoint_id=cid if isinstance(cid, str) else "", payload_crc=data.payload_crc,
-                   tokens_digest=tokens_digest(data.tokens[:h.n_tokens]), delta=h.is_delta,
-                   line=line_of(data.meta, h), kind=h.kind)
+                   tokens_digest=tokens_digest(held), delta=h.is_delta,
+                   line=line_of(data.meta, h), kind=h.kind, tokens=held)
 
 
 class Runtime:
@@ -328,7 +331,8 @@ class Runtime:
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
              parent: SaveInfo | None = None, *, line: str | None = None, seq: int = 0,
-             fresh: bool = False, landing=None, upto: int | None = None) -> SaveInfo:
+             fresh: bool = False, landing=None, upto: int | None = None,
+             cut: int | None = None) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
@@ -344,14 +348,16 @@ class Runtime:
         ``upto``: the file holds only the cache's first ``upto`` tokens (no logits), and
         ``conv`` is the conversation of those tokens: a shared prefix (engine.shared_prefix).
         An autosave of a recurrent memory is written one token short where it can be
-        (:func:`saves_one_short`).
+        (:func:`saves_one_short`).  ``cut``: the delta builds on only the parent's first
+        ``cut`` tokens, which the cache shares with it (a parent read back, whose tokens
+        the SaveInfo holds; a plain attention memory: engine.checkpoints.chain.can_cut).
         """
         started = time.perf_counter()
         path = Path(path)
         short = upto is None and saves_one_short(self, conv, kind)
         if short:
             upto = len(self.kv_tokens) - 1
-        n, p0 = _saved_span(self, conv, parent, upto, pending=int(short))
+        n, p0 = _saved_span(self, conv, parent, upto, pending=int(short), cut=cut)
         kv = self.kv_tokens[:n]
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind, n)
@@ -368,7 +374,7 @@ class Runtime:
             if parent.path.parent.resolve() != path.parent.resolve():
                 raise SaveFailed("a delta's parent must lie in the same folder")
             meta_json["parent"] = ParentRef(parent.path.name, parent.checkpoint_id,
-                                            parent.payload_crc, p0).to_json()
+                                            parent.payload_crc, parent.n_tokens).to_json()
             checks.append(functools.partial(_parent_still_there, parent))
         if fresh:
             checks.append(functools.partial(_name_still_free, path))
@@ -540,10 +546,11 @@ def runtime_shape(model: Model) -> ModelShape:
 
 
 def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | None,
-                pending: int = 0) -> tuple[int, int]:
-    """The positions a save of ``rt``'s cache writes, ``p0..n-1`` (p0: the parent's end, 0
-    for a full file), after checking that they belong to ``conv`` and build on ``parent``
-    (``pending``: tokens of ``conv`` after ``upto`` that the file leaves to be decoded)."""
+                pending: int = 0, cut: int | None = None) -> tuple[int, int]:
+    """The positions a save of ``rt``'s cache writes, ``p0..n-1`` (p0: the parent's end, or
+    the ``cut``; 0 for a full file), after checking that they belong to ``conv`` and build
+    on ``parent`` (``pending``: tokens of ``conv`` after ``upto`` that the file leaves to be
+    decoded)."""
     n = len(rt.kv_tokens)
     if upto is not None:
         if not 0 < upto <= n or len(conv.tokens) != upto + pending or not can_save_prefix(rt, upto):
@@ -554,9 +561,16 @@ def _saved_span(rt, conv: Conversation, parent: SaveInfo | None, upto: int | Non
         raise SaveFailed("the KV cache does not hold this conversation; nothing was saved")
     if parent is None:
         return n, 0
-    p0 = parent.n_tokens
-    if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(rt.kv_tokens[:p0]):
-        raise SaveFailed("the parent checkpoint is not a prefix of the cache")
+    if cut is not None:
+        p0 = cut
+        if not (0 < p0 < parent.n_tokens and p0 <= n and rt.shape.cells_by_position
+                and parent.tokens is not None
+                and common_prefix(parent.tokens[:p0], rt.kv_tokens[:p0]) == p0):
+            raise SaveFailed("the cache does not start with the first tokens of the parent it is cut from")
+    else:
+        p0 = parent.n_tokens
+        if not 0 < p0 <= n or parent.tokens_digest != tokens_digest(rt.kv_tokens[:p0]):
+            raise SaveFailed("the parent checkpoint is not a prefix of the cache")
     if not rt.settings.supports_deltas:
         raise SaveFailed("delta checkpoints need a unified KV cache with a scratch sequence "
                          "(n_seq_max >= 2, kv_unified)")

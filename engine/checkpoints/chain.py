@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engine.checkpoints.format import CheckpointData, read_checkpoint
+from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, Header, read_checkpoint
 from engine.errors import BrokenChain, CheckpointError
 
 MAX_CHAIN = 1024
@@ -138,6 +138,17 @@ class LinkFacts:
     parent: ParentRef | None = None  # a delta's reference
     parent_n_tokens: int = 0
     prefix_digest: str = ""          # a delta: digest of its first parent_n_tokens tokens
+    cuttable: bool = False           # its memory may build on part of a parent (can_cut)
+    #: the digest of its first k tokens (a cut child's parent is asked for it)
+    digest_at: Callable[[int], str] | None = field(default=None, compare=False, repr=False)
+
+
+def can_cut(header: Header) -> bool:
+    """Whether a delta of this memory may build on the first tokens of a parent that holds
+    more (a *cut*: the parent's cells from there on are dropped before the delta's are
+    set): a plain attention memory without a sliding window, whose cells at the positions
+    before a point are the same whatever follows them (ModelShape.cells_by_position)."""
+    return header.memory == MEMORY_ATTENTION and not header.n_swa
 
 
 def facts_of(data: CheckpointData) -> LinkFacts:
@@ -152,29 +163,43 @@ def _facts_of(data: CheckpointData) -> LinkFacts:
     cid = data.meta.get("checkpoint_id")
     name = data.path.name if data.path else "a checkpoint"
     ref = parent_ref(data.meta, name) if h.is_delta else None
+    tokens = data.tokens
     return LinkFacts(name, cid if isinstance(cid, str) else None, data.payload_crc, h.n_tokens,
-                     h.conversation_id, tokens_digest(data.tokens[:h.n_tokens]), ref,
+                     h.conversation_id, tokens_digest(tokens[:h.n_tokens]), ref,
                      h.parent_n_tokens,
-                     tokens_digest(data.tokens[:h.parent_n_tokens]) if h.is_delta else "")
+                     tokens_digest(tokens[:h.parent_n_tokens]) if h.is_delta else "",
+                     can_cut(h), lambda k: tokens_digest(tokens[:k]))
 
 
 def link_problem(parent: LinkFacts, child: LinkFacts) -> str | None:
     """Why ``child`` is not a delta on exactly ``parent`` (one sentence), or None.
 
-    The one rule: the reference names the parent's checkpoint id and payload CRC, the
-    delta continues from the parent's last token, and the delta's first tokens are the
-    parent's.  The conversation may differ: a fork starts a new conversation on another
-    one's files.  (Finding the parent by name is the caller's business: an import may
-    have renamed it.)
+    The one rule: the reference names the parent's checkpoint id, payload CRC and token
+    count; the delta continues from the parent's last token — or, a *cut* (:func:`can_cut`),
+    from an earlier one of its tokens — and the delta's first tokens are the parent's up
+    to there.  The conversation may differ: a fork, or a conversation that starts with
+    another's document, builds on another conversation's files.  (Finding the parent by
+    name is the caller's business: an import may have renamed it.)
     """
     ref = child.parent
     if ref is None:
         return f"{child.name} is not a delta"
-    if ref.checkpoint_id != parent.checkpoint_id or ref.payload_crc != parent.payload_crc:
+    if ref.checkpoint_id != parent.checkpoint_id or ref.payload_crc != parent.payload_crc \
+            or ref.n_tokens != parent.n_tokens:
         return f"{parent.name} is not the parent this delta was made on (it was replaced or altered since)"
-    if child.parent_n_tokens != parent.n_tokens or ref.n_tokens != child.parent_n_tokens:
-        return f"the delta continues from token {child.parent_n_tokens}, {parent.name} holds {parent.n_tokens}"
-    if child.prefix_digest != parent.tokens_digest:
+    start = child.parent_n_tokens
+    if start == parent.n_tokens:
+        wanted = parent.tokens_digest
+    elif 0 < start < parent.n_tokens and child.cuttable and parent.digest_at is not None:
+        wanted = parent.digest_at(start)
+    elif 0 < start < parent.n_tokens and child.cuttable:
+        return f"the tokens of {parent.name} are not at hand to check the delta against"
+    elif 0 < start < parent.n_tokens:
+        return (f"the delta builds on the first {start} of the {parent.n_tokens} tokens of {parent.name}, "
+                "which only a plain attention memory can")
+    else:
+        return f"the delta continues from token {start}, {parent.name} holds {parent.n_tokens}"
+    if child.prefix_digest != wanted:
         return f"the delta's tokens do not continue those of {parent.name}"
     return None
 

@@ -63,8 +63,24 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoints.chain import MAX_CHAIN, LinkFacts, ParentRef, link_problem, parent_ref, tokens_digest
-from engine.checkpoints.format import HEADER_LEN, TRAILER_LEN, Header, decode_metadata, unpack_header, verify_file
+from engine.checkpoints.chain import (
+    MAX_CHAIN,
+    LinkFacts,
+    ParentRef,
+    can_cut,
+    link_problem,
+    parent_ref,
+    tokens_digest,
+)
+from engine.checkpoints.format import (
+    HEADER_LEN,
+    TRAILER_LEN,
+    Header,
+    decode_metadata,
+    read_tokens,
+    unpack_header,
+    verify_file,
+)
 from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
 from engine.errors import CheckpointError
 
@@ -114,7 +130,15 @@ class Node:
     def facts(self) -> LinkFacts:
         return LinkFacts(self.name, self.checkpoint_id, self.payload_crc, self.header.n_tokens,
                          self.conversation_id, self.tokens_digest, self.parent,
-                         self.header.parent_n_tokens, self.prefix_digest)
+                         self.header.parent_n_tokens, self.prefix_digest, can_cut(self.header),
+                         self._digest_at)
+
+    def _digest_at(self, k: int) -> str:
+        """The digest of its first ``k`` tokens, read again (only a cut child asks)."""
+        try:
+            return tokens_digest(read_tokens(self.path)[1][:k])
+        except (OSError, CheckpointError):
+            return ""   # unreadable now: the link is reported broken
 
     @property
     def name(self) -> str:
@@ -577,7 +601,9 @@ def retire(store: Store, line: str) -> PruneReport:
 
 
 def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
-    """Delete every file of a conversation that no other conversation's head needs."""
+    """Delete every file of a conversation that no other conversation's head needs, and the
+    files of others its heads' chains hold that no other head needs (what a conversation
+    deleted before kept alive for this one: the file it was cut or forked from)."""
     report = PruneReport()
     if not store.folder.is_dir():
         return report
@@ -588,6 +614,9 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
             if head.conversation_id != conversation_id:
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
+        borrowed = {n.name: n for h in graph.heads if h.conversation_id == conversation_id
+                    for n in graph.chain(h) if n.conversation_id != conversation_id and n.name not in needed}
+        mine += borrowed.values()
         for node in mine:
             if node.name in needed:
                 report.keep("file(s) another conversation's head depends on", node)

@@ -302,7 +302,10 @@ class RunSession:
             return LineWriter.starting(self.rt, store, uuid.uuid4().hex, infos)
         if chain:
             return LineWriter.continuing(self.rt, store, self.in_store(store, chain))
-        return LineWriter.starting(self.rt, store, default_line(conv.id))
+        # --reuse-prefix: the first save builds on the files the prompt's beginning came from
+        reused = self.reuse.chain if self.reuse is not None else ()
+        infos = [saved_info(d) for d in reused] if reused and store.contains(reused[-1].path) else []
+        return LineWriter.starting(self.rt, store, default_line(conv.id), infos)
 
     def in_store(self, store, chain):
         """The loaded chain as files of ``store``: a file from elsewhere is imported once

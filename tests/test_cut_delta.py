@@ -1,0 +1,178 @@
+"""A conversation that starts with another one's document stores only its own cells: a
+delta *cut* from the other conversation's file (engine.checkpoints.chain.can_cut; issue 25).
+
+Real model (SmolLM2), real files: the second conversation's first file builds on the first
+tokens of the first conversation's file, restores exactly in a new Runtime, and the store
+keeps the file it is cut from while it is needed.  The link rule is checked on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from engine.checkpoints import graph as store_graph
+from engine.checkpoints.chain import LinkFacts, ParentRef, link_problem, load_chain, tokens_digest
+from engine.checkpoints.format import KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.store import Store
+from engine.conversation import Conversation
+from engine.errors import SaveFailed
+from engine.generation import begin_answer, generate
+from engine.prefix_reuse import reuse_stored_prefix, start_from_stored_prefix
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+
+DOCUMENT = "Here is the log of the harbour office:\n" + " ".join(
+    f"ship {i} left pier {i % 7} with {i * 13 % 101} crates;" for i in range(120))
+QUESTIONS = ("Which pier did ship 40 leave from?", "How many crates did ship 7 carry?")
+
+
+def _conversation(question: str) -> Conversation:
+    return Conversation(system_prompt="", sampler=SamplerSettings(temperature=0.7, seed=3))
+
+
+def _ask(rt, store: Store, question: str, *, stop_after: int | None = None):
+    """A new conversation on the document, started as the window starts one in a sequence
+    of its own (from the store's longest stored prefix); (conversation, writer)."""
+    rt.trim(0)
+    conv = _conversation(question)
+    begin_answer(conv, rt, DOCUMENT + "\n\n" + question, n_predict=16)
+    writer = start_from_stored_prefix(rt, store, conv)
+    generate(rt, conv, autosave=writer, autosave_every=8, stop_after=stop_after)
+    writer.save_head(conv, KIND_PAUSE if stop_after else KIND_MANUAL)
+    writer.close()
+    return conv, writer
+
+
+@pytest.mark.slow
+def test_a_second_conversation_on_a_document_stores_only_its_own_cells(smollm_runtime, tmp_path):
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    first, _ = _ask(rt, store, QUESTIONS[0])
+    size_first = sum(p.stat().st_size for p in store.files())
+    second, writer = _ask(rt, store, QUESTIONS[1])
+    chain = load_chain(writer.head.path)
+    cut = next(i for i in range(1, len(chain))
+               if chain[i].header.parent_n_tokens < chain[i - 1].header.n_tokens)
+    assert chain[cut - 1].header.conversation_id == first.id, "the cut is not from the first conversation"
+    assert all(d.header.conversation_id == second.id for d in chain[cut:])
+    grown = sum(p.stat().st_size for p in store.files()) - size_first
+    assert grown < size_first / 5, f"the second conversation wrote {grown} bytes on a {size_first}-byte first"
+    g = Graph.scan(store)
+    own, shared = g.footprint(g.nodes[writer.head.path.name])
+    assert own == grown and shared >= size_first * 0.9
+
+
+@pytest.mark.slow
+def test_a_conversation_cut_from_another_resumes_exactly(smollm_path, smollm_runtime, tmp_path):
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    _ask(rt, store, QUESTIONS[0])
+    # the answer uninterrupted, from the same stored beginning
+    reference = _conversation(QUESTIONS[1])
+    rt.trim(0)
+    begin_answer(reference, rt, DOCUMENT + "\n\n" + QUESTIONS[1], n_predict=16)
+    assert reuse_stored_prefix(rt, store.folder, reference.tokens).how == "restored"
+    whole = generate(rt, reference).text
+    conv, writer = _ask(rt, store, QUESTIONS[1], stop_after=6)
+    expected_state = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
+    chain = load_chain(writer.head.path)
+    assert any(chain[i].header.parent_n_tokens < chain[i - 1].header.n_tokens for i in range(1, len(chain)))
+
+    fresh = Runtime(smollm_path, ContextSettings(n_ctx=2048, n_threads=2))
+    try:
+        resumed = fresh.restore_chain(chain)
+        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected_state)
+        rest = generate(fresh, resumed)
+        assert rest.n_reused_tokens == rest.n_prompt_tokens, "the pause carries its logits"
+    finally:
+        fresh.close()
+    assert conv.answer.text + rest.text == whole
+    # switching back to it in a cache that holds the first conversation keeps the document
+    rt.trim(0)
+    _ask(rt, store, QUESTIONS[0])
+    held = len(rt.kv_tokens)
+    rt.restore_chain(chain)
+    assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected_state)
+    assert held > chain[-1].header.n_tokens - 64
+
+
+@pytest.mark.slow
+def test_the_file_cut_from_lives_as_long_as_a_conversation_needs_it(smollm_runtime, tmp_path):
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    first, _ = _ask(rt, store, QUESTIONS[0])
+    second, writer = _ask(rt, store, QUESTIONS[1])
+    store_graph.prune(store, budget_bytes=0)
+    store_graph.delete_conversation(store, first.id)
+    g = Graph.scan(store)
+    assert [h.conversation_id for h in g.heads] == [second.id]
+    rt.trim(0)
+    rt.restore_chain(load_chain(writer.head.path))   # still whole
+    store_graph.delete_conversation(store, second.id)
+    assert store.files() == [], "the last user of the file cut from left it behind"
+
+
+@pytest.mark.slow
+def test_the_cli_reuses_a_document_without_a_second_copy(app_home, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    sizes = []
+    folder = app_home / "data" / "checkpoints"
+    for question in QUESTIONS:
+        prompt.write_text(DOCUMENT + "\n\n" + question)
+        done = run_cli("run", "-f", str(prompt), "-n", "4", "--seed", "1", "--reuse-prefix")
+        assert done.returncode == 0, done.stderr
+        sizes.append(sum(p.stat().st_size for p in folder.glob("*.kvckpt")))
+    assert "reused" in done.stderr
+    assert sizes[1] - sizes[0] < sizes[0] / 5, sizes
+    heads = [p for p in folder.glob("*.kvckpt") if not p.name.startswith("autosave-")]
+    for head in heads:
+        checked = run_cli("validate", str(head))
+        assert checked.returncode == 0 and "Chain OK" in checked.stdout, checked.stdout + checked.stderr
+
+
+# -- the link rule --------------------------------------------------------------------------
+def _facts(tokens, *, parent=None, start=0, cuttable=True, name="f"):
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return LinkFacts(name, f"id-{name}", 7, len(tokens), None, tokens_digest(tokens), parent, start,
+                     tokens_digest(tokens[:start]) if parent else "", cuttable,
+                     lambda k: tokens_digest(tokens[:k]))
+
+
+def test_the_link_rule_allows_a_cut_only_where_the_memory_can_drop_a_tail():
+    parent = _facts(range(100), name="p")
+    ref = ParentRef("p", "id-p", 7, 100)
+    child_tokens = list(range(60)) + [999] * 20
+    assert link_problem(parent, _facts(child_tokens, parent=ref, start=60, name="c")) is None
+    assert "plain attention" in link_problem(
+        parent, _facts(child_tokens, parent=ref, start=60, cuttable=False, name="c"))
+    # its tokens must be the parent's up to the cut
+    assert "do not continue" in link_problem(
+        parent, _facts([5] + child_tokens[1:], parent=ref, start=60, name="c"))
+    # beyond what the parent holds, or a reference to another token count
+    assert "holds 100" in link_problem(parent, _facts(list(range(100)) + [1] * 5, parent=ref, start=101, name="c"))
+    assert "not the parent" in link_problem(
+        parent, _facts(child_tokens, parent=replace(ref, n_tokens=60), start=60, name="c"))
+    # a whole-parent delta still links as before
+    assert link_problem(parent, _facts(list(range(100)) + [1] * 5, parent=ref, start=100, name="c")) is None
+
+
+def test_a_save_cut_from_a_file_the_cache_does_not_start_with_is_refused(smollm_runtime, tmp_path):
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    _, writer = _ask(rt, store, QUESTIONS[0])
+    parent = writer.head
+    other = _conversation(QUESTIONS[1])
+    rt.trim(0)
+    begin_answer(other, rt, "Something else entirely. " * 40, n_predict=4)
+    generate(rt, other)
+    from engine.checkpoints.format import read_checkpoint
+    from engine.runtime import SaveInfo
+    info = SaveInfo.of_file(read_checkpoint(parent.path))
+    with pytest.raises(SaveFailed, match="first tokens"):
+        rt.save(tmp_path / "x.kvckpt", other, KIND_MANUAL, info, cut=100)
