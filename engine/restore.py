@@ -16,7 +16,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    trimmed to the last of them; a memory that cannot drop a tail (sliding window,
    recurrent) is restored whole instead.
 3. **Apply** the rest: the base into the sequence, each delta through the scratch
-   sequence, which shares its cells (``seq_cp``) and is emptied after.  A recurrent
+   sequence, which shares its cells (``seq_cp``) and is emptied after (a delta cut from
+   a parent that holds more drops the parent's cells from its start first).  A recurrent
    memory keeps a snapshot (engine.snapshots) after each file that is the nearest below a
    point its conversation goes back to (the answer's prompt end and its marks:
    Regenerate, Edit, a thinking model's next turn), so those read only from there.

@@ -176,3 +176,32 @@ def test_a_save_cut_from_a_file_the_cache_does_not_start_with_is_refused(smollm_
     info = SaveInfo.of_file(read_checkpoint(parent.path))
     with pytest.raises(SaveFailed, match="first tokens"):
         rt.save(tmp_path / "x.kvckpt", other, KIND_MANUAL, info, cut=100)
+
+
+@pytest.mark.slow
+def test_export_of_a_cut_conversation_is_one_whole_file_and_an_import_links_it(smollm_runtime, tmp_path):
+    from engine.checkpoints.format import read_checkpoint
+    from engine.checkpoints.transfer import import_files
+    from engine.compaction import compact_into
+    rt, store = smollm_runtime, Store(tmp_path / "store")
+    _ask(rt, store, QUESTIONS[0])
+    _, writer = _ask(rt, store, QUESTIONS[1])
+    chain = load_chain(writer.head.path)
+    rt.trim(0)
+    rt.restore_chain(chain)
+    expected = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
+    out = compact_into(rt, chain, tmp_path / "export.kvckpt")
+    alone = read_checkpoint(out.path)
+    assert not alone.header.is_delta and alone.header.n_tokens == chain[-1].header.n_tokens
+    rt.trim(0)
+    rt.restore(alone)
+    assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected)
+    # the chain's files imported into another store link up again, the cut included
+    other = Store(tmp_path / "other")
+    results = import_files([d.path for d in chain], other, rt.target)
+    assert all(r.ok for r in results), [r.message for r in results]
+    g = Graph.scan(other)
+    assert len(g.heads) == 1 and len(g.chain(g.heads[0])) == len(chain)
+    rt.trim(0)
+    rt.restore_chain(load_chain(g.heads[0].path))
+    assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected)

@@ -2,7 +2,8 @@
 
 A delta names its parent in its metadata (``"parent"``): the parent's file name (always
 in the delta's own folder: a name with a path in it is refused, so a file cannot point
-outside), its checkpoint id, its payload CRC32 and the number of tokens it holds.
+outside), its checkpoint id, its payload CRC32 and the number of tokens it holds (a
+delta may build on fewer of them: a cut, :func:`can_cut`).
 :func:`load_chain` walks from any checkpoint back to its full base and returns the
 files oldest first, each verified (full CRC) and linked to the next (:func:`check_link`);
 a missing, damaged or replaced parent is reported with the reason and nothing is

@@ -55,7 +55,7 @@ Header (offsets in bytes)::
     144  8  state_len
     152 32  library          llama.cpp identity, UTF-8, NUL-padded
     184 64  title            UTF-8, NUL-padded (truncated at a character boundary)
-    248  4  parent_n_tokens  DELTA only: tokens held by the parent, 1..n_tokens (0 otherwise)
+    248  4  parent_n_tokens  DELTA only: the parent's tokens it builds on, 1..n_tokens (0 otherwise)
     252  4  header_crc32     CRC32 of bytes 0..251
 
 Memory kinds
@@ -75,8 +75,14 @@ With the DELTA flag the state section holds only the KV cells of positions
 recurrent snapshot at ``n_tokens``: it is small and cannot be split by position), saved
 from a scratch sequence (id 1) that shares those cells with sequence 0. The metadata's
 ``"parent"`` object names the parent: its file name (in the same folder), its
-``checkpoint_id`` and its payload CRC32; the token array is complete, so its first
-``parent_n_tokens`` ids must equal the parent's. A delta may hold no cells at all
+``checkpoint_id``, its payload CRC32 and the number of tokens it holds; the token array
+is complete, so its first ``parent_n_tokens`` ids must equal the parent's.  Usually the
+parent holds exactly ``parent_n_tokens`` tokens.  It may hold more — a *cut*: the delta
+builds on the parent's first ``parent_n_tokens`` tokens, e.g. a conversation that starts
+with another one's document — only for an attention memory without a sliding window
+(``memory`` 0, ``n_swa`` 0), whose cells before a position are the same whatever follows;
+restoring drops the parent's cells from ``parent_n_tokens`` on before the delta's are set
+(engine.checkpoints.chain.can_cut; a reader from before cuts refuses the link). A delta may hold no cells at all
 (``parent_n_tokens == n_tokens``, an empty state section): the same cache as its parent
 with another conversation state, e.g. a pause before the first token or a rename,
 written without copying the context again. Restoring applies the chain's base to
