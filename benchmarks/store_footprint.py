@@ -12,7 +12,12 @@ Side by side in one process, on the same model and the same conversations:
 
 Cases: (1) an 18-token prompt and 256 generated tokens, autosave every 16 (the CLI's
 default chain, head written at the end); (2) ``--conversations`` conversations sharing a
-~1,500-token system prompt, each with its own question and a 16-token answer.  The KV
+~1,500-token system prompt, each with its own question and a 16-token answer; (3) as many
+conversations whose first message is the same ~1,500-token document and then a question,
+started as the window starts one (from the store's longest stored prefix): *before* writes
+each one's first file whole, *now* cuts it from the first conversation's file
+(engine.history.LineWriter._cut; only a plain attention memory can, so for the others the
+two columns are the same rules).  The KV
 bytes a store must hold at the least are measured from llama.cpp's own state of the
 tokens (one sequence, no logits): for case 2, one system prompt plus each conversation's
 own tokens (llama.cpp's state of the positions after the system prompt: for a sliding
@@ -57,6 +62,18 @@ def layout_before():
         yield
     finally:
         runtime.logits_rule, history.shared_base = saved
+
+
+@contextmanager
+def no_cuts():
+    """Every conversation's first file whole, as before cut deltas (2026-12-04)."""
+    import engine.history as history
+    saved = history.LineWriter._cut
+    history.LineWriter._cut = lambda self, tip, idx: None
+    try:
+        yield
+    finally:
+        history.LineWriter._cut = saved
 
 
 def store_bytes(folder: Path) -> int:
@@ -130,6 +147,33 @@ def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
     return store_bytes(folder), floor, n_system
 
 
+def document_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
+    """(store bytes, floor KV bytes, tokens shared) of ``n`` conversations on one document."""
+    from engine.checkpoints.chain import common_prefix
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.prefix_reuse import start_from_stored_prefix
+    from engine.sampling import SamplerSettings
+    document = "Shipment log:\n" + " ".join(f"parcel {i} left depot {i % 9} on day {i * 7 % 31};"
+                                            for i in range(130))   # about 1,500 tokens
+    floor, first, shared = 0, None, 0
+    for i in range(n):
+        rt.trim(0)   # each conversation in a sequence of its own, as the window's are
+        conv = Conversation(system_prompt="", sampler=SamplerSettings(temperature=0.0))
+        begin_answer(conv, rt, document + "\n\n" + QUESTIONS[i % len(QUESTIONS)] + f" (ticket {i})", n_predict=16)
+        writer = start_from_stored_prefix(rt, Store(folder), conv)
+        generate(rt, conv, autosave=writer, autosave_every=0)
+        writer.save_head(conv, KIND_MANUAL)
+        writer.close()
+        if first is None:
+            first = list(rt.kv_tokens)
+        shared = common_prefix(first, rt.kv_tokens) if i else 0
+        floor += state_bytes(rt, len(rt.kv_tokens), shared)
+    return store_bytes(folder), floor, common_prefix(first or [], rt.kv_tokens)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODEL_KEYS))
@@ -142,6 +186,9 @@ def main(argv=None) -> int:
     shared = Table(f"2. {args.conversations} conversations on one system prompt: store bytes / (one prompt + "
                    "their own tokens)", ["model", "system_tokens", "floor_MB", "before_MB", "before_x",
                                          "now_MB", "now_x"])
+    documents = Table(f"3. {args.conversations} conversations on one document in the first message: store "
+                      "bytes / (one document + their own tokens)",
+                      ["model", "shared_tokens", "floor_MB", "before_MB", "before_x", "now_MB", "now_x"])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for key in args.models.split(","):
@@ -157,6 +204,11 @@ def main(argv=None) -> int:
                 now, floor_now, n_system = shared_case(rt, root / key / "shared-now", args.conversations)
                 shared.add(model=key, system_tokens=n_system, floor_MB=floor_now / MB, before_MB=before / MB,
                            before_x=before / floor, now_MB=now / MB, now_x=now / floor_now)
+                with no_cuts():
+                    before, floor, _ = document_case(rt, root / key / "doc-before", args.conversations)
+                now, floor_now, n_doc = document_case(rt, root / key / "doc-now", args.conversations)
+                documents.add(model=key, shared_tokens=n_doc, floor_MB=floor_now / MB, before_MB=before / MB,
+                              before_x=before / floor, now_MB=now / MB, now_x=now / floor_now)
             finally:
                 rt.close()
     auto.notes.append("kv: llama.cpp's state of the final cache (one sequence, q8_0 K/V, no logits)")
@@ -166,6 +218,8 @@ def main(argv=None) -> int:
     print(auto.render())
     print()
     print(shared.render())
+    print()
+    print(documents.render())
     return 0
 
 
