@@ -83,6 +83,27 @@ def test_conversations_on_a_shared_system_prompt_keep_every_head(actions, smollm
     assert outcome.orphans == [], "files no head needs were left behind"
 
 
+#: about 330 tokens at the start of every conversation's first message
+DOCUMENT = "Log: " + " ".join(f"crate {i} went to bay {i % 5};" for i in range(40)) + "\n\n"
+
+
+@settings(max_examples=max(2, EXAMPLES // 2), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=8))
+@example(actions=[("answer", 0, 8), ("pause", 1, 3), ("delete", 0, 0), ("resume", 1, 4), ("answer", 2, 6)])
+@example(actions=[("pause", 0, 3), ("answer", 1, 6), ("reimport", 0, 0), ("prune", 0, 0), ("delete", 1, 0)])
+def test_conversations_on_one_document_keep_every_head(actions, smollm_path, checker, tmp_path_factory):
+    """The same, every conversation's first message starting with one document: the later
+    ones build on the first's file (a cut delta), which is kept while a head needs it."""
+    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("document"), actions, checker,
+                                   document=DOCUMENT)
+    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
+
+
 @pytest.fixture(scope="module")
 def tiny_checkers(tiny_model_path):
     """One checking runtime per tiny model of another memory kind (tests/tinymodels.py)."""

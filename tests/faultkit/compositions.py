@@ -44,9 +44,13 @@ def random_actions(rng: random.Random, n: int) -> list[tuple[str, int, int]]:
 class Driver:
     """The worker, a store, and the conversations the app has (up to three)."""
 
-    def __init__(self, model: Path, home: Path, system: str = "", n_batch: int | None = None) -> None:
+    def __init__(self, model: Path, home: Path, system: str = "", n_batch: int | None = None,
+                 document: str = "") -> None:
         from engine.checkpoints.store import Store
         self.system = system   # the system prompt of slots 0 and 1 (a shared prefix when long)
+        #: the start of every conversation's first message (a conversation on another's
+        #: document builds on its file: a cut, engine.history.LineWriter._cut)
+        self.document = document
         self.n_batch = n_batch   # the prefill chunk of the worker and of the CLI (None: theirs)
         from engine.worker import EngineWorker, ModelOptions, WorkerListener
         self.home = home
@@ -106,16 +110,21 @@ class Driver:
         getattr(self, f"do_{kind}")(slot, n)
         self.wait()
 
+    def _message(self, c, text: str) -> str:
+        conv = self.worker.sessions.conversation(c)
+        first = conv is None or (not conv.messages and conv.answer is None)
+        return self.document + text if first and self.document else text
+
     def do_answer(self, slot, n):
         c = self.conv(slot)
         self.answered.add(c)
-        self.worker.send(c, PROMPTS[(slot + n) % len(PROMPTS)], n_predict=n)
+        self.worker.send(c, self._message(c, PROMPTS[(slot + n) % len(PROMPTS)]), n_predict=n)
 
     def do_pause(self, slot, n):
         c = self.conv(slot)
         self.answered.add(c)
         self.texts, self.pause_after = 0, n
-        self.worker.send(c, PROMPTS[(slot + n + 1) % len(PROMPTS)], n_predict=200)
+        self.worker.send(c, self._message(c, PROMPTS[(slot + n + 1) % len(PROMPTS)]), n_predict=200)
         self.wait()
         self.pause_after = None
 
@@ -302,12 +311,12 @@ def check(driver: Driver, runtime) -> Outcome:
 
 
 def run_sequence(model: Path, home: Path, actions, runtime, system: str = "",
-                 n_batch: int | None = None) -> tuple[Driver, Outcome]:
+                 n_batch: int | None = None, document: str = "") -> tuple[Driver, Outcome]:
     """Perform ``actions`` on a fresh store in ``home``, exit cleanly, and check the
     invariants with ``runtime`` (a context shaped like the worker's).  ``n_batch``: the
     prefill chunk of the worker and of the killed CLI runs; the checking runtime must use
     the same (see check: its recompute is the reference)."""
-    driver = Driver(model, home, system, n_batch)
+    driver = Driver(model, home, system, n_batch, document)
     try:
         for kind, slot, n in actions:
             driver.run(kind, slot, n)
