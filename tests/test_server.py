@@ -120,6 +120,28 @@ def test_five_turns_each_restores_every_turn_before_it_across_a_restart(app_home
     assert server.stop() == 0
 
 
+def test_requests_on_one_document_store_it_once(app_home, served):
+    """Requests that start with the same document (no system prompt) and ask different
+    questions: each later one is started from the first's file and stores only its own
+    tokens (a cut delta, engine.history.LineWriter._cut)."""
+    from engine.checkpoints.store import Store
+    document = "Log: " + " ".join(f"crate {i} went to bay {i % 5};" for i in range(40))
+    server = served(app_home)
+    client = server.client()
+    model = client.models.list().data[0].id
+    sizes, usages = [], []
+    for question in ("Which bay did crate 7 go to?", "How many crates went to bay 2?", "Summarise the log."):
+        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        text, usage, _ = ask(client, model, messages, stream=False, max_tokens=8, seed=1)
+        assert text
+        usages.append(usage)
+        sizes.append(sum(p.stat().st_size for p in Store().files()))
+    assert server.stop() == 0
+    assert all(u.prompt_tokens_details.cached_tokens > 300 for u in usages[1:])
+    assert sizes[2] - sizes[0] < sizes[0] / 5, sizes
+    assert len(heads()) == 3
+
+
 def test_the_same_seed_gives_the_text_run_gives_streamed_or_not(app_home, served):
     prompt = "Write one sentence about the sea."
     done = run_cli("run", "-p", prompt, "-s", "7", "-n", "24", "-c", "1024", "-t", "2", "--temp", "0.9",
