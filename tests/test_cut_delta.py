@@ -131,9 +131,13 @@ def test_the_cli_reuses_a_document_without_a_second_copy(app_home, tmp_path):
     assert "reused" in done.stderr
     assert sizes[1] - sizes[0] < sizes[0] / 5, sizes
     heads = [p for p in folder.glob("*.kvckpt") if not p.name.startswith("autosave-")]
+    shown = []
     for head in heads:
         checked = run_cli("validate", str(head))
         assert checked.returncode == 0 and "Chain OK" in checked.stdout, checked.stdout + checked.stderr
+        shown.append(run_cli("inspect", str(head), check=True).stdout)
+    # inspect says where a chain is cut
+    assert sum("used)" in out for out in shown) == 1, shown
 
 
 # -- the link rule --------------------------------------------------------------------------

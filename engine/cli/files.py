@@ -177,10 +177,14 @@ def cmd_inspect(args) -> int:
             "part of a head's chain" if place["needed_by_head"] else "not needed by any head")
         print(f"{'place':18} {role}")
         print("chain:" + (f"  BROKEN: {place['chain_problem']}" if place["chain_problem"] else ""))
-        for name in place["chain"]:
+        names = place["chain"]
+        for i, name in enumerate(names):
             member = g.nodes[name]
             what = "delta" if member.is_delta else "full"
-            print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}")
+            start = g.nodes[names[i + 1]].header.parent_n_tokens if i + 1 < len(names) else 0
+            # a cut (engine.checkpoints.chain.can_cut): the next file builds on fewer of its tokens
+            used = f"  (its first {start} used)" if 0 < start < member.header.n_tokens else ""
+            print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}{used}")
         print(f"  total {human_size(place['chain_size'])}")
     print("transcript:")
     transcript = meta.get("transcript")
