@@ -240,7 +240,8 @@ class LineWriter:
         if tip is None:
             return None
 
-        def anchor(i: int) -> bool:   # (a file before the tip is a prefix of the cache)
+        def anchor(i: int) -> bool:   # (a file before the tip is a prefix of the cache; after
+            # a cut, the delta is the chain's base: see _write)
             info = self.chain[i]
             return (bool(info.checkpoint_id) and info.n_tokens > 0
                     and (i == 0 or info.kind != KIND_AUTOSAVE or info.n_tokens <= prompt_end
@@ -335,7 +336,9 @@ class LineWriter:
         shares (a document followed by another question: engine.prefix_reuse) then
         stores only its own tokens.  Only when it is worth it: the cut must save at least
         :data:`MIN_CUT_GAIN` tokens, and use at least half of the cut file's own cells,
-        since the file stays in the store as long as the delta does."""
+        since the file stays in the store as long as the delta does; and the file must not
+        be its line's newest (its tip): a conversation's own file before its head, e.g.
+        its prompt's checkpoint, is what a document's next conversation is cut from."""
         if (self.mode != "delta" or not self.runtime.settings.supports_deltas
                 or not self.runtime.shape.cells_by_position or tip == len(self.chain) - 1):
             return None
@@ -348,9 +351,12 @@ class LineWriter:
             if shared >= info.n_tokens:
                 continue   # a prefix of the cache: the tip is at or after it
             own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
-            if shared - below >= MIN_CUT_GAIN and shared - own >= info.n_tokens - shared:
-                return i, shared
-            return None
+            if shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared:
+                return None
+            # never from a line's tip: a tip an other line's chain holds is no head any more
+            # (engine.checkpoints.graph), and its conversation would vanish from the list
+            tip_file = Graph.scan(self.store).tip_of_line.get(info.line)
+            return None if tip_file is None or tip_file.name == info.path.name else (i, shared)
         return None
 
     def _on_shared_prefix(self, conv: Conversation) -> int | None:

@@ -54,7 +54,7 @@ from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.conversation import Conversation
 from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.model_shape import MEMORY_ATTENTION, MEMORY_RECURRENT
-from engine.restore import restore_into
+from engine.restore import peak_tokens, restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
 from engine.snapshots import PromptSnapshot, Shelf, WindowCover
@@ -693,7 +693,7 @@ class ConversationView(SequenceView):
 
     def restore_chain(self, chain: Sequence[CheckpointData]) -> Conversation:
         seq = self.place().seq
-        last = chain[-1].header.n_tokens
+        last = peak_tokens(chain)   # (a cut chain holds its parent whole for a moment)
         if not self._prt.make_room(max(0, last - len(self._prt.tokens(seq))), keep=self.key):
             raise RestoreFailed(f"the context has no room for {last:,} more tokens while other "
                                 "conversations are answering")

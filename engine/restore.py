@@ -138,7 +138,7 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target
     kept = used_end(chain, keep - 1) if keep else 0
     if keep and slot.trim(kept) != kept:
         keep, kept = 0, 0   # the memory cannot drop a tail (sliding window): restore it all
-    slot.make_room(n)
+    slot.make_room(peak_tokens(chain, keep))
     if not keep:
         slot.empty()
     slot.forget_logits()
@@ -207,6 +207,12 @@ def files_in_cache(cached: Sequence[int], chain: Sequence[CheckpointData]) -> in
         if 0 < used_end(chain, k - 1) <= shared:
             return k
     return 0
+
+
+def peak_tokens(chain: Sequence[CheckpointData], keep: int = 0) -> int:
+    """The most tokens the sequence holds while ``chain[keep:]`` is applied: the last
+    file's, or a parent's that a cut (engine.checkpoints.chain.can_cut) drops a tail of."""
+    return max((d.header.n_tokens for d in chain[keep:]), default=chain[-1].header.n_tokens)
 
 
 def used_end(chain: Sequence[CheckpointData], i: int) -> int:

@@ -209,3 +209,43 @@ def test_export_of_a_cut_conversation_is_one_whole_file_and_an_import_links_it(s
     rt.trim(0)
     rt.restore_chain(load_chain(g.heads[0].path))
     assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected)
+
+
+@pytest.mark.slow
+def test_a_cut_is_never_from_a_line_s_tip_so_no_conversation_vanishes(smollm_runtime, tmp_path):
+    """A first conversation whose only file is its head (a prompt too short for a prompt
+    checkpoint): the next one on its text does not cut from that head, which would hide
+    the first conversation from the list (a tip another chain holds is no head)."""
+    rt, store = smollm_runtime, Store(tmp_path)
+    text = " ".join(f"item {i} costs {i * 3} euros;" for i in range(18))   # ~150 tokens
+    convs = []
+    for question in QUESTIONS:
+        rt.trim(0)
+        conv = _conversation(question)
+        begin_answer(conv, rt, text + "\n\n" + question, n_predict=8)
+        writer = start_from_stored_prefix(rt, store, conv)
+        generate(rt, conv, autosave=writer, autosave_every=0)
+        writer.save_head(conv, KIND_MANUAL)
+        writer.close()
+        convs.append(conv.id)
+    g = Graph.scan(store)
+    assert {h.conversation_id for h in g.heads} == set(convs)
+    for head in g.heads:
+        chain = g.chain(head)
+        assert all(chain[i + 1].header.parent_n_tokens == chain[i].header.n_tokens for i in range(len(chain) - 1))
+
+
+def test_room_is_made_for_the_parent_a_cut_drops_a_tail_of():
+    """A cut chain holds its parent whole for a moment (restore._apply): the room a restore
+    asks for (restore.peak_tokens) is the most it holds at any point, not the last file's."""
+    from types import SimpleNamespace
+
+    from engine.restore import peak_tokens, used_end
+
+    def file(n, start=0):
+        return SimpleNamespace(header=SimpleNamespace(n_tokens=n, parent_n_tokens=start))
+    chain = [file(300), file(4000, 300), file(3100, 3000)]
+    assert peak_tokens(chain) == 4000
+    assert peak_tokens(chain, keep=2) == 3100     # the parent is in the cache, trimmed
+    assert used_end(chain, 1) == 3000 and used_end(chain, 0) == 300 and used_end(chain, 2) == 3100
+    assert peak_tokens([file(300), file(500, 300)]) == 500

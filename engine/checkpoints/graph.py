@@ -35,7 +35,9 @@ file this module ever deletes on its own:
 * :func:`prune` spends a byte budget on superseded nodes, oldest first, and reports
   what it kept and why;
 * :func:`delete_conversation` deletes every node of a conversation that no head of
-  another conversation depends on (the user asked for it).
+  another conversation depends on (the user asked for it), and what its chains hold of
+  a conversation deleted before, up to a cut (engine.checkpoints.chain.can_cut), that no
+  other head needs.
 
 Never deleted automatically: a head or anything in a head's chain; a node newer than
 its line's head (a chain being written, or one whose parent went missing: the user may
@@ -134,11 +136,19 @@ class Node:
                          self._digest_at)
 
     def _digest_at(self, k: int) -> str:
-        """The digest of its first ``k`` tokens, read again (only a cut child asks)."""
-        try:
-            return tokens_digest(read_tokens(self.path)[1][:k])
-        except (OSError, CheckpointError):
-            return ""   # unreadable now: the link is reported broken
+        """The digest of its first ``k`` tokens, read again once per file version (only a
+        cut child asks)."""
+        key = (str(self.path), self.identity, k)
+        digest = _CUT_DIGESTS.get(key)
+        if digest is None:
+            try:
+                digest = tokens_digest(read_tokens(self.path)[1][:k])
+            except (OSError, CheckpointError):
+                return ""   # unreadable now: the link is reported broken
+            if len(_CUT_DIGESTS) >= _NODE_CACHE_MAX:
+                _CUT_DIGESTS.clear()
+            _CUT_DIGESTS[key] = digest
+        return digest
 
     @property
     def name(self) -> str:
@@ -223,6 +233,8 @@ def read_node(path: Path) -> Node:
 # place by the app; a user's or a test's rewrite changes the identity).
 _NODE_CACHE: dict[str, tuple[tuple[int, int, int], Node]] = {}
 _NODE_CACHE_MAX = 8192
+#: digests of a file's first k tokens (Node._digest_at), by path, file version and k
+_CUT_DIGESTS: dict[tuple[str, tuple[int, int, int], int], str] = {}
 # Files (by path and identity) whose full CRC was verified in this process.
 _VERIFIED: set[tuple[str, tuple[int, int, int]]] = set()
 
@@ -508,7 +520,8 @@ def _delete_leaves_first(store: Store, graph: Graph, nodes: list[Node], report: 
     """Delete ``nodes`` children before parents; when a file cannot go, the files it
     needs stay too (a chain is never cut in the middle)."""
     blocked: set[str] = set()
-    for node in sorted(nodes, key=lambda n: n.order, reverse=True):
+    # deepest first: a file's children are deeper in its chain, whatever line they are of
+    for node in sorted(nodes, key=lambda n: (len(graph.chain(n)), n.order), reverse=True):
         if node.name in blocked or keep(node):
             blocked.update(n.name for n in graph.chain(node)[:-1])
             if node.name in blocked:
@@ -602,8 +615,10 @@ def retire(store: Store, line: str) -> PruneReport:
 
 def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
     """Delete every file of a conversation that no other conversation's head needs, and the
-    files of others its heads' chains hold that no other head needs (what a conversation
-    deleted before kept alive for this one: the file it was cut or forked from)."""
+    files of others its heads' chains hold up to a cut that no other head needs: what a
+    conversation deleted before kept alive for this one (the file it was cut from; a
+    writer never cuts from a line's tip, so no live conversation hangs on such a file
+    alone, engine.history.LineWriter._cut)."""
     report = PruneReport()
     if not store.folder.is_dir():
         return report
@@ -614,8 +629,14 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
             if head.conversation_id != conversation_id:
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
-        borrowed = {n.name: n for h in graph.heads if h.conversation_id == conversation_id
-                    for n in graph.chain(h) if n.conversation_id != conversation_id and n.name not in needed}
+        borrowed: dict[str, Node] = {}
+        for head in graph.heads:
+            if head.conversation_id == conversation_id:
+                chain = graph.chain(head)
+                cuts = [i for i in range(len(chain) - 1)
+                        if chain[i + 1].header.parent_n_tokens < chain[i].header.n_tokens]
+                borrowed.update((n.name, n) for n in chain[:max(cuts, default=-1) + 1]
+                                if n.conversation_id != conversation_id and n.name not in needed)
         mine += borrowed.values()
         for node in mine:
             if node.name in needed:
