@@ -164,7 +164,10 @@ def document_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
         conv = Conversation(system_prompt="", sampler=SamplerSettings(temperature=0.0))
         begin_answer(conv, rt, document + "\n\n" + QUESTIONS[i % len(QUESTIONS)] + f" (ticket {i})", n_predict=16)
         writer = start_from_stored_prefix(rt, Store(folder), conv)
-        generate(rt, conv, autosave=writer, autosave_every=0)
+        # as the window saves: an autosave every 64 tokens and the prompt's own checkpoint (a
+        # cut is made from it, never from a conversation's head: LineWriter._cut)
+        generate(rt, conv, autosave=writer, autosave_every=64,
+                 checkpoint_prompt=writer.policy.prompt_checkpoint)
         writer.save_head(conv, KIND_MANUAL)
         writer.close()
         if first is None:
