@@ -115,3 +115,23 @@ def make_window(qtbot, qapp):
 
     yield make
     close_windows(windows)
+
+
+def continue_in_fresh_runtime(model_path: Path, chain, expected_state) -> str:
+    """Restore ``chain`` in a new SmolLM2-shaped Runtime (n_ctx 2048, 2 threads): its state
+    must be ``expected_state`` byte for byte and its pause must carry its logits (nothing
+    decoded again); returns the rest of the answer generated from there."""
+    import numpy as np
+
+    from engine.generation import generate
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    fresh = Runtime(model_path, ContextSettings(n_ctx=2048, n_threads=2))
+    try:
+        resumed = fresh.restore_chain(chain)
+        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected_state)
+        rest = generate(fresh, resumed)
+        assert rest.n_reused_tokens == rest.n_prompt_tokens, "the pause carries its logits"
+    finally:
+        fresh.close()
+    return rest.text

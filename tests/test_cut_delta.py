@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import continue_in_fresh_runtime, run_cli
 
 from engine.checkpoints import graph as store_graph
 from engine.checkpoints.chain import LinkFacts, ParentRef, link_problem, load_chain, tokens_digest
@@ -23,9 +23,7 @@ from engine.conversation import Conversation
 from engine.errors import SaveFailed
 from engine.generation import begin_answer, generate
 from engine.prefix_reuse import reuse_stored_prefix, start_from_stored_prefix
-from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
-from native.context import ContextSettings
 
 DOCUMENT = "Here is the log of the harbour office:\n" + " ".join(
     f"ship {i} left pier {i % 7} with {i * 13 % 101} crates;" for i in range(120))
@@ -83,16 +81,8 @@ def test_a_conversation_cut_from_another_resumes_exactly(smollm_path, smollm_run
     expected_state = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
     chain = load_chain(writer.head.path)
     assert any(chain[i].header.parent_n_tokens < chain[i - 1].header.n_tokens for i in range(1, len(chain)))
-
-    fresh = Runtime(smollm_path, ContextSettings(n_ctx=2048, n_threads=2))
-    try:
-        resumed = fresh.restore_chain(chain)
-        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected_state)
-        rest = generate(fresh, resumed)
-        assert rest.n_reused_tokens == rest.n_prompt_tokens, "the pause carries its logits"
-    finally:
-        fresh.close()
-    assert conv.answer.text + rest.text == whole
+    rest = continue_in_fresh_runtime(smollm_path, chain, expected_state)
+    assert conv.answer.text + rest == whole
     # switching back to it in a cache that holds the first conversation keeps the document
     rt.trim(0)
     _ask(rt, store, QUESTIONS[0])

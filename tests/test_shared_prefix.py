@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import continue_in_fresh_runtime, run_cli
 
 from engine.checkpoints import graph as store_graph
 from engine.checkpoints.chain import load_chain
@@ -87,16 +87,8 @@ def test_a_conversation_on_a_shared_prefix_resumes_exactly(smollm_path, smollm_r
     chain = load_chain(writer.head.path)
     assert is_shared_line(chain[0].meta["line"]) and len(chain) >= 2
     expected_state = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
-
-    fresh = Runtime(smollm_path, ContextSettings(n_ctx=2048, n_threads=2))
-    try:
-        resumed = fresh.restore_chain(chain)
-        assert np.array_equal(fresh.prefix_state(len(fresh.kv_tokens)), expected_state)
-        rest = generate(fresh, resumed)
-        assert rest.n_reused_tokens == rest.n_prompt_tokens, "the pause carries its logits"
-    finally:
-        fresh.close()
-    assert conv.answer.text + rest.text == whole
+    rest = continue_in_fresh_runtime(smollm_path, chain, expected_state)
+    assert conv.answer.text + rest == whole
 
 
 def test_the_prefix_lives_as_long_as_a_conversation_needs_it(smollm_runtime, tmp_path):
