@@ -246,9 +246,9 @@ class Complete(Command):
 
 # -- from the engine's own helper thread -----------------------------------------------------
 @dataclass(frozen=True)
-class Announce(Command):
-    """An event the engine thread emits when it comes to this command: an autosave's
-    CheckpointSaved, queued by the checkpoint helper thread once the file has landed
-    (nothing is announced as saved before it can be loaded)."""
-    event: Any                      # engine.events.Event
+class Landed(Command):
+    """The checkpoint helper thread's word that an autosave of this conversation has
+    landed: the engine thread settles its writer, which announces the save (nothing is
+    announced as saved before it can be loaded; saves are announced in the order made)."""
+    conv_id: uuid.UUID
     action = Action.AUTOSAVE

@@ -133,6 +133,7 @@ class LineWriter:
         self._landing = Landing()
         self._landing_info: SaveInfo | None = None
         self._land_now = False   # after a failed landing, the next save is synchronous
+        self._after_landing: list = []   # when_landed's steps, for the owner's thread
         self.saves = 0
         self.bytes_written = 0
         self._written: set[str] = set()   # checkpoint ids of the files this writer wrote
@@ -190,13 +191,19 @@ class LineWriter:
         """Whether the newest save is still landing (its fsync and rename on the helper thread)."""
         return self._landing.in_flight
 
-    def when_landed(self, step) -> None:
-        """Run ``step`` once the newest save is on disk: at once when it is, else on the
-        helper thread after it landed (never if it failed: :meth:`settle` reports that)."""
-        if self._landing.in_flight:
-            self._landing.then(step)
-        else:
+    def when_landed(self, step, wake=None) -> None:
+        """Run ``step`` once the newest save is on disk (at once when it is; never if it
+        failed), on the thread that settles this writer: its owner's, at its next save or
+        :meth:`settle`.  So what a step does (an autosave's announcement) happens in the
+        order of the saves, before the next save starts, and never after a later save
+        retired the file.  ``wake`` runs on the helper thread as soon as the save has
+        landed, for an owner that would not settle soon otherwise (it queues a command)."""
+        if not self._landing.in_flight:
             step()
+            return
+        self._after_landing.append(step)
+        if wake is not None:
+            self._landing.then(wake)
 
     def settle(self) -> None:
         """Wait for the autosave still landing; if it failed, it is no file of the chain."""
@@ -204,6 +211,7 @@ class LineWriter:
             return
         failure = self._landing.settle()
         landed, self._landing_info = self._landing_info, None
+        steps, self._after_landing = self._after_landing, []
         if failure is not None:
             # e.g. its parent was deleted meanwhile: the next save, made in the foreground,
             # finds that out and writes a full checkpoint instead
@@ -211,6 +219,12 @@ class LineWriter:
             self._land_now = True
             if self._chain and self._chain[-1] is landed:
                 self._chain.pop()
+            return
+        for step in steps:
+            try:
+                step()
+            except Exception:   # noqa: BLE001 - a step never undoes a landed save
+                log.exception("a step after a checkpoint landed failed")
 
     # -- deciding -----------------------------------------------------------------------------
     def _head_holding_cache(self) -> SaveInfo | None:

@@ -482,7 +482,7 @@ class EngineWorker:
             cmd.EditMessage: self._do_edit_message, cmd.ContinueAnswer: self._do_continue_answer,
             cmd.SendInNewBranch: self._do_send_in_new_branch, cmd.OpenCheckpoint: self._do_open_checkpoint,
             cmd.Export: self._do_export, cmd.Complete: self.requests.serve,
-            cmd.Announce: self.listener.emit,
+            cmd.Landed: self._do_landed,
         }
 
     def _must_wait(self, item: _Queued, earlier: list[_Queued]) -> bool:
@@ -1127,8 +1127,15 @@ class EngineWorker:
             log.exception("could not save after a failed generation")
             return False
 
+    def _do_landed(self, conv_id: uuid.UUID) -> None:
+        """A save of ``conv_id`` has landed: settling its writer announces it."""
+        session = self.sessions.get(conv_id)
+        if session is not None and session.writer is not None:
+            session.writer.settle()
+
     def _save(self, conv: Conversation, kind: int) -> None:
         kind = head_kind(conv.paused, kind)   # engine.checkpoint_policy: a truthful kind
+        self._writer(conv).settle()   # the autosave still landing is announced first
         self.listener.emit(CheckpointSaving(conv.id, kind))
         info = self._writer(conv).save_head(conv, kind)
         self.sessions.named(conv.id).head = info.path
@@ -1147,10 +1154,9 @@ class EngineWorker:
         self.sessions.named(conv.id).head = info.path
         saved = CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
                                 info.seconds, KIND_AUTOSAVE)
-        if writer.landing:   # announced once it has landed, by this thread (cmd.Announce)
-            writer.when_landed(lambda: self.submit(cmd.Announce(saved)))
-        else:
-            self.listener.emit(saved)
+        # announced by this thread once it has landed: when the writer next settles, which
+        # the helper thread asks for at once (cmd.Landed), or before the next save
+        writer.when_landed(lambda: self.listener.emit(saved), wake=lambda: self.submit(cmd.Landed(conv.id)))
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:

@@ -12,7 +12,7 @@ import threading
 import pytest
 from enginekit import Recorder
 
-from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_header
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE, read_header
 from engine.checkpoints.store import Store
 from engine.sampling import SamplerSettings
 from engine.worker import EngineWorker, ModelOptions, WorkerListener
@@ -69,6 +69,48 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     after = Graph.scan(w.store)
     assert {n.name for n in after.chain(after.nodes[head.name])} <= set(after.nodes)
     assert {h.conversation_id for h in after.heads} == {a, b}
+
+
+def test_saves_are_announced_in_the_order_made_once_they_can_be_loaded(smollm_path, tmp_path, monkeypatch):
+    """An autosave lands on a helper thread.  On a slow disk the answer's head is written
+    while the last autosave is still landing: that autosave is still announced before the
+    head (not after, when the head has retired its file), and only once it is a file."""
+    import time
+    from pathlib import Path
+
+    from engine.checkpoints import atomic
+
+    class Checking(Recorder):
+        def on_checkpoint_saved(self, e):
+            self._add("there", Path(e.path).exists())
+            super().on_checkpoint_saved(e)
+
+    real_fsync = atomic.fsync
+
+    def slow_on_the_helper(fd):
+        if threading.current_thread().name.startswith("checkpoint-landing"):
+            time.sleep(0.4)
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic, "fsync", slow_on_the_helper)
+    rec = Checking()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+        rec.wait("loaded")
+        w.autosave_every = 8
+        a = w.new_conversation(sampler=SamplerSettings(seed=3))
+        w.send(a, "Tell me about rivers.", n_predict=20)
+        summary = rec.wait("finished")[0][1]
+        rec.head_saved(a)
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    kinds = [e[3] for e in rec.of("saved")]
+    assert summary.n_generated >= 16
+    assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [KIND_MANUAL], kinds
+    assert all(e[1] for e in rec.of("there"))
 
 
 def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_path, tmp_path):
