@@ -59,6 +59,7 @@ class Driver:
         self.pause_after: int | None = None
         self.texts = 0
         self.errors: list[tuple] = []
+        self.unloadable: list[str] = []   # files announced as saved that did not load then
 
         class Listener(WorkerListener):
             def on_text(self, e):
@@ -69,6 +70,15 @@ class Driver:
 
             def on_error(self, e):
                 driver.errors.append((e.action, e.message))
+
+            def on_checkpoint_saved(self, e):
+                # nothing is announced as saved unless it can be loaded, then and there
+                from engine.checkpoints.chain import load_chain
+                from engine.errors import AppError
+                try:
+                    load_chain(e.path)
+                except (AppError, OSError) as exc:
+                    driver.unloadable.append(f"{Path(e.path).name}: {exc}")
 
         self.worker = EngineWorker(Listener(), self.store)
         self.worker.autosave_every = 4
@@ -266,6 +276,7 @@ def check(driver: Driver, runtime) -> Outcome:
     if (driver.deleted - live) & have:
         out.problems.append("a deleted conversation came back")
     out.problems += [f"engine error: {a}: {m}" for a, m in driver.errors]
+    out.problems += [f"announced as saved, not loadable: {u}" for u in driver.unloadable]
     # the app's newest state of each conversation is in the store, restorable: a head, or
     # a file some head builds on (a CLI run may have continued it on a branch of its own)
     from engine.checkpoints.chain import tokens_digest
