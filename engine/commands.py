@@ -251,4 +251,5 @@ class Landed(Command):
     landed: the engine thread settles its writer, which announces the save (nothing is
     announced as saved before it can be loaded; saves are announced in the order made)."""
     conv_id: uuid.UUID
+    path: Path                      # the file that landed
     action = Action.AUTOSAVE

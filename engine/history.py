@@ -191,6 +191,13 @@ class LineWriter:
         """Whether the newest save is still landing (its fsync and rename on the helper thread)."""
         return self._landing.in_flight
 
+    @property
+    def landing_path(self) -> Path | None:
+        """The file of the save still landing, if any (its fsync and rename in flight, or
+        done and not yet settled)."""
+        info = self._landing_info if self._landing.in_flight else None
+        return info.path if info is not None else None
+
     def when_landed(self, step, wake=None) -> None:
         """Run ``step`` once the newest save is on disk (at once when it is; never if it
         failed), on the thread that settles this writer: its owner's, at its next save or

@@ -1127,11 +1127,14 @@ class EngineWorker:
             log.exception("could not save after a failed generation")
             return False
 
-    def _do_landed(self, conv_id: uuid.UUID) -> None:
-        """A save of ``conv_id`` has landed: settling its writer announces it."""
+    def _do_landed(self, conv_id: uuid.UUID, path: Path) -> None:
+        """The save of ``conv_id`` into ``path`` has landed: settling its writer announces
+        it.  Not when a newer save is landing by now: that one's settling announced this
+        one, and settling now would wait for the newer one's fsync (its own word follows)."""
         session = self.sessions.get(conv_id)
-        if session is not None and session.writer is not None:
-            session.writer.settle()
+        writer = session.writer if session is not None else None
+        if writer is not None and writer.landing_path == path:
+            writer.settle()
 
     def _save(self, conv: Conversation, kind: int) -> None:
         kind = head_kind(conv.paused, kind)   # engine.checkpoint_policy: a truthful kind
@@ -1156,7 +1159,8 @@ class EngineWorker:
                                 info.seconds, KIND_AUTOSAVE)
         # announced by this thread once it has landed: when the writer next settles, which
         # the helper thread asks for at once (cmd.Landed), or before the next save
-        writer.when_landed(lambda: self.listener.emit(saved), wake=lambda: self.submit(cmd.Landed(conv.id)))
+        writer.when_landed(lambda: self.listener.emit(saved),
+                           wake=lambda: self.submit(cmd.Landed(conv.id, info.path)))
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:
