@@ -36,6 +36,7 @@ import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.checkpoints import graph
