@@ -108,6 +108,29 @@ def test_the_file_cut_from_lives_as_long_as_a_conversation_needs_it(smollm_runti
     assert store.files() == [], "the last user of the file cut from left it behind"
 
 
+def test_a_read_error_on_the_file_cut_from_deletes_nothing_a_conversation_needs(smollm_runtime, tmp_path,
+                                                                                 monkeypatch):
+    """The store checks a cut link by reading the parent's tokens again; while that read
+    fails (a network share's hiccup, a lock), the link counts as made: deleting the other
+    conversation and pruning keep every file the cut conversation needs."""
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    first, _ = _ask(rt, store, QUESTIONS[0])
+    second, writer = _ask(rt, store, QUESTIONS[1])
+
+    def unreadable(path, *args, **kwargs):
+        raise OSError(5, "Input/output error", str(path))
+
+    store_graph._CUT_DIGESTS.clear()
+    with monkeypatch.context() as m:
+        m.setattr(store_graph, "read_tokens", unreadable)
+        store_graph.delete_conversation(store, first.id)
+        store_graph.prune(store, budget_bytes=0)
+        assert [h.conversation_id for h in Graph.scan(store).heads] == [second.id]
+    rt.trim(0)
+    rt.restore_chain(load_chain(writer.head.path))   # still whole
+
+
 @pytest.mark.slow
 def test_the_cli_reuses_a_document_without_a_second_copy(app_home, tmp_path):
     prompt = tmp_path / "prompt.txt"

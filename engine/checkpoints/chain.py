@@ -141,7 +141,7 @@ class LinkFacts:
     prefix_digest: str = ""          # a delta: digest of its first parent_n_tokens tokens
     cuttable: bool = False           # its memory may build on part of a parent (can_cut)
     #: the digest of its first k tokens (a cut child's parent is asked for it)
-    digest_at: Callable[[int], str] | None = field(default=None, compare=False, repr=False)
+    digest_at: Callable[[int], str | None] | None = field(default=None, compare=False, repr=False)
 
 
 def can_cut(header: Header) -> bool:
@@ -189,10 +189,16 @@ def link_problem(parent: LinkFacts, child: LinkFacts) -> str | None:
             or ref.n_tokens != parent.n_tokens:
         return f"{parent.name} is not the parent this delta was made on (it was replaced or altered since)"
     start = child.parent_n_tokens
+    wanted: str | None
     if start == parent.n_tokens:
         wanted = parent.tokens_digest
     elif 0 < start < parent.n_tokens and child.cuttable and parent.digest_at is not None:
         wanted = parent.digest_at(start)
+        if wanted is None:
+            # the parent's tokens cannot be read just now (a share's hiccup, a lock): the
+            # link counts as made, so that a store's bookkeeping never deletes what the
+            # child needs on a passing read error; a restore reads and checks it again
+            return None
     elif 0 < start < parent.n_tokens and child.cuttable:
         return f"the tokens of {parent.name} are not at hand to check the delta against"
     elif 0 < start < parent.n_tokens:

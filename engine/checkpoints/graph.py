@@ -135,16 +135,16 @@ class Node:
                          self.header.parent_n_tokens, self.prefix_digest, can_cut(self.header),
                          self._digest_at)
 
-    def _digest_at(self, k: int) -> str:
+    def _digest_at(self, k: int) -> str | None:
         """The digest of its first ``k`` tokens, read again once per file version (only a
-        cut child asks)."""
+        cut child asks); None while the file cannot be read (see link_problem)."""
         key = (str(self.path), self.identity, k)
         digest = _CUT_DIGESTS.get(key)
         if digest is None:
             try:
                 digest = tokens_digest(read_tokens(self.path)[1][:k])
             except (OSError, CheckpointError):
-                return ""   # unreadable now: the link is reported broken
+                return None
             if len(_CUT_DIGESTS) >= _NODE_CACHE_MAX:
                 _CUT_DIGESTS.clear()
             _CUT_DIGESTS[key] = digest
