@@ -128,6 +128,9 @@ class LineWriter:
         self.policy = policy
         self.mode = mode
         self._chain: list[SaveInfo] = list(chain)
+        #: files of the chain below ``_chain[0]`` (a cut's delta is the base of ``_chain``,
+        #: its ancestors still count towards ``policy.max_files``)
+        self._depth_below = 0
         self._lease = lease
         #: autosaves land (fsync, rename, retiring what they supersede) on a helper
         #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
@@ -272,7 +275,7 @@ class LineWriter:
         last_anchor = max((i for i in range(tip + 1) if anchor(i)), default=tip)
         fold = head and self.policy.fold_heads
         parent = last_anchor if fold or tip - last_anchor >= self.policy.max_tail else tip
-        return None if parent + 2 > self.policy.max_files else parent
+        return None if self._depth_below + parent + 2 > self.policy.max_files else parent
 
     def _tip_index(self) -> int | None:
         """Index of the newest file of the live chain the cache starts with (None: none, or
@@ -337,6 +340,10 @@ class LineWriter:
         else:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
+        if cut is not None:
+            self._depth_below += cut[0] + 1
+        elif idx is None:
+            self._depth_below = 0
         self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
         self.next_seq += 1
         self.saves += 1
@@ -373,7 +380,8 @@ class LineWriter:
             if shared >= info.n_tokens:
                 continue   # a prefix of the cache: the tip is at or after it
             own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
-            if shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared:
+            if (shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared
+                    or self._depth_below + i + 2 > self.policy.max_files):
                 return None
             # never from a line's tip: a tip an other line's chain holds is no head any more
             # (engine.checkpoints.graph), and its conversation would vanish from the list
@@ -391,7 +399,7 @@ class LineWriter:
             return None
         if base is None:
             return None
-        self._chain = [base]
+        self._chain, self._depth_below = [base], 0
         return 0
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,

@@ -131,6 +131,40 @@ def test_a_read_error_on_the_file_cut_from_deletes_nothing_a_conversation_needs(
     rt.restore_chain(load_chain(writer.head.path))   # still whole
 
 
+def test_a_cut_counts_the_files_below_it_towards_the_chain_limit(smollm_runtime, tmp_path):
+    """A restore reads every file of a chain: ChainPolicy.max_files bounds it, counting
+    the files a cut delta builds on, for the cut and for every save after it."""
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    _ask(rt, store, QUESTIONS[0])
+    rt.trim(0)
+    conv = _conversation(QUESTIONS[1])
+    begin_answer(conv, rt, DOCUMENT + "\n\n" + QUESTIONS[1], n_predict=16)
+    writer = start_from_stored_prefix(rt, store, conv)
+    writer.policy = replace(writer.policy, max_files=2)
+    chains = []   # the chain of every file written, as it is written: (files, holds a cut)
+
+    def written(path):
+        chain = load_chain(path)
+        chains.append((len(chain), any(d.header.parent_n_tokens < p.header.n_tokens
+                                       for p, d in zip(chain, chain[1:], strict=False))))
+
+    def autosave(c):
+        info = writer.autosave(c)
+        writer.settle()
+        written(info.path)
+        return info
+
+    generate(rt, conv, autosave=autosave, autosave_every=4)
+    head = writer.save_head(conv, KIND_MANUAL)
+    writer.close()
+    written(head.path)
+    assert any(cut for _, cut in chains), f"no cut was made: {chains}"
+    assert all(n <= 2 for n, _ in chains), chains
+    rt.trim(0)
+    rt.restore_chain(load_chain(head.path))
+
+
 @pytest.mark.slow
 def test_the_cli_reuses_a_document_without_a_second_copy(app_home, tmp_path):
     prompt = tmp_path / "prompt.txt"
