@@ -202,17 +202,18 @@ class LineWriter:
         info = self._landing_info if self._landing.in_flight else None
         return info.path if info is not None else None
 
-    def when_landed(self, step, wake=None) -> None:
-        """Run ``step`` once the newest save is on disk (at once when it is; never if it
-        failed), on the thread that settles this writer: its owner's, at its next save or
-        :meth:`settle`.  So what a step does (an autosave's announcement) happens in the
-        order of the saves, before the next save starts, and never after a later save
-        retired the file.  ``wake`` runs on the helper thread as soon as the save has
-        landed, for an owner that would not settle soon otherwise (it queues a command)."""
+    def when_landed(self, step, wake=None, failed=None) -> None:
+        """Run ``step`` once the newest save is on disk (at once when it is), on the thread
+        that settles this writer: its owner's, at its next save or :meth:`settle`.  So what
+        a step does (an autosave's announcement) happens in the order of the saves, before
+        the next save starts, and never after a later save retired the file.  If the save
+        failed to land, ``failed(exc)`` runs there instead.  ``wake`` runs on the helper
+        thread as soon as the save has landed, for an owner that would not settle soon
+        otherwise (it queues a command)."""
         if not self._landing.in_flight:
             step()
             return
-        self._after_landing.append(step)
+        self._after_landing.append((step, failed))
         if wake is not None:
             self._landing.then(wake)
 
@@ -230,10 +231,12 @@ class LineWriter:
             self._land_now = True
             if self._chain and self._chain[-1] is landed:
                 self._chain.pop()
-            return
-        for step in steps:
+        for step, failed in steps:
             try:
-                step()
+                if failure is None:
+                    step()
+                elif failed is not None:
+                    failed(failure)
             except Exception:   # noqa: BLE001 - a step never undoes a landed save
                 log.exception("a step after a checkpoint landed failed")
 

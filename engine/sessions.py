@@ -85,6 +85,8 @@ class Session:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
+            if writer.head is not None:   # settled: an autosave that failed to land is no head
+                self.head = writer.head.path
 
 
 class SessionTable:

@@ -1160,7 +1160,9 @@ class EngineWorker:
         # announced by this thread once it has landed: when the writer next settles, which
         # the helper thread asks for at once (cmd.Landed), or before the next save
         writer.when_landed(lambda: self.listener.emit(saved),
-                           wake=lambda: self.submit(cmd.Landed(conv.id, info.path)))
+                           wake=lambda: self.submit(cmd.Landed(conv.id, info.path)),
+                           failed=lambda exc: self.listener.emit(Failed(
+                               cmd.Action.AUTOSAVE, f"an autosave could not be saved: {exc}")))
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:

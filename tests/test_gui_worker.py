@@ -113,6 +113,44 @@ def test_saves_are_announced_in_the_order_made_once_they_can_be_loaded(smollm_pa
     assert all(e[1] for e in rec.of("there"))
 
 
+def test_an_autosave_that_fails_to_land_is_reported_and_never_announced(smollm_path, tmp_path, monkeypatch):
+    """The fsync of every autosave landing on the helper thread fails: each is reported as
+    a failed autosave and not announced (the one after a failure is written in the
+    foreground, and lands), and the answer's head is saved whole."""
+    from engine.checkpoints import atomic
+    from engine.commands import Action
+
+    real_fsync = atomic.fsync
+
+    def failing_on_the_helper(fd):
+        if threading.current_thread().name.startswith("checkpoint-landing"):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic, "fsync", failing_on_the_helper)
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+        rec.wait("loaded")
+        w.autosave_every = 8
+        a = w.new_conversation(sampler=SamplerSettings(seed=3))
+        w.send(a, "Tell me about rivers.", n_predict=20)
+        summary = rec.wait("finished")[0][1]
+        rec.head_saved(a)
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    failed = [e for e in rec.of("error") if e[1] is Action.AUTOSAVE]
+    assert failed and all("Input/output error" in e[2] for e in failed), rec.of("error")
+    kinds = [e[3] for e in rec.of("saved")]
+    assert kinds[-1] == KIND_MANUAL
+    assert kinds.count(KIND_AUTOSAVE) + len(failed) == summary.n_generated // 8, (kinds, failed)
+    from engine.checkpoints.chain import load_chain
+    assert load_chain(rec.of("saved")[-1][2])[-1].header.n_tokens > 0
+
+
 def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_path, tmp_path):
     w, rec = worker
     a = w.new_conversation(sampler=SamplerSettings(seed=5))
