@@ -85,6 +85,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         #: the shown conversation, the answers running or asked for, closing (gui.chat_state)
         self.state = ChatState(unopened=self._unopened)
         self._pending_fork: uuid.UUID | None = None  # selected when its snapshot comes
+        #: autosaves are failing (a full or failing disk): said once in a box, then only in
+        #: the status line, until a checkpoint is saved again
+        self._autosave_failing = False
         self._open_after_load: Path | None = None    # "Load <model>": open this once it is loaded
         self._close_done = False
         self._engine_stopped = False
@@ -635,6 +638,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _on_bridge_checkpoint_saved(self, snap: ConversationSnapshot, path: str, size: int,
                                     seconds: float, kind: int) -> None:
         self.save_progress.hide()
+        self._autosave_failing = False
         stamp = time.strftime("%H:%M:%S")
         if snap.id == self.current:
             self.checkpoint_label.setText(f"Checkpoint {stamp} · {file_size_text(size)}"
@@ -679,6 +683,14 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self._update_buttons()
         if action is Action.FORK:
             self._pending_fork = None
+        if action is Action.AUTOSAVE:
+            # every autosave interval would open another box: once, then the status line
+            self.checkpoint_label.setText(f"Autosave failed at {time.strftime('%H:%M:%S')}")
+            self.checkpoint_label.setToolTip(message)
+            if self._autosave_failing:
+                log.warning("Could not autosave: %s", message)
+                return
+            self._autosave_failing = True
         if action is Action.CONTINUE_WITH_LOADED_MODEL and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return

@@ -334,3 +334,17 @@ def test_ctrl_c_in_the_terminal_closes_the_window_saving_the_answer(qtbot, make_
     saved = [p for p in w.store.files() if read_header(p).conversation_id == conv_id
              and read_header(p).kind == KIND_EXIT]
     assert saved and verify_file(saved[-1])
+
+
+def test_failing_autosaves_are_said_once_then_in_the_status_line(qtbot, make_window):
+    """A full or failing disk fails every autosave: one box says so, the status line
+    says it after that (not a box per autosave interval)."""
+    from engine.commands import Action
+    w = make_window()
+    shown = []
+    w.message_shown.connect(lambda title, text: shown.append(title))
+    for _ in range(3):
+        w.bridge.engine_failed.emit(Action.AUTOSAVE, "could not save: No space left on device")
+    assert shown == [f"Could not {Action.AUTOSAVE}"]
+    assert w.checkpoint_label.text().startswith("Autosave failed")
+    assert "No space left" in w.checkpoint_label.toolTip()
