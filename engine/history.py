@@ -118,7 +118,7 @@ class LineWriter:
 
     def __init__(self, runtime: SavingRuntime, store: Store, line: str,
                  chain: Sequence[SaveInfo] = (), *, seq: int = 1, lease=None,
-                 policy: ChainPolicy = ChainPolicy(), mode: str = "delta") -> None:
+                 policy: ChainPolicy = ChainPolicy(), mode: str = "delta", depth_below: int = 0) -> None:
         if mode not in ("delta", "full"):
             raise ValueError(f"unknown save mode {mode!r}")
         self.runtime = runtime
@@ -130,7 +130,7 @@ class LineWriter:
         self._chain: list[SaveInfo] = list(chain)
         #: files of the chain below ``_chain[0]`` (a cut's delta is the base of ``_chain``,
         #: its ancestors still count towards ``policy.max_files``)
-        self._depth_below = 0
+        self._depth_below = depth_below
         self._lease = lease
         #: autosaves land (fsync, rename, retiring what they supersede) on a helper
         #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
@@ -191,6 +191,18 @@ class LineWriter:
         return chain[-1] if chain else None
 
     @property
+    def depth_below(self) -> int:
+        """Files of the chain below :attr:`chain`'s first (a cut delta's ancestors): a
+        writer continuing from this chain is given it (``depth_below=``)."""
+        return self._depth_below
+
+    @property
+    def own_head(self) -> SaveInfo | None:
+        """The newest file, when this writer wrote it (not a file it started from)."""
+        head = self.head
+        return head if head is not None and head.checkpoint_id in self._written else None
+
+    @property
     def landing(self) -> bool:
         """Whether the newest save is still landing (its fsync and rename on the helper thread)."""
         return self._landing.in_flight
@@ -209,13 +221,13 @@ class LineWriter:
         the next save starts, and never after a later save retired the file.  If the save
         failed to land, ``failed(exc)`` runs there instead.  ``wake`` runs on the helper
         thread as soon as the save has landed, for an owner that would not settle soon
-        otherwise (it queues a command)."""
+        otherwise (it queues a command), or has failed to."""
         if not self._landing.in_flight:
             step()
             return
         self._after_landing.append((step, failed))
         if wake is not None:
-            self._landing.then(wake)
+            self._landing.notify(wake)
 
     def settle(self) -> None:
         """Wait for the autosave still landing; if it failed, it is no file of the chain."""

@@ -85,8 +85,9 @@ class Session:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
-            if writer.head is not None:   # settled: an autosave that failed to land is no head
-                self.head = writer.head.path
+            # settled: an autosave that failed to land is no head, nor a file it started from
+            if (own := writer.own_head) is not None:
+                self.head = own.path
 
 
 class SessionTable:

@@ -958,7 +958,7 @@ class EngineWorker:
                 view.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
                 session = self.sessions.adopt(fork)
                 fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
-                    view, self.store, default_line(fork.id), chain[:k]))
+                    view, self.store, default_line(fork.id), chain[:k], depth_below=writer.depth_below))
                 session.head = fork_writer.save_head(fork, KIND_MANUAL).path   # a delta of metadata only
                 self.listener.emit(ConversationChanged(self.snapshot(fork)))
                 return
@@ -976,9 +976,11 @@ class EngineWorker:
         self._activate(conv)
         self._save_if_dirty(conv, KIND_MANUAL)
         session = self.sessions.named(conv.id)
-        chain = list(session.writer.chain) if session.writer is not None else []
+        old = session.writer
+        chain, below = (list(old.chain), old.depth_below) if old is not None else ([], 0)
         session.close_writer()
-        self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex, chain))
+        self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex,
+                                                              chain, depth_below=below))
 
     def _generate(self, conv: Conversation, *, skip_eog_once: bool = False,
                   request_id: str | None = None) -> bool:
@@ -1154,13 +1156,16 @@ class EngineWorker:
         except CheckpointError as exc:
             self.listener.emit(Failed(cmd.Action.AUTOSAVE, str(exc)))
             return
-        self.sessions.named(conv.id).head = info.path
+        session = self.sessions.named(conv.id)
         saved = CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
                                 info.seconds, KIND_AUTOSAVE)
+
+        def landed() -> None:   # the session's head only once it is a file
+            session.head = info.path
+            self.listener.emit(saved)
         # announced by this thread once it has landed: when the writer next settles, which
         # the helper thread asks for at once (cmd.Landed), or before the next save
-        writer.when_landed(lambda: self.listener.emit(saved),
-                           wake=lambda: self.submit(cmd.Landed(conv.id, info.path)),
+        writer.when_landed(landed, wake=lambda: self.submit(cmd.Landed(conv.id, info.path)),
                            failed=lambda exc: self.listener.emit(Failed(
                                cmd.Action.AUTOSAVE, f"an autosave could not be saved: {exc}")))
         try:
@@ -1230,7 +1235,7 @@ class EngineWorker:
             self._restore_prefix(chain, conv, in_cache)
             if writer is None:
                 self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:   # damaged, or gone (deleted by another program)
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is
                 self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))

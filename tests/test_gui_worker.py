@@ -149,6 +149,7 @@ def test_an_autosave_that_fails_to_land_is_reported_and_never_announced(smollm_p
     assert kinds.count(KIND_AUTOSAVE) + len(failed) == summary.n_generated // 8, (kinds, failed)
     from engine.checkpoints.chain import load_chain
     assert load_chain(rec.of("saved")[-1][2])[-1].header.n_tokens > 0
+    assert w.sessions.named(a).head_path == rec.of("saved")[-1][2]
 
 
 def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_path, tmp_path):

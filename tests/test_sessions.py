@@ -23,6 +23,7 @@ class _Writer:
     def __init__(self) -> None:
         self.closed = False
         self.head = None
+        self.own_head = None   # engine.history.LineWriter's: the newest file it wrote
 
     def close(self) -> None:
         self.closed = True

@@ -279,6 +279,15 @@ class Landing:
 
         self._pending = _helper_thread().submit(after_landing)
 
+    def notify(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the save in flight and its steps are done, landed or
+        failed: on the helper thread, or at once when nothing is in flight."""
+        pending = self._pending
+        if pending is None:
+            _run_logged(callback)
+        else:
+            pending.add_done_callback(lambda _done: _run_logged(callback))
+
     @property
     def in_flight(self) -> bool:
         return self._pending is not None
