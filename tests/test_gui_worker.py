@@ -71,29 +71,20 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     assert {h.conversation_id for h in after.heads} == {a, b}
 
 
-def test_saves_are_announced_in_the_order_made_once_they_can_be_loaded(smollm_path, tmp_path, monkeypatch):
-    """An autosave lands on a helper thread.  On a slow disk the answer's head is written
-    while the last autosave is still landing: that autosave is still announced before the
-    head (not after, when the head has retired its file), and only once it is a file."""
-    import time
-    from pathlib import Path
-
+def _answer_with_landings(smollm_path, tmp_path, monkeypatch, rec, on_the_helper):
+    """A worker on SmolLM2 (autosave every 8 tokens) answers 20 tokens; every fsync on the
+    landing helper thread (the autosaves') calls ``on_the_helper`` first.  The engine
+    thread has stopped when this returns: (worker, conversation id, the answer's summary)."""
     from engine.checkpoints import atomic
-
-    class Checking(Recorder):
-        def on_checkpoint_saved(self, e):
-            self._add("there", Path(e.path).exists())
-            super().on_checkpoint_saved(e)
 
     real_fsync = atomic.fsync
 
-    def slow_on_the_helper(fd):
+    def fsync(fd):
         if threading.current_thread().name.startswith("checkpoint-landing"):
-            time.sleep(0.4)
+            on_the_helper()
         real_fsync(fd)
 
-    monkeypatch.setattr(atomic, "fsync", slow_on_the_helper)
-    rec = Checking()
+    monkeypatch.setattr(atomic, "fsync", fsync)
     w = EngineWorker(rec, Store(tmp_path / "store"))
     w.start()
     try:
@@ -107,6 +98,23 @@ def test_saves_are_announced_in_the_order_made_once_they_can_be_loaded(smollm_pa
     finally:
         w.shutdown()
         assert w.join(60)
+    return w, a, summary
+
+
+def test_saves_are_announced_in_the_order_made_once_they_can_be_loaded(smollm_path, tmp_path, monkeypatch):
+    """An autosave lands on a helper thread.  On a slow disk the answer's head is written
+    while the last autosave is still landing: that autosave is still announced before the
+    head (not after, when the head has retired its file), and only once it is a file."""
+    import time
+    from pathlib import Path
+
+    class Checking(Recorder):
+        def on_checkpoint_saved(self, e):
+            self._add("there", Path(e.path).exists())
+            super().on_checkpoint_saved(e)
+
+    rec = Checking()
+    _, _, summary = _answer_with_landings(smollm_path, tmp_path, monkeypatch, rec, lambda: time.sleep(0.4))
     kinds = [e[3] for e in rec.of("saved")]
     assert summary.n_generated >= 16
     assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [KIND_MANUAL], kinds
@@ -117,37 +125,19 @@ def test_an_autosave_that_fails_to_land_is_reported_and_never_announced(smollm_p
     """The fsync of every autosave landing on the helper thread fails: each is reported as
     a failed autosave and not announced (the one after a failure is written in the
     foreground, and lands), and the answer's head is saved whole."""
-    from engine.checkpoints import atomic
+    from engine.checkpoints.chain import load_chain
     from engine.commands import Action
 
-    real_fsync = atomic.fsync
+    def failing():
+        raise OSError(5, "Input/output error")
 
-    def failing_on_the_helper(fd):
-        if threading.current_thread().name.startswith("checkpoint-landing"):
-            raise OSError(5, "Input/output error")
-        real_fsync(fd)
-
-    monkeypatch.setattr(atomic, "fsync", failing_on_the_helper)
     rec = Recorder()
-    w = EngineWorker(rec, Store(tmp_path / "store"))
-    w.start()
-    try:
-        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
-        rec.wait("loaded")
-        w.autosave_every = 8
-        a = w.new_conversation(sampler=SamplerSettings(seed=3))
-        w.send(a, "Tell me about rivers.", n_predict=20)
-        summary = rec.wait("finished")[0][1]
-        rec.head_saved(a)
-    finally:
-        w.shutdown()
-        assert w.join(60)
+    w, a, summary = _answer_with_landings(smollm_path, tmp_path, monkeypatch, rec, failing)
     failed = [e for e in rec.of("error") if e[1] is Action.AUTOSAVE]
     assert failed and all("Input/output error" in e[2] for e in failed), rec.of("error")
     kinds = [e[3] for e in rec.of("saved")]
     assert kinds[-1] == KIND_MANUAL
     assert kinds.count(KIND_AUTOSAVE) + len(failed) == summary.n_generated // 8, (kinds, failed)
-    from engine.checkpoints.chain import load_chain
     assert load_chain(rec.of("saved")[-1][2])[-1].header.n_tokens > 0
     assert w.sessions.named(a).head_path == rec.of("saved")[-1][2]
 
