@@ -35,7 +35,7 @@ import logging
 import os
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,9 +75,10 @@ class ChainPolicy:
     prompt_checkpoint: int = 256
 
 
-def saved_info(data: CheckpointData) -> SaveInfo:
-    """What a writer needs to know of a file it did not write (a restored chain's)."""
-    return SaveInfo.of_file(data)
+def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
+    """What a writer needs to know of the files of a chain it did not write (a restored
+    one, base first): each one's depth is its place in the chain."""
+    return [replace(SaveInfo.of_file(data), depth=i + 1) for i, data in enumerate(chain)]
 
 
 def line_to_continue(store: Store, chain: Sequence[CheckpointData]) -> str | None:
@@ -118,7 +119,7 @@ class LineWriter:
 
     def __init__(self, runtime: SavingRuntime, store: Store, line: str,
                  chain: Sequence[SaveInfo] = (), *, seq: int = 1, lease=None,
-                 policy: ChainPolicy = ChainPolicy(), mode: str = "delta", depth_below: int = 0) -> None:
+                 policy: ChainPolicy = ChainPolicy(), mode: str = "delta") -> None:
         if mode not in ("delta", "full"):
             raise ValueError(f"unknown save mode {mode!r}")
         self.runtime = runtime
@@ -128,9 +129,6 @@ class LineWriter:
         self.policy = policy
         self.mode = mode
         self._chain: list[SaveInfo] = list(chain)
-        #: files of the chain below ``_chain[0]`` (a cut's delta is the base of ``_chain``,
-        #: its ancestors still count towards ``policy.max_files``)
-        self._depth_below = depth_below
         self._lease = lease
         #: autosaves land (fsync, rename, retiring what they supersede) on a helper
         #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
@@ -163,7 +161,7 @@ class LineWriter:
         settle(chain)
         line = line_to_continue(store, chain) or uuid.uuid4().hex
         # a branch still builds on the files it came from, when they are in this store
-        infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
+        infos = saved_infos(chain) if chain and store.contains(chain[-1].path) else []
         return cls.starting(runtime, store, line, infos, **kwargs)
 
     def _branch_off(self) -> None:
@@ -189,12 +187,6 @@ class LineWriter:
     def head(self) -> SaveInfo | None:
         chain = self.chain
         return chain[-1] if chain else None
-
-    @property
-    def depth_below(self) -> int:
-        """Files of the chain below :attr:`chain`'s first (a cut delta's ancestors): a
-        writer continuing from this chain is given it (``depth_below=``)."""
-        return self._depth_below
 
     @property
     def own_head(self) -> SaveInfo | None:
@@ -290,7 +282,7 @@ class LineWriter:
         last_anchor = max((i for i in range(tip + 1) if anchor(i)), default=tip)
         fold = head and self.policy.fold_heads
         parent = last_anchor if fold or tip - last_anchor >= self.policy.max_tail else tip
-        return None if self._depth_below + parent + 2 > self.policy.max_files else parent
+        return None if self.chain[parent].depth + 1 > self.policy.max_files else parent
 
     def _tip_index(self) -> int | None:
         """Index of the newest file of the live chain the cache starts with (None: none, or
@@ -355,10 +347,6 @@ class LineWriter:
         else:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
-        if cut is not None:
-            self._depth_below += cut[0] + 1
-        elif idx is None:
-            self._depth_below = 0
         self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
         self.next_seq += 1
         self.saves += 1
@@ -396,7 +384,7 @@ class LineWriter:
                 continue   # a prefix of the cache: the tip is at or after it
             own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
             if (shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared
-                    or self._depth_below + i + 2 > self.policy.max_files):
+                    or info.depth + 1 > self.policy.max_files):
                 return None
             # never from a line's tip: a tip an other line's chain holds is no head any more
             # (engine.checkpoints.graph), and its conversation would vanish from the list
@@ -414,7 +402,7 @@ class LineWriter:
             return None
         if base is None:
             return None
-        self._chain, self._depth_below = [base], 0
+        self._chain = [base]
         return 0
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,

@@ -19,7 +19,7 @@ from engine.checkpoints.prefix_index import PrefixIndex
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import CheckpointError
-from engine.history import LineWriter, saved_info
+from engine.history import LineWriter, saved_infos
 from engine.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -103,4 +103,4 @@ def start_from_stored_prefix(runtime: Runtime | ConversationView, store: Store, 
         log.info("%s: %s", conv.title, reuse.describe())
     except (CheckpointError, OSError) as exc:
         log.info("no stored prefix used (%s)", exc)
-    return LineWriter.starting(runtime, store, default_line(conv.id), [saved_info(d) for d in chain])
+    return LineWriter.starting(runtime, store, default_line(conv.id), saved_infos(chain))

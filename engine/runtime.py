@@ -77,6 +77,8 @@ class SaveInfo:
     delta: bool = False
     line: str = ""
     kind: int = KIND_MANUAL
+    #: files of its chain, itself included (what a restore reads: ChainPolicy.max_files)
+    depth: int = 1
     #: its tokens, when at hand (a file read back): what a cut on it is checked against
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
 
@@ -404,7 +406,7 @@ class Runtime:
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(kv), delta=parent is not None,
-                        line=line, kind=kind)
+                        line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1)
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         """Sequence 0's state, or only its cells at positions p0..upto-1.

@@ -958,7 +958,7 @@ class EngineWorker:
                 view.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
                 session = self.sessions.adopt(fork)
                 fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
-                    view, self.store, default_line(fork.id), chain[:k], depth_below=writer.depth_below))
+                    view, self.store, default_line(fork.id), chain[:k]))
                 session.head = fork_writer.save_head(fork, KIND_MANUAL).path   # a delta of metadata only
                 self.listener.emit(ConversationChanged(self.snapshot(fork)))
                 return
@@ -976,11 +976,9 @@ class EngineWorker:
         self._activate(conv)
         self._save_if_dirty(conv, KIND_MANUAL)
         session = self.sessions.named(conv.id)
-        old = session.writer
-        chain, below = (list(old.chain), old.depth_below) if old is not None else ([], 0)
+        chain = list(session.writer.chain) if session.writer is not None else []
         session.close_writer()
-        self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex,
-                                                              chain, depth_below=below))
+        self.sessions.set_writer(conv.id, LineWriter.starting(self._view(conv), self.store, uuid.uuid4().hex, chain))
 
     def _generate(self, conv: Conversation, *, skip_eog_once: bool = False,
                   request_id: str | None = None) -> bool:

@@ -23,7 +23,7 @@ from engine.checkpoints.graph import Graph, is_shared_line
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.generation import begin_answer, generate
-from engine.history import LineWriter, saved_info
+from engine.history import LineWriter, saved_infos
 from engine.prefix_reuse import reuse_stored_prefix
 from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
@@ -109,7 +109,7 @@ def test_a_new_conversation_reads_only_its_question_and_resumes_exactly(arch, ti
         conv = _conversation(rt, QUESTIONS[2])
         reuse = reuse_stored_prefix(rt, tmp_path, conv.tokens)
         assert reuse.how == "restored-exact" and reuse.n_tokens >= MIN_TOKENS, reuse.describe()
-        writer = LineWriter.starting(rt, Store(tmp_path), conv.id.hex, [saved_info(d) for d in reuse.chain])
+        writer = LineWriter.starting(rt, Store(tmp_path), conv.id.hex, saved_infos(reuse.chain))
         first = generate(rt, conv, autosave=writer, autosave_every=4, stop_after=6)
         assert first.n_prefilled == conv.answer.n_prompt_tokens - reuse.n_tokens, "the system prompt was read again"
         writer.save_head(conv, KIND_PAUSE)

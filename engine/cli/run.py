@@ -294,17 +294,17 @@ class RunSession:
         """The writer of the conversation's line in ``store``: on the loaded file when it
         is a store head; an edit (--from-turn) is a new branch."""
         from engine.checkpoints.graph import default_line
-        from engine.history import LineWriter, saved_info
+        from engine.history import LineWriter, saved_infos
         # files of another state layout are no parent of a file of ours: a full one comes first
         chain: list[CheckpointData] | None = [] if self.read_again else self.chain
         if self.chain and self.args.from_turn is not None:
-            infos = [saved_info(d) for d in chain] if chain and store.contains(chain[-1].path) else []
+            infos = saved_infos(chain) if chain and store.contains(chain[-1].path) else []
             return LineWriter.starting(self.rt, store, uuid.uuid4().hex, infos)
         if chain:
             return LineWriter.continuing(self.rt, store, self.in_store(store, chain))
         # --reuse-prefix: the first save builds on the files the prompt's beginning came from
         reused = self.reuse.chain if self.reuse is not None else ()
-        infos = [saved_info(d) for d in reused] if reused and store.contains(reused[-1].path) else []
+        infos = saved_infos(reused) if reused and store.contains(reused[-1].path) else []
         return LineWriter.starting(self.rt, store, default_line(conv.id), infos)
 
     def in_store(self, store, chain):
