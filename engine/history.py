@@ -195,11 +195,6 @@ class LineWriter:
         return head if head is not None and head.checkpoint_id in self._written else None
 
     @property
-    def landing(self) -> bool:
-        """Whether the newest save is still landing (its fsync and rename on the helper thread)."""
-        return self._landing.in_flight
-
-    @property
     def landing_path(self) -> Path | None:
         """The file of the save still landing, if any (its fsync and rename in flight, or
         done and not yet settled)."""
