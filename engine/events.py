@@ -253,10 +253,13 @@ class NoRoomToAnswer(Event):
 @dataclass(frozen=True)
 class Failed(Event):
     """A command (or the engine's own work) failed.  ``action`` (engine.commands.Action) says
-    what failed: a front end tells failures apart by it, never by the message's wording."""
+    what failed: a front end tells failures apart by it, never by the message's wording.
+    ``conv_id``: the conversation it happened to, when it was one conversation's (an
+    autosave in the background, an answer, a command about one conversation)."""
     handler = "on_error"
     action: Action
     message: str
+    conv_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True)

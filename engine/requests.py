@@ -176,7 +176,7 @@ class RequestDesk:
                 log.exception("unexpected failure while answering request %s", rid)
             self.ended(rid, None, str(exc) or type(exc).__name__)
             if answering:   # the other front ends saw the answer start: they hear how it ended
-                engine.listener.emit(Failed(ANSWER_ACTION, str(exc) or type(exc).__name__))
+                engine.listener.emit(Failed(ANSWER_ACTION, str(exc) or type(exc).__name__, conv.id))
 
     def _ready(self, request: CompletionRequest):
         """The runtime to answer ``request`` with; refused when there is none to use."""

@@ -408,7 +408,8 @@ class EngineWorker:
                 try:
                     self._execute(item)
                 except Exception as exc:  # noqa: BLE001 - one bad command must not kill the thread
-                    self._report_error(item.command.action, exc)
+                    self._report_error(item.command.action, exc,
+                                       conv_id=getattr(item.command, "conv_id", None))
                 finally:
                     with self._busy_lock:
                         self._busy -= 1
@@ -521,8 +522,10 @@ class EngineWorker:
         if report.deleted:
             log.info("cleaned up the store: %s", report.describe())
 
-    def _report_error(self, action: cmd.Action, exc: BaseException, *, quiet: bool = False) -> str:
-        """Log ``exc`` (unless ``quiet``: logged already) and tell the listener."""
+    def _report_error(self, action: cmd.Action, exc: BaseException, *, quiet: bool = False,
+                      conv_id: uuid.UUID | None = None) -> str:
+        """Log ``exc`` (unless ``quiet``: logged already) and tell the listener (about the
+        conversation ``conv_id``, when it was one conversation's)."""
         from native.errors import NativeError
         if isinstance(exc, (AppError, NativeError, OSError)):
             message = str(exc)
@@ -532,7 +535,7 @@ class EngineWorker:
             message = f"unexpected {type(exc).__name__}: {exc}"
             if not quiet:
                 log.exception("unexpected failure while trying to %s", action)
-        self.listener.emit(Failed(action, message))
+        self.listener.emit(Failed(action, message, conv_id))
         return message
 
     # -- engine-thread implementations --------------------------------------------------------
@@ -1067,7 +1070,7 @@ class EngineWorker:
             self._save(conv, kind)
             saved = True
         except Exception as exc:  # noqa: BLE001 - the other answers go on
-            self._report_error(cmd.Action.SAVE_ANSWER, exc)
+            self._report_error(cmd.Action.SAVE_ANSWER, exc, conv_id=conv.id)
             if running.request_id is not None:
                 self.requests.ended(running.request_id, None, str(exc) or type(exc).__name__)
                 running.request_id = None
@@ -1093,9 +1096,10 @@ class EngineWorker:
                 # each front end hears which answer ended, under the action that started it
                 if running.request_id is not None:   # as a request's other failures are told
                     self.requests.ended(running.request_id, None, str(exc) or type(exc).__name__)
-                    self.listener.emit(Failed(running.action, str(exc) or type(exc).__name__))
+                    self.listener.emit(Failed(running.action, str(exc) or type(exc).__name__, conv_id))
                 else:
-                    message = self._report_error(running.action, exc, quiet=message is not None)
+                    message = self._report_error(running.action, exc, quiet=message is not None,
+                                                 conv_id=conv_id)
                 self.listener.emit(_failed(conv.id, conv))
             except Exception:  # noqa: BLE001 - every other answer must still be ended
                 log.exception("could not report the failed answer of %s", conv_id)
@@ -1152,7 +1156,7 @@ class EngineWorker:
         try:
             info = writer.autosave(conv)
         except CheckpointError as exc:
-            self.listener.emit(Failed(cmd.Action.AUTOSAVE, str(exc)))
+            self.listener.emit(Failed(cmd.Action.AUTOSAVE, str(exc), conv.id))
             return
         session = self.sessions.named(conv.id)
         saved = CheckpointSaved(self.snapshot(conv, branches=False), info.path, info.size,
@@ -1165,7 +1169,7 @@ class EngineWorker:
         # the helper thread asks for at once (cmd.Landed), or before the next save
         writer.when_landed(landed, wake=lambda: self.submit(cmd.Landed(conv.id, info.path)),
                            failed=lambda exc: self.listener.emit(Failed(
-                               cmd.Action.AUTOSAVE, f"an autosave could not be saved: {exc}")))
+                               cmd.Action.AUTOSAVE, f"an autosave could not be saved: {exc}", conv.id)))
         try:
             report = graph.prune(self.store, self.autosave_budget)
             if report.deleted:
@@ -1197,7 +1201,7 @@ class EngineWorker:
                 try:
                     self._save_if_dirty(conv, kind)
                 except Exception as exc:  # noqa: BLE001 - the others are saved all the same
-                    self._report_error(cmd.Action.SAVE_BEFORE_CLOSING, exc)
+                    self._report_error(cmd.Action.SAVE_BEFORE_CLOSING, exc, conv_id=conv.id)
 
     def _activate(self, conv: Conversation, *, running: bool = False):
         """Give ``conv`` a sequence and make it hold as much of ``conv`` as possible

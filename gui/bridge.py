@@ -77,7 +77,7 @@ class _Listener(WorkerListener):
         self.b.checkpoint_exported.emit(str(e.source), str(e.target))
 
     def on_error(self, e: ev.Failed) -> None:
-        self.b.engine_failed.emit(e.action, e.message)
+        self.b.engine_failed.emit(e.action, e.message, e.conv_id)
 
     def on_stopped(self, e: ev.Stopped) -> None:
         self.b.engine_stopped.emit()
@@ -106,8 +106,9 @@ class EngineBridge(QObject):
         notice_posted(str, str): something the user should know once (title, sentence).
         context_full(UUID, str, str): a message did not fit (its text, the explanation);
             nothing was generated: offer EngineWorker.send_in_new_branch.
-        engine_failed(Action, str): what failed (engine.commands.Action: a front end tells
-            failures apart by it), and why.
+        engine_failed(Action, str, UUID | None): what failed (engine.commands.Action: a front
+            end tells failures apart by it), why, and the conversation it was about (None:
+            not one conversation's).
         engine_stopped(): the engine thread saved what it had to and exited.
     """
 
@@ -127,7 +128,7 @@ class EngineBridge(QObject):
     checkpoint_exported = Signal(str, str)
     notice_posted = Signal(str, str)
     context_full = Signal(object, str, str)
-    engine_failed = Signal(object, str)
+    engine_failed = Signal(object, str, object)
     engine_stopped = Signal()
 
     _text_pending = Signal()

@@ -85,9 +85,10 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         #: the shown conversation, the answers running or asked for, closing (gui.chat_state)
         self.state = ChatState(unopened=self._unopened)
         self._pending_fork: uuid.UUID | None = None  # selected when its snapshot comes
-        #: autosaves are failing (a full or failing disk): said once in a box, then only in
-        #: the status line, until a checkpoint is saved again
-        self._autosave_failing = False
+        #: the conversations whose autosaves fail (a full or failing disk), with the last
+        #: reason: said once in a box, then only in the status line, until one of their
+        #: checkpoints is saved again
+        self._autosave_failing: dict[uuid.UUID | None, str] = {}
         self._open_after_load: Path | None = None    # "Load <model>": open this once it is loaded
         self._close_done = False
         self._engine_stopped = False
@@ -638,7 +639,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _on_bridge_checkpoint_saved(self, snap: ConversationSnapshot, path: str, size: int,
                                     seconds: float, kind: int) -> None:
         self.save_progress.hide()
-        self._autosave_failing = False
+        self._autosave_failing.pop(snap.id, None)
         stamp = time.strftime("%H:%M:%S")
         if snap.id == self.current:
             self.checkpoint_label.setText(f"Checkpoint {stamp} · {file_size_text(size)}"
@@ -676,30 +677,39 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             text = "In the cache"
         self.statusBar().showMessage(text, 6000)
 
-    @Slot(object, str)
-    def _on_bridge_engine_failed(self, action: Action, message: str) -> None:
-        """What failed decides what the window does (the action's kind, not its wording)."""
-        self.save_progress.hide()
+    @Slot(object, str, object)
+    def _on_bridge_engine_failed(self, action: Action, message: str, conv_id: uuid.UUID | None) -> None:
+        """What failed decides what the window does (the action's kind, not its wording);
+        a failure of a conversation in the background is said as that conversation's."""
+        elsewhere = conv_id is not None and conv_id != self.current
+        if not elsewhere:
+            self.save_progress.hide()
         self._update_buttons()
         if action is Action.FORK:
             self._pending_fork = None
         if action is Action.AUTOSAVE:
-            # every autosave interval would open another box: once, then the status line
-            self.checkpoint_label.setText(f"Autosave failed at {time.strftime('%H:%M:%S')}")
-            self.checkpoint_label.setToolTip(message)
-            if self._autosave_failing:
+            # every autosave interval would open another box: once per conversation, then
+            # the status line (the conversation's own, once it is shown: _show_snapshot)
+            if not elsewhere:
+                self.checkpoint_label.setText(f"Autosave failed at {time.strftime('%H:%M:%S')}")
+                self.checkpoint_label.setToolTip(message)
+            said = conv_id in self._autosave_failing
+            self._autosave_failing[conv_id] = message
+            if said:
                 log.warning("Could not autosave: %s", message)
                 return
-            self._autosave_failing = True
         if action is Action.CONTINUE_WITH_LOADED_MODEL and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
         if action is Action.OPEN_CHECKPOINT and self._opening is not None:
-            conv_id, path = self._opening
+            opened_as, path = self._opening
             self._opening = None
-            if conv_id == self.current:
-                self.show_unopened(conv_id, path, failure=message)   # said where it was asked for
+            if opened_as == self.current:
+                self.show_unopened(opened_as, path, failure=message)   # said where it was asked for
                 return
+        if elsewhere:
+            snap = self.snapshots.get(conv_id)
+            message = f"In the conversation “{snap.title if snap else conv_id}”: {message}"
         self.show_error(f"Could not {action}", message)
 
     @Slot()
@@ -716,7 +726,12 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.chat_view.set_transcript(snap.transcript, paused=snap.paused, note=note,
                                       alternatives=snap.alternatives)
         self._update_context_usage(snap.n_tokens, snap.n_ctx)
-        if snap.checkpoint is not None:
+        if snap.id in self._autosave_failing:
+            self.checkpoint_label.setText("Autosaves are failing"
+                                          + (f" · last checkpoint {file_size_text(snap.checkpoint_size)}"
+                                             if snap.checkpoint is not None else ""))
+            self.checkpoint_label.setToolTip(self._autosave_failing[snap.id])
+        elif snap.checkpoint is not None:
             self.checkpoint_label.setText(f"Checkpoint · {file_size_text(snap.checkpoint_size)}")
             self.checkpoint_label.setToolTip(str(snap.checkpoint))
         else:

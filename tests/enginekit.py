@@ -45,7 +45,7 @@ class Recorder(WorkerListener):
         self._add("text", e.conv_id, e.delta)
 
     def on_error(self, e):
-        self._add("error", e.action, e.message)
+        self._add("error", e.action, e.message, e.conv_id)
 
     def on_stopped(self, e):
         self._add("stopped")

@@ -135,6 +135,7 @@ def test_an_autosave_that_fails_to_land_is_reported_and_never_announced(smollm_p
     w, a, summary = _answer_with_landings(smollm_path, tmp_path, monkeypatch, rec, failing)
     failed = [e for e in rec.of("error") if e[1] is Action.AUTOSAVE]
     assert failed and all("Input/output error" in e[2] for e in failed), rec.of("error")
+    assert all(e[3] == a for e in failed)   # said as that conversation's (it may be in the background)
     kinds = [e[3] for e in rec.of("saved")]
     assert kinds[-1] == KIND_MANUAL
     assert kinds.count(KIND_AUTOSAVE) + len(failed) == summary.n_generated // 8, (kinds, failed)
@@ -199,8 +200,8 @@ def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
         rec.wait("loaded")
         conv = w.new_conversation(sampler=SamplerSettings(seed=8, ignore_eos=True))
         w.send(conv, "Describe a forest.", n_predict=24)
-        action, message = rec.wait("error")[0][1:]
-        assert "RuntimeError" in message
+        action, message, failed_conv = rec.wait("error")[0][1:]
+        assert "RuntimeError" in message and failed_conv == conv
         saved = rec.wait("saved")[-1]
         assert saved[3] == KIND_EXIT and saved[1].paused
         header = read_header(saved[2])
