@@ -99,6 +99,25 @@ def test_fork_is_a_new_conversation_on_the_same_files(engine):
     assert len(load_chain(Graph.scan(w.store).heads_of(fork)[0].path)) >= 2
 
 
+def test_a_fork_at_the_last_message_leaves_the_conversation_its_head(engine):
+    """A fork of the whole conversation must not build on the conversation's newest file
+    whole: a tip that another conversation's chain holds is no head, and the conversation
+    vanished from the list (and came back when the fork was deleted)."""
+    w, rec = engine
+    conv = w.new_conversation(sampler=SamplerSettings(seed=5, temperature=0.0))
+    _answer(rec, w, w.send, conv, "Name a planet.", 8)
+    _, snap = _answer(rec, w, w.send, conv, "And a moon?", 8)
+    fork = w.fork(conv, 3)                                    # at the last answer
+    assert rec.next("changed")[1].id == fork
+    g = Graph.scan(w.store)
+    (head,), (fork_head,) = g.heads_of(conv), g.heads_of(fork)
+    assert head.path == snap.checkpoint
+    assert head.name not in {n.name for n in g.chain(fork_head)}
+    assert g.chain(fork_head)[-1].header.n_tokens == head.header.n_tokens
+    summary, _ = _answer(rec, w, w.send, fork, "Is it large?", 4)
+    assert summary.n_reused_tokens >= head.header.n_tokens    # the fork's own file held it
+
+
 def test_continue_generates_more_of_a_finished_answer(engine):
     w, rec = engine
     conv = w.new_conversation(sampler=SamplerSettings(seed=6, temperature=0.0))

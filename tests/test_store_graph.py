@@ -121,6 +121,29 @@ def test_delete_conversation_deletes_every_line_of_it_and_nothing_else(tmp_path)
     assert [h.conversation_id for h in Graph.scan(store).heads] == [d]
 
 
+@pytest.mark.parametrize("how", ["conversation", "node"])
+def test_deleting_never_brings_a_deleted_conversation_back(tmp_path, how):
+    """Found by a random-composition soak on a hybrid: conversation B continued A's file
+    whole (A's document prefix, no cut); deleting A kept that file for B; deleting B left
+    it in no chain, and A came back as an autosave head.  Whatever a deleted
+    conversation kept alive goes when nothing needs it any more."""
+    store = Store(tmp_path / "store")
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    a_files = _chain(store, a, [447, 460], kind_last=M)
+    b_files = _chain(store, b, [470, 480], kind_last=M, first_parent=a_files[0])
+    c_files = _chain(store, c, [30], kind_last=M)
+    graph.delete_conversation(store, a)
+    assert a_files[0].path.exists()                                 # B needs it
+    assert sorted(h.conversation_id for h in Graph.scan(store).heads) == sorted([b, c])
+    if how == "conversation":
+        report = graph.delete_conversation(store, b)
+    else:
+        report = graph.delete_node(store, b_files[-1].path)
+    assert sorted(report.deleted) == sorted(w.path for w in [a_files[0], *b_files])
+    assert [h.conversation_id for h in Graph.scan(store).heads] == [c]
+    assert all(w.path.exists() for w in c_files)
+
+
 def test_a_file_that_cannot_go_keeps_the_files_it_needs(tmp_path, monkeypatch):
     """Windows: a reader holds the head open; its chain must not be cut under it."""
     store = Store(tmp_path / "store")

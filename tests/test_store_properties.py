@@ -9,7 +9,9 @@ After a clean exit:
 
 * every head restores through its chain and continues byte-identically to the same
   tokens decoded from scratch (SmolLM2's kernels are batch-invariant, so a restored
-  cache and a recomputed one give the same logits);
+  cache and a recomputed one give the same logits); a recurrent or hybrid memory's scan
+  is not, so where its texts differ, its teacher-forced logits must agree within a
+  tolerance far below what a wrong state moves them by;
 * no file is unreachable from a head (nothing left behind), none is unreadable;
 * every conversation the app still has keeps a head; deleted ones have none.
 
@@ -139,6 +141,37 @@ def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny
     assert outcome.problems == []
     assert outcome.heads_lost == []
     assert outcome.orphans == [], "files no head needs were left behind"
+
+
+@pytest.mark.parametrize("arch", ["falcon-h1", "mamba2"])
+def test_the_check_tells_a_wrong_state_from_a_recompute_on_a_recurrent_memory(arch, tiny_checkers, tmp_path):
+    """A recurrent scan's bits depend on its batch shapes, so the check compares a restore
+    with a recompute by their teacher-forced logits (faultkit.compositions._forced_drift),
+    not only by sampled text: a right head drifts within the tolerance, and a head whose
+    file holds another answer's state of the same length (valid in every other way) does not."""
+    from faultkit.compositions import FORCED_TOLERANCE, _forced_drift
+
+    from engine.checkpoints.format import KIND_PAUSE, encode_metadata, read_checkpoint, write_sections
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.sampling import SamplerSettings
+    rt = tiny_checkers(arch)
+    heads = []
+    for seed in (1, 2):
+        rt.trim(0)
+        conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=seed, ignore_eos=True))
+        begin_answer(conv, rt, "Count to five.", n_predict=40)
+        generate(rt, conv, stop_after=12)
+        heads.append(rt.save(tmp_path / f"head{seed}.kvckpt", conv, KIND_PAUSE).path)
+    mine, other = (read_checkpoint(p) for p in heads)
+    assert list(mine.tokens) != list(other.tokens) and len(mine.state) == len(other.state)
+    wrong = tmp_path / "wrong.kvckpt"
+    with open(wrong, "wb") as out:
+        write_sections(out, mine.header, encode_metadata(mine.meta), mine.tokens, mine.logits, other.state)
+    forced = [11, 222, 3333, 444, 55]
+    right_drift, wrong_drift = _forced_drift(rt, heads[0], forced), _forced_drift(rt, wrong, forced)
+    print(f"{arch}: drift {right_drift:.3g}, another state {wrong_drift:.3g}")
+    assert right_drift <= FORCED_TOLERANCE < wrong_drift, (right_drift, wrong_drift)
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,9 @@ file this module ever deletes on its own:
   what it kept and why;
 * :func:`delete_conversation` deletes every node of a conversation that no head of
   another conversation depends on (the user asked for it), and what its chains hold of
-  a conversation deleted before, up to a cut (engine.checkpoints.chain.can_cut), that no
-  other head needs.
+  a conversation deleted before (up to a cut, engine.checkpoints.chain.can_cut, or of a
+  conversation with no head) that no other head needs: deleting never brings a
+  conversation back.
 
 Never deleted automatically: a head or anything in a head's chain; a node newer than
 its line's head (a chain being written, or one whose parent went missing: the user may
@@ -615,10 +616,11 @@ def retire(store: Store, line: str) -> PruneReport:
 
 def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
     """Delete every file of a conversation that no other conversation's head needs, and the
-    files of others its heads' chains hold up to a cut that no other head needs: what a
-    conversation deleted before kept alive for this one (the file it was cut from; a
-    writer never cuts from a line's tip, so no live conversation hangs on such a file
-    alone, engine.history.LineWriter._cut)."""
+    files of others its heads' chains hold that no other head needs: up to a cut, and
+    those of a conversation with no head (deleted before, it kept them alive for this one;
+    left, they would become its heads again).  A live conversation's head is never in
+    another's chain: a writer never builds on another conversation's tip, whole or cut
+    (engine.history.LineWriter._tip_of_another)."""
     report = PruneReport()
     if not store.folder.is_dir():
         return report
@@ -629,14 +631,16 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
             if head.conversation_id != conversation_id:
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
+        headed = {h.conversation_id for h in graph.heads}
         borrowed: dict[str, Node] = {}
         for head in graph.heads:
             if head.conversation_id == conversation_id:
                 chain = graph.chain(head)
                 cuts = [i for i in range(len(chain) - 1)
                         if chain[i + 1].header.parent_n_tokens < chain[i].header.n_tokens]
-                borrowed.update((n.name, n) for n in chain[:max(cuts, default=-1) + 1]
-                                if n.conversation_id != conversation_id and n.name not in needed)
+                borrowed.update((n.name, n) for i, n in enumerate(chain)
+                                if n.conversation_id != conversation_id and n.name not in needed
+                                and (i <= max(cuts, default=-1) or n.conversation_id not in headed))
         mine += borrowed.values()
         for node in mine:
             if node.name in needed:
