@@ -1,14 +1,17 @@
 """Issue 25 point 4: where a restore's time goes, and llama-server's slot restore beside it.
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
-                                         [--deltas 3] [--llama-server PATH] [--json out.json]
+                                         [--deltas 3] [--turns 12] [--llama-server PATH]
+                                         [--json out.json]
 
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
 size a long prose prompt is prefilled and answered, and saved twice at the same token: as
 one full checkpoint, and as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
-deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app).  Then,
+deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
+as a conversation of ``--turns`` turns is written (one file per turn, each a delta on the
+last, a finished answer's file: no logits).  Then,
 for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
 the files warm in the page cache (read once just before):
 
@@ -55,6 +58,7 @@ from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa:
 
 ROOT = Path(__file__).resolve().parent.parent
 DELTAS, DELTA_TOKENS = 3, 16
+TURNS = 12
 
 #: (module, attribute, part): the functions of the restore path that are timed in place
 PROBES = (
@@ -209,23 +213,26 @@ def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
 
 
 # -- the files -------------------------------------------------------------------------------
+LAYOUTS = ("full", "chain", "turns")
+
+
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
-               deltas: int = DELTAS) -> dict[int, dict[str, list[Path]]]:
-    """Per size: the full checkpoint, and the chain (base + deltas), as paths, base first.
+               deltas: int = DELTAS, turns: int = TURNS) -> dict[int, dict[str, list[Path]]]:
+    """Per size: the full checkpoint, the answer's chain (base + deltas) and the turns'
+    chain, as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-answer.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-answer.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and "llama" in known[n] for n in sizes):
-            return {n: {"full": [Path(p) for p in known[n]["full"]], "chain": [Path(p) for p in known[n]["chain"]],
-                        "llama": [Path(p) for p in known[n]["llama"]], "tokens": known[n]["tokens"]}
-                    for n in sizes}
-    return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas)
+            return {n: {**{k: [Path(p) for p in known[n][k]] for k in (*LAYOUTS, "llama")},
+                        "tokens": known[n]["tokens"]} for n in sizes}
+    return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas, turns)
 
 
 def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
-                     manifest: Path, deltas: int) -> dict[int, dict[str, list[Path]]]:
+                     manifest: Path, deltas: int, turns: int) -> dict[int, dict[str, list[Path]]]:
     from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
     from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
     from engine.generation import generate
@@ -253,13 +260,35 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
-            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file]}
+            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
+                        "turns": _turn_files(rt, folder, list(conv.tokens), turns, n_ctx)}
     finally:
         rt.close()
-    manifest.write_text(json.dumps({n: {"full": [str(p) for p in v["full"]], "chain": [str(p) for p in v["chain"]],
-                                        "llama": [str(p) for p in v["llama"]], "tokens": v["tokens"]}
-                                    for n, v in files.items()}))
+    manifest.write_text(json.dumps({n: {**{k: [str(p) for p in v[k]] for k in (*LAYOUTS, "llama")},
+                                        "tokens": v["tokens"]} for n, v in files.items()}))
     return files
+
+
+def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> list[Path]:
+    """The same tokens as a conversation of ``turns`` turns writes them: a file per turn,
+    each a delta on the last (a finished answer's: no logits), its metadata carrying the
+    transcript so far, as the app's does (it grows turn by turn)."""
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.generation import generate
+    rt.trim(0)
+    rt.ctx.clear()
+    parent, out = None, []
+    for i in range(1, turns + 1):
+        end = len(tokens) * i // turns
+        conv = greedy_conversation(tokens[:end])
+        conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}: " + "words " * 60)
+                         for k in range(2 * i)]
+        generate(rt, conv, stop_after=0)
+        parent = rt.save(folder / f"turns{turns}-{len(tokens)}-{i}-ctx{n_ctx}.kvckpt", conv, KIND_MANUAL,
+                         parent=parent)
+        out.append(parent.path)
+    return out
 
 
 def _save_llama_file(rt, path: Path, tokens) -> None:
@@ -352,7 +381,7 @@ def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, thr
 
 # -- the run ---------------------------------------------------------------------------------
 def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
-        keep: str | None = None, deltas: int = DELTAS) -> dict:
+        keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS) -> dict:
     n_ctx = ctx_size_for(max(sizes))
     out = table()
     servers: dict[int, dict] = {}
@@ -360,12 +389,12 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
         folder = Path(keep) if keep else Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
         echo(f"making checkpoints of {sizes} tokens (n_ctx {n_ctx}) ...", file=sys.stderr)
-        files = make_files(folder, sizes, n_ctx, threads, deltas)
+        files = make_files(folder, sizes, n_ctx, threads, deltas, turns)
         for n in sizes:
             if server:
                 echo(f"llama-server, {n} tokens ...", file=sys.stderr)
                 servers[n] = measure_server(server, folder, files[n]["tokens"], n_ctx, threads, repeats)
-            for layout in ("full", "chain"):
+            for layout in LAYOUTS:
                 paths = files[n][layout]
                 echo(f"{layout} {n} tokens ...", file=sys.stderr)
                 apps, floors, loads = [], [], []
@@ -409,6 +438,8 @@ def main(argv=None) -> int:
     parser.add_argument("--deltas", type=int, default=DELTAS,
                         help=f"deltas of {DELTA_TOKENS} tokens in the chain (default {DELTAS}; "
                              "16: an answer's autosaves)")
+    parser.add_argument("--turns", type=int, default=TURNS,
+                        help=f"files of the turns' chain, one per turn (default {TURNS})")
     parser.add_argument("--child", choices=("app", "floor", "loadfile"), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
@@ -420,7 +451,7 @@ def main(argv=None) -> int:
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
-                 echo=print, keep=args.folder, deltas=args.deltas)
+                 echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns)
     data = report["table"]
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:

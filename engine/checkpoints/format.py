@@ -656,8 +656,11 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
 PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was written"
 
 #: with ``crc_later``, states at least this large are checksummed on a helper thread
-#: (below it starting a thread costs more than the checksum)
-CRC_LATER_MIN_BYTES = 1 << 20
+#: (below it starting a thread costs more than the checksum).  With the fast CRC an 8 MB
+#: state takes ~0.3 ms inline, and a conversation of many turns, a file of a few MB per
+#: turn, restored in about half the reading time without a thread per file
+#: (benchmarks.restore_profile, the turns' chain: docs/benchmarks.md)
+CRC_LATER_MIN_BYTES = 8 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
