@@ -318,8 +318,8 @@ class LineWriter:
             idx = cut[0]
         elif idx is None and self.mode == "delta":
             idx = self._on_shared_prefix(conv)
-        while cut is None and idx is not None and self._tip_of_another(self.chain[idx], conv):
-            idx = idx - 1 if idx else None   # its cells once more, in this conversation's file
+        if cut is None and idx is not None:
+            idx = self._below_others_tips(idx, conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -389,17 +389,24 @@ class LineWriter:
             return None if tip_file is None or tip_file.name == info.path.name else (i, shared)
         return None
 
-    def _tip_of_another(self, info: SaveInfo, conv: Conversation) -> bool:
-        """Whether ``info`` is the newest file (the tip) of another conversation's line: a
-        delta on it whole would make that conversation's head part of this one's chain, and
-        a tip another conversation's chain holds is no head (engine.checkpoints.graph): that
-        conversation would vanish from the list (a Fork at the last message, a new
-        conversation that starts with all of another's).  Files this writer wrote are its
-        own line's."""
-        if info.checkpoint_id in self._written or info.line == self.line:
-            return False
-        tip = Graph.scan(self.store).tip_of_line.get(info.line)
-        return tip is not None and tip.name == info.path.name and tip.conversation_id != conv.id
+    def _below_others_tips(self, idx: int, conv: Conversation) -> int | None:
+        """``idx``, or the index of the newest file below it that is no other conversation's
+        line tip (None: none, a full file).  A delta on such a tip whole would make that
+        conversation's head part of this one's chain, and a tip another line's chain holds is
+        no head (engine.checkpoints.graph): that conversation would vanish from the list (a
+        Fork at the last message, a new conversation that starts with all of another's).
+        The delta goes on the file below and holds those cells once more.  Files this
+        writer wrote, and its own line's, are never another's tip."""
+        tips = None
+        for i in range(idx, -1, -1):
+            info = self.chain[i]
+            if info.checkpoint_id in self._written or info.line == self.line:
+                return i
+            tips = tips or Graph.scan(self.store).tip_of_line
+            tip = tips.get(info.line)
+            if tip is None or tip.name != info.path.name or tip.conversation_id == conv.id:
+                return i
+        return None
 
     def _on_shared_prefix(self, conv: Conversation) -> int | None:
         """Start the chain on the store's shared prefix of the conversation's system

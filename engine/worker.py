@@ -962,7 +962,9 @@ class EngineWorker:
                 session = self.sessions.adopt(fork)
                 fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
                     view, self.store, default_line(fork.id), chain[:k]))
-                session.head = fork_writer.save_head(fork, KIND_MANUAL).path   # a delta of metadata only
+                # a delta of metadata only; at the last message, one holding the newest
+                # file's cells again (LineWriter._below_others_tips: that file stays a head)
+                session.head = fork_writer.save_head(fork, KIND_MANUAL).path
                 self.listener.emit(ConversationChanged(self.snapshot(fork)))
                 return
         # no file holds that point (compacted away): the fork decodes its prompt when used

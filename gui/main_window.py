@@ -86,8 +86,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.state = ChatState(unopened=self._unopened)
         self._pending_fork: uuid.UUID | None = None  # selected when its snapshot comes
         #: the conversations whose autosaves fail (a full or failing disk), with the last
-        #: reason: said once in a box, then only in the status line, until one of their
-        #: checkpoints is saved again
+        #: reason: said once in a box while any fail (one full disk fails them all: the
+        #: server's conversations too), then only in each one's status line, until one of
+        #: its checkpoints is saved again
         self._autosave_failing: dict[uuid.UUID | None, str] = {}
         self._open_after_load: Path | None = None    # "Load <model>": open this once it is loaded
         self._close_done = False
@@ -660,6 +661,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
 
     @Slot(object)
     def _on_bridge_conversation_deleted(self, conv_id) -> None:
+        self._autosave_failing.pop(conv_id, None)
         self.conversation_deleted.emit(conv_id)
         self.refresh_store()
 
@@ -688,17 +690,17 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if action is Action.FORK:
             self._pending_fork = None
         if action is Action.AUTOSAVE:
-            # every autosave interval would open another box: once per conversation, then
-            # the status line (the conversation's own, once it is shown: _show_snapshot)
+            # every autosave interval would open another box: once, then the status line
+            # (each conversation's own, once it is shown: _show_snapshot)
             if not elsewhere:
                 self.checkpoint_label.setText(f"Autosave failed at {time.strftime('%H:%M:%S')}")
                 self.checkpoint_label.setToolTip(message)
-            said = conv_id in self._autosave_failing
+            said = bool(self._autosave_failing)
             self._autosave_failing[conv_id] = message
             if said:
                 log.warning("Could not autosave: %s", message)
                 return
-        if action is Action.CONTINUE_WITH_LOADED_MODEL and self.current in self._unopened:
+        if action is Action.CONTINUE_WITH_LOADED_MODEL and not elsewhere and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
         if action is Action.OPEN_CHECKPOINT and self._opening is not None:

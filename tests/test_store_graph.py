@@ -142,6 +142,22 @@ def test_deleting_never_brings_a_deleted_conversation_back(tmp_path, how):
     assert sorted(report.deleted) == sorted(w.path for w in [a_files[0], *b_files])
     assert [h.conversation_id for h in Graph.scan(store).heads] == [c]
     assert all(w.path.exists() for w in c_files)
+    assert store.deleted_conversations() == set()        # nothing of a or b is left
+
+
+def test_a_conversation_without_a_head_is_not_taken_for_a_deleted_one(tmp_path):
+    """A store written before a fork stopped building on the original's newest file whole
+    (or an import linking to a live tip) holds a live conversation whose head is in another
+    conversation's chain, so it has no head: deleting that other conversation must give it
+    its head back, not delete it (a review of the fix above found this)."""
+    store = Store(tmp_path / "store")
+    a, b = uuid.uuid4(), uuid.uuid4()
+    a_files = _chain(store, a, [100, 140], kind_last=M)
+    b_files = _chain(store, b, [150], kind_last=M, first_parent=a_files[-1])
+    assert [h.conversation_id for h in Graph.scan(store).heads] == [b]
+    report = graph.delete_conversation(store, b)
+    assert report.deleted == [b_files[0].path]
+    assert [h.path for h in Graph.scan(store).heads] == [a_files[-1].path]
 
 
 def test_a_file_that_cannot_go_keeps_the_files_it_needs(tmp_path, monkeypatch):

@@ -37,8 +37,8 @@ file this module ever deletes on its own:
 * :func:`delete_conversation` deletes every node of a conversation that no head of
   another conversation depends on (the user asked for it), and what its chains hold of
   a conversation deleted before (up to a cut, engine.checkpoints.chain.can_cut, or of a
-  conversation with no head) that no other head needs: deleting never brings a
-  conversation back.
+  conversation recorded as deleted, Store.deleted_conversations) that no other head
+  needs: deleting never brings a conversation back.
 
 Never deleted automatically: a head or anything in a head's chain; a node newer than
 its line's head (a chain being written, or one whose parent went missing: the user may
@@ -616,11 +616,16 @@ def retire(store: Store, line: str) -> PruneReport:
 
 def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
     """Delete every file of a conversation that no other conversation's head needs, and the
-    files of others its heads' chains hold that no other head needs: up to a cut, and
-    those of a conversation with no head (deleted before, it kept them alive for this one;
-    left, they would become its heads again).  A live conversation's head is never in
-    another's chain: a writer never builds on another conversation's tip, whole or cut
-    (engine.history.LineWriter._tip_of_another)."""
+    files of others its heads' chains hold that no other head needs: up to a cut (a writer
+    never cuts from a line's tip, so no live conversation hangs on such a file alone,
+    engine.history.LineWriter._cut), and those of a conversation deleted before that kept
+    them alive for this one (left, they would become its heads again).
+
+    Which conversations were deleted is recorded (Store.deleted_conversations) while
+    another's chain still holds some of their files: a conversation with no head is not
+    necessarily deleted (a store written before 2026-12-04 may hide a live conversation's
+    head in a fork's chain; an import may link to a live tip), so having no head is never
+    the reason to delete a file."""
     report = PruneReport()
     if not store.folder.is_dir():
         return report
@@ -632,6 +637,7 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
         headed = {h.conversation_id for h in graph.heads}
+        deleted = store.deleted_conversations() - headed   # an import may have brought one back
         borrowed: dict[str, Node] = {}
         for head in graph.heads:
             if head.conversation_id == conversation_id:
@@ -640,14 +646,21 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
                         if chain[i + 1].header.parent_n_tokens < chain[i].header.n_tokens]
                 borrowed.update((n.name, n) for i, n in enumerate(chain)
                                 if n.conversation_id != conversation_id and n.name not in needed
-                                and (i <= max(cuts, default=-1) or n.conversation_id not in headed))
+                                and (i <= max(cuts, default=-1) or n.conversation_id in deleted))
         mine += borrowed.values()
         for node in mine:
             if node.name in needed:
                 report.keep("file(s) another conversation's head depends on", node)
         _delete_leaves_first(store, graph, [n for n in mine if n.name not in needed], report)
         _drop_unused_shared(store, Graph.scan(store), report)
+        _record_deleted(store, deleted | {conversation_id})
     return report
+
+
+def _record_deleted(store: Store, deleted: set[uuid.UUID]) -> None:
+    """Keep the record of deleted conversations to those with files left (lock held)."""
+    left = {n.conversation_id for n in Graph.scan(store).nodes.values()}
+    store.record_deleted(deleted & left)
 
 
 def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
@@ -690,6 +703,7 @@ def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
             if member.name in needed:
                 report.keep(KEPT_CHAIN, member)
         _drop_unused_shared(store, Graph.scan(store), report)
+        _record_deleted(store, store.deleted_conversations())
     return report
 
 

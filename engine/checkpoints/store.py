@@ -24,11 +24,14 @@ engine.checkpoints.transfer.  Temp files left by killed writers are removed by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
 import time
 import unicodedata
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +44,10 @@ from engine.errors import CheckpointError
 
 #: A temp file untouched this long, with no live writer, is a killed writer's leftover.
 STALE_TEMP_AGE_S = 60.0
+
+#: the conversations deleted while another conversation's chain still held some of their
+#: files (engine.checkpoints.graph.delete_conversation): a JSON list of ids
+DELETED_RECORD = ".deleted-conversations.json"
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,27 @@ class Store:
                 except OSError:
                     pass  # Windows: still open by its writer; or removed meanwhile
         return removed
+
+    # -- conversations deleted whose files another conversation still holds -------------------
+    def deleted_conversations(self) -> set[uuid.UUID]:
+        """The record of :data:`DELETED_RECORD` (read with the lock held).  A missing or
+        unreadable record reads as empty: then fewer files are deleted, never a wrong one."""
+        try:
+            ids = json.loads((self.folder / DELETED_RECORD).read_text(encoding="utf-8"))
+            return {uuid.UUID(i) for i in ids} if isinstance(ids, list) else set()
+        except (OSError, ValueError, TypeError, AttributeError):
+            return set()
+
+    def record_deleted(self, ids: Iterable[uuid.UUID]) -> None:
+        """Replace the record, atomically (lock held); an empty one is removed."""
+        path = self.folder / DELETED_RECORD
+        names = sorted(str(i) for i in ids)
+        if not names:
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(names), encoding="utf-8")
+        os.replace(tmp, path)
 
     def contains(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` names a checkpoint file of this store's folder."""
