@@ -88,6 +88,11 @@ class Conversation:
         head = [("system", self.system_prompt)] if self.system_prompt else []
         return head + list(self.messages)
 
+    def messages_with_answer(self) -> list[tuple[str, str]]:
+        """The messages (no system prompt) and the answer in progress, as a Fork counts them."""
+        answer = [("assistant", self.answer.text)] if self.answer is not None and not self.answer_committed() else []
+        return list(self.messages) + answer
+
     def transcript(self) -> list[dict[str, Any]]:
         """Messages plus the answer in progress, for display and the metadata block."""
         out: list[dict[str, Any]] = [{"role": r, "content": c} for r, c in self.chat_messages()]

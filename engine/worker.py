@@ -937,8 +937,7 @@ class EngineWorker:
         from engine.conversation import Conversation
         from engine.history import LineWriter
         conv = self._conv(conv_id)
-        messages = conv.messages + ([("assistant", conv.answer.text)]
-                                    if conv.answer is not None and not conv.answer_committed() else [])
+        messages = conv.messages_with_answer()
         if not 0 <= index < len(messages):
             raise GenerationError(f"there is no message {index + 1} to fork at")
         kept = messages[:index] if messages[index][0] == "user" else messages[:index + 1]

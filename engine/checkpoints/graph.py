@@ -658,9 +658,11 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
 
 
 def _record_deleted(store: Store, deleted: set[uuid.UUID]) -> None:
-    """Keep the record of deleted conversations to those with files left (lock held)."""
+    """Keep the record of deleted conversations to those with files left (lock held);
+    written only when it changes."""
     left = {n.conversation_id for n in Graph.scan(store).nodes.values()}
-    store.record_deleted(deleted & left)
+    if deleted & left != store.deleted_conversations():
+        store.record_deleted(deleted & left)
 
 
 def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:

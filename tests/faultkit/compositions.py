@@ -181,8 +181,7 @@ class Driver:
         there is no longer acted on, its heads are still checked)."""
         c = self._answered(slot)
         conv = self.worker.sessions.conversation(c)
-        n = len(conv.messages) + (1 if conv.answer is not None and not conv.answer_committed() else 0) \
-            if conv is not None else 0
+        n = len(conv.messages_with_answer()) if conv is not None else 0
         if n == 0:
             return
         fork = self.worker.fork(c, max(0, n - 1 - back))
@@ -314,7 +313,7 @@ def check(driver: Driver, runtime) -> Outcome:
             for restored in (True, False):
                 runtime.trim(0)   # every file of the chain applied, none taken from the cache
                 conv = runtime.restore_chain(load_chain(head.path))
-                held_now = len(conv.tokens)   # what follows is what the check read and sampled
+                n_before = len(conv.tokens)   # what follows is what the check read and sampled
                 if not restored:
                     runtime.trim(0)             # the same tokens, decoded from scratch
                 conv.sampler = replace(conv.sampler, ignore_eos=True)
@@ -335,7 +334,7 @@ def check(driver: Driver, runtime) -> Outcome:
                 if restored and paused and result.n_reused_tokens < held - redecoded:
                     out.problems.append(f"{head.name}: the restore re-decoded the prompt")
                 texts.append(result.text)
-                after = after or list(conv.tokens[held_now:])
+                after = after or list(conv.tokens[n_before:])
         except AppError as exc:
             out.heads_lost.append(f"{head.name}: {exc}")
             continue
