@@ -6,8 +6,9 @@
 
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
-size a long prose prompt is prefilled and answered, and saved twice at the same token: as
-one full checkpoint, and as a chain written as an answer's line is (the prompt's file,
+size a long prose prompt is prefilled and answered, and saved at the same token: as
+one full checkpoint (and its bytes once more as the writer wrote them before its writes
+were aligned in the file: ``unaligned``), as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
 deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
 as a conversation of ``--turns`` turns is written (one file per turn, each a delta on the
@@ -213,7 +214,7 @@ def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
 
 
 # -- the files -------------------------------------------------------------------------------
-LAYOUTS = ("full", "chain", "turns")
+LAYOUTS = ("full", "unaligned", "chain", "turns")
 
 
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
@@ -225,7 +226,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-answer.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
-        if all(n in known and "llama" in known[n] for n in sizes):
+        if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
             return {n: {**{k: [Path(p) for p in known[n][k]] for k in (*LAYOUTS, "llama")},
                         "tokens": known[n]["tokens"]} for n in sizes}
     return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas, turns)
@@ -260,7 +261,10 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
-            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
+            unaligned = folder / f"unaligned-{n}-ctx{n_ctx}.kvckpt"
+            _write_unaligned(full, unaligned)
+            files[n] = {"full": [full], "unaligned": [unaligned], "chain": chain, "tokens": list(conv.tokens),
+                        "llama": [llama_file],
                         "turns": _turn_files(rt, folder, list(conv.tokens), turns, n_ctx)}
     finally:
         rt.close()
@@ -289,6 +293,20 @@ def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> 
                          parent=parent)
         out.append(parent.path)
     return out
+
+
+def _write_unaligned(full: Path, path: Path, chunk: int = 2 << 20) -> None:
+    """The same bytes as ``full``, written as the writer wrote them before its writes were
+    aligned in the file (format._write_parts): the sections before the state, then the
+    state in chunks from its own start.  The page cache then holds them in small pages."""
+    from engine.checkpoints.format import read_header
+    h = read_header(full)
+    data = memoryview(full.read_bytes())
+    with open(path, "wb") as f:
+        f.write(data[:h.state_offset])
+        for start in range(h.state_offset, h.state_offset + h.state_len, chunk):
+            f.write(data[start:min(start + chunk, h.state_offset + h.state_len)])
+        f.write(data[h.state_offset + h.state_len:])
 
 
 def _save_llama_file(rt, path: Path, tokens) -> None:

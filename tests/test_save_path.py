@@ -84,6 +84,38 @@ def test_file_is_byte_identical_to_the_reference_writer(monkeypatch, threshold, 
     assert (written, crc) == (ref_header, ref_crc)
 
 
+class _Writes(io.BytesIO):
+    """A file that records where each write lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[tuple[int, int]] = []
+
+    def write(self, data) -> int:
+        start = self.tell()
+        n = super().write(data)
+        self.spans.append((start, start + n))
+        return n
+
+
+@pytest.mark.parametrize("state_len", [3_000_001, (8 << 20) * 2 + 12345])
+def test_the_state_is_written_in_chunks_aligned_in_the_file(state_len):
+    # a large-folio page cache keeps an aligned 2 MiB write as one huge page, which a
+    # restore maps at once (format._write_parts): no write may straddle a chunk boundary,
+    # and every chunk wholly inside the state is written by one write
+    chunk = 1 << 20
+    header, meta, tokens, logits, state = _sections(state_len)
+    out = _Writes()
+    written, _ = fmt.write_sections(out, header, meta, tokens, logits, state, chunk=chunk)
+    assert all(start // chunk == (end - 1) // chunk for start, end in out.spans if end > start)
+    state_start = fmt.HEADER_LEN + written.meta_len + written.tokens_len + written.logits_len
+    inside = {(b, b + chunk) for b in range(0, state_start + state_len - chunk + 1, chunk) if b >= state_start}
+    assert inside and inside <= set(out.spans)
+    ref = io.BytesIO()
+    reference_write(ref, header, meta, tokens, logits, state)
+    assert out.getvalue() == ref.getvalue()
+
+
 @pytest.mark.parametrize("threshold", [0, 1 << 62], ids=["crc-thread", "crc-inline"])
 def test_crc_written_is_the_crc_of_the_bytes(monkeypatch, tmp_path, threshold):
     monkeypatch.setattr(fmt, "CRC_THREAD_MIN_BYTES", threshold)
