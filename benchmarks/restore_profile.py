@@ -285,10 +285,15 @@ def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> 
     parent, out = None, []
     for i in range(1, turns + 1):
         end = len(tokens) * i // turns
-        conv = greedy_conversation(tokens[:end])
+        conv = greedy_conversation(tokens[:end - 1])
         conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}: " + "words " * 60)
                          for k in range(2 * i)]
         generate(rt, conv, stop_after=0)
+        # the answer's last token is decoded alone, as a generated one is: its logits can be
+        # had again by decoding it, so the finished answer's file carries none (logits_rule)
+        rt.decode_token(tokens[end - 1])
+        conv.tokens.append(tokens[end - 1])
+        conv.answer = None   # finished
         parent = rt.save(folder / f"turns{turns}-{len(tokens)}-{i}-ctx{n_ctx}.kvckpt", conv, KIND_MANUAL,
                          parent=parent)
         out.append(parent.path)
