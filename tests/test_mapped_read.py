@@ -38,6 +38,33 @@ def test_mapped_state_is_the_files_bytes_and_read_only(tmp_path, always_mapped):
     synthetic.load_fully(path)   # the walk over the mapping
 
 
+def _huge_page_flag_of(path) -> bool | None:
+    """Whether this process maps ``path`` with MADV_HUGEPAGE ("hg" in /proc's VmFlags)."""
+    from pathlib import Path
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1].isalnum() and "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
+            mapping = line.endswith(str(path))
+        elif mapping and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return None
+
+
+def test_the_mapping_asks_for_huge_pages(tmp_path, always_mapped):
+    """A restore's mapping lets the kernel use 2 MiB pages for the file (mapped._ask_for_huge_pages)."""
+    import mmap as mmap_module
+    with mmap_module.mmap(-1, 1 << 21) as probe:   # can this kernel say so at all?
+        try:
+            probe.madvise(getattr(mmap_module, "MADV_HUGEPAGE", 14))
+        except OSError:
+            pytest.skip("no transparent huge pages here")
+    path, _, _ = _file(tmp_path)
+    got = fmt.read_checkpoint(path)
+    assert always_mapped, "the mapped path was not taken"
+    assert _huge_page_flag_of(path) is True
+    del got
+
+
 def test_copying_reader_gives_the_same_and_read_only(tmp_path, monkeypatch):
     path, data, h = _file(tmp_path)
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 1 << 62)
