@@ -7,14 +7,13 @@
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
 size a long prose prompt is prefilled and answered, and saved at the same token: as
-one full checkpoint (and its bytes once more as the writer wrote them before its writes
-were aligned in the file: ``unaligned``), as a chain written as an answer's line is (the prompt's file,
+one full checkpoint, as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
 deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
 as a conversation of ``--turns`` turns is written (one file per turn, each a delta on the
 last, a finished answer's file: no logits).  Then,
 for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
-the files warm in the page cache (read once just before):
+the files warm in the page cache (read once just before, each by its own reader: ``_warm``):
 
 * ``restore_ms``: what ``run --checkpoint-load`` counts as its restore (``restore_s``):
   ``load_chain`` (read, every check of the file) and ``Runtime.restore_chain`` (the
@@ -202,8 +201,7 @@ def _load_file(rt, path: Path) -> float:
 
 
 def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
-    for f in files:   # warm in the page cache
-        f.read_bytes()
+    _warm(files)
     cmd = [sys.executable, "-m", "benchmarks.restore_profile", "--child", mode, "--n-ctx", str(n_ctx),
            "--threads", str(threads), *map(str, files)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -213,8 +211,21 @@ def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _warm(files: list[Path]) -> None:
+    """Bring ``files`` into the page cache as their own reader leaves them there: llama.cpp's
+    file by reading it; ours by the app's reader (a mapping that asks for huge pages,
+    engine.checkpoints.mapped).  How a file was last read decides the page sizes it is cached
+    in (benchmarks.page_cache), and some machines evict idle files within a minute."""
+    from engine.checkpoints.format import read_checkpoint
+    for f in files:
+        if f.suffix == ".kvckpt":
+            read_checkpoint(f)
+        else:
+            f.read_bytes()
+
+
 # -- the files -------------------------------------------------------------------------------
-LAYOUTS = ("full", "unaligned", "chain", "turns")
+LAYOUTS = ("full", "chain", "turns")
 
 
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
@@ -261,10 +272,7 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
-            unaligned = folder / f"unaligned-{n}-ctx{n_ctx}.kvckpt"
-            _write_unaligned(full, unaligned)
-            files[n] = {"full": [full], "unaligned": [unaligned], "chain": chain, "tokens": list(conv.tokens),
-                        "llama": [llama_file],
+            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
                         "turns": _turn_files(rt, folder, list(conv.tokens), turns, n_ctx)}
     finally:
         rt.close()
@@ -298,20 +306,6 @@ def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> 
                          parent=parent)
         out.append(parent.path)
     return out
-
-
-def _write_unaligned(full: Path, path: Path, chunk: int = 2 << 20) -> None:
-    """The same bytes as ``full``, written as the writer wrote them before its writes were
-    aligned in the file (format._write_parts): the sections before the state, then the
-    state in chunks from its own start.  The page cache then holds them in small pages."""
-    from engine.checkpoints.format import read_header
-    h = read_header(full)
-    data = memoryview(full.read_bytes())
-    with open(path, "wb") as f:
-        f.write(data[:h.state_offset])
-        for start in range(h.state_offset, h.state_offset + h.state_len, chunk):
-            f.write(data[start:min(start + chunk, h.state_offset + h.state_len)])
-        f.write(data[h.state_offset + h.state_len:])
 
 
 def _save_llama_file(rt, path: Path, tokens) -> None:

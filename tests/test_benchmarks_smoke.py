@@ -67,3 +67,22 @@ def test_folding_an_answers_autosaves_into_its_head_leaves_fewer_files_to_read(s
     assert now["files_read"] == 2                # the prompt's file and the head
     assert now["head_MB"] > before["head_MB"] and now["store_MB"] < before["store_MB"]
     assert all(r["pause_ms"] > 0 and r["restore_ms"] > 0 for r in rows)
+
+
+def test_the_page_cache_benchmark_maps_each_way_side_by_side(tmp_path):
+    """benchmarks.page_cache at its smallest: the writer's aligned writes against the earlier
+    unaligned ones, a cold read with and without huge pages, each row measured."""
+    from benchmarks.page_cache import run
+    from engine.checkpoints import mapped
+    report = run([4], 1, tmp_path, echo=lambda *a, **k: None)
+    rows = report["table"].rows
+    if not mapped.supported():
+        assert rows == [] and "nothing measured" in report["table"].notes[0]
+        return
+    assert [r["case"] for r in rows] == [
+        "hot, written aligned (now)", "hot, written unaligned (before)",
+        "cold, read with MADV_HUGEPAGE (now)", "  then mapped again, with MADV_HUGEPAGE (now)",
+        "cold, read without (before)", "  then mapped again, without (before)"]
+    for row in rows:
+        assert row["copy_ms"] > 0 and row["huge_MB"] >= 0 and row["vs_first"] > 0
+    assert rows[0]["populate_ms"] > 0 and rows[1]["populate_ms"] > 0

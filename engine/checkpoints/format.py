@@ -657,8 +657,8 @@ def _write_parts(out: BinaryIO, parts: tuple[memoryview, ...], chunk: int, offse
     Why aligned: a file system with large folios (ext4 from Linux 6.16, xfs) caches a
     write of 2 MiB at a 2 MiB boundary as one 2 MiB page, which a restore maps with one
     page-table entry instead of 512 (engine.checkpoints.mapped).  Measured here on a
-    24.7 MB state in the page cache: mapping it 1.18 ms written unaligned, 0.17 ms aligned;
-    mapping and copying it out 3.3-3.7 ms against 2.3 ms.  The bytes are the same.
+    24.7 MB state just written: mapping it 1.18 ms written unaligned, 0.17 ms aligned
+    (benchmarks.page_cache).  The bytes are the same.
     """
     for view in parts:
         start = 0

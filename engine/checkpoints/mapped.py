@@ -76,9 +76,9 @@ def _ask_for_huge_pages(mapping: mmap.mmap, size: int) -> None:
     """Let the kernel read the file into 2 MiB pages where it reads it from disk, and map
     cached 2 MiB pages whole (a file system with large folios: ext4 from Linux 6.16, xfs).
 
-    Measured here (SmolLM2, a 24.7 MB state, the file evicted before each try): populating
-    the mapping took 22.4 / 20.9 ms without, 13.4 / 12.7 ms with; mapping the same file
-    again once cached, 1.8 ms against 0.08 ms.  The pages are the page cache's either way;
+    Measured here (a 24.7 MB state, the file evicted before each try): populating the
+    mapping took 22.4 / 20.9 ms without, 13.4 / 12.7 ms with; mapping the same file again
+    once cached, 1.8 ms against 0.08 ms (benchmarks.page_cache).  The pages are the page cache's either way;
     where transparent huge pages are off or unknown the call fails, and nothing changes.
     """
     try:
