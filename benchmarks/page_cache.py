@@ -82,21 +82,48 @@ def write_unaligned(src: Path, path: Path, chunk: int = 2 << 20) -> None:
         os.fsync(f.fileno())
 
 
-def evict(path: Path) -> None:
+def evict(path: Path) -> bool:
+    """Drop ``path`` from the page cache; False where it stayed (tmpfs keeps its files):
+    the "cold" rows are then not cold, and the table says so."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return _cached_pages(path) == 0
+
+
+def _cached_pages(path: Path) -> int:
+    """Pages of ``path`` in the page cache now (mincore over a mapping that touches none)."""
+    import ctypes
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return -1
+        try:
+            if libc.mincore(addr, size, vec) != 0:
+                return -1
+        finally:
+            libc.munmap(addr, size)
+    return sum(b & 1 for b in vec.raw)
 
 
 def huge_mb(path: Path) -> float:
     """MB of ``path`` this process maps with 2 MiB pages now (FilePmdMapped)."""
+    name = str(path.resolve())   # as /proc names it
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-            inside = line.endswith(str(path))
+            inside = line.endswith(name)
         elif inside and line.startswith("FilePmdMapped:"):
             return int(line.split()[1]) / 1024
     return 0.0
@@ -130,6 +157,7 @@ def run(sizes_mb: list[int], repeats: int, folder: Path | None = None, echo=prin
         where = folder or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(0)
+        not_cold: set[int] = set()
         for size_mb in sizes_mb:
             state = rng.integers(0, 256, size_mb << 20, dtype=np.uint8)
             dest = np.empty(len(state), dtype=np.uint8)
@@ -143,12 +171,14 @@ def run(sizes_mb: list[int], repeats: int, folder: Path | None = None, echo=prin
                     write_aligned(aligned, state)
                     if path is unaligned:
                         write_unaligned(aligned, unaligned)
-                    populate_s, huge = map_once(path, None, hugepage=True)
-                    copy_s, _ = map_once(path, dest, hugepage=True)
+                    now = path is aligned   # the reader before asked for no huge pages
+                    populate_s, huge = map_once(path, None, hugepage=now)
+                    copy_s, _ = map_once(path, dest, hugepage=now)
                     rows.setdefault(name, []).append((populate_s, copy_s, huge))
                 for hugepage in (True, False):
                     label = "with MADV_HUGEPAGE (now)" if hugepage else "without (before)"
-                    evict(unaligned)
+                    if not evict(unaligned):
+                        not_cold.add(size_mb)
                     cold_copy_s, huge = map_once(unaligned, dest, hugepage)
                     again_s, again_huge = map_once(unaligned, dest, hugepage)
                     rows.setdefault(f"cold, read {label}", []).append((float("nan"), cold_copy_s, huge))
@@ -162,6 +192,9 @@ def run(sizes_mb: list[int], repeats: int, folder: Path | None = None, echo=prin
                 out.add(state_MB=size_mb, case=name,
                         populate_ms=None if pop != pop else pop * 1e3, copy_ms=copy * 1e3,
                         huge_MB=median([v[2] for v in values]), vs_first=ratio(copy, first[group]))
+        if not_cold:
+            out.notes.append(f"NOT COLD: {sorted(not_cold)} MB stayed in the page cache after posix_fadvise "
+                             "(this file system keeps its files): the cold rows are warm")
     out.notes.append("copy_ms: map, populate and copy the state out; a cold file's includes reading it from disk")
     out.notes.append("vs_first: copy_ms against the first row of the same kind (hot / cold / mapped again)")
     return {"table": out, "sizes_mb": sizes_mb, "repeats": repeats, "load_avg": os.getloadavg()}

@@ -214,8 +214,9 @@ def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
 def _warm(files: list[Path]) -> None:
     """Bring ``files`` into the page cache as their own reader leaves them there: llama.cpp's
     file by reading it; ours by the app's reader (a mapping that asks for huge pages,
-    engine.checkpoints.mapped).  How a file was last read decides the page sizes it is cached
-    in (benchmarks.page_cache), and some machines evict idle files within a minute."""
+    engine.checkpoints.mapped).  Once a file was evicted, how it is read back decides the
+    page sizes it is cached in (benchmarks.page_cache), and some machines evict idle files
+    within a minute."""
     from engine.checkpoints.format import read_checkpoint
     for f in files:
         if f.suffix == ".kvckpt":
@@ -234,7 +235,9 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     chain, as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-answer.json"
+    # "-aligned": files made before the writer aligned its writes and before the turns'
+    # files lost their logits are made again
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-answer-aligned.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):

@@ -84,5 +84,5 @@ def test_the_page_cache_benchmark_maps_each_way_side_by_side(tmp_path):
         "cold, read with MADV_HUGEPAGE (now)", "  then mapped again, with MADV_HUGEPAGE (now)",
         "cold, read without (before)", "  then mapped again, without (before)"]
     for row in rows:
-        assert row["copy_ms"] > 0 and row["huge_MB"] >= 0 and row["vs_first"] > 0
+        assert row["copy_ms"] > 0 and math.isfinite(row["huge_MB"]) and row["vs_first"] > 0
     assert rows[0]["populate_ms"] > 0 and rows[1]["populate_ms"] > 0

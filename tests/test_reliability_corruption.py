@@ -210,7 +210,15 @@ def test_metadata_depth_is_counted_on_the_bytes_alike_for_reader_and_writer():
         fmt.encode_metadata(json.loads(too_deep))
     with pytest.raises(CorruptMetadata, match="pair up"):
         fmt.decode_metadata(b'{"a":[1]]]]]}')
-    # the same among thousands of shallow lists (the depth is then counted another way)
+    # the same beside a few shallow lists (too many brackets to skip the count) and among
+    # thousands (counted another way); at the limit and one past it
+    for depth, fits in ((deepest, True), (deepest + 1, False)):
+        text = b'{"a":[' + b"[]," * 10 + b"[" * (depth - 2) + b"]" * (depth - 2) + b"]}"
+        if fits:
+            assert fmt.decode_metadata(text) == json.loads(text)
+        else:
+            with pytest.raises(CorruptMetadata, match="nested too deeply"):
+                fmt.decode_metadata(text)
     many = b"[]," * 3000
     for depth, fits in ((deepest, True), (deepest + 1, False)):
         text = b'{"a":[' + many + b"[" * (depth - 2) + b"]" * (depth - 2) + b"]}"

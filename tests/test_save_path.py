@@ -98,12 +98,12 @@ class _Writes(io.BytesIO):
         return n
 
 
-@pytest.mark.parametrize("state_len", [3_000_001, (8 << 20) * 2 + 12345])
-def test_the_state_is_written_in_chunks_aligned_in_the_file(state_len):
+@pytest.mark.parametrize("state_len,chunk", [(3_000_001, 1 << 20), ((8 << 20) * 2 + 12345, 1 << 20),
+                                             (100_001, 4096)])   # the last: the logits cross boundaries too
+def test_the_state_is_written_in_chunks_aligned_in_the_file(state_len, chunk):
     # a large-folio page cache keeps an aligned 2 MiB write as one huge page, which a
     # restore maps at once (format._write_parts): no write may straddle a chunk boundary,
     # and every chunk wholly inside the state is written by one write
-    chunk = 1 << 20
     header, meta, tokens, logits, state = _sections(state_len)
     out = _Writes()
     written, _ = fmt.write_sections(out, header, meta, tokens, logits, state, chunk=chunk)

@@ -76,10 +76,12 @@ def _ask_for_huge_pages(mapping: mmap.mmap, size: int) -> None:
     """Let the kernel read the file into 2 MiB pages where it reads it from disk, and map
     cached 2 MiB pages whole (a file system with large folios: ext4 from Linux 6.16, xfs).
 
-    Measured here (a 24.7 MB state, the file evicted before each try): populating the
-    mapping took 22.4 / 20.9 ms without, 13.4 / 12.7 ms with; mapping the same file again
-    once cached, 1.8 ms against 0.08 ms (benchmarks.page_cache).  The pages are the page cache's either way;
-    where transparent huge pages are off or unknown the call fails, and nothing changes.
+    Measured here (benchmarks.page_cache, a 24 MB state, evicted before each try): mapping,
+    populating and copying it out 17.1 ms with, 22.0 ms without; mapping and copying it
+    again once cached, 2.45 against 3.72 ms.  At 92 MB the cold read gained nothing (61.2
+    against 58.6 ms: its readahead made part of it large anyway).  The pages are the page
+    cache's either way; a kernel without transparent huge pages refuses the call, and
+    nothing changes.
     """
     try:
         mapping.madvise(MADV_HUGEPAGE, 0, size)
