@@ -23,6 +23,7 @@ engine.checkpoints.transfer.  Temp files left by killed writers are removed by
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +39,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from engine import paths
-from engine.checkpoints.atomic import STORE_MARKER, is_stale_temp, is_temp_name, store_lock
+from engine.checkpoints.atomic import STORE_MARKER, atomic_write, is_stale_temp, is_temp_name, store_lock
 from engine.checkpoints.format import EXTENSION, HEADER_LEN, Header, unpack_header
 from engine.errors import CheckpointError
 
@@ -207,9 +208,10 @@ class Store:
         if not names:
             path.unlink(missing_ok=True)
             return
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(names), encoding="utf-8")
-        os.replace(tmp, path)
+        # the checkpoints' own atomic write: a temp name the store sweeps when a writer dies,
+        # the rename retried where Windows briefly refuses it; the caller holds the lock
+        with atomic_write(path, lock=contextlib.nullcontext()) as f:
+            f.write(json.dumps(names).encode("utf-8"))
 
     def contains(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` names a checkpoint file of this store's folder."""
