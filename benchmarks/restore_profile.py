@@ -235,9 +235,9 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     chain, as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
-    # "-aligned": files made before the writer aligned its writes and before the turns'
-    # files lost their logits are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-answer-aligned.json"
+    # the name changes with what the app writes (aligned writes, turns without logits, the
+    # messages once in the metadata): files made before are made again
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-messages-once.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
@@ -287,7 +287,7 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
 def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> list[Path]:
     """The same tokens as a conversation of ``turns`` turns writes them: a file per turn,
     each a delta on the last (a finished answer's: no logits), its metadata carrying the
-    transcript so far, as the app's does (it grows turn by turn)."""
+    conversation so far, as the app's does (it grows turn by turn)."""
     from benchmarks.common import greedy_conversation
     from engine.checkpoints.format import KIND_MANUAL
     from engine.generation import generate

@@ -22,6 +22,7 @@ from pathlib import Path
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE, read_metadata
 from engine.checkpoints.graph import Graph
 from engine.checkpoints.store import Store
+from engine.conversation import transcript_of
 from engine.errors import CheckpointError
 
 Message = tuple[str, str]          # (role, content)
@@ -49,12 +50,7 @@ class Alternatives:
 
 
 def _messages(meta: dict) -> tuple[Message, ...]:
-    transcript = meta.get("transcript")
-    out = []
-    for item in transcript if isinstance(transcript, list) else []:
-        if isinstance(item, dict) and isinstance(item.get("role"), str) and isinstance(item.get("content"), str):
-            out.append((item["role"], item["content"]))
-    return tuple(out)
+    return tuple((item["role"], item["content"]) for item in transcript_of(meta))
 
 
 _TRANSCRIPTS: dict[tuple[str, tuple[int, int, int]], tuple[Message, ...]] = {}

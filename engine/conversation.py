@@ -157,6 +157,22 @@ class Conversation:
             created=float(data.get("created", time.time())))
 
 
+def transcript_of(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The transcript a checkpoint's metadata holds, for display: its conversation's
+    (:meth:`Conversation.transcript`), or, in a file written before the metadata held the
+    messages once (2026-12-04), its ``transcript`` key when the conversation is unreadable.
+    The metadata is untrusted: what cannot be read is left out, never an exception."""
+    conv = meta.get("conversation")
+    if isinstance(conv, dict):
+        try:
+            return Conversation.from_json(conv, []).transcript()
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            pass
+    written = meta.get("transcript")
+    return [e for e in written if isinstance(e, dict) and isinstance(e.get("role"), str)
+            and isinstance(e.get("content"), str)] if isinstance(written, list) else []
+
+
 def title_from(text: str, limit: int = 48) -> str:
     """A conversation title from its first user message."""
     words = " ".join(text.split())

@@ -323,8 +323,8 @@ class Runtime:
     def metadata_for(self, conv: Conversation) -> dict:
         return {
             "format": "checkpoint-chat", "app_version": APP_VERSION,
+            # the messages once: a reader's transcript is the conversation's (transcript_of)
             "title": conv.title, "conversation": conv.to_json(),
-            "transcript": conv.transcript(),
             "model": {"name": self.model.name, "path": str(self.model.path),
                       "architecture": self.model.architecture,
                       "fingerprint": self.fingerprint.hex()},

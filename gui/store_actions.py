@@ -29,6 +29,7 @@ from engine.checkpoints import graph
 from engine.checkpoints.compat import made_with
 from engine.checkpoints.format import read_header, read_metadata
 from engine.checkpoints.transfer import MISSING_PARENT, FileCheck, chain_paths, check_file, import_files
+from engine.conversation import transcript_of
 from engine.errors import CheckpointError, IncompatibleModel
 from gui.browser import CheckpointBrowser, list_rows
 from gui.conversations import stored_conversations
@@ -148,8 +149,7 @@ class StoreActions:
             return
         if self.current != conv_id or conv_id not in self._unopened:
             return   # the user went elsewhere, or it was opened meanwhile
-        transcript = [e for e in meta.get("transcript") or [] if isinstance(e, dict)
-                      and isinstance(e.get("role"), str) and isinstance(e.get("content"), str)]
+        transcript = transcript_of(meta)
         self.chat_view.set_transcript(transcript, actions=False)
         info = self.bridge.model_info
         problem = info.target.problem(header, meta) if info is not None and info.target else None

@@ -114,7 +114,7 @@ def test_kill_9_with_two_answers_running_leaves_both_restorable(smollm_path, tmp
         g = info["header"]["n_generated"]
         assert g > 0 and g % 8 == 0
         prompt = PROMPTS[int(side.name[1]) - 1]
-        before = info["metadata"]["transcript"][-1]["content"]
+        before = info["transcript"][-1]["content"]
         rest = _json_lines(run_cli("run", "--checkpoint-load", str(head), "-m", str(smollm_path), "-n",
                                    str(g + 8), "--json", "--threads", "2", check=True).stdout)[-1]
         # an autosave: its last token, a generated one, is decoded again (engine.runtime.logits_rule)

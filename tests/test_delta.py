@@ -174,8 +174,8 @@ def test_crash_loses_at_most_the_autosave_interval(smollm_path, app_home, tmp_pa
     assert rest["n_reused_tokens"] == rest["n_prompt_tokens"] - 1
     full = json.loads(run_cli("run", *common, "-n", str(k + 10), "--json",
                               check=True).stdout.strip().splitlines()[-1])
-    meta = json.loads(run_cli("inspect", str(latest), "--json", check=True).stdout)["metadata"]
-    assert meta["transcript"][-1]["content"] + rest["text"] == full["text"]
+    transcript = json.loads(run_cli("inspect", str(latest), "--json", check=True).stdout)["transcript"]
+    assert transcript[-1]["content"] + rest["text"] == full["text"]
 
     compacted = tmp_path / "merged.kvckpt"
     done = run_cli("compact", str(latest), "-o", str(compacted), check=True)
@@ -220,8 +220,8 @@ def test_autosave_to_a_named_file_writes_deltas_beside_it(smollm_path, app_home,
     # an autosave carries no logits: only its last token, a generated one, is decoded again
     assert rest["n_reused_tokens"] == rest["n_prompt_tokens"] - 1
     full = json.loads(run_cli("run", *common, "-n", str(k + 6), "--json", check=True).stdout.strip().splitlines()[-1])
-    meta = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["metadata"]
-    assert meta["transcript"][-1]["content"] + rest["text"] == full["text"]
+    transcript = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["transcript"]
+    assert transcript[-1]["content"] + rest["text"] == full["text"]
 
     # a later run saving to the same P removes only its own autosaves: the crashed run's,
     # which loading P points at, stay

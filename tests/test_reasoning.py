@@ -517,10 +517,11 @@ def test_run_json_gives_the_thinking_apart(thinker, tmp_path):
     from conftest import run_cli
 
     from engine.checkpoints.chain import load_chain
+    from engine.conversation import transcript_of
     done = run_cli("run", "-m", str(thinker), "-c", "512", "-t", "2", "--temp", "0", "--seed", "7",
                    "-p", Q1, "-n", "8", "--json", "--checkpoint-save", str(tmp_path / "a.kvckpt"), check=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    raw = load_chain(tmp_path / "a.kvckpt")[-1].meta["transcript"][-1]["content"]
+    raw = transcript_of(load_chain(tmp_path / "a.kvckpt")[-1].meta)[-1]["content"]
     parts = split(raw, OPENED)
     assert out["n_generated"] == 8 and raw.strip()
     assert (out["reasoning_content"], out["text"]) == (parts.thinking or None, parts.answer)

@@ -123,5 +123,5 @@ def test_inspect_reads_metadata_without_state(smollm_ckpt):
     done = run_cli("inspect", str(smollm_ckpt), "--json", check=True)
     info = json.loads(done.stdout)
     assert info["header"]["n_generated"] == 6
-    assert info["metadata"]["transcript"][-1]["role"] == "assistant"
-    assert info["metadata"]["transcript"][-1]["complete"] is False
+    assert info["transcript"][-1]["role"] == "assistant"
+    assert info["transcript"][-1]["complete"] is False

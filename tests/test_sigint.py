@@ -67,7 +67,7 @@ def test_sigint_during_generation_saves_and_resumes(smollm_path, tmp_path):
     assert header["kind"] == "exit" and header["has_logits"] and not header["prefill_pending"]
     k = header["n_generated"]
     assert 0 < k < 1500
-    first_text = info["metadata"]["transcript"][-1]["content"]
+    first_text = info["transcript"][-1]["content"]
     assert run_cli("validate", str(ckpt), "--model", str(smollm_path)).returncode == 0
 
     second = _last_json(run_cli("run", "--checkpoint-load", str(ckpt), "-n", str(k + 12), "--json",

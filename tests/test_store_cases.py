@@ -98,8 +98,8 @@ def test_1_a_store_over_budget_keeps_a_killed_answers_chain(crashed_store, app_h
     # a killed answer's autosave carries no logits: its last token, a generated one, is
     # decoded again, alone (engine.runtime.logits_rule); nothing before it is
     assert rest["n_reused_tokens"] == rest["n_prompt_tokens"] - 1
-    meta = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["metadata"]
-    assert meta["transcript"][-1]["content"] + rest["text"] == _continue_uninterrupted(k, 8)
+    transcript = json.loads(run_cli("inspect", str(newest), "--json", check=True).stdout)["transcript"]
+    assert transcript[-1]["content"] + rest["text"] == _continue_uninterrupted(k, 8)
 
 
 def test_2_resuming_a_crash_chain_and_pausing_leaves_one_head_and_no_litter(

@@ -11,6 +11,7 @@ from typing import Any
 
 from engine import APP_VERSION
 from engine.cli.output import EXIT_ERROR, EXIT_OK, human_size, print_json
+from engine.conversation import transcript_of
 from engine.errors import AppError, CheckpointError
 from engine.model_shape import memory_name
 
@@ -163,7 +164,10 @@ def cmd_inspect(args) -> int:
     g, node = _graph_of(path)
     place = _node_json(node, g) if node is not None else None
     if args.json:
-        print_json({"header": _header_json(header), "metadata": meta, "graph": place}, indent=2)
+        # "transcript": the conversation's messages as a chat shows them (the metadata holds
+        # them once, in "conversation"; files written before 2026-12-04 hold both)
+        print_json({"header": _header_json(header), "metadata": meta, "transcript": transcript_of(meta),
+                    "graph": place}, indent=2)
         return EXIT_OK
     for key, value in _header_json(header).items():
         print(f"{key:18} {value}")
@@ -187,12 +191,10 @@ def cmd_inspect(args) -> int:
             print(f"  {what:5} {member.header.n_tokens:7d} tok  {human_size(member.size):>9}  {name}{used}")
         print(f"  total {human_size(place['chain_size'])}")
     print("transcript:")
-    transcript = meta.get("transcript")
-    for message in transcript if isinstance(transcript, list) else []:
-        if isinstance(message, dict):
-            content = str(message.get("content", ""))
-            more = "" if message.get("complete", True) else "  [paused]"
-            print(f"  {message.get('role', '?')}: {content[:200]}{'…' if len(content) > 200 else ''}{more}")
+    for message in transcript_of(meta):
+        content = message["content"]
+        more = "" if message.get("complete", True) else "  [paused]"
+        print(f"  {message['role']}: {content[:200]}{'…' if len(content) > 200 else ''}{more}")
     return EXIT_OK
 
 
