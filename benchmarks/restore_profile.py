@@ -2,7 +2,7 @@
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
-                                         [--json out.json]
+                                         [--against TREE] [--json out.json]
 
 SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
 with a scratch sequence), the context just large enough for the largest size.  For each
@@ -29,6 +29,11 @@ the files warm in the page cache (read once just before, each by its own reader:
   state, called as llama-server's slot restore calls it (once for the token count, once
   to load) and timed as it times it: llama-server's restore without the server, so it is
   measured on every machine (the file is written by ``llama_state_seq_save_file``).
+
+With ``--against TREE`` (another checkout of this project, e.g. ``git worktree add TREE
+HEAD~1``), each repeat also restores the same files with that tree's code, alternating
+with this one's: ``against_ms``, and ``vs_against`` (this tree / that one), a change
+measured side by side.
 
 With a llama-server binary (``--llama-server PATH`` or ``LLAMA_SERVER=PATH``; build the
 ``llama-server`` target of the llama.cpp that llama-cpp-python vendors), the same tokens
@@ -84,7 +89,8 @@ PARTS = ("read", "crc", "json", "arrays", "walk", "link", "compat", "clear", "se
 def table() -> Table:
     return Table("Restore in a new process, files warm in the page cache (ms, medians)",
                  ["tokens", "layout", "files_MB", "restore_ms", "floor_ms", "loadfile_ms", "server_ms",
-                  "vs_loadfile", "best_vs_loadfile", "vs_server", "vs_floor", "best_vs_server", *PARTS])
+                  "against_ms", "vs_loadfile", "best_vs_loadfile", "vs_server", "vs_floor", "best_vs_server",
+                  "vs_against", *PARTS])
 
 
 # -- the child: one restore in a fresh process ------------------------------------------------
@@ -200,12 +206,13 @@ def _load_file(rt, path: Path) -> float:
     return spent
 
 
-def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int) -> dict:
+def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int, root: Path = ROOT) -> dict:
+    """One measurement in a new process, with the code of ``root`` (this tree, or --against's)."""
     _warm(files)
     cmd = [sys.executable, "-m", "benchmarks.restore_profile", "--child", mode, "--n-ctx", str(n_ctx),
            "--threads", str(threads), *map(str, files)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"the {mode} child failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -401,7 +408,7 @@ def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, thr
 
 # -- the run ---------------------------------------------------------------------------------
 def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
-        keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS) -> dict:
+        keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS, against: Path | None = None) -> dict:
     n_ctx = ctx_size_for(max(sizes))
     out = table()
     servers: dict[int, dict] = {}
@@ -417,20 +424,24 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
             for layout in LAYOUTS:
                 paths = files[n][layout]
                 echo(f"{layout} {n} tokens ...", file=sys.stderr)
-                apps, floors, loads = [], [], []
+                apps, floors, loads, others = [], [], [], []
                 for _ in range(repeats):   # interleaved: the machine's noise falls on all
                     apps.append(_run_child("app", paths, n_ctx, threads))
+                    if against is not None:
+                        others.append(_run_child("app", paths, n_ctx, threads, against)["total"])
                     floors.append(_run_child("floor", paths, n_ctx, threads)["total"])
                     loads.append(_run_child("loadfile", files[n]["llama"], n_ctx, threads)["total"])
                 restore_ms = median([a["total"] for a in apps]) * 1e3
                 floor_ms = median(floors) * 1e3
                 load_ms = median(loads) * 1e3
                 srv = servers.get(n, {}).get("restore_ms")
+                other_ms = median(others) * 1e3 if others else None
                 best = min(a["total"] for a in apps) * 1e3
                 parts = {p: median([a["parts"].get(p, 0.0) for a in apps]) * 1e3 for p in PARTS}
                 out.add(tokens=n, layout=f"{layout} ({len(paths)})",
                         files_MB=sum(p.stat().st_size for p in paths) / 1e6,
                         restore_ms=restore_ms, floor_ms=floor_ms, loadfile_ms=load_ms, server_ms=srv,
+                        against_ms=other_ms, vs_against=ratio(restore_ms, other_ms),
                         vs_loadfile=ratio(restore_ms, load_ms), best_vs_loadfile=ratio(best, min(loads) * 1e3),
                         vs_server=ratio(restore_ms, srv), vs_floor=ratio(restore_ms, floor_ms),
                         best_vs_server=ratio(best, servers.get(n, {}).get("best_ms")), **parts)
@@ -440,6 +451,8 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
                              f"file, restore_ms {s['restore_ms']:.2f} (the HTTP request: {s['http_ms']:.1f} ms)")
     else:
         out.notes.append("llama-server not measured: no binary given (--llama-server PATH or LLAMA_SERVER)")
+    if against is not None:
+        out.notes.append(f"against_ms: the same restores with the code of {against}, alternating with this tree's")
     out.notes.append("best_vs_server: the fastest of the repeats on each side (a shared machine's noise only adds)")
     out.notes.append("parts are exclusive: read = reading the files besides the crc/json/arrays inside it")
     return {"table": out.to_json(), "servers": servers, "sizes": sizes, "repeats": repeats,
@@ -460,18 +473,22 @@ def main(argv=None) -> int:
                              "16: an answer's autosaves)")
     parser.add_argument("--turns", type=int, default=TURNS,
                         help=f"files of the turns' chain, one per turn (default {TURNS})")
+    parser.add_argument("--against", metavar="TREE", type=Path,
+                        help="another checkout: its restore of the same files, alternating with this one's")
     parser.add_argument("--child", choices=("app", "floor", "loadfile"), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         return child(args)
+    if args.against is not None and not (args.against / "benchmarks" / "restore_profile.py").is_file():
+        parser.error(f"--against {args.against}: not a checkout of this project")
     server = args.llama_server
     if server and not Path(server).is_file():
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
-                 echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns)
+                 echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns, against=args.against)
     data = report["table"]
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:

@@ -47,14 +47,16 @@ def test_smallest_configuration_produces_every_table(smollm_path, tmp_path, caps
 
 def test_the_restore_profile_times_llama_cpps_own_load_beside_ours(smollm_path, tmp_path):
     """benchmarks.restore_profile at its smallest: our checked restore, the raw floor and
-    llama.cpp's own llama_state_seq_load_file of the same tokens, each in a new process."""
-    from benchmarks.restore_profile import run
-    report = run([96], 1, 2, None, echo=lambda *a, **k: None, keep=str(tmp_path), turns=3)
+    llama.cpp's own llama_state_seq_load_file of the same tokens, each in a new process;
+    and the same restores by another tree's code (--against; here this tree's own)."""
+    from benchmarks.restore_profile import ROOT, run
+    report = run([96], 1, 2, None, echo=lambda *a, **k: None, keep=str(tmp_path), turns=3, against=ROOT)
     rows = report["table"]["rows"]
     assert [r["layout"] for r in rows] == ["full (1)", "chain (4)", "turns (3)"]
     for row in rows:
         assert row["restore_ms"] > 0 and row["floor_ms"] > 0 and row["loadfile_ms"] > 0
         assert row["vs_loadfile"] > 0 and row["server_ms"] is None
+        assert row["against_ms"] > 0 and row["vs_against"] > 0
 
 
 def test_folding_an_answers_autosaves_into_its_head_leaves_fewer_files_to_read(smollm_path):
