@@ -1,6 +1,7 @@
 """The local server (issue 14): a long conversation after a restart, and concurrent clients.
 
-    python -m benchmarks.server [--tokens 4000] [--answer 32] [--threads 1] [--requests 4] [--quick]
+    python -m benchmarks.server [--tokens 4000] [--answer 32] [--threads 1] [--requests 4]
+                                [--conversations 10] [--parts restart,concurrency,shared] [--quick]
 
 Part 1 — time to first token of turn 5 of a conversation of about ``--tokens`` tokens,
 right after the server restarted.  Four turns, each a long user message (prose) and an
@@ -16,6 +17,13 @@ Part 2 — requests/s and tokens/s with 1, 2 and 4 concurrent clients, each send
 ``--requests`` short chat requests (``--answer`` tokens each, ``ignore_eos``) one after
 another.  The engine thread serves one request at a time, so more clients queue: the
 throughput stays that of one, the latency grows with the queue.
+
+Part 3 — disk for ``--conversations`` requests from the official ``openai`` client that
+share one ~1,500-token system prompt, each with its own question and a 16-token answer
+(issue 25): the store's bytes once the server has stopped, against the floor, the KV
+bytes of one system prompt plus each request's own tokens (llama.cpp's state size of that
+many positions, measured in this process with the app's context settings), and against
+what a full copy per request would take (computed the same way).
 
 Servers run as child processes on 127.0.0.1 and free ports, in temporary homes, with
 one model (SmolLM2) and one compute thread by default: on a small machine shared with
@@ -213,18 +221,85 @@ async def concurrency_table(args, work: Path) -> Table:
     return t
 
 
+SYSTEM = ("You are the support assistant of Northwind Shipping. Answer in two sentences, cite the "
+          "policy section you rely on, and never invent tracking numbers. ")
+QUESTIONS = ("Where is my parcel?", "How do I return an item?", "What does express delivery cost?",
+             "Can I change the delivery address?", "Do you ship to Norway?", "My parcel arrived damaged.",
+             "How long does standard delivery take?", "Can I pick up at a depot?",
+             "Is Saturday delivery possible?", "How do I print a label?")
+
+
+def _state_bytes_per_token(n_ctx: int, threads: int) -> tuple[int, int]:
+    """(fixed bytes, bytes per position) of llama.cpp's state of one sequence, SmolLM2 with
+    the app's context settings: linear in the positions for a plain attention model."""
+    from benchmarks.common import context_settings, model_path, prompt_tokens
+    from engine.runtime import Runtime
+    rt = Runtime(model_path("smollm"), context_settings(n_ctx, threads))
+    try:
+        sizes = []
+        for n in (64, 128):
+            rt.trim(0)
+            rt.prefill(prompt_tokens(rt.model, n))
+            sizes.append(rt.ctx.state_size(0))
+    finally:
+        rt.close()
+    per = (sizes[1] - sizes[0]) // 64
+    return sizes[0] - 64 * per, per
+
+
+async def shared_prompt_table(args, work: Path) -> Table:
+    from openai import OpenAI
+    t = Table(f"{args.conversations} requests from the openai client on one ~1,500-token system prompt: "
+              "store bytes vs the KV floor", [
+                  "requests", "system_tokens", "own_tokens", "floor_MB", "store_MB", "store_x",
+                  "full_copies_MB", "full_copies_x", "files"])
+    home = work / "shared"
+    home.mkdir()
+    n_ctx = 2048
+    server = start_server(home, n_ctx, args.threads, 1)
+    usages = []
+    try:
+        client = OpenAI(base_url=server.base_url, api_key="unused", timeout=3600, max_retries=0)
+        model = client.models.list().data[0].id
+        for i in range(args.conversations):
+            reply = await asyncio.to_thread(
+                client.chat.completions.create, model=model, max_tokens=16, seed=i, temperature=0,
+                messages=[{"role": "system", "content": SYSTEM * 52},
+                          {"role": "user", "content": f"{QUESTIONS[i % len(QUESTIONS)]} (ticket {i})"}],
+                extra_body={"ignore_eos": True})
+            usages.append(reply.usage)
+    finally:
+        server.stop()
+    store = home / "data" / "checkpoints"
+    files = sorted(store.glob("*.kvckpt"))
+    stored = sum(p.stat().st_size for p in files)
+    fixed, per = _state_bytes_per_token(n_ctx, args.threads)
+    shared = max((u.prompt_tokens_details.cached_tokens or 0) for u in usages[1:]) if len(usages) > 1 else 0
+    own = sum(u.prompt_tokens + u.completion_tokens - shared for u in usages)
+    floor = fixed + per * (shared + own)
+    copies = sum(fixed + per * (u.prompt_tokens + u.completion_tokens) for u in usages)
+    t.add(requests=len(usages), system_tokens=shared, own_tokens=own, floor_MB=floor / 1e6, store_MB=stored / 1e6,
+          store_x=stored / floor, full_copies_MB=copies / 1e6, full_copies_x=copies / floor, files=len(files))
+    t.notes.append(f"SmolLM2, context {n_ctx}, 1 sequence; system_tokens: what requests 2.. reused "
+                   "(cached_tokens); floor: llama.cpp's state of those tokens once plus every request's own; "
+                   f"{per:,} bytes a position; the store counted after the server stopped")
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4000, help="conversation length before turn 5")
     p.add_argument("--answer", type=int, default=32, help="tokens per answer")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--requests", type=int, default=4, help="requests per client in part 2")
+    p.add_argument("--conversations", type=int, default=10, help="requests sharing a system prompt in part 3")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    p.add_argument("--parts", default="restart,concurrency", help="which tables (restart, concurrency)")
+    p.add_argument("--parts", default="restart,concurrency,shared",
+                   help="which tables (restart, concurrency, shared)")
     args = p.parse_args(argv)
-    parts = {"restart": restart_table, "concurrency": concurrency_table}
+    parts = {"restart": restart_table, "concurrency": concurrency_table, "shared": shared_prompt_table}
     if args.quick:
-        args.tokens, args.answer, args.requests = 600, 8, 2
+        args.tokens, args.answer, args.requests, args.conversations = 600, 8, 2, 3
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp:
         work = Path(tmp)
         for make in (parts[name.strip()] for name in args.parts.split(",")):

@@ -340,6 +340,12 @@ def test_the_benchmark_runs_and_prints_its_tables(tmp_path):
             if line.split()[:1] in (["1"], ["4"])]
     # one at a time and concurrent sequences, for 1, 2 and 4 clients each
     assert [(r[0], r[1]) for r in rows if r[1] in ("1", "4")] == [("1", "1"), ("1", "4"), ("4", "1"), ("4", "4")]
+    # requests on one system prompt store it once: near the floor, far below a copy each
+    shared = out.split("requests from the openai client")[1].splitlines()
+    header = shared[1].split()
+    row = dict(zip(header, (v.replace(",", "") for v in shared[3].split()), strict=True))
+    assert int(row["requests"]) == 3 and int(row["system_tokens"]) > 1000
+    assert float(row["store_x"]) < 1.15 and float(row["full_copies_x"]) > 2.5, row
 
 
 def test_concurrent_streams_each_get_their_own_answer_as_alone(app_home, served):
