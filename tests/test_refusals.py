@@ -62,6 +62,20 @@ def test_one_flipped_byte_is_refused(smollm_ckpt, tmp_path):
     _fails_cleanly(run_cli("run", "--checkpoint-load", str(bad)), "checksum mismatch")
 
 
+def test_damaged_metadata_is_refused_before_the_state_is_kept(smollm_ckpt, tmp_path):
+    """One hex digit of the model's fingerprint in the metadata changed (valid JSON, and
+    nothing reads it before the restore): the file's checksum, computed just before its
+    state is copied (load_chain's crc_later), refuses it, and the run says so."""
+    bad = tmp_path / "renamed.kvckpt"
+    data = bytearray(smollm_ckpt.read_bytes())
+    header, meta = fmt.read_metadata(smollm_ckpt)
+    digest = meta["model"]["fingerprint"].encode()
+    at = bytes(data).index(digest, fmt.HEADER_LEN, fmt.HEADER_LEN + header.meta_len)
+    data[at] = ord("0") if data[at] != ord("0") else ord("1")
+    bad.write_bytes(bytes(data))
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(bad), "-n", "4"), "checksum mismatch")
+
+
 def test_truncated_is_refused(smollm_ckpt, tmp_path):
     bad = tmp_path / "short.kvckpt"
     bad.write_bytes(smollm_ckpt.read_bytes()[:-1000])
