@@ -194,6 +194,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
     except (StateError, CheckpointError) as exc:
         slot.empty()   # the files before it are in: the sequence would hold part of the chain
+        slot.forget_logits()   # and the snapshots kept after them (a large file is unsettled yet)
         if scratch_used:
             ctx.seq_rm(slot.scratch, -1, -1)
         if isinstance(exc, CheckpointError):

@@ -235,3 +235,30 @@ def test_an_intact_chain_settles_before_each_copy(rt, tmp_path, before_copy, mon
     rt.restore_chain(chain)
     assert seen == [[True, False, False], [True, True, False], [True, True, True]]
     assert all(d.pending_crc is None for d in chain)
+
+
+def test_a_damaged_delta_leaves_no_snapshot_of_the_files_before_it(tiny_model_path, tmp_path, before_copy):
+    """A hybrid memory (tiny qwen35) keeps a snapshot after the file at its answer's prompt
+    end while restoring; when a later file's checksum fails, that snapshot goes with the
+    rest: nothing of a partly restored chain is kept to be read again."""
+    rt = Runtime(tiny_model_path("qwen35"), SETTINGS)
+    try:
+        conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=9, ignore_eos=True))
+        begin_answer(conv, rt, "Tell me a short story about a cat.", n_predict=24)
+        rt.prefill(conv.tokens)
+        base = rt.save(tmp_path / "base.kvckpt", conv)          # at the prompt's end
+        generate(rt, conv, stop_after=5)
+        middle = rt.save(tmp_path / "middle.kvckpt", conv, parent=base)
+        generate(rt, conv, stop_after=5)
+        last = rt.save(tmp_path / "last.kvckpt", conv, parent=middle)
+        rt.trim(0)
+        rt.restore_chain(load_chain(last.path, crc_later=True))
+        assert rt.snapshot_at(base.n_tokens) is not None, "no snapshot at the prompt's end: nothing tested"
+        _damaged_copy(middle.path, middle.path)
+        rt.trim(0)
+        with pytest.raises(BrokenChain, match="middle.kvckpt is damaged"):
+            rt.restore_chain(load_chain(last.path, crc_later=True))
+        assert rt.kv_tokens == [] and rt.ctx.pos_max(0) == -1
+        assert len(rt._snapshots) == 0, "a snapshot of the partly restored chain stayed"
+    finally:
+        rt.close()
