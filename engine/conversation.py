@@ -134,13 +134,8 @@ class Conversation:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], tokens: list[int]) -> Conversation:
-        messages = []
-        for item in data.get("messages", []):
-            if not isinstance(item, dict):
-                continue
-            role, content = item.get("role"), item.get("content")
-            if role in ROLES and isinstance(content, str):
-                messages.append((role, content))
+        # (not a list: TypeError, a refusal of the file; a transcript shows what it can)
+        messages = [m for m in map(_message, data.get("messages", [])) if m is not None]
         answer = data.get("answer")
         try:
             conv_id = uuid.UUID(str(data.get("id")))
@@ -157,20 +152,34 @@ class Conversation:
             created=float(data.get("created", time.time())))
 
 
+def _message(item: Any) -> tuple[str, str] | None:
+    """One message of a conversation's JSON (untrusted), or None when it cannot be read."""
+    if isinstance(item, dict) and item.get("role") in ROLES and isinstance(item.get("content"), str):
+        return item["role"], item["content"]
+    return None
+
+
 def transcript_of(meta: dict[str, Any]) -> list[dict[str, Any]]:
     """The transcript a checkpoint's metadata holds, for display: its conversation's
-    (:meth:`Conversation.transcript`), or, in a file written before the metadata held the
-    messages once (2026-12-04), its ``transcript`` key when the conversation is unreadable.
-    The metadata is untrusted: what cannot be read is left out, never an exception."""
-    conv = meta.get("conversation")
-    if isinstance(conv, dict):
+    (:meth:`Conversation.transcript`, read field by field: a mistyped setting loses no
+    message), or, in a file written before the metadata held the messages once
+    (2026-12-04), its ``transcript`` key when the conversation shows nothing.  The
+    metadata is untrusted: what cannot be read is left out, never an exception."""
+    data = meta.get("conversation")
+    shown: list[dict[str, Any]] = []
+    if isinstance(data, dict):
+        system, answer = data.get("system_prompt"), data.get("answer")
         try:
-            return Conversation.from_json(conv, []).transcript()
+            read = Answer.from_json(answer) if isinstance(answer, dict) else None
         except (TypeError, ValueError, AttributeError, OverflowError):
-            pass
+            read = None
+        items = data.get("messages")
+        messages = [m for m in map(_message, items if isinstance(items, list) else []) if m is not None]
+        shown = Conversation(system_prompt=system if isinstance(system, str) else "",
+                             messages=messages, answer=read).transcript()
     written = meta.get("transcript")
-    return [e for e in written if isinstance(e, dict) and isinstance(e.get("role"), str)
-            and isinstance(e.get("content"), str)] if isinstance(written, list) else []
+    return shown or ([e for e in written if isinstance(e, dict) and isinstance(e.get("role"), str)
+                      and isinstance(e.get("content"), str)] if isinstance(written, list) else [])
 
 
 def title_from(text: str, limit: int = 48) -> str:

@@ -9,8 +9,9 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
 1. **Check** every file before llama.cpp sees a byte (:func:`checked_chain`): each
    file's compatibility with the target and its state's structure, the links between
    them, the last file's conversation.  A refused chain leaves the sequence as it was.
-   (The checksums may still be to come: a large state's runs on another core while
-   llama.cpp copies it, a small one's just before its copy; see :func:`restore_into`.)
+   (Read with ``crc_later``, the checksums are still to come: a large state's runs on
+   another core while llama.cpp copies it, a small one's just before its copy; a file
+   they refuse empties the sequence, see :func:`restore_into`.)
 2. **Keep** the files the sequence holds already (:func:`files_in_cache`): switching
    between branches of one conversation applies only what differs.  The sequence is
    trimmed to the last of them; a memory that cannot drop a tail (sliding window,
@@ -25,8 +26,9 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    the last file become the sequence's (no re-decode).
 
 If llama.cpp itself refuses a state that passed every check, the sequence is emptied
-(:class:`~engine.errors.RestoreFailed`); its conversation then re-decodes its prompt
-the next time it is used.
+(:class:`~engine.errors.RestoreFailed`), as it is when a checksum left for later fails
+(the file's own error); its conversation then re-decodes its prompt the next time it is
+used.
 """
 
 from __future__ import annotations

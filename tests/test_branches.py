@@ -156,6 +156,22 @@ def test_from_turn_equals_continuing_that_history(model, temp, request, app_home
     assert Path(edited["checkpoint"]).exists()
 
 
+def test_from_turn_on_a_damaged_file_says_it_is_damaged(smollm_path, app_home):
+    """A role in the last file's metadata changed ("user" to "usEr", still valid JSON): the
+    turns --from-turn counts are read from it, so its checksum is checked first, and the
+    run names the damage, not a turn that the damaged metadata lacks."""
+    common = ["-m", str(smollm_path), "--ctx-size", "1024", "-n", "6", "--seed", "7", "--temp", "0", "--json"]
+    one = json.loads(run_cli("run", *common, "-p", "Tell me about owls.", check=True).stdout.strip().splitlines()[-1])
+    two = json.loads(run_cli("run", *common, "--checkpoint-load", one["checkpoint"], "-p", "And bats?",
+                             check=True).stdout.strip().splitlines()[-1])
+    data = Path(two["checkpoint"]).read_bytes()
+    at = data.rindex(b'"user"')   # the last turn's role, in the metadata
+    bad = Path(two["checkpoint"]).with_name("bad.kvckpt")   # beside its parent
+    bad.write_bytes(data[:at] + b'"usEr"' + data[at + len(b'"user"'):])
+    done = run_cli("run", *common, "--checkpoint-load", str(bad), "--from-turn", "2", "-p", "x")
+    assert done.returncode == 1 and "checksum mismatch" in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("model", ["gemma", "lfm2", "mamba2"])
 def test_from_turn_on_a_single_file_equals_continuing_that_history(model, request, tiny_model_path, tmp_path,
                                                                    app_home):

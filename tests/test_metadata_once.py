@@ -39,6 +39,18 @@ def test_a_file_written_before_reads_its_transcript_key_when_its_conversation_is
     assert transcript_of(broken) == written
 
 
+def test_a_mistyped_setting_loses_no_message():
+    """Fields a transcript does not show, mistyped, and an unreadable answer: the messages
+    that can be read are still shown."""
+    data = _conversations()["paused"].to_json()
+    data.update(created="soon", sampler={"temperature": "hot"}, id=5, system_prompt={"a": 1})
+    data["answer"]["n_generated"] = "x"
+    data["messages"].append({"role": "robot", "content": "?"})
+    assert transcript_of({"conversation": json.loads(json.dumps(data))}) == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "A poem?"}]
+
+
 @pytest.mark.parametrize("meta", [{}, {"conversation": []}, {"transcript": "words"},
                                   {"transcript": [1, {"role": 2, "content": "x"}, {"role": "user"}]},
                                   {"conversation": {"messages": [{"role": "user", "content": 5}, "x"],

@@ -626,16 +626,15 @@ class _DeferredCrc:
     """
 
     def __init__(self, view: memoryview, initial: int) -> None:
-        self._view: memoryview | None = view
+        self._view = view
         self._initial = initial   # the CRC of the bytes before the state
         self._value: int | None = None
 
     def result(self) -> int:
-        if self._value is None:
-            assert self._view is not None
-            self._value = crc32(self._view, self._initial)
-            self._view = None
-        return self._value
+        value = self._value
+        if value is None:   # (two threads settling at once would both compute the same sum)
+            value = self._value = crc32(self._view, self._initial)
+        return value
 
     def cancel(self) -> None:
         """Nothing runs: nothing to stop."""

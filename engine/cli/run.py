@@ -249,11 +249,15 @@ class RunSession:
         turn before it when the chain still has that file (and None), else the whole chain
         and the messages to keep of it."""
         from engine.branches import turn_end, user_turn_index
+        from engine.checkpoints.chain import settle
         from engine.conversation import Conversation
         from engine.generation import commit_answer
         chain = self.chain
         if chain is None:
             raise AppError("--from-turn K needs --checkpoint-load FILE")
+        # the files' conversations decide what is restored: checked first (read with
+        # crc_later, a small state's checksum would otherwise come only with its copy)
+        settle(chain)
         last = chain[-1]
         saved = last.meta.get("conversation")
         full = Conversation.from_json(saved if isinstance(saved, dict) else {}, [])
