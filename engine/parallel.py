@@ -475,7 +475,7 @@ class ParallelRuntime:
         """Put a verified chain (a full file, then deltas on it) into sequence ``seq``
         (engine.restore: every file is checked before llama.cpp sees a byte, so a refused
         chain leaves the sequence as it was; if llama.cpp itself refuses a state, or a
-        checksum left for later by load_chain's ``crc_later`` fails, the sequence is
+        large state's checksum, computed while llama.cpp copied it, fails, the sequence is
         emptied)."""
         if self.fragmented:
             self._repack()

@@ -9,9 +9,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
 1. **Check** every file before llama.cpp sees a byte (:func:`checked_chain`): each
    file's compatibility with the target and its state's structure, the links between
    them, the last file's conversation.  A refused chain leaves the sequence as it was.
-   (Read with ``crc_later``, the checksums are still to come: a large state's runs on
-   another core while llama.cpp copies it, a small one's just before its copy; a file
-   they refuse empties the sequence, see :func:`restore_into`.)
+   (A large state's checksum may still be running then, on another core: see
+   :func:`restore_into`.)
 2. **Keep** the files the sequence holds already (:func:`files_in_cache`): switching
    between branches of one conversation applies only what differs.  The sequence is
    trimmed to the last of them; a memory that cannot drop a tail (sliding window,
@@ -26,9 +25,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    the last file become the sequence's (no re-decode).
 
 If llama.cpp itself refuses a state that passed every check, the sequence is emptied
-(:class:`~engine.errors.RestoreFailed`), as it is when a checksum left for later fails
-(the file's own error); its conversation then re-decodes its prompt the next time it is
-used.
+(:class:`~engine.errors.RestoreFailed`); its conversation then re-decodes its prompt
+the next time it is used.
 """
 
 from __future__ import annotations
@@ -113,8 +111,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
 
     A chain read with ``crc_later`` (engine.checkpoints.chain.load_chain) is settled here:
     its large states' checksums are computed while llama.cpp copies them, on another core,
-    which is what a restore would otherwise spend on top of the copy; a small state's just
-    before its copy, which then finds the bytes in the CPU's cache.  llama.cpp only ever
+    which is what a restore would otherwise spend on top of the copy.  llama.cpp only ever
     sees states whose structure was walked (every length, position and sequence id checked);
     when a checksum then fails, the sequence is emptied before anything is decoded from it or
     kept of it, and the restore fails with the reason as it would have before the copy.
@@ -174,10 +171,6 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
         for i, data in enumerate(chain):
             if i < keep:
                 continue   # in the cache already
-            if data.settles_before_copy:
-                # a small state's checksum now: the copy below then reads the bytes from
-                # the CPU's cache (engine.checkpoints.format._DeferredCrc)
-                data.settle()
             if i and data.header.parent_n_tokens < chain[i - 1].header.n_tokens:
                 # a cut (engine.checkpoints.chain.can_cut): the delta builds on the parent's
                 # first tokens only; its cells from there on go
@@ -194,13 +187,13 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
             slot.applied(data.header.parent_n_tokens if i else 0, data.header.n_tokens)
             if i in snapshots:
                 slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
-    except (StateError, CheckpointError) as exc:
-        slot.empty()   # the files before it are in: the sequence would hold part of the chain
-        slot.forget_logits()   # and the snapshots kept after them (a large file is unsettled yet)
+    except StateError as exc:
+        slot.empty()
+        # and the snapshots kept after the files before it: a large file's checksum may
+        # still be running (restore_into), nothing of it may stay
+        slot.forget_logits()
         if scratch_used:
             ctx.seq_rm(slot.scratch, -1, -1)
-        if isinstance(exc, CheckpointError):
-            raise   # a damaged file (its checksum): restore_into names it
         raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
 
 

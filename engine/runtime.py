@@ -482,10 +482,9 @@ class Runtime:
         before llama.cpp sees a byte — every file's compatibility and state structure,
         and the links between them — so a refused file leaves the cache (and the
         conversation it belongs to) as it was.  Only if llama.cpp itself refuses a state
-        that passed every check, or a checksum left for later (load_chain's
-        ``crc_later``: a large state's, computed while llama.cpp copies it; a small one's,
-        just before its copy) fails, is the cache emptied; the previous conversation then
-        re-decodes its prompt the next time it is used.
+        that passed every check, or a large state's checksum, computed while llama.cpp
+        copied it (load_chain's ``crc_later``), fails, is the cache emptied; the previous
+        conversation then re-decodes its prompt the next time it is used.
         """
         started = time.perf_counter()
         try:

@@ -158,8 +158,9 @@ def test_from_turn_equals_continuing_that_history(model, temp, request, app_home
 
 def test_from_turn_on_a_damaged_file_says_it_is_damaged(smollm_path, app_home):
     """A role in the last file's metadata changed ("user" to "usEr", still valid JSON): the
-    turns --from-turn counts are read from it, so its checksum is checked first, and the
-    run names the damage, not a turn that the damaged metadata lacks."""
+    turns --from-turn counts are read from it, so its checksum is checked first (also a
+    large state's, whose checksum a restore leaves running), and the run names the
+    damage, not a turn that the damaged metadata lacks."""
     common = ["-m", str(smollm_path), "--ctx-size", "1024", "-n", "6", "--seed", "7", "--temp", "0", "--json"]
     one = json.loads(run_cli("run", *common, "-p", "Tell me about owls.", check=True).stdout.strip().splitlines()[-1])
     two = json.loads(run_cli("run", *common, "--checkpoint-load", one["checkpoint"], "-p", "And bats?",

@@ -64,8 +64,7 @@ def test_one_flipped_byte_is_refused(smollm_ckpt, tmp_path):
 
 def test_damaged_metadata_is_refused_before_the_state_is_kept(smollm_ckpt, tmp_path):
     """One hex digit of the model's fingerprint in the metadata changed (valid JSON, and
-    nothing reads it before the restore): the file's checksum, computed just before its
-    state is copied (load_chain's crc_later), refuses it, and the run says so."""
+    nothing but the checksum would notice): the run refuses the file and says why."""
     bad = tmp_path / "renamed.kvckpt"
     data = bytearray(smollm_ckpt.read_bytes())
     header, meta = fmt.read_metadata(smollm_ckpt)

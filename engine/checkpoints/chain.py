@@ -75,11 +75,9 @@ def parent_ref(meta: dict, what: str = "the delta") -> ParentRef:
 def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = False) -> list[CheckpointData]:
     """``path`` and its ancestors, base first, every file verified and linked.
 
-    ``crc_later``: the payload checksums are not known yet when this returns (a large
-    state's is being computed on a helper thread, a small one's comes with the first
-    settle: read_checkpoint), so the files' metadata and tokens are not verified either;
-    whoever uses the chain calls :func:`settle` before keeping or deciding anything from it
-    (engine.restore.restore_into does).  A damaged file is still reported as such,
+    ``crc_later``: the large states' checksums are still being computed when this returns
+    (read_checkpoint); whoever uses the chain calls :func:`settle` before keeping anything
+    of it (engine.restore.restore_into does).  A damaged file is still reported as such,
     whatever else the unsettled files made go wrong here.
     """
     path = Path(path)

@@ -523,12 +523,10 @@ def decode_metadata(data: bytes | memoryview, limits: Limits = LIMITS) -> dict[s
 class CheckpointData:
     """A checkpoint read into memory and verified against its checksums.
 
-    Read with ``crc_later`` (read_checkpoint), the payload's checksum may still be being
-    computed on a helper thread (a large state) or not yet computed (a small one):
-    ``pending_crc``.  Everything else was checked, and the state's structure can be
-    walked, but nothing may be kept from the file before :meth:`settle` has returned
-    (engine.restore settles a small state just before llama.cpp copies it, a large one
-    after).
+    Read with ``crc_later`` (read_checkpoint), a large state's checksum may still be being
+    computed on a helper thread (``pending_crc``): everything else was checked, and the
+    state's structure can be walked, but nothing may be kept from the file before
+    :meth:`settle` has returned (engine.restore does, after llama.cpp has copied the state).
     """
     header: Header
     meta: dict[str, Any]
@@ -540,14 +538,7 @@ class CheckpointData:
     #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice.
     #: Typed loosely because the chain module sits above this one (imports point one way).
     link_facts: object = field(default=None, repr=False, compare=False)
-    pending_crc: _CrcThread | _DeferredCrc | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def settles_before_copy(self) -> bool:
-        """Whether the state's checksum is still to be computed on the caller's own thread
-        (a small state read with ``crc_later``): best just before llama.cpp copies the
-        state (engine.restore), see :class:`_DeferredCrc`."""
-        return isinstance(self.pending_crc, _DeferredCrc)
+    pending_crc: _CrcThread | None = field(default=None, repr=False, compare=False)
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -612,32 +603,6 @@ class _CrcThread:
         """Stop early (a failed write) and wait, so the caller may reuse its buffers."""
         self._stop.set()
         self._thread.join()
-
-
-class _DeferredCrc:
-    """The CRC32 of a small state, computed by whoever settles the file first.
-
-    A restore settles it just before llama.cpp copies that state (engine.restore), so
-    the copy reads bytes the checksum has just brought into the CPU's cache, instead of
-    reading them from memory a second time after the rest of the chain has pushed them
-    out.  A conversation of many turns (a file of a few MB each) restores ~13% faster so
-    (benchmarks.restore_profile, the turns' chain: docs/benchmarks.md).  A larger state's
-    checksum runs on a helper thread instead (:class:`_CrcThread`), while it is copied.
-    """
-
-    def __init__(self, view: memoryview, initial: int) -> None:
-        self._view = view
-        self._initial = initial   # the CRC of the bytes before the state
-        self._value: int | None = None
-
-    def result(self) -> int:
-        value = self._value
-        if value is None:   # (two threads settling at once would both compute the same sum)
-            value = self._value = crc32(self._view, self._initial)
-        return value
-
-    def cancel(self) -> None:
-        """Nothing runs: nothing to stop."""
 
 
 #: What a state arrives as: llama.cpp's bytes, or a numpy array read from a file.
@@ -719,11 +684,10 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
 PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was written"
 
 #: with ``crc_later``, states at least this large are checksummed on a helper thread
-#: (below it starting a thread costs more than the checksum), smaller ones just before
-#: their copy (:class:`_DeferredCrc`).  With the fast CRC an 8 MB state takes ~0.3 ms
-#: inline, and a conversation of many turns, a file of a few MB per turn, restored in
-#: about half the reading time without a thread per file (benchmarks.restore_profile,
-#: the turns' chain: docs/benchmarks.md)
+#: (below it starting a thread costs more than the checksum).  With the fast CRC an 8 MB
+#: state takes ~0.3 ms inline, and a conversation of many turns, a file of a few MB per
+#: turn, restored in about half the reading time without a thread per file
+#: (benchmarks.restore_profile, the turns' chain: docs/benchmarks.md)
 CRC_LATER_MIN_BYTES = 8 << 20 if CRC_FAST else 1 << 20
 
 
@@ -736,17 +700,15 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
     called while the state streams in.  The state is a read-only array: on Linux the
     file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
 
-    ``crc_later``: the payload's checksum is not known when this returns.  A state of
-    :data:`CRC_LATER_MIN_BYTES` or more is checksummed on a helper thread, started here,
-    so that llama.cpp can copy it meanwhile; a smaller one by the first
-    :meth:`CheckpointData.settle`, which a restore calls just before the copy
-    (engine.restore).  The caller must settle before it keeps anything of the file.
+    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on a helper
+    thread, started here, so that llama.cpp can copy it meanwhile (engine.restore); the
+    caller must :meth:`CheckpointData.settle` before it keeps anything of the file.
     """
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
-        later = crc_later and load_state
+        later = crc_later and load_state and header.state_len >= CRC_LATER_MIN_BYTES
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
@@ -776,13 +738,9 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True,
     stored_crc, end_magic = struct.unpack("<I4s", trailer)
     if end_magic != TRAILER_MAGIC:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
-    job: _CrcThread | _DeferredCrc | None = None
-    if later and len(state) >= CRC_LATER_MIN_BYTES:
-        # one call over the whole state: crc32 holds no GIL while it runs, and a thread that
-        # had to take the GIL back between chunks would wait for the restoring thread's Python
-        job = _CrcThread((byte_view(state),), chunk=max(1, len(state)), initial=crc)
-    elif later and len(state):   # (no state: the sum is known now)
-        job = _DeferredCrc(byte_view(state), crc)
+    # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
+    # to take the GIL back between chunks would wait for the restoring thread's Python code
+    job = _CrcThread((byte_view(state),), chunk=max(1, len(state)), initial=crc) if later else None
     if job is None and stored_crc != crc:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,

@@ -141,8 +141,7 @@ class RunSession:
                 print(f"note: a run saving to {args.checkpoint_load} stopped before writing it; its "
                       f"newest autosave is {newer} (load that to continue from there)", file=sys.stderr)
         started = time.perf_counter()
-        # its large states' checksums run on while the model loads, the others' are computed
-        # just before their copy (all settled when it is restored)
+        # its checksums run on while the model loads (settled when it is restored)
         self.chain = load_chain(args.checkpoint_load, crc_later=True) if args.checkpoint_load else None
         self.read_s = time.perf_counter() - started if self.chain else 0.0
         data = self.chain[-1] if self.chain else None
@@ -256,7 +255,7 @@ class RunSession:
         if chain is None:
             raise AppError("--from-turn K needs --checkpoint-load FILE")
         # the files' conversations decide what is restored: checked first (read with
-        # crc_later, a small state's checksum would otherwise come only with its copy)
+        # crc_later, a large state's checksum may still be running)
         settle(chain)
         last = chain[-1]
         saved = last.meta.get("conversation")
