@@ -134,7 +134,8 @@ class Conversation:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], tokens: list[int]) -> Conversation:
-        # (not a list: TypeError, a refusal of the file; a transcript shows what it can)
+        # (a value that cannot be iterated is a TypeError: the file is refused; a transcript
+        # shows what it can, transcript_of)
         messages = [m for m in map(_message, data.get("messages", [])) if m is not None]
         answer = data.get("answer")
         try:
