@@ -39,6 +39,11 @@ def _settle(app, seconds: float = 0.5) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gui import system_libs
+    missing = system_libs.problem()   # before Qt loads, as the app does: Qt would abort naming one
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     out = Path((argv or sys.argv[1:] or ["resources/screenshots"])[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="cc-shots-"))

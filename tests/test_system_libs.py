@@ -125,6 +125,16 @@ def test_the_app_stops_before_qt_and_says_why(monkeypatch, caplog):
     assert started == ["logging"]             # logged, and stopped before the crash trace and the window
 
 
+def test_the_screenshot_tour_stops_before_qt_and_says_why(monkeypatch, capsys, tmp_path):
+    """The developers' tour (python -m gui.screenshot_tour) checks as the app does: it once
+    aborted inside Qt on a machine missing xcb libraries, naming one of five."""
+    import gui.screenshot_tour
+    monkeypatch.setattr(system_libs, "problem", lambda: "the window cannot start: libxcb-icccm.so.4")
+    assert gui.screenshot_tour.main([str(tmp_path / "shots")]) == 1
+    assert "libxcb-icccm.so.4" in capsys.readouterr().err
+    assert not (tmp_path / "shots").exists()   # stopped before anything, the window included
+
+
 # -- the real loader, the real plugin -------------------------------------------------------------
 
 real = pytest.mark.skipif(not sys.platform.startswith("linux") or system_libs.xcb_plugin() is None,
