@@ -221,14 +221,6 @@ async def concurrency_table(args, work: Path) -> Table:
     return t
 
 
-SYSTEM = ("You are the support assistant of Northwind Shipping. Answer in two sentences, cite the "
-          "policy section you rely on, and never invent tracking numbers. ")
-QUESTIONS = ("Where is my parcel?", "How do I return an item?", "What does express delivery cost?",
-             "Can I change the delivery address?", "Do you ship to Norway?", "My parcel arrived damaged.",
-             "How long does standard delivery take?", "Can I pick up at a depot?",
-             "Is Saturday delivery possible?", "How do I print a label?")
-
-
 def _state_bytes_per_token(n_ctx: int, threads: int) -> tuple[int, int]:
     """(fixed bytes, bytes per position) of llama.cpp's state of one sequence, SmolLM2 with
     the app's context settings: linear in the positions for a plain attention model."""
@@ -249,6 +241,8 @@ def _state_bytes_per_token(n_ctx: int, threads: int) -> tuple[int, int]:
 
 async def shared_prompt_table(args, work: Path) -> Table:
     from openai import OpenAI
+
+    from benchmarks.store_footprint import QUESTIONS, SYSTEM  # the conversations' case, as requests
     t = Table(f"{args.conversations} requests from the openai client on one ~1,500-token system prompt: "
               "store bytes vs the KV floor", [
                   "requests", "system_tokens", "own_tokens", "floor_MB", "store_MB", "store_x",
