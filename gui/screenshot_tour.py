@@ -38,11 +38,17 @@ def _settle(app, seconds: float = 0.5) -> None:
         time.sleep(0.01)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _libraries_missing() -> bool:
+    """Say what the window needs before Qt loads, as the app does (Qt would abort naming one)."""
     from gui import system_libs
-    missing = system_libs.problem()   # before Qt loads, as the app does: Qt would abort naming one
+    missing = system_libs.problem()
     if missing:
         print(missing, file=sys.stderr)
+    return bool(missing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    if _libraries_missing():
         return 1
     out = Path((argv or sys.argv[1:] or ["resources/screenshots"])[0]).resolve()
     out.mkdir(parents=True, exist_ok=True)
