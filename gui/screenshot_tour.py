@@ -47,6 +47,17 @@ def _libraries_missing() -> bool:
     return bool(missing)
 
 
+def _application():
+    """The Qt application with the app's event loop (after the environment is set)."""
+    from PySide6.QtWidgets import QApplication
+
+    from gui.tasks import ensure_event_loop
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    app.setApplicationName("Checkpoint Chat")
+    ensure_event_loop(app)
+    return app
+
+
 def main(argv: list[str] | None = None) -> int:
     if _libraries_missing():
         return 1
@@ -54,15 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="cc-shots-"))
     os.environ["CHECKPOINT_CHAT_HOME"] = str(home)
-    from PySide6.QtWidgets import QApplication
-
     from gui.main_window import MainWindow
     from gui.settings import AppSettings
-    from gui.tasks import ensure_event_loop
 
-    app = QApplication.instance() or QApplication([sys.argv[0]])
-    app.setApplicationName("Checkpoint Chat")
-    ensure_event_loop(app)
+    app = _application()
     s = AppSettings()
     s.n_ctx, s.n_threads, s.seed, s.temperature, s.n_predict = 2048, 2, 11, 0.3, 160
     w = MainWindow(s)
