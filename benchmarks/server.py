@@ -242,7 +242,7 @@ def _state_bytes_per_token(n_ctx: int, threads: int) -> tuple[int, int]:
 async def shared_prompt_table(args, work: Path) -> Table:
     from openai import OpenAI
 
-    from benchmarks.store_footprint import QUESTIONS, SYSTEM  # the conversations' case, as requests
+    from benchmarks.store_footprint import QUESTIONS, SYSTEM, store_bytes  # the conversations' case
     t = Table(f"{args.conversations} requests from the openai client on one ~1,500-token system prompt: "
               "store bytes vs the KV floor", [
                   "requests", "system_tokens", "own_tokens", "floor_MB", "store_MB", "store_x",
@@ -265,15 +265,14 @@ async def shared_prompt_table(args, work: Path) -> Table:
     finally:
         server.stop()
     store = home / "data" / "checkpoints"
-    files = sorted(store.glob("*.kvckpt"))
-    stored = sum(p.stat().st_size for p in files)
+    stored, files = store_bytes(store), len(list(store.glob("*.kvckpt")))
     fixed, per = _state_bytes_per_token(n_ctx, args.threads)
     shared = max((u.prompt_tokens_details.cached_tokens or 0) for u in usages[1:]) if len(usages) > 1 else 0
     own = sum(u.prompt_tokens + u.completion_tokens - shared for u in usages)
     floor = fixed + per * (shared + own)
     copies = sum(fixed + per * (u.prompt_tokens + u.completion_tokens) for u in usages)
     t.add(requests=len(usages), system_tokens=shared, own_tokens=own, floor_MB=floor / 1e6, store_MB=stored / 1e6,
-          store_x=stored / floor, full_copies_MB=copies / 1e6, full_copies_x=copies / floor, files=len(files))
+          store_x=stored / floor, full_copies_MB=copies / 1e6, full_copies_x=copies / floor, files=files)
     t.notes.append(f"SmolLM2, context {n_ctx}, 1 sequence; system_tokens: what requests 2.. reused "
                    "(cached_tokens); floor: llama.cpp's state of those tokens once plus every request's own; "
                    f"{per:,} bytes a position; the store counted after the server stopped")
