@@ -105,9 +105,13 @@ def _first_seen(message: Message, i: int, current: tuple, branches: Sequence[Bra
     return min(times) if times else 1 << 62
 
 
-def turn_end(chain: Sequence, messages: Sequence[Message]) -> int:
-    """How many files of ``chain`` (CheckpointData, base first) lead to the state that
-    holds exactly ``messages``, every answer finished (0: none does — compacted away).
+def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int]:
+    """``(k, n)``: the first ``k`` files of ``chain`` (CheckpointData, base first), trimmed
+    to their first ``n`` tokens, are the state that holds exactly ``messages``, every answer
+    finished; ``(0, 0)``: none is (compacted away).  ``n`` is the k-th file's own token count,
+    or fewer where that file absorbed the turn's end as a point (metadata ``points``:
+    engine.history.LineWriter._merged_parent; only an attention memory without a sliding
+    window, which trims exactly).
 
     Editing turn K restores that state (the end of turn K-1) and goes on from there as
     a continuation of it would, so the result is the same text as continuing a
@@ -116,11 +120,32 @@ def turn_end(chain: Sequence, messages: Sequence[Message]) -> int:
     from engine.conversation import Conversation
     wanted = [tuple(m) for m in messages]
     for k in range(len(chain), 0, -1):
-        conv = chain[k - 1].meta.get("conversation")
+        data = chain[k - 1]
+        conv = data.meta.get("conversation")
         saved = Conversation.from_json(conv if isinstance(conv, dict) else {}, [])
         if saved.messages == wanted and not saved.paused:
-            return k
-    return 0
+            return k, data.header.n_tokens
+        for n_tokens, n_messages in points_of(data):
+            if n_messages == len(wanted) and saved.messages[:n_messages] == wanted:
+                return k, n_tokens
+    return 0, 0
+
+
+def points_of(data) -> list[tuple[int, int]]:
+    """The turn ends a file holds before its own end, ``(tokens, messages)`` each, as its
+    metadata ``points`` records them; an entry that is not two counts inside the file's own
+    cells (after its parent's end, before its end) is ignored: metadata is untrusted."""
+    raw = data.meta.get("points")
+    header = data.header
+    out = []
+    for point in raw if isinstance(raw, list) else ():
+        if not isinstance(point, dict):
+            continue
+        n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
+        if (type(n_tokens) is int and type(n_messages) is int
+                and header.parent_n_tokens < n_tokens < header.n_tokens and n_messages >= 0):
+            out.append((n_tokens, n_messages))
+    return out
 
 
 def user_turn_index(messages: Sequence[Message], turn: int) -> int:

@@ -8,8 +8,10 @@ of it:
 * a **delta**: an autosave on the newest file of the live chain that is still a prefix
   of the cache, so it costs the tokens since that file, not the whole context; a head on
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
-  it, so every turn's end stays a file of the chain and a restore reads one file per
-  turn (see :meth:`LineWriter._parent_index`); when the cache was trimmed (Regenerate),
+  it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
+  head may also absorb the turns before it, recording their ends as points, so a
+  conversation of n turns restores from O(log n) files
+  (:meth:`LineWriter._merged_parent`); when the cache was trimmed (Regenerate),
   the delta goes on the file before the trimmed part, and when nothing new was decoded
   (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
@@ -73,6 +75,13 @@ class ChainPolicy:
     #: (engine.generation: checkpoint_prompt): a crash keeps it, and a regenerated answer
     #: stores only its own cells on top of it
     prompt_checkpoint: int = 256
+    #: a head may absorb the turns before it into one file (LineWriter._merged_parent), so
+    #: a conversation of n turns restores from O(log n) files (False: a file per turn, as
+    #: before 2026-12-04; for benchmarks)
+    merge_turns: bool = True
+    #: the most bytes of earlier files one head rewrites when it absorbs them: a pause's
+    #: write stays bounded, and a file this large costs its restore little beyond its copy
+    merge_max_bytes: int = 64 << 20
 
 
 def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
@@ -111,7 +120,7 @@ class SavingRuntime(Protocol):
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = ...,
              parent: SaveInfo | None = ..., *, line: str | None = ..., seq: int = ...,
              fresh: bool = ..., landing: Any = ..., upto: int | None = ...,
-             cut: int | None = ...) -> SaveInfo: ...
+             cut: int | None = ..., points: Sequence[tuple[int, int]] = ...) -> SaveInfo: ...
 
 
 class LineWriter:
@@ -259,9 +268,10 @@ class LineWriter:
         with, so it costs only the tokens since then; when more than ``max_tail`` autosaves
         follow the last anchor it goes on the anchor instead, folding them into one delta.
         A ``head`` always goes on the last anchor: the answer's autosaves are folded into it
-        (and retired once it has landed), so a restore reads one file per turn, not one
-        per autosave, and every turn's end stays a file of the chain (editing any turn
-        restores its state exactly, see engine.branches).  A chain of ``max_files`` files
+        (and retired once it has landed), so a restore reads no file per autosave, and every
+        turn's end stays in the chain, as a file or as a point of one (editing any turn
+        restores its state exactly, see engine.branches; :meth:`_merged_parent` may then
+        put the head lower still).  A chain of ``max_files`` files
         gets a full file.  ``tip``: :meth:`_tip_index`.
         """
         if tip is None:
@@ -320,6 +330,9 @@ class LineWriter:
             idx = self._on_shared_prefix(conv)
         if cut is None and idx is not None:
             idx = self._below_others_tips(idx, conv)
+        points: list[tuple[int, int]] = []
+        if cut is None and idx is not None and kind != KIND_AUTOSAVE:
+            idx, points = self._merged_parent(idx, conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -328,7 +341,7 @@ class LineWriter:
         try:
             self.store.ensure()
             info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing,
-                              cut=cut[1] if cut else None)
+                              cut=cut[1] if cut else None, points=points)
         except SaveFailed:
             if idx is None:
                 raise
@@ -338,6 +351,8 @@ class LineWriter:
             info = self._save(conv, kind, None)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
+        if kind != KIND_AUTOSAVE and not conv.paused:   # a turn's end: a later head may absorb it
+            info = replace(info, turn_messages=tuple(tuple(m) for m in conv.messages))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
             self._landing_info = info
@@ -408,6 +423,68 @@ class LineWriter:
                 return i
         return None
 
+    def _merged_parent(self, idx: int, conv: Conversation) -> tuple[int, list[tuple[int, int]]]:
+        """Where a head goes instead of ``self.chain[idx]``, absorbing the files above it, and
+        the turn ends those held: ``(index, points)``.
+
+        A head on the line's previous head holds one turn; a conversation of n turns would
+        restore from n files, and each file costs a restore about as much as copying a few
+        MB (benchmarks.restore_profile).  So a head may go on that file's parent instead,
+        holding both turns' cells, and record the earlier turn's end as a *point* (its token
+        and message counts, metadata ``points``): editing that turn restores this file and
+        trims it there (engine.branches.turn_end), exactly, since an attention memory
+        without a sliding window holds the same cells before a position whatever follows
+        (``cells_by_position``; a recurrent or sliding-window memory exists only at a file's
+        end, so it keeps a file per turn).  The absorbed file is retired once the head is
+        durable (it is superseded: engine.checkpoints.graph).
+
+        A file is absorbed while the part being written is at least as long as the file's
+        own tokens (a conversation of n turns keeps O(log n) files, and each cell is written
+        again O(log n) times), the rewritten bytes stay within ``merge_max_bytes``, and the
+        file is one this writer wrote on its own line that builds on the whole file below it
+        and that no other line's file builds on (a fork keeps what it was forked from).  A
+        prompt's own checkpoint (an autosave) is absorbed only below an absorbed head: the
+        answer being ended goes back to its prompt's file (Regenerate).
+        """
+        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position):
+            return idx, []
+        part = len(self.runtime.kv_tokens) - self.chain[idx].n_tokens   # the head's own tokens
+        points: list[tuple[int, int]] = []
+        rewritten, below_a_head = 0, False
+        held: set[str] | None = None
+        while idx > 0:
+            info, below = self.chain[idx], self.chain[idx - 1]
+            own = info.n_tokens - below.n_tokens
+            if own > part or rewritten + info.size > self.policy.merge_max_bytes \
+                    or not self._absorbable(info, below, conv, below_a_head):
+                break
+            if held is None:
+                held = self._held_by_other_lines()
+            if info.path.name in held:
+                break
+            turn = [(info.n_tokens, len(info.turn_messages))] if info.turn_messages is not None else []
+            points = [*info.points, *turn, *points]
+            part, rewritten = part + own, rewritten + info.size
+            below_a_head = below_a_head or info.kind != KIND_AUTOSAVE
+            idx -= 1
+        return idx, points
+
+    def _absorbable(self, info: SaveInfo, below: SaveInfo, conv: Conversation, below_a_head: bool) -> bool:
+        """Whether a head may absorb ``info`` (see _merged_parent), but for other lines."""
+        if (info.checkpoint_id not in self._written or info.line != self.line or not info.delta
+                or not below.checkpoint_id or info.parent_n_tokens != below.n_tokens):
+            return False
+        if info.kind == KIND_AUTOSAVE and not below_a_head:
+            return False
+        ended = info.turn_messages
+        return ended is None or tuple(tuple(m) for m in conv.messages[:len(ended)]) == ended
+
+    def _held_by_other_lines(self) -> set[str]:
+        """Names of the files another line's file builds on (a fork, a branch)."""
+        graph = Graph.scan(self.store)
+        return {name for name, children in graph.children.items()
+                if any(child.line != self.line for child in children)}
+
     def _on_shared_prefix(self, conv: Conversation) -> int | None:
         """Start the chain on the store's shared prefix of the conversation's system
         prompt (engine.shared_prefix); the index of the parent then (0), else None."""
@@ -422,11 +499,11 @@ class LineWriter:
         return 0
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,
-              cut: int | None = None) -> SaveInfo:
+              cut: int | None = None, points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
                 else self.store.new_path(conv.title))
         return self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
-                                 fresh=True, landing=landing, cut=cut)
+                                 fresh=True, landing=landing, cut=cut, points=points)
 
     def retire(self) -> None:
         """Delete what this line's head supersedes (the head is durable)."""

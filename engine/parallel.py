@@ -544,6 +544,7 @@ class SequenceView:
     prefix_state = Runtime.prefix_state
     header_for = Runtime.header_for
     metadata_for = Runtime.metadata_for
+    _file_metadata = Runtime._file_metadata
 
     def __init__(self, prt: ParallelRuntime, seq: int) -> None:
         self._bind(prt)

@@ -81,6 +81,14 @@ class SaveInfo:
     depth: int = 1
     #: its tokens, when at hand (a file read back): what a cut on it is checked against
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
+    #: where a delta's cells start (its parent's end, or a cut); 0 for a full file
+    parent_n_tokens: int = 0
+    #: turn ends of files it absorbed (engine.history.LineWriter._merged_parent): (tokens,
+    #: messages) — the state after the first ``messages`` messages is its first ``tokens``
+    points: tuple[tuple[int, int], ...] = ()
+    #: its conversation's messages when it ends a turn (no answer paused), for the files
+    #: this process wrote: what a later head that absorbs it checks and records as a point
+    turn_messages: tuple | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of_file(cls, data: CheckpointData) -> SaveInfo:
@@ -91,7 +99,8 @@ class SaveInfo:
         return cls(path=data.path, size=h.file_len, seconds=0.0, n_tokens=h.n_tokens,
                    checkpoint_id=cid if isinstance(cid, str) else "", payload_crc=data.payload_crc,
                    tokens_digest=tokens_digest(held), delta=h.is_delta,
-                   line=line_of(data.meta, h), kind=h.kind, tokens=held)
+                   line=line_of(data.meta, h), kind=h.kind, tokens=held,
+                   parent_n_tokens=h.parent_n_tokens if h.is_delta else 0)
 
 
 class Runtime:
@@ -331,10 +340,22 @@ class Runtime:
             "n_ctx": self.ctx.n_ctx, "n_threads": self.ctx.n_threads,
         }
 
+    def _file_metadata(self, conv: Conversation, checkpoint_id: str, line: str, seq: int,
+                       points: Sequence[tuple[int, int]]) -> dict:
+        """A new file's metadata: the conversation's, and the file's place in the store."""
+        meta = self.metadata_for(conv)
+        meta["checkpoint_id"] = checkpoint_id
+        meta["line"] = line
+        if seq:
+            meta["seq"] = seq
+        if points:
+            meta["points"] = [{"n_tokens": t, "n_messages": m} for t, m in points]
+        return meta
+
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
              parent: SaveInfo | None = None, *, line: str | None = None, seq: int = 0,
              fresh: bool = False, landing=None, upto: int | None = None,
-             cut: int | None = None) -> SaveInfo:
+             cut: int | None = None, points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
@@ -353,6 +374,8 @@ class Runtime:
         (:func:`saves_one_short`).  ``cut``: the delta builds on only the parent's first
         ``cut`` tokens, which the cache shares with it (a parent read back, whose tokens
         the SaveInfo holds; a plain attention memory: engine.checkpoints.chain.can_cut).
+        ``points``: (tokens, messages) of earlier turn ends the file holds (metadata
+        ``points``, engine.checkpoints.format; engine.history.LineWriter._merged_parent).
         """
         started = time.perf_counter()
         path = Path(path)
@@ -365,12 +388,8 @@ class Runtime:
         header = self.header_for(conv, kind, n)
         if parent is not None:
             header = replace(header, flags=header.flags | FLAG_DELTA, parent_n_tokens=p0)
-        meta_json = self.metadata_for(conv)
-        meta_json["checkpoint_id"] = checkpoint_id
         line = line or default_line(conv.id)
-        meta_json["line"] = line
-        if seq:
-            meta_json["seq"] = seq
+        meta_json = self._file_metadata(conv, checkpoint_id, line, seq, points)
         checks = []
         if parent is not None:
             if parent.path.parent.resolve() != path.parent.resolve():
@@ -406,7 +425,8 @@ class Runtime:
                         seconds=time.perf_counter() - started, n_tokens=n,
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(kv), delta=parent is not None,
-                        line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1)
+                        line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1,
+                        parent_n_tokens=p0 if parent is not None else 0, points=tuple(points))
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         """Sequence 0's state, or only its cells at positions p0..upto-1.

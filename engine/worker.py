@@ -890,9 +890,11 @@ class EngineWorker:
         except CheckpointError as exc:
             log.info("no file to restore the edited turn from (%s): its prompt is decoded", exc)
             return
-        k = turn_end(chain, messages)
+        k, n = turn_end(chain, messages)
         if k:
-            self._view(conv).restore_chain(chain[:k])
+            view = self._view(conv)
+            view.restore_chain(chain[:k])
+            view.trim(n)   # a turn end a later head absorbed (a point): exact, cells by position
 
     def _do_edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         conv = self._conv(conv_id)

@@ -1,0 +1,171 @@
+"""A conversation of many turns keeps O(log n) files: a head absorbs the turns before it
+(engine.history.LineWriter._merged_parent) and records their ends as points, which an
+edit restores exactly (engine.branches.turn_end)."""
+
+from __future__ import annotations
+
+import math
+
+from engine.branches import points_of, turn_end
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.format import KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.store import Store
+from engine.conversation import Conversation
+from engine.generation import begin_answer, commit_answer, generate
+from engine.history import ChainPolicy, LineWriter, saved_infos
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from native.context import ContextSettings
+
+SETTINGS = ContextSettings(n_ctx=2048, n_threads=2)
+
+
+def _turn(rt, conv: Conversation, writer: LineWriter, i: int, n_predict: int = 6):
+    """One turn as the window makes it: the question, the answer, its head."""
+    begin_answer(conv, rt, f"Question {i}: name a river and a hill.", n_predict=n_predict)
+    generate(rt, conv)
+    commit_answer(conv)
+    return writer.save_head(conv, KIND_MANUAL)
+
+
+def _chat(rt, store: Store, turns: int, policy: ChainPolicy | None = None, line: str = "line"):
+    rt.trim(0)
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    writer = LineWriter(rt, store, line, policy=policy or ChainPolicy())
+    heads = [_turn(rt, conv, writer, i) for i in range(turns)]
+    return conv, writer, heads
+
+
+def test_a_conversation_of_many_turns_keeps_few_files(smollm_runtime, tmp_path):
+    """Twelve turns: a file per turn before, O(log n) now, and nothing else left in the
+    store; the head restores in a new context to the same tokens, and goes on as the
+    first context does."""
+    rt = smollm_runtime
+    before, _, _ = _chat(rt, Store(tmp_path / "before"), 12, ChainPolicy(merge_turns=False))
+    assert len(load_chain(Graph.scan(tmp_path / "before").heads[0].path)) == 12
+    conv, writer, heads = _chat(rt, Store(tmp_path / "now"), 12)
+    assert conv.tokens == before.tokens   # greedy: the same conversation either way
+    chain = load_chain(heads[-1].path)
+    assert 2 <= len(chain) <= 2 + math.log2(12), [d.header.n_tokens for d in chain]
+    graph = Graph.scan(tmp_path / "now")
+    assert {n.name for n in graph.nodes.values()} == {d.path.name for d in chain}, "absorbed files left behind"
+    # every turn end before the last is in the chain: a file's own end or a point of one
+    ends = sorted({d.header.n_tokens for d in chain} | {n for d in chain for n, _m in points_of(d)})
+    assert ends == [h.n_tokens for h in heads]
+    # no cell is stored twice: the files' states cover the tokens once
+    assert sum(d.header.n_tokens - d.header.parent_n_tokens for d in chain) == len(conv.tokens)
+    second = Runtime(rt.model.path, SETTINGS)
+    try:
+        resumed = second.restore_chain(chain)
+        assert resumed.tokens == conv.tokens
+        begin_answer(resumed, second, "And a lake?", n_predict=8)
+        begin_answer(conv, rt, "And a lake?", n_predict=8)
+        assert generate(second, resumed).text == generate(rt, conv).text
+    finally:
+        second.close()
+
+
+def test_editing_any_turn_restores_its_end_exactly(smollm_runtime, tmp_path):
+    """For every turn of eight, turn_end finds the end of the turn before (a file's own end,
+    or a point of a file that absorbed it); restoring those files and trimming them there
+    gives the cache of that turn's end, token for token, and the edited turn's answer is
+    the one the file-per-turn layout gives."""
+    rt = smollm_runtime
+    conv, _, heads = _chat(rt, Store(tmp_path / "now"), 8)
+    chain = load_chain(heads[-1].path)
+    _, _, old_heads = _chat(rt, Store(tmp_path / "before"), 8, ChainPolicy(merge_turns=False))
+    old_chain = load_chain(old_heads[-1].path)
+    fresh = Runtime(rt.model.path, SETTINGS)
+    points = 0
+    try:
+        for turn in range(2, 9):
+            messages = conv.messages[:2 * (turn - 1)]   # the history before user turn ``turn``
+            k, n = turn_end(chain, messages)
+            assert k and n == heads[turn - 2].n_tokens, turn
+            points += n < chain[k - 1].header.n_tokens
+            assert turn_end(old_chain, messages) == (turn - 1, n)
+            answers = []
+            for files, upto in ((chain[:k], n), (old_chain[:turn - 1], n)):
+                restored = fresh.restore_chain(files)
+                assert fresh.trim(upto) == upto
+                assert fresh.kv_tokens == conv.tokens[:upto]
+                restored.tokens = restored.tokens[:upto]
+                restored.messages, restored.answer = list(messages), None
+                begin_answer(restored, fresh, "Instead: name a mountain.", n_predict=8)
+                answers.append(generate(fresh, restored).text)
+            assert answers[0] == answers[1], turn
+    finally:
+        fresh.close()
+    assert points >= 3, "no turn end was absorbed as a point"
+
+
+def test_a_turn_another_line_builds_on_is_not_absorbed(smollm_runtime, tmp_path):
+    """A fork from a turn's end holds that file: a later head of the first line stops
+    below it (nothing stored twice that a fork needs, and the fork still restores)."""
+    rt = smollm_runtime
+    store = Store(tmp_path)
+    conv, writer, heads = _chat(rt, store, 3)
+    chain = load_chain(heads[-1].path)
+    fork_point = chain[-1]
+    # another line goes on from that file (a branch: its own line, a delta on it)
+    rt.trim(fork_point.header.n_tokens)
+    fork = Conversation.from_json(fork_point.meta["conversation"], fork_point.tokens.tolist())
+    fork_writer = LineWriter(rt, store, "fork", saved_infos(chain))
+    begin_answer(fork, rt, "Another question.", n_predict=6)
+    generate(rt, fork)
+    commit_answer(fork)
+    fork_head = fork_writer.save_head(fork, KIND_MANUAL)
+    fork_writer.close()
+    # the first line goes on: its next heads may not absorb the file the fork builds on
+    for i in range(3, 6):
+        _turn(rt, conv, writer, i)
+    assert fork_point.path.exists()
+    assert fork_point.path.name in {d.path.name for d in load_chain(writer.head.path)}
+    assert load_chain(fork_head.path)[-2].path == fork_point.path
+
+
+def test_a_pause_head_is_absorbed_without_a_point(smollm_runtime, tmp_path):
+    """A paused answer's head is no turn end: a later head absorbs it, and records the
+    turn ends only."""
+    rt = smollm_runtime
+    store = Store(tmp_path)
+    rt.trim(0)
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    writer = LineWriter(rt, store, "line")
+    heads = [_turn(rt, conv, writer, 0)]
+    begin_answer(conv, rt, "Tell me a long story.", n_predict=16)
+    generate(rt, conv, stop_after=6)
+    writer.save_head(conv, KIND_PAUSE)
+    generate(rt, conv)
+    commit_answer(conv)
+    heads.append(writer.save_head(conv, KIND_MANUAL))
+    heads.append(_turn(rt, conv, writer, 2, n_predict=16))
+    chain = load_chain(heads[-1].path)
+    assert [d.header.n_tokens for d in chain] == [heads[0].n_tokens, heads[-1].n_tokens]
+    assert [n for n, _m in points_of(chain[-1])] == [heads[1].n_tokens]
+
+
+def test_recurrent_and_sliding_window_memories_keep_a_file_per_turn(gemma_path, tmp_path):
+    """A sliding window's state exists only at a file's end: no turn is absorbed."""
+    rt = Runtime(gemma_path, SETTINGS)
+    try:
+        _conv, _writer, heads = _chat(rt, Store(tmp_path), 4)
+        assert len(load_chain(heads[-1].path)) == 4
+    finally:
+        rt.close()
+
+
+def test_points_in_hostile_metadata_are_ignored(smollm_runtime, tmp_path):
+    """Points that are no counts, or lie outside the file's own cells, are never used."""
+    rt = smollm_runtime
+    _conv, _writer, heads = _chat(rt, Store(tmp_path), 3)
+    data = load_chain(heads[-1].path)[-1]
+    good = points_of(data)
+    assert good
+    for bad in (None, "x", [1, 2], [{"n_tokens": "5", "n_messages": 2}],
+                [{"n_tokens": data.header.n_tokens, "n_messages": 2}],
+                [{"n_tokens": data.header.parent_n_tokens, "n_messages": 2}],
+                [{"n_tokens": True, "n_messages": 2}], [{"n_tokens": 40, "n_messages": -1}]):
+        data.meta["points"] = bad
+        assert points_of(data) == []
