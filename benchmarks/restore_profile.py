@@ -10,8 +10,10 @@ size a long prose prompt is prefilled and answered, and saved at the same token:
 one full checkpoint, as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
 deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
-as a conversation of ``--turns`` turns is written (one file per turn, each a delta on the
-last, a finished answer's file: no logits).  Then,
+as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
+file per turn (each a delta on the last, a finished answer's file: no logits; the layout
+before 2026-12-04), and ``merged``, as it writes them now (a head absorbs the turns before
+it: O(log n) files).  Then,
 for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
 the files warm in the page cache (read once just before, each by its own reader: ``_warm``):
 
@@ -54,6 +56,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -233,7 +236,7 @@ def _warm(files: list[Path]) -> None:
 
 
 # -- the files -------------------------------------------------------------------------------
-LAYOUTS = ("full", "chain", "turns")
+LAYOUTS = ("full", "chain", "turns", "merged")
 
 
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
@@ -244,7 +247,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
     # messages once in the metadata): files made before are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-messages-once.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-merged-turns.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
@@ -283,7 +286,8 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
             files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
-                        "turns": _turn_files(rt, folder, list(conv.tokens), turns, n_ctx)}
+                        "turns": _turn_files(rt, folder, list(conv.tokens), turns, merge=False),
+                        "merged": _turn_files(rt, folder, list(conv.tokens), turns, merge=True)}
     finally:
         rt.close()
     manifest.write_text(json.dumps({n: {**{k: [str(p) for p in v[k]] for k in (*LAYOUTS, "llama")},
@@ -291,19 +295,28 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     return files
 
 
-def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> list[Path]:
-    """The same tokens as a conversation of ``turns`` turns writes them: a file per turn,
-    each a delta on the last (a finished answer's: no logits), its metadata carrying the
-    conversation so far, as the app's does (it grows turn by turn)."""
+def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool) -> list[Path]:
+    """The same tokens as a conversation of ``turns`` turns, written by the app's writer
+    (engine.history.LineWriter): each turn's head a finished answer's (no logits), its
+    metadata carrying the conversation so far.  ``merge``: as the app writes them now, a
+    head absorbing the turns before it (ChainPolicy.merge_turns: O(log n) files); else a
+    file per turn, as before 2026-12-04.  Returns the last head's chain, base first."""
     from benchmarks.common import greedy_conversation
+    from engine.checkpoints.chain import load_chain
     from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
+    from engine.conversation import Answer
     from engine.generation import generate
+    from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
-    parent, out = None, []
+    store = Store(folder / f"turns{turns}-{len(tokens)}-{'merged' if merge else 'each'}")
+    writer = LineWriter(rt, store, uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
+    conv = greedy_conversation([])
     for i in range(1, turns + 1):
         end = len(tokens) * i // turns
-        conv = greedy_conversation(tokens[:end - 1])
+        conv.tokens = list(tokens[:end - 1])
+        conv.answer = Answer(n_prompt_tokens=end - 1, n_predict=-1)
         conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}: " + "words " * 60)
                          for k in range(2 * i)]
         generate(rt, conv, stop_after=0)
@@ -312,10 +325,9 @@ def _turn_files(rt, folder: Path, tokens: list[int], turns: int, n_ctx: int) -> 
         rt.decode_token(tokens[end - 1])
         conv.tokens.append(tokens[end - 1])
         conv.answer = None   # finished
-        parent = rt.save(folder / f"turns{turns}-{len(tokens)}-{i}-ctx{n_ctx}.kvckpt", conv, KIND_MANUAL,
-                         parent=parent)
-        out.append(parent.path)
-    return out
+        head = writer.save_head(conv, KIND_MANUAL)
+    writer.close()
+    return [data.path for data in load_chain(head.path)]
 
 
 def _save_llama_file(rt, path: Path, tokens) -> None:

@@ -880,21 +880,28 @@ class EngineWorker:
     def _restore_turn_end(self, conv: Conversation, messages) -> None:
         """Put the state at the end of the turn before an edit into the cache, from the
         chain's file of it (exact for every model), when the chain still has one."""
+        files, n = self._files_of_history(conv, messages)
+        if files:
+            view = self._view(conv)
+            view.restore_chain(files)
+            view.trim(n)   # a turn end a later head absorbed (a point): exact, cells by position
+
+    def _files_of_history(self, conv: Conversation, messages) -> tuple[list, int]:
+        """The files of ``conv``'s chain whose state, trimmed to its first ``n`` tokens, holds
+        exactly ``messages``, every answer finished (engine.branches.turn_end), and ``n``;
+        ``([], 0)`` when no file holds that point (compacted away, or unreadable)."""
         from engine.branches import turn_end
         from engine.checkpoints.chain import load_chain
         writer = self.sessions.named(conv.id).writer
         if writer is None or not writer.chain:
-            return
+            return [], 0
         try:
             chain = load_chain(writer.chain[-1].path)
         except CheckpointError as exc:
-            log.info("no file to restore the edited turn from (%s): its prompt is decoded", exc)
-            return
+            log.info("no file holds the turn's end (%s): its prompt is decoded", exc)
+            return [], 0
         k, n = turn_end(chain, messages)
-        if k:
-            view = self._view(conv)
-            view.restore_chain(chain[:k])
-            view.trim(n)   # a turn end a later head absorbed (a point): exact, cells by position
+        return chain[:k], n
 
     def _do_edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         conv = self._conv(conv_id)
@@ -935,9 +942,8 @@ class EngineWorker:
         self.listener.emit(ConversationChanged(self.snapshot(conv)))
 
     def _do_fork(self, conv_id: uuid.UUID, index: int, new_id: uuid.UUID) -> None:
-        from engine.checkpoints.format import read_metadata
         from engine.conversation import Conversation
-        from engine.history import LineWriter
+        from engine.history import LineWriter, saved_infos
         conv = self._conv(conv_id)
         messages = conv.messages_with_answer()
         if not 0 <= index < len(messages):
@@ -945,29 +951,21 @@ class EngineWorker:
         kept = messages[:index] if messages[index][0] == "user" else messages[:index + 1]
         fork = Conversation(id=new_id, title=f"{conv.title} (fork)", system_prompt=conv.system_prompt,
                             messages=list(kept), sampler=conv.sampler, stop_strings=list(conv.stop_strings))
-        # the newest file of this conversation's chain that holds exactly those messages
-        writer = self.sessions.named(conv.id).writer
-        chain = list(writer.chain) if writer is not None else []
-        for k in range(len(chain), 0, -1):
-            try:
-                meta = read_metadata(chain[k - 1].path)[1]
-            except (CheckpointError, OSError):
-                continue
-            saved = Conversation.from_json(meta.get("conversation") or {}, [])
-            if saved.messages == kept and not saved.paused:
-                from engine.checkpoints.chain import load_chain
-                data = load_chain(chain[k - 1].path)[-1]
-                fork.tokens = [int(t) for t in data.tokens]
-                view = self._view(fork)
-                view.restore_chain(load_chain(chain[k - 1].path))   # what the fork holds: shared files
-                session = self.sessions.adopt(fork)
-                fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
-                    view, self.store, default_line(fork.id), chain[:k]))
-                # a delta of metadata only; at the last message, one holding the newest
-                # file's cells again (LineWriter._below_others_tips: that file stays a head)
-                session.head = fork_writer.save_head(fork, KIND_MANUAL).path
-                self.listener.emit(ConversationChanged(self.snapshot(fork)))
-                return
+        # the files of this conversation's chain that hold exactly those messages
+        files, n = self._files_of_history(conv, kept)
+        if files:
+            fork.tokens = [int(t) for t in files[-1].tokens[:n]]
+            view = self._view(fork)
+            view.restore_chain(files)   # what the fork holds: shared files
+            view.trim(n)                # (a turn end a later head absorbed: a point)
+            session = self.sessions.adopt(fork)
+            fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
+                view, self.store, default_line(fork.id), saved_infos(files)))
+            # a delta of metadata only; at the last message, one holding the newest
+            # file's cells again (LineWriter._below_others_tips: that file stays a head)
+            session.head = fork_writer.save_head(fork, KIND_MANUAL).path
+            self.listener.emit(ConversationChanged(self.snapshot(fork)))
+            return
         # no file holds that point (compacted away): the fork decodes its prompt when used
         self.sessions.adopt(fork)
         self.listener.emit(ConversationChanged(self.snapshot(fork)))

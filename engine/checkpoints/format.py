@@ -98,7 +98,12 @@ CRC identify a file; ``parent`` (deltas) names the parent as above; ``line`` (op
 at most 64 characters) is the line of history the file belongs to, by default its
 conversation's id in hex (see engine.checkpoints.graph; ``shared-`` and a digest: a
 shared prefix, engine.shared_prefix); ``origin_crc`` (optional) is the
-payload CRC a file had before an import rewrote its parent reference.  ``conversation``
+payload CRC a file had before an import rewrote its parent reference.  ``points``
+(optional) lists earlier turn ends a delta holds within its own cells, when a head absorbed
+the files that ended those turns (engine.history.LineWriter._merged_parent; an attention
+memory without a sliding window only): each ``{"n_tokens": T, "n_messages": M}`` says that
+the file's first T tokens are the state after the first M messages of its conversation,
+every answer finished; ``parent_n_tokens < T < n_tokens`` (engine.branches.points_of).  ``conversation``
 holds the chat itself (messages, the answer so far, sampler; a reader's transcript is
 engine.conversation.transcript_of; files written before 2026-12-04 also hold the same
 messages as ``transcript``), ``model`` names the model.  A reader treats
