@@ -169,3 +169,28 @@ def test_points_in_hostile_metadata_are_ignored(smollm_runtime, tmp_path):
                 [{"n_tokens": True, "n_messages": 2}], [{"n_tokens": 40, "n_messages": -1}]):
         data.meta["points"] = bad
         assert points_of(data) == []
+
+
+def test_from_turn_on_an_absorbed_turn_equals_continuing_that_turns_file(smollm_runtime, app_home, tmp_path):
+    """`run --from-turn 3` on a head that absorbed turn 2's end: the same text as continuing
+    the file-per-turn layout's own file of turn 2, with the turn's tokens restored, not
+    decoded again."""
+    import json
+
+    from conftest import run_cli
+    rt = smollm_runtime
+    _conv, _, heads = _chat(rt, Store(), 4)
+    assert len(load_chain(heads[-1].path)) < 4
+    _, _, old_heads = _chat(rt, Store(tmp_path / "before"), 4, ChainPolicy(merge_turns=False))
+    common = ["-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos", "--json"]
+
+    def run(*args):
+        done = run_cli("run", *common, *args, check=True)
+        assert "read again" not in done.stderr, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    edited = run("--checkpoint-load", str(heads[-1].path), "--from-turn", "3", "-p", "A mountain, then?")
+    reference = run("--checkpoint-load", str(old_heads[1].path), "-p", "A mountain, then?")
+    assert edited["n_prompt_tokens"] == reference["n_prompt_tokens"]   # the same history
+    assert edited["text"] == reference["text"]
+    assert edited["n_reused_tokens"] >= heads[1].n_tokens
