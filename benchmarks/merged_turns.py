@@ -1,0 +1,124 @@
+"""What a conversation of many turns costs its saves and saves its restore, when each
+turn's head absorbs the turns before it (O(log n) files) vs a file per turn.
+
+    python -m benchmarks.merged_turns [--tokens 2000] [--turns 12] [--repeats 3]
+
+SmolLM2 with the app's context settings.  ``--tokens`` tokens of prose are cut into
+``--turns`` turns; each turn is decoded and its head written by the app's writer
+(engine.history.LineWriter, a finished answer's head) on a line in a fresh store, in two
+layouts, interleaved run by run: a file per turn (``ChainPolicy(merge_turns=False)``,
+before 2026-12-04) and merged (now).  For each: the files the last head's chain holds, the
+bytes all the heads wrote and the most one head wrote (a pause's write), the slowest head
+save (write, fsync, retiring what it absorbed), the store's bytes after the last turn, and
+the restore of the last head's chain (``load_chain`` + ``Runtime.restore_chain``, every
+check; in a second context of the same process, warm, median of 5).  Prints a table,
+exits 0.  ``benchmarks.restore_profile`` times the same two layouts in new processes,
+beside llama.cpp's own load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+
+LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "heads absorb turns (now)", True))
+
+
+def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path) -> dict:
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.store import Store
+    from engine.conversation import Answer
+    from engine.generation import generate
+    from engine.history import ChainPolicy, LineWriter
+    rt.trim(0)
+    rt.ctx.clear()
+    writer = LineWriter(rt, Store(folder), uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
+    conv = greedy_conversation([])
+    saves, sizes = [], []
+    for i in range(1, turns + 1):
+        end = len(tokens) * i // turns
+        conv.tokens = list(tokens[:end - 1])
+        conv.answer = Answer(n_prompt_tokens=end - 1, n_predict=-1)
+        conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}") for k in range(2 * i)]
+        generate(rt, conv, stop_after=0)
+        rt.decode_token(tokens[end - 1])   # the answer's last token, decoded alone
+        conv.tokens.append(tokens[end - 1])
+        conv.answer = None
+        started = clock()
+        head = writer.save_head(conv, KIND_MANUAL)
+        saves.append(clock() - started)
+        sizes.append(head.size)
+    writer.close()
+    restores = []
+    for _ in range(5):
+        reader.trim(0)
+        reader.ctx.clear()
+        started = clock()
+        reader.restore_chain(load_chain(head.path, crc_later=True))
+        restores.append(clock() - started)
+    if reader.kv_tokens != rt.kv_tokens:
+        raise SystemExit("the restore holds other tokens")
+    return {"files": len(load_chain(head.path)), "written_mb": sum(sizes) / 1e6,
+            "largest_mb": max(sizes) / 1e6, "slowest_save_ms": max(saves) * 1e3,
+            "store_mb": sum(p.stat().st_size for p in folder.glob("*.kvckpt")) / 1e6,
+            "restore_ms": median(restores) * 1e3}
+
+
+def measure(args) -> Table:
+    """Both layouts, interleaved run by run; the table (see the module docstring)."""
+    from benchmarks.common import context_settings, model_path, prompt_tokens
+    from engine.runtime import Runtime
+    settings = context_settings(ctx_size_for(args.tokens), args.threads)
+    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
+    runs: dict[str, list[dict]] = {key: [] for key, _, _ in LAYOUTS}
+    try:
+        tokens = prompt_tokens(rt.model, args.tokens)
+        with tempfile.TemporaryDirectory(prefix="merged-turns-") as tmp:
+            for r in range(args.repeats):
+                for key, _, merge in LAYOUTS:
+                    runs[key].append(one_run(rt, reader, tokens, args.turns, merge, Path(tmp) / f"{key}-{r}"))
+    finally:
+        rt.close()
+        reader.close()
+    table = Table(f"A conversation of {args.turns} turns, {args.tokens:,} tokens (SmolLM2; medians of "
+                  f"{args.repeats}; restore warm, in-process)",
+                  ["layout", "files", "written_MB", "largest_head_MB", "slowest_save_ms", "store_MB",
+                   "restore_ms", "restore_vs_before"])
+    before = median([r["restore_ms"] for r in runs["each"]])
+    for key, label, _ in LAYOUTS:
+        rs = runs[key]
+        restore = median([r["restore_ms"] for r in rs])
+        table.add(layout=label, files=rs[0]["files"], written_MB=median([r["written_mb"] for r in rs]),
+                  largest_head_MB=median([r["largest_mb"] for r in rs]),
+                  slowest_save_ms=median([r["slowest_save_ms"] for r in rs]),
+                  store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
+                  restore_vs_before=ratio(restore, before))
+    return table
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    print(measure(parse(argv)).render())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
