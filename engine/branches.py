@@ -110,7 +110,7 @@ def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int]:
     to their first ``n`` tokens, are the state that holds exactly ``messages``, every answer
     finished; ``(0, 0)``: none is (compacted away).  ``n`` is the k-th file's own token count,
     or fewer where that file absorbed the turn's end as a point (metadata ``points``:
-    engine.history.LineWriter._merged_parent; only an attention memory without a sliding
+    engine.history.LineWriter._merge_below; only an attention memory without a sliding
     window, which trims exactly).
 
     Editing turn K restores that state (the end of turn K-1) and goes on from there as
@@ -133,8 +133,8 @@ def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int]:
 
 def points_of(data) -> list[tuple[int, int]]:
     """The turn ends a file holds before its own end, ``(tokens, messages)`` each, as its
-    metadata ``points`` records them; an entry that is not two counts inside the file's own
-    cells (after its parent's end, before its end) is ignored: metadata is untrusted."""
+    metadata ``points`` records them; an entry that is not two counts within the file's own
+    cells (from its parent's end, before its own end) is ignored: metadata is untrusted."""
     raw = data.meta.get("points")
     header = data.header
     out = []
@@ -143,7 +143,8 @@ def points_of(data) -> list[tuple[int, int]]:
             continue
         n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
         if (type(n_tokens) is int and type(n_messages) is int
-                and header.parent_n_tokens < n_tokens < header.n_tokens and n_messages >= 0):
+                and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
+                and n_messages >= 0):
             out.append((n_tokens, n_messages))
     return out
 

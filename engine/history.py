@@ -9,9 +9,10 @@ of it:
   of the cache, so it costs the tokens since that file, not the whole context; a head on
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
-  head may also absorb the turns before it, recording their ends as points, so a
-  conversation of n turns restores from O(log n) files
-  (:meth:`LineWriter._merged_parent`); when the cache was trimmed (Regenerate),
+  head's parent, the previous turn's end, may first be written again as one file absorbing
+  the turns before it, their ends recorded as points, so a conversation of n turns
+  restores from O(log n) files (:meth:`LineWriter._merge_below`); when the cache was
+  trimmed (Regenerate),
   the delta goes on the file before the trimmed part, and when nothing new was decoded
   (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
@@ -44,11 +45,11 @@ from typing import Any, Protocol
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
 from engine.checkpoints.chain import common_prefix, settle, tokens_digest
-from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData
+from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData, read_metadata
 from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
-from engine.errors import SaveFailed
+from engine.errors import CheckpointError, SaveFailed
 from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base
@@ -75,13 +76,13 @@ class ChainPolicy:
     #: (engine.generation: checkpoint_prompt): a crash keeps it, and a regenerated answer
     #: stores only its own cells on top of it
     prompt_checkpoint: int = 256
-    #: a head may absorb the turns before it into one file (LineWriter._merged_parent), so
+    #: a head's parent may absorb the turns before it into one file (LineWriter._merge_below), so
     #: a conversation of n turns restores from O(log n) files (False: a file per turn, as
     #: before 2026-12-04; for benchmarks)
     merge_turns: bool = True
     #: the most bytes of earlier files one head rewrites when it absorbs them: a pause's
     #: write stays bounded, and a file this large costs its restore little beyond its copy
-    merge_max_bytes: int = 64 << 20
+    merge_max_bytes: int = 32 << 20
 
 
 def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
@@ -270,8 +271,8 @@ class LineWriter:
         A ``head`` always goes on the last anchor: the answer's autosaves are folded into it
         (and retired once it has landed), so a restore reads no file per autosave, and every
         turn's end stays in the chain, as a file or as a point of one (editing any turn
-        restores its state exactly, see engine.branches; :meth:`_merged_parent` may then
-        put the head lower still).  A chain of ``max_files`` files
+        restores its state exactly, see engine.branches; :meth:`_merge_below` may first write
+        that anchor again, absorbing the turns below it).  A chain of ``max_files`` files
         gets a full file.  ``tip``: :meth:`_tip_index`.
         """
         if tip is None:
@@ -330,9 +331,8 @@ class LineWriter:
             idx = self._on_shared_prefix(conv)
         if cut is None and idx is not None:
             idx = self._below_others_tips(idx, conv)
-        points: list[tuple[int, int]] = []
         if cut is None and idx is not None and kind != KIND_AUTOSAVE:
-            idx, points = self._merged_parent(idx, conv)
+            idx = self._merge_below(idx, conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -341,7 +341,7 @@ class LineWriter:
         try:
             self.store.ensure()
             info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing,
-                              cut=cut[1] if cut else None, points=points)
+                              cut=cut[1] if cut else None)
         except SaveFailed:
             if idx is None:
                 raise
@@ -423,58 +423,88 @@ class LineWriter:
                 return i
         return None
 
-    def _merged_parent(self, idx: int, conv: Conversation) -> tuple[int, list[tuple[int, int]]]:
-        """Where a head goes instead of ``self.chain[idx]``, absorbing the files above it, and
-        the turn ends those held: ``(index, points)``.
+    def _merge_below(self, idx: int, conv: Conversation) -> int:
+        """Before a head goes on ``self.chain[idx]``, the previous turn's end: write that
+        state again as one file absorbing the files below it, and return its index (the
+        new head's parent); or ``idx`` unchanged.
 
         A head on the line's previous head holds one turn; a conversation of n turns would
         restore from n files, and each file costs a restore about as much as copying a few
-        MB (benchmarks.restore_profile).  So a head may go on that file's parent instead,
-        holding both turns' cells, and record the earlier turn's end as a *point* (its token
-        and message counts, metadata ``points``): editing that turn restores this file and
-        trims it there (engine.branches.turn_end), exactly, since an attention memory
-        without a sliding window holds the same cells before a position whatever follows
-        (``cells_by_position``; a recurrent or sliding-window memory exists only at a file's
-        end, so it keeps a file per turn).  The absorbed file is retired once the head is
-        durable (it is superseded: engine.checkpoints.graph).
+        MB (benchmarks.restore_profile).  So the previous turn's end is written once more on
+        a lower file, holding the cells of the files between (:meth:`_absorbed`), with their
+        turn ends as *points* (token and message counts, metadata ``points``): editing such
+        a turn restores the file and trims it there (engine.branches.turn_end), exactly, since
+        an attention memory without a sliding window holds the same cells before a position
+        whatever follows (``cells_by_position``; a recurrent or sliding-window memory exists
+        only at a file's end, so it keeps a file per turn).  The files it replaces are retired
+        once the head is durable (superseded: engine.checkpoints.graph); a crash between the
+        two saves leaves the merged file as the line's head, the same state.
+
+        The previous turn's end stays a file's end, so Regenerate and an Edit of the last
+        message branch from it with only their own cells; a fork or edit of an older turn
+        starts from the merged file's parent and writes that turn's cells again.
+        """
+        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position) or idx < 2:
+            return idx
+        last = self.chain[idx]
+        if last.turn_messages is None or not self._absorbable(last, self.chain[idx - 1], conv):
+            return idx
+        j, points = self._absorbed(idx, conv)
+        if j == idx - 1:
+            return idx
+        then = self._conversation_at(last, conv)
+        if then is None:
+            return idx
+        try:
+            merged = self.runtime.save(self.store.new_path(then.title), then, last.kind, self.chain[j],
+                                       line=self.line, seq=self.next_seq, fresh=True, upto=last.n_tokens,
+                                       points=[*points, *last.points])
+        except (SaveFailed, OSError) as exc:   # the head still goes on the file it was going on
+            log.warning("the turns before this one could not be merged: %s", exc)
+            return idx
+        self.next_seq += 1
+        self._written.add(merged.checkpoint_id)
+        self.bytes_written += merged.size
+        self._chain = self._chain[:j + 1] + [replace(merged, turn_messages=last.turn_messages)]
+        return j + 1
+
+    def _absorbed(self, idx: int, conv: Conversation) -> tuple[int, list[tuple[int, int]]]:
+        """``(j, points)``: the files ``chain[j+1..idx-1]`` below the previous turn's end
+        ``chain[idx]`` that its merged file absorbs (see _merge_below), and their turn ends.
 
         A file is absorbed while the part being written is at least as long as the file's
         own tokens (a conversation of n turns keeps O(log n) files, and each cell is written
-        again O(log n) times), the rewritten bytes stay within ``merge_max_bytes``, and the
-        file is one this writer wrote on its own line that builds on the whole file below it
-        and that no other line's file builds on (a fork keeps what it was forked from).  A
-        prompt's own checkpoint (an autosave) is absorbed only below an absorbed head: the
-        answer being ended goes back to its prompt's file (Regenerate).
-        """
-        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position):
-            return idx, []
-        part = len(self.runtime.kv_tokens) - self.chain[idx].n_tokens   # the head's own tokens
+        again O(log n) times) and the rewritten bytes stay within ``merge_max_bytes``; and
+        only a file this writer wrote on its own line that builds on the whole file below it
+        and that no other line's file builds on (a fork keeps what it was forked from; the
+        previous turn's end itself included)."""
+        last = self.chain[idx]
+        part = last.n_tokens - self.chain[idx - 1].n_tokens
         points: list[tuple[int, int]] = []
-        rewritten, below_a_head = 0, False
+        rewritten = last.size
         held: set[str] | None = None
-        while idx > 0:
-            info, below = self.chain[idx], self.chain[idx - 1]
+        i = idx - 1
+        while i > 0:
+            info, below = self.chain[i], self.chain[i - 1]
             own = info.n_tokens - below.n_tokens
-            if own > part or rewritten + info.size > self.policy.merge_max_bytes \
-                    or not self._absorbable(info, below, conv, below_a_head):
+            if (own > part or rewritten + info.size > self.policy.merge_max_bytes
+                    or not self._absorbable(info, below, conv)):
                 break
-            if held is None:
-                held = self._held_by_other_lines()
-            if info.path.name in held:
+            held = self._held_by_other_lines() if held is None else held   # (once, when needed)
+            if info.path.name in held or last.path.name in held:
                 break
             turn = [(info.n_tokens, len(info.turn_messages))] if info.turn_messages is not None else []
             points = [*info.points, *turn, *points]
             part, rewritten = part + own, rewritten + info.size
-            below_a_head = below_a_head or info.kind != KIND_AUTOSAVE
-            idx -= 1
-        return idx, points
+            i -= 1
+        return i, points
 
-    def _absorbable(self, info: SaveInfo, below: SaveInfo, conv: Conversation, below_a_head: bool) -> bool:
-        """Whether a head may absorb ``info`` (see _merged_parent), but for other lines."""
+    def _absorbable(self, info: SaveInfo, below: SaveInfo, conv: Conversation) -> bool:
+        """Whether a merged file may take ``info``'s place (see _absorbed), but for other lines:
+        this writer's own file on its line, a delta on the whole of ``below``, and, where it
+        ends a turn, one whose messages the conversation still starts with (its point)."""
         if (info.checkpoint_id not in self._written or info.line != self.line or not info.delta
                 or not below.checkpoint_id or info.parent_n_tokens != below.n_tokens):
-            return False
-        if info.kind == KIND_AUTOSAVE and not below_a_head:
             return False
         ended = info.turn_messages
         return ended is None or tuple(tuple(m) for m in conv.messages[:len(ended)]) == ended
@@ -484,6 +514,18 @@ class LineWriter:
         graph = Graph.scan(self.store)
         return {name for name, children in graph.children.items()
                 if any(child.line != self.line for child in children)}
+
+    def _conversation_at(self, info: SaveInfo, conv: Conversation) -> Conversation | None:
+        """The conversation ``info``'s file holds (its metadata), on the cache's tokens up to
+        its end; None where it cannot be read (the merge is skipped)."""
+        try:
+            meta = read_metadata(info.path)[1]
+            then = Conversation.from_json(meta["conversation"], self.runtime.kv_tokens[:info.n_tokens])
+        except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.info("the previous turn's file could not be read again (%s): no merge", exc)
+            return None
+        then.id = conv.id
+        return then
 
     def _on_shared_prefix(self, conv: Conversation) -> int | None:
         """Start the chain on the store's shared prefix of the conversation's system

@@ -83,7 +83,7 @@ class SaveInfo:
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: where a delta's cells start (its parent's end, or a cut); 0 for a full file
     parent_n_tokens: int = 0
-    #: turn ends of files it absorbed (engine.history.LineWriter._merged_parent): (tokens,
+    #: turn ends of files it absorbed (engine.history.LineWriter._merge_below): (tokens,
     #: messages) — the state after the first ``messages`` messages is its first ``tokens``
     points: tuple[tuple[int, int], ...] = ()
     #: its conversation's messages when it ends a turn (no answer paused), for the files
@@ -375,7 +375,7 @@ class Runtime:
         ``cut`` tokens, which the cache shares with it (a parent read back, whose tokens
         the SaveInfo holds; a plain attention memory: engine.checkpoints.chain.can_cut).
         ``points``: (tokens, messages) of earlier turn ends the file holds (metadata
-        ``points``, engine.checkpoints.format; engine.history.LineWriter._merged_parent).
+        ``points``, engine.checkpoints.format; engine.history.LineWriter._merge_below).
         """
         started = time.perf_counter()
         path = Path(path)

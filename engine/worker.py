@@ -897,7 +897,7 @@ class EngineWorker:
             return [], 0
         try:
             chain = load_chain(writer.chain[-1].path)
-        except CheckpointError as exc:
+        except (CheckpointError, OSError) as exc:   # (OSError: deleted by another program)
             log.info("no file holds the turn's end (%s): its prompt is decoded", exc)
             return [], 0
         k, n = turn_end(chain, messages)

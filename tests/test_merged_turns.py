@@ -1,5 +1,5 @@
 """A conversation of many turns keeps O(log n) files: a head absorbs the turns before it
-(engine.history.LineWriter._merged_parent) and records their ends as points, which an
+(engine.history.LineWriter._merge_below) and records their ends as points, which an
 edit restores exactly (engine.branches.turn_end)."""
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_a_turn_another_line_builds_on_is_not_absorbed(smollm_runtime, tmp_path)
 
 
 def test_a_pause_head_is_absorbed_without_a_point(smollm_runtime, tmp_path):
-    """A paused answer's head is no turn end: a later head absorbs it, and records the
+    """A paused answer's head is no turn end: a later merge absorbs it and records the
     turn ends only."""
     rt = smollm_runtime
     store = Store(tmp_path)
@@ -136,14 +136,17 @@ def test_a_pause_head_is_absorbed_without_a_point(smollm_runtime, tmp_path):
     heads = [_turn(rt, conv, writer, 0)]
     begin_answer(conv, rt, "Tell me a long story.", n_predict=16)
     generate(rt, conv, stop_after=6)
-    writer.save_head(conv, KIND_PAUSE)
+    paused = writer.save_head(conv, KIND_PAUSE)
     generate(rt, conv)
     commit_answer(conv)
     heads.append(writer.save_head(conv, KIND_MANUAL))
-    heads.append(_turn(rt, conv, writer, 2, n_predict=16))
+    heads += [_turn(rt, conv, writer, i, n_predict=16) for i in (2, 3)]
     chain = load_chain(heads[-1].path)
-    assert [d.header.n_tokens for d in chain] == [heads[0].n_tokens, heads[-1].n_tokens]
-    assert [n for n, _m in points_of(chain[-1])] == [heads[1].n_tokens]
+    ends = [d.header.n_tokens for d in chain]
+    points = [n for d in chain for n, _m in points_of(d)]
+    assert paused.n_tokens not in ends + points and not paused.path.exists()
+    assert sorted(ends + points) == [h.n_tokens for h in heads]
+    assert len(chain) < len(heads)
 
 
 def test_recurrent_and_sliding_window_memories_keep_a_file_per_turn(gemma_path, tmp_path):
@@ -159,13 +162,13 @@ def test_recurrent_and_sliding_window_memories_keep_a_file_per_turn(gemma_path, 
 def test_points_in_hostile_metadata_are_ignored(smollm_runtime, tmp_path):
     """Points that are no counts, or lie outside the file's own cells, are never used."""
     rt = smollm_runtime
-    _conv, _writer, heads = _chat(rt, Store(tmp_path), 3)
-    data = load_chain(heads[-1].path)[-1]
+    _conv, _writer, heads = _chat(rt, Store(tmp_path), 4)
+    data = load_chain(heads[-1].path)[-2]   # the previous turn's end, written again on the base
     good = points_of(data)
     assert good
     for bad in (None, "x", [1, 2], [{"n_tokens": "5", "n_messages": 2}],
                 [{"n_tokens": data.header.n_tokens, "n_messages": 2}],
-                [{"n_tokens": data.header.parent_n_tokens, "n_messages": 2}],
+                [{"n_tokens": data.header.parent_n_tokens - 1, "n_messages": 2}], [{"n_tokens": 0, "n_messages": 0}],
                 [{"n_tokens": True, "n_messages": 2}], [{"n_tokens": 40, "n_messages": -1}]):
         data.meta["points"] = bad
         assert points_of(data) == []
@@ -194,3 +197,27 @@ def test_from_turn_on_an_absorbed_turn_equals_continuing_that_turns_file(smollm_
     assert edited["n_prompt_tokens"] == reference["n_prompt_tokens"]   # the same history
     assert edited["text"] == reference["text"]
     assert edited["n_reused_tokens"] >= heads[1].n_tokens
+
+
+def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_runtime, tmp_path):
+    """The previous turn's end stays a file's end: an Edit of the last message (a new line on
+    the same files, as the window's branch makes it; Regenerate goes back to a point after
+    it) builds on it and stores only the new turn's cells, not the turns a merge absorbed."""
+    import uuid
+    rt = smollm_runtime
+    store = Store(tmp_path)
+    for turns in (5, 8, 9):   # after merges of several sizes
+        conv, writer, heads = _chat(rt, store, turns, line=uuid.uuid4().hex)
+        chain = load_chain(heads[-1].path)
+        assert len(chain) < turns and chain[-2].header.n_tokens == heads[-2].n_tokens
+        branch = LineWriter.starting(rt, store, uuid.uuid4().hex, writer.chain)
+        writer.close()
+        conv.messages, conv.answer = conv.messages[:-2], None
+        conv.tokens = conv.tokens[:heads[-2].n_tokens]
+        begin_answer(conv, rt, "Something else entirely: a lake?", n_predict=6)
+        generate(rt, conv)
+        commit_answer(conv)
+        again = branch.save_head(conv, KIND_MANUAL)
+        branch.close()
+        assert again.parent_n_tokens == heads[-2].n_tokens, turns
+        assert heads[-1].path.exists()   # the first version of the turn stays a branch

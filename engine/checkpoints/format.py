@@ -100,7 +100,7 @@ conversation's id in hex (see engine.checkpoints.graph; ``shared-`` and a digest
 shared prefix, engine.shared_prefix); ``origin_crc`` (optional) is the
 payload CRC a file had before an import rewrote its parent reference.  ``points``
 (optional) lists earlier turn ends a delta holds within its own cells, when a head absorbed
-the files that ended those turns (engine.history.LineWriter._merged_parent; an attention
+the files that ended those turns (engine.history.LineWriter._merge_below; an attention
 memory without a sliding window only): each ``{"n_tokens": T, "n_messages": M}`` says that
 the file's first T tokens are the state after the first M messages of its conversation,
 every answer finished; ``parent_n_tokens < T < n_tokens`` (engine.branches.points_of).  ``conversation``

@@ -190,7 +190,8 @@ class RunSession:
             conv = self.restore_or_read_again(chain)
             if kept is not None and upto is not None:   # a turn end absorbed as a point
                 conv.messages, conv.answer = kept, None
-                conv.tokens = conv.tokens[:rt.trim(upto)]
+                # (read again: the cache is empty, the tokens are decoded as they were)
+                conv.tokens = conv.tokens[:upto if self.read_again else rt.trim(upto)]
             elif kept is not None:      # turn K and what followed it stay on the old branch
                 conv.messages, conv.answer = kept, None
                 # the branch starts where that history ended, decoded as it was
