@@ -8,8 +8,8 @@ SmolLM2 with the app's context settings.  ``--tokens`` tokens of prose are cut i
 (engine.history.LineWriter, a finished answer's head) on a line in a fresh store, in two
 layouts, interleaved run by run: a file per turn (``ChainPolicy(merge_turns=False)``,
 before 2026-12-04) and merged (now).  For each: the files the last head's chain holds, the
-bytes all the heads wrote and the most one head wrote (a pause's write), the slowest head
-save (write, fsync, retiring what it absorbed), the store's bytes after the last turn, and
+bytes all the head saves wrote and the most one wrote (a merged file and the head), the
+slowest head save (writes, fsyncs, retiring what was absorbed), the store's bytes after the last turn, and
 the restore of the last head's chain (``load_chain`` + ``Runtime.restore_chain``, every
 check; in a second context of the same process, warm, median of 5).  Prints a table,
 exits 0.  ``benchmarks.restore_profile`` times the same two layouts in new processes,
@@ -54,10 +54,10 @@ def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path
         rt.decode_token(tokens[end - 1])   # the answer's last token, decoded alone
         conv.tokens.append(tokens[end - 1])
         conv.answer = None
-        started = clock()
+        started, written = clock(), writer.bytes_written
         head = writer.save_head(conv, KIND_MANUAL)
         saves.append(clock() - started)
-        sizes.append(head.size)
+        sizes.append(writer.bytes_written - written)   # a merged file's bytes too
     writer.close()
     restores = []
     for _ in range(5):
@@ -92,14 +92,14 @@ def measure(args) -> Table:
         reader.close()
     table = Table(f"A conversation of {args.turns} turns, {args.tokens:,} tokens (SmolLM2; medians of "
                   f"{args.repeats}; restore warm, in-process)",
-                  ["layout", "files", "written_MB", "largest_head_MB", "slowest_save_ms", "store_MB",
+                  ["layout", "files", "written_MB", "largest_save_MB", "slowest_save_ms", "store_MB",
                    "restore_ms", "restore_vs_before"])
     before = median([r["restore_ms"] for r in runs["each"]])
     for key, label, _ in LAYOUTS:
         rs = runs[key]
         restore = median([r["restore_ms"] for r in rs])
         table.add(layout=label, files=rs[0]["files"], written_MB=median([r["written_mb"] for r in rs]),
-                  largest_head_MB=median([r["largest_mb"] for r in rs]),
+                  largest_save_MB=median([r["largest_mb"] for r in rs]),
                   slowest_save_ms=median([r["slowest_save_ms"] for r in rs]),
                   store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
                   restore_vs_before=ratio(restore, before))
