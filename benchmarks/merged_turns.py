@@ -29,7 +29,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
 
-LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "heads absorb turns (now)", True))
+LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "turns merged (now)", True))
 
 
 def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path) -> dict:
