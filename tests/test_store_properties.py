@@ -65,6 +65,32 @@ def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, ch
     assert outcome.orphans == [], "files no head needs were left behind"
 
 
+#: found by a soak biased to long conversations: Regenerate and Edit after merged turns
+#: (engine.history.LineWriter._merge_below), a killed run, a fork, then a delete
+MERGED = [("answer", 0, 4), ("prune", 2, 10**9), ("regenerate", 0, 6), ("answer", 0, 8), ("answer", 0, 5),
+          ("answer", 0, 10), ("kill", 0, 2), ("regenerate", 0, 6), ("edit", 0, 4), ("answer", 0, 4),
+          ("fork", 0, 1), ("answer", 0, 6), ("delete", 0, 0), ("regenerate", 1, 9)]
+
+
+def test_a_long_conversation_keeps_every_head_through_its_merges(smollm_path, checker, tmp_path,
+                                                                 monkeypatch):
+    """The composition above on one conversation of many turns: its heads write the
+    previous turn's end again on lower files (merges) between the Regenerates, Edits, the
+    kill and the fork, and every head still restores and nothing is left behind."""
+    from engine.history import LineWriter
+    merges, merge_below = [], LineWriter._merge_below
+
+    def counted(self, idx, conv):
+        out = merge_below(self, idx, conv)
+        merges.append(out != idx)
+        return out
+    monkeypatch.setattr(LineWriter, "_merge_below", counted)
+    driver, outcome = run_sequence(smollm_path, tmp_path, MERGED, checker)
+    assert sum(merges) >= 2, "the sequence no longer merges: it tests nothing new"
+    assert outcome.problems == [] and outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
+
+
 #: about 280 tokens: long enough to be stored once for the conversations of slots 0 and 1
 SHARED_SYSTEM = "You answer in one short sentence, plainly, and you never use lists or headings. " * 16
 
