@@ -33,31 +33,22 @@ LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "turns merged
 
 
 def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path) -> dict:
-    from benchmarks.common import greedy_conversation
+    from benchmarks.restore_profile import write_turns
     from engine.checkpoints.chain import load_chain
-    from engine.checkpoints.format import KIND_MANUAL
     from engine.checkpoints.store import Store
-    from engine.conversation import Answer
-    from engine.generation import generate
     from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
     writer = LineWriter(rt, Store(folder), uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
-    conv = greedy_conversation([])
     saves, sizes = [], []
-    for i in range(1, turns + 1):
-        end = len(tokens) * i // turns
-        conv.tokens = list(tokens[:end - 1])
-        conv.answer = Answer(n_prompt_tokens=end - 1, n_predict=-1)
-        conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}") for k in range(2 * i)]
-        generate(rt, conv, stop_after=0)
-        rt.decode_token(tokens[end - 1])   # the answer's last token, decoded alone
-        conv.tokens.append(tokens[end - 1])
-        conv.answer = None
+
+    def timed(save):
         started, written = clock(), writer.bytes_written
-        head = writer.save_head(conv, KIND_MANUAL)
+        info = save()
         saves.append(clock() - started)
         sizes.append(writer.bytes_written - written)   # a merged file's bytes too
+        return info
+    head = write_turns(rt, writer, tokens, turns, timed)
     writer.close()
     restores = []
     for _ in range(5):
@@ -108,17 +99,10 @@ def measure(args) -> Table:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=2000)
-    parser.add_argument("--turns", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    for flag, default in (("--tokens", 2000), ("--turns", 12), ("--repeats", 3), ("--threads", 2)):
+        parser.add_argument(flag, type=int, default=default)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    print(measure(parse(argv)).render())
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    print(measure(parse()).render())

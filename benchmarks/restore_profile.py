@@ -297,22 +297,32 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
 
 def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool) -> list[Path]:
     """The same tokens as a conversation of ``turns`` turns, written by the app's writer
-    (engine.history.LineWriter): each turn's head a finished answer's (no logits), its
-    metadata carrying the conversation so far.  ``merge``: as the app writes them now, a
-    head absorbing the turns before it (ChainPolicy.merge_turns: O(log n) files); else a
-    file per turn, as before 2026-12-04.  Returns the last head's chain, base first."""
-    from benchmarks.common import greedy_conversation
+    (:func:`write_turns`).  ``merge``: as the app writes them now, the turns before a head
+    merged (ChainPolicy.merge_turns: O(log n) files); else a file per turn, as before
+    2026-12-04.  Returns the last head's chain, base first."""
     from engine.checkpoints.chain import load_chain
-    from engine.checkpoints.format import KIND_MANUAL
     from engine.checkpoints.store import Store
-    from engine.conversation import Answer
-    from engine.generation import generate
     from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
     store = Store(folder / f"turns{turns}-{len(tokens)}-{'merged' if merge else 'each'}")
     writer = LineWriter(rt, store, uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
+    head = write_turns(rt, writer, tokens, turns, lambda save: save())
+    writer.close()
+    return [data.path for data in load_chain(head.path)]
+
+
+def write_turns(rt, writer, tokens: list[int], turns: int, around_save):
+    """Decode ``tokens`` as ``turns`` turns into ``rt`` (from an empty cache), each turn's
+    head saved by ``writer`` as a finished answer's (no logits), its metadata carrying the
+    conversation so far; ``around_save(save)`` calls ``save()`` (to time it).  Returns the
+    last head's SaveInfo."""
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.conversation import Answer
+    from engine.generation import generate
     conv = greedy_conversation([])
+    head = None
     for i in range(1, turns + 1):
         end = len(tokens) * i // turns
         conv.tokens = list(tokens[:end - 1])
@@ -325,9 +335,8 @@ def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool) ->
         rt.decode_token(tokens[end - 1])
         conv.tokens.append(tokens[end - 1])
         conv.answer = None   # finished
-        head = writer.save_head(conv, KIND_MANUAL)
-    writer.close()
-    return [data.path for data in load_chain(head.path)]
+        head = around_save(lambda: writer.save_head(conv, KIND_MANUAL))
+    return head
 
 
 def _save_llama_file(rt, path: Path, tokens) -> None:
