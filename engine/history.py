@@ -80,8 +80,9 @@ class ChainPolicy:
     #: a conversation of n turns restores from O(log n) files (False: a file per turn, as
     #: before 2026-12-04; for benchmarks)
     merge_turns: bool = True
-    #: the most bytes of earlier files one head rewrites when it absorbs them: a pause's
-    #: write stays bounded, and a file this large costs its restore little beyond its copy
+    #: the most bytes of earlier files one merge rewrites (LineWriter._absorbed): the save
+    #: after an answer stays bounded, and a file this large costs its restore little beyond
+    #: its copy
     merge_max_bytes: int = 32 << 20
 
 
