@@ -1,5 +1,6 @@
 """What a conversation of many turns costs its saves and saves its restore, when each
-turn's head absorbs the turns before it (O(log n) files) vs a file per turn.
+turn's head goes on a file absorbing the turns before it (up to 32 MiB: two files) vs a
+file per turn.
 
     python -m benchmarks.merged_turns [--tokens 2000] [--turns 12] [--repeats 3]
 

@@ -10,10 +10,9 @@ of it:
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head's parent, the previous turn's end, may first be written again as one file absorbing
-  the turns before it, their ends recorded as points, so a conversation of n turns
-  restores from O(log n) files (:meth:`LineWriter._merge_below`); when the cache was
-  trimmed (Regenerate),
-  the delta goes on the file before the trimmed part, and when nothing new was decoded
+  the turns before it, their ends recorded as points, so a conversation restores from
+  two files up to 32 MiB (:meth:`LineWriter._merge_below`); when the cache was trimmed
+  (Regenerate), the delta goes on the file before the trimmed part, and when nothing new was decoded
   (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
   :class:`ChainPolicy`'s number of files, or when the delta's parent disappeared
@@ -77,12 +76,11 @@ class ChainPolicy:
     #: stores only its own cells on top of it
     prompt_checkpoint: int = 256
     #: a head's parent may absorb the turns before it into one file (LineWriter._merge_below), so
-    #: a conversation of n turns restores from O(log n) files (False: a file per turn, as
-    #: before 2026-12-04; for benchmarks)
+    #: a conversation restores from two files up to ``merge_max_bytes``, and from files of
+    #: about that size beyond (False: a file per turn, as before 2026-12-04; for benchmarks)
     merge_turns: bool = True
-    #: the most bytes of earlier files one merge rewrites (LineWriter._absorbed): the save
-    #: after an answer stays bounded, and a file this large costs its restore little beyond
-    #: its copy
+    #: the largest file a merge writes (LineWriter._absorbed): the save after an answer stays
+    #: bounded, and a file this large costs its restore little beyond its copy
     merge_max_bytes: int = 32 << 20
 
 
@@ -432,7 +430,7 @@ class LineWriter:
         A head on the line's previous head holds one turn; a conversation of n turns would
         restore from n files, and each file costs a restore about as much as copying a few
         MB (benchmarks.restore_profile).  So the previous turn's end is written once more on
-        a lower file, holding the cells of the files between (:meth:`_absorbed`), with their
+        a lower file, or as a full one, holding the cells of the files between (:meth:`_absorbed`), with their
         turn ends as *points* (token and message counts, metadata ``points``): editing such
         a turn restores the file and trims it there (engine.branches.turn_end), exactly, since
         an attention memory without a sliding window holds the same cells before a position
@@ -443,9 +441,10 @@ class LineWriter:
 
         The previous turn's end stays a file's end, so Regenerate and an Edit of the last
         message branch from it with only their own cells; a fork or edit of an older turn
-        starts from the merged file's parent and writes that turn's cells again.
+        is cut from the merged file where it uses at least half of it (LineWriter._cut), and
+        otherwise starts from the merged file's parent, or anew, and writes its cells again.
         """
-        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position) or idx < 2:
+        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position) or idx < 1:
             return idx
         last = self.chain[idx]
         if last.turn_messages is None or not self._absorbable(last, self.chain[idx - 1], conv):
@@ -457,7 +456,8 @@ class LineWriter:
         if then is None:
             return idx
         try:
-            merged = self.runtime.save(self.store.new_path(then.title), then, last.kind, self.chain[j],
+            merged = self.runtime.save(self.store.new_path(then.title), then, last.kind,
+                                       self.chain[j] if j >= 0 else None,
                                        line=self.line, seq=self.next_seq, fresh=True, upto=last.n_tokens,
                                        points=[*points, *last.points])
         except (SaveFailed, OSError) as exc:   # the head still goes on the file it was going on
@@ -471,41 +471,43 @@ class LineWriter:
 
     def _absorbed(self, idx: int, conv: Conversation) -> tuple[int, list[tuple[int, int]]]:
         """``(j, points)``: the files ``chain[j+1..idx-1]`` below the previous turn's end
-        ``chain[idx]`` that its merged file absorbs (see _merge_below), and their turn ends.
+        ``chain[idx]`` that its merged file absorbs (see _merge_below), and their turn ends;
+        ``j`` is -1 where it absorbs the chain's base too (the merged file is a full one).
 
-        A file is absorbed while the part being written is at least as long as the file's
-        own tokens (a conversation of n turns keeps O(log n) files, and each cell is written
-        again O(log n) times) and the rewritten bytes stay within ``merge_max_bytes``; and
-        only a file this writer wrote on its own line that builds on the whole file below it
-        and that no other line's file builds on (a fork keeps what it was forked from; the
-        previous turn's end itself included)."""
+        Files are absorbed, newest first, while the merged file stays within
+        ``merge_max_bytes``: below that size a file costs a restore more than its bytes do
+        (about 0.6 ms each, the copy of a few MB: benchmarks.restore_profile), so a
+        conversation of up to that size restores from two files, its previous turn's end
+        and its head, and a longer one from files of about that size.  Only a file this
+        writer wrote on its own line (a delta on the whole file below it, or the line's
+        own full base) that no other line's file builds on (a fork keeps what it was
+        forked from; the previous turn's end itself included)."""
         last = self.chain[idx]
-        part = last.n_tokens - self.chain[idx - 1].n_tokens
         points: list[tuple[int, int]] = []
         rewritten = last.size
         held: set[str] | None = None
         i = idx - 1
-        while i > 0:
-            info, below = self.chain[i], self.chain[i - 1]
-            own = info.n_tokens - below.n_tokens
-            if (own > part or rewritten + info.size > self.policy.merge_max_bytes
-                    or not self._absorbable(info, below, conv)):
+        while i >= 0:
+            info, below = self.chain[i], self.chain[i - 1] if i else None
+            if rewritten + info.size > self.policy.merge_max_bytes or not self._absorbable(info, below, conv):
                 break
             held = self._held_by_other_lines() if held is None else held   # (once, when needed)
             if info.path.name in held or last.path.name in held:
                 break
             turn = [(info.n_tokens, len(info.turn_messages))] if info.turn_messages is not None else []
             points = [*info.points, *turn, *points]
-            part, rewritten = part + own, rewritten + info.size
+            rewritten += info.size
             i -= 1
         return i, points
 
-    def _absorbable(self, info: SaveInfo, below: SaveInfo, conv: Conversation) -> bool:
+    def _absorbable(self, info: SaveInfo, below: SaveInfo | None, conv: Conversation) -> bool:
         """Whether a merged file may take ``info``'s place (see _absorbed), but for other lines:
-        this writer's own file on its line, a delta on the whole of ``below``, and, where it
-        ends a turn, one whose messages the conversation still starts with (its point)."""
-        if (info.checkpoint_id not in self._written or info.line != self.line or not info.delta
-                or not below.checkpoint_id or info.parent_n_tokens != below.n_tokens):
+        this writer's own file on its line, a delta on the whole of ``below`` (``below`` None:
+        the chain's base, a full file), and, where it ends a turn, one whose messages the
+        conversation still starts with (its point)."""
+        whole = (not info.delta if below is None else
+                 info.delta and bool(below.checkpoint_id) and info.parent_n_tokens == below.n_tokens)
+        if info.checkpoint_id not in self._written or info.line != self.line or not whole:
             return False
         ended = info.turn_messages
         return ended is None or tuple(tuple(m) for m in conv.messages[:len(ended)]) == ended

@@ -1,10 +1,8 @@
-"""A conversation of many turns keeps O(log n) files: a head absorbs the turns before it
-(engine.history.LineWriter._merge_below) and records their ends as points, which an
+"""A conversation of many turns keeps few files: a head's parent absorbs the turns before
+it (engine.history.LineWriter._merge_below) and records their ends as points, which an
 edit restores exactly (engine.branches.turn_end)."""
 
 from __future__ import annotations
-
-import math
 
 from engine.branches import points_of, turn_end
 from engine.checkpoints.chain import load_chain
@@ -38,16 +36,17 @@ def _chat(rt, store: Store, turns: int, policy: ChainPolicy | None = None, line:
 
 
 def test_a_conversation_of_many_turns_keeps_few_files(smollm_runtime, tmp_path):
-    """Twelve turns: a file per turn before, O(log n) now, and nothing else left in the
-    store; the head restores in a new context to the same tokens, and goes on as the
-    first context does."""
+    """Twelve turns: a file per turn before, two now (the previous turn's end as one full
+    file, and the head: all of it is far below ChainPolicy.merge_max_bytes), and nothing
+    else left in the store; the head restores in a new context to the same tokens, and
+    goes on as the first context does."""
     rt = smollm_runtime
     before, _, _ = _chat(rt, Store(tmp_path / "before"), 12, ChainPolicy(merge_turns=False))
     assert len(load_chain(Graph.scan(tmp_path / "before").heads[0].path)) == 12
     conv, writer, heads = _chat(rt, Store(tmp_path / "now"), 12)
     assert conv.tokens == before.tokens   # greedy: the same conversation either way
     chain = load_chain(heads[-1].path)
-    assert 2 <= len(chain) <= 2 + math.log2(12), [d.header.n_tokens for d in chain]
+    assert len(chain) == 2 and not chain[0].header.is_delta, [d.header.n_tokens for d in chain]
     graph = Graph.scan(tmp_path / "now")
     assert {n.name for n in graph.nodes.values()} == {d.path.name for d in chain}, "absorbed files left behind"
     # every turn end before the last is in the chain: a file's own end or a point of one
@@ -221,3 +220,42 @@ def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_r
         branch.close()
         assert again.parent_n_tokens == heads[-2].n_tokens, turns
         assert heads[-1].path.exists()   # the first version of the turn stays a branch
+
+
+def test_past_the_bound_a_merge_writes_no_larger_file(smollm_runtime, tmp_path):
+    """With ``merge_max_bytes`` of a few turns, the turns go on in files of at most that
+    size (one turn's file alone may be larger), still with every turn's end in the chain."""
+    rt = smollm_runtime
+    _conv, _, first = _chat(rt, Store(tmp_path / "probe"), 1)
+    bound = 3 * first[0].size
+    _conv, _, heads = _chat(rt, Store(tmp_path / "store"), 12, ChainPolicy(merge_max_bytes=bound))
+    chain = load_chain(heads[-1].path)
+    sizes = [d.path.stat().st_size for d in chain]
+    assert max(sizes[:-1]) <= bound, sizes
+    assert 3 <= len(chain) < 12, sizes
+    ends = sorted({d.header.n_tokens for d in chain} | {n for d in chain for n, _m in points_of(d)})
+    assert ends == [h.n_tokens for h in heads]
+
+
+def test_a_shared_prefix_is_never_absorbed(smollm_runtime, tmp_path):
+    """A conversation on the store's shared prefix of its system prompt merges its own turns
+    above it; the prefix stays, and the next conversation with that system prompt builds on it."""
+    from engine.checkpoints.graph import is_shared_line, line_of
+    rt = smollm_runtime
+    store = Store(tmp_path)
+    system = "You are the careful assistant of a shipping company; answer briefly. " * 24
+
+    def chat(turns: int):
+        rt.trim(0)
+        conv = Conversation(system_prompt=system, sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        writer = LineWriter.starting(rt, store, conv.id.hex)
+        heads = [_turn(rt, conv, writer, i) for i in range(turns)]
+        writer.close()
+        return load_chain(heads[-1].path)
+
+    chain = chat(6)
+    prefix = chain[0]
+    assert is_shared_line(line_of(prefix.meta, prefix.header)), "the conversation did not start on a shared prefix"
+    assert len(chain) == 3 and chain[1].header.parent_n_tokens == prefix.header.n_tokens
+    assert prefix.path.exists()
+    assert chat(2)[0].path == prefix.path
