@@ -13,7 +13,9 @@ deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app
 as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
 file per turn (each a delta on the last, a finished answer's file: no logits; the layout
 before 2026-12-04), and ``merged``, as it writes them now (a head goes on a file absorbing
-the turns before it, up to 32 MiB).  Then,
+the turns before it, up to 32 MiB); and ``shared``, the deduplicated layout of a
+conversation on a long system prompt another one stored (a shared prefix of 1,500 tokens,
+at most 3/4 of them, then the turns merged above it: three files).  Then,
 for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
 the files warm in the page cache (read once just before, each by its own reader: ``_warm``):
 
@@ -236,7 +238,9 @@ def _warm(files: list[Path]) -> None:
 
 
 # -- the files -------------------------------------------------------------------------------
-LAYOUTS = ("full", "chain", "turns", "merged")
+LAYOUTS = ("full", "chain", "turns", "merged", "shared")
+#: the shared layout's prefix: the issue's 1,500-token system prompt, at most 3/4 of the tokens
+SHARED_PREFIX = 1500
 
 
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
@@ -287,7 +291,9 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
             _save_llama_file(rt, llama_file, conv.tokens)
             files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
                         "turns": _turn_files(rt, folder, list(conv.tokens), turns, merge=False),
-                        "merged": _turn_files(rt, folder, list(conv.tokens), turns, merge=True)}
+                        "merged": _turn_files(rt, folder, list(conv.tokens), turns, merge=True),
+                        "shared": _turn_files(rt, folder, list(conv.tokens), turns, merge=True,
+                                              prefix=min(SHARED_PREFIX, n * 3 // 4))}
     finally:
         rt.close()
     manifest.write_text(json.dumps({n: {**{k: [str(p) for p in v[k]] for k in (*LAYOUTS, "llama")},
@@ -295,25 +301,43 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     return files
 
 
-def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool) -> list[Path]:
+def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool, prefix: int = 0) -> list[Path]:
     """The same tokens as a conversation of ``turns`` turns, written by the app's writer
     (:func:`write_turns`).  ``merge``: as the app writes them now, the turns before a head
     merged (ChainPolicy.merge_turns: files of up to 32 MiB); else a file per turn, as before
-    2026-12-04.  Returns the last head's chain, base first."""
+    2026-12-04.  ``prefix``: the first tokens are a shared prefix (a long system prompt
+    another conversation stored: engine.shared_prefix), the turns follow on it.  Returns
+    the last head's chain, base first."""
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.store import Store
     from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
-    store = Store(folder / f"turns{turns}-{len(tokens)}-{'merged' if merge else 'each'}")
-    writer = LineWriter(rt, store, uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
-    head = write_turns(rt, writer, tokens, turns, lambda save: save())
+    kind = "shared" if prefix else "merged" if merge else "each"
+    store = Store(folder / f"turns{turns}-{len(tokens)}-{kind}")
+    base = [_shared_prefix(rt, store, tokens[:prefix])] if prefix else []
+    writer = LineWriter(rt, store, uuid.uuid4().hex, base, policy=ChainPolicy(merge_turns=merge))
+    head = write_turns(rt, writer, tokens, turns, lambda save: save(), start=prefix)
     writer.close()
     return [data.path for data in load_chain(head.path)]
 
 
-def write_turns(rt, writer, tokens: list[int], turns: int, around_save):
-    """Decode ``tokens`` as ``turns`` turns into ``rt`` (from an empty cache), each turn's
+def _shared_prefix(rt, store, tokens: list[int]):
+    """``tokens`` decoded and stored as a shared prefix is (its own line, no logits)."""
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.format import KIND_MANUAL
+    from engine.checkpoints.graph import SHARED_LINE
+    from engine.generation import generate
+    conv = greedy_conversation(tokens)
+    generate(rt, conv, stop_after=0)
+    store.ensure()
+    return rt.save(store.new_path("prefix"), conv, KIND_MANUAL, line=f"{SHARED_LINE}benchmark",
+                   fresh=True, upto=len(tokens))
+
+
+def write_turns(rt, writer, tokens: list[int], turns: int, around_save, start: int = 0):
+    """Decode ``tokens`` as ``turns`` turns into ``rt`` (from an empty cache, or one that
+    holds the first ``start`` of them), each turn's
     head saved by ``writer`` as a finished answer's (no logits), its metadata carrying the
     conversation so far; ``around_save(save)`` calls ``save()`` (to time it).  Returns the
     last head's SaveInfo."""
@@ -324,7 +348,7 @@ def write_turns(rt, writer, tokens: list[int], turns: int, around_save):
     conv = greedy_conversation([])
     head = None
     for i in range(1, turns + 1):
-        end = len(tokens) * i // turns
+        end = start + (len(tokens) - start) * i // turns
         conv.tokens = list(tokens[:end - 1])
         conv.answer = Answer(n_prompt_tokens=end - 1, n_predict=-1)
         conv.messages = [("user" if k % 2 == 0 else "assistant", f"turn {k}: " + "words " * 60)
