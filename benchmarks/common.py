@@ -253,3 +253,47 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     started = clock()
     value = fn()
     return clock() - started, value
+
+
+# -- two layouts of the same work, side by side ---------------------------------------------
+#: (key, label, flag): one way of writing the same thing, as a benchmark's table names it
+Layout = tuple[str, str, bool]
+
+
+def interleaved_layouts(settings, repeats: int, layouts: Sequence[Layout], one_run,
+                        prefix: str) -> dict[str, list[dict]]:
+    """``one_run(rt, reader, flag, folder)`` for each layout, ``repeats`` times, interleaved
+    run by run (the machine's noise falls on all alike), with a writing and a reading
+    Runtime of SmolLM2 on ``settings`` and a fresh folder each: the runs' dicts per key."""
+    from engine.runtime import Runtime
+    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
+    runs: dict[str, list[dict]] = {key: [] for key, _, _ in layouts}
+    try:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            for r in range(repeats):
+                for key, _, flag in layouts:
+                    runs[key].append(one_run(rt, reader, flag, Path(tmp) / f"{key}-{r}"))
+    finally:
+        rt.close()
+        reader.close()
+    return runs
+
+
+def warm_restores(reader, head_path: Path, tokens: Sequence[int], times: int = 5) -> tuple[float, int]:
+    """(median seconds, files read): ``times`` restores of ``head_path``'s chain into
+    ``reader``, emptied before each, every check included; SystemExit when the restore
+    holds other tokens than ``tokens``."""
+    from engine.checkpoints.chain import load_chain
+    took, files = [], 0
+    for _ in range(times):
+        reader.trim(0)
+        reader.ctx.clear()
+        started = clock()
+        chain = load_chain(head_path, crc_later=True)
+        reader.restore_chain(chain)
+        took.append(clock() - started)
+        files = len(chain)
+    if list(reader.kv_tokens) != list(tokens):
+        raise SystemExit("the restore holds other tokens")
+    return median(took), files

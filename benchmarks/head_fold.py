@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -32,8 +31,7 @@ LAYOUTS = (("newest", "head on the newest autosave (before)", False),
 
 
 def one_run(rt, reader, tokens: list[int], args, fold: bool, folder: Path) -> dict:
-    from benchmarks.common import greedy_conversation
-    from engine.checkpoints.chain import load_chain
+    from benchmarks.common import greedy_conversation, warm_restores
     from engine.checkpoints.format import KIND_PAUSE
     from engine.checkpoints.store import Store
     from engine.generation import generate
@@ -50,37 +48,22 @@ def one_run(rt, reader, tokens: list[int], args, fold: bool, folder: Path) -> di
     head = writer.save_head(conv, KIND_PAUSE)
     pause_s = clock() - started
     writer.close()
-    restores = []
-    for _ in range(5):
-        reader.trim(0)
-        reader.ctx.clear()
-        started = clock()
-        chain = load_chain(head.path, crc_later=True)
-        reader.restore_chain(chain)
-        restores.append(clock() - started)
-    if reader.kv_tokens != rt.kv_tokens:
-        raise SystemExit("the restore holds other tokens")
+    restore_s, files = warm_restores(reader, head.path, rt.kv_tokens)
     store_bytes = sum(p.stat().st_size for p in folder.glob("*.kvckpt"))
-    return {"pause_ms": pause_s * 1e3, "head_mb": head.size / 1e6, "files": len(chain),
-            "store_mb": store_bytes / 1e6, "restore_ms": median(restores) * 1e3}
+    return {"pause_ms": pause_s * 1e3, "head_mb": head.size / 1e6, "files": files,
+            "store_mb": store_bytes / 1e6, "restore_ms": restore_s * 1e3}
 
 
 def measure(args) -> Table:
     """Both layouts, interleaved run by run; the table (see the module docstring)."""
-    from benchmarks.common import context_settings, model_path, prompt_tokens
-    from engine.runtime import Runtime
+    from benchmarks.common import context_settings, interleaved_layouts, prompt_tokens
+    tokens: list[int] = []
+
+    def run(rt, reader, fold: bool, folder: Path) -> dict:
+        tokens[:] = tokens or prompt_tokens(rt.model, args.prompt)   # tokenized once, by the first run
+        return one_run(rt, reader, tokens, args, fold, folder)
     settings = context_settings(ctx_size_for(args.prompt + args.tokens + 16), args.threads)
-    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
-    runs: dict[str, list[dict]] = {key: [] for key, _, _ in LAYOUTS}
-    try:
-        tokens = prompt_tokens(rt.model, args.prompt)
-        with tempfile.TemporaryDirectory(prefix="head-fold-") as tmp:
-            for r in range(args.repeats):
-                for key, _, fold in LAYOUTS:
-                    runs[key].append(one_run(rt, reader, tokens, args, fold, Path(tmp) / f"{key}-{r}"))
-    finally:
-        rt.close()
-        reader.close()
+    runs = interleaved_layouts(settings, args.repeats, LAYOUTS, run, "head-fold-")
     table = Table(f"An answer's pause and its restore (SmolLM2, {args.prompt:,}-token prompt, {args.tokens} "
                   f"tokens, autosave every {args.every}; medians of {args.repeats})",
                   ["layout", "pause_ms", "head_MB", "files_read", "store_MB", "restore_ms", "restore_vs_before"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -34,8 +33,8 @@ LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "turns merged
 
 
 def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path) -> dict:
+    from benchmarks.common import warm_restores
     from benchmarks.restore_profile import write_turns
-    from engine.checkpoints.chain import load_chain
     from engine.checkpoints.store import Store
     from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
@@ -51,37 +50,23 @@ def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path
         return info
     head = write_turns(rt, writer, tokens, turns, timed)
     writer.close()
-    restores = []
-    for _ in range(5):
-        reader.trim(0)
-        reader.ctx.clear()
-        started = clock()
-        reader.restore_chain(load_chain(head.path, crc_later=True))
-        restores.append(clock() - started)
-    if reader.kv_tokens != rt.kv_tokens:
-        raise SystemExit("the restore holds other tokens")
-    return {"files": len(load_chain(head.path)), "written_mb": sum(sizes) / 1e6,
+    restore_s, files = warm_restores(reader, head.path, rt.kv_tokens)
+    return {"files": files, "written_mb": sum(sizes) / 1e6,
             "largest_mb": max(sizes) / 1e6, "slowest_save_ms": max(saves) * 1e3,
             "store_mb": sum(p.stat().st_size for p in folder.glob("*.kvckpt")) / 1e6,
-            "restore_ms": median(restores) * 1e3}
+            "restore_ms": restore_s * 1e3}
 
 
 def measure(args) -> Table:
     """Both layouts, interleaved run by run; the table (see the module docstring)."""
-    from benchmarks.common import context_settings, model_path, prompt_tokens
-    from engine.runtime import Runtime
-    settings = context_settings(ctx_size_for(args.tokens), args.threads)
-    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
-    runs: dict[str, list[dict]] = {key: [] for key, _, _ in LAYOUTS}
-    try:
-        tokens = prompt_tokens(rt.model, args.tokens)
-        with tempfile.TemporaryDirectory(prefix="merged-turns-") as tmp:
-            for r in range(args.repeats):
-                for key, _, merge in LAYOUTS:
-                    runs[key].append(one_run(rt, reader, tokens, args.turns, merge, Path(tmp) / f"{key}-{r}"))
-    finally:
-        rt.close()
-        reader.close()
+    from benchmarks.common import context_settings, interleaved_layouts, prompt_tokens
+    tokens: list[int] = []
+
+    def run(rt, reader, merge: bool, folder: Path) -> dict:
+        tokens[:] = tokens or prompt_tokens(rt.model, args.tokens)   # tokenized once, by the first run
+        return one_run(rt, reader, tokens, args.turns, merge, folder)
+    runs = interleaved_layouts(context_settings(ctx_size_for(args.tokens), args.threads), args.repeats,
+                               LAYOUTS, run, "merged-turns-")
     table = Table(f"A conversation of {args.turns} turns, {args.tokens:,} tokens (SmolLM2; medians of "
                   f"{args.repeats}; restore warm, in-process)",
                   ["layout", "files", "written_MB", "largest_save_MB", "slowest_save_ms", "store_MB",
