@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -269,7 +270,6 @@ def interleaved_layouts(settings, repeats: int, layouts: Sequence[Layout], one_r
     rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
     runs: dict[str, list[dict]] = {key: [] for key, _, _ in layouts}
     try:
-        import tempfile
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
             for r in range(repeats):
                 for key, _, flag in layouts:

@@ -12,8 +12,8 @@ of it:
   head's parent, the previous turn's end, may first be written again as one file absorbing
   the turns before it, their ends recorded as points, so a conversation restores from
   two files up to 32 MiB (:meth:`LineWriter._merge_below`); when the cache was trimmed
-  (Regenerate), the delta goes on the file before the trimmed part, and when nothing new was decoded
-  (a pause before the first token, a rename) the delta holds no cells at all;
+  (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
+  was decoded (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
   :class:`ChainPolicy`'s number of files, or when the delta's parent disappeared
   meanwhile.
@@ -430,12 +430,13 @@ class LineWriter:
         A head on the line's previous head holds one turn; a conversation of n turns would
         restore from n files, and each file costs a restore about as much as copying a few
         MB (benchmarks.restore_profile).  So the previous turn's end is written once more on
-        a lower file, or as a full one, holding the cells of the files between (:meth:`_absorbed`), with their
-        turn ends as *points* (token and message counts, metadata ``points``): editing such
-        a turn restores the file and trims it there (engine.branches.turn_end), exactly, since
-        an attention memory without a sliding window holds the same cells before a position
-        whatever follows (``cells_by_position``; a recurrent or sliding-window memory exists
-        only at a file's end, so it keeps a file per turn).  The files it replaces are retired
+        a lower file, or as a full one, holding the cells of the files between
+        (:meth:`_absorbed`), with their turn ends as *points* (token and message counts,
+        metadata ``points``): editing such a turn restores the file and trims it there
+        (engine.branches.turn_end), exactly, since an attention memory without a sliding
+        window holds the same cells before a position whatever follows
+        (``cells_by_position``; a recurrent or sliding-window memory exists only at a
+        file's end, so it keeps a file per turn).  The files it replaces are retired
         once the head is durable (superseded: engine.checkpoints.graph); a crash between the
         two saves leaves the merged file as the line's head, the same state.
 
