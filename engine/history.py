@@ -359,10 +359,7 @@ class LineWriter:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
         self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
-        self.next_seq += 1
         self.saves += 1
-        self._written.add(info.checkpoint_id)
-        self.bytes_written += info.size
         if superseding or kind != KIND_AUTOSAVE:
             if in_background:
                 self._landing.then(self.retire)   # on the helper thread, once it has landed
@@ -457,16 +454,11 @@ class LineWriter:
         if then is None:
             return idx
         try:
-            merged = self.runtime.save(self.store.new_path(then.title), then, last.kind,
-                                       self.chain[j] if j >= 0 else None,
-                                       line=self.line, seq=self.next_seq, fresh=True, upto=last.n_tokens,
-                                       points=[*points, *last.points])
+            merged = self._save(then, last.kind, self.chain[j] if j >= 0 else None, upto=last.n_tokens,
+                                points=[*points, *last.points])
         except (SaveFailed, OSError) as exc:   # the head still goes on the file it was going on
             log.warning("the turns before this one could not be merged: %s", exc)
             return idx
-        self.next_seq += 1
-        self._written.add(merged.checkpoint_id)
-        self.bytes_written += merged.size
         self._chain = self._chain[:j + 1] + [replace(merged, turn_messages=last.turn_messages)]
         return j + 1
 
@@ -545,11 +537,18 @@ class LineWriter:
         return 0
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,
-              cut: int | None = None, points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
+              cut: int | None = None, upto: int | None = None,
+              points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
+        """Write a new file of this line (Runtime.save's arguments) and count it as this
+        writer's: its line's next sequence number, a file a later merge may absorb."""
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE
                 else self.store.new_path(conv.title))
-        return self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
-                                 fresh=True, landing=landing, cut=cut, points=points)
+        info = self.runtime.save(path, conv, kind, parent, line=self.line, seq=self.next_seq,
+                                 fresh=True, landing=landing, cut=cut, upto=upto, points=points)
+        self.next_seq += 1
+        self._written.add(info.checkpoint_id)
+        self.bytes_written += info.size
+        return info
 
     def retire(self) -> None:
         """Delete what this line's head supersedes (the head is durable)."""
