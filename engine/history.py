@@ -9,9 +9,10 @@ of it:
   of the cache, so it costs the tokens since that file, not the whole context; a head on
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
-  head's parent, the previous turn's end, may first be written again as one file absorbing
-  the turns before it, their ends recorded as points, so a conversation restores from
-  two files up to 32 MiB (:meth:`LineWriter._merge_below`); when the cache was trimmed
+  head that ends a turn absorbs the turns before it too, their ends recorded as points,
+  so a conversation restores from one file up to 32 MiB
+  (:meth:`LineWriter._absorbed_by_head`; a pause's parent may be merged so instead,
+  :meth:`LineWriter._merge_below`); when the cache was trimmed
   (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
   was decoded (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
@@ -75,11 +76,11 @@ class ChainPolicy:
     #: (engine.generation: checkpoint_prompt): a crash keeps it, and a regenerated answer
     #: stores only its own cells on top of it
     prompt_checkpoint: int = 256
-    #: a head's parent may absorb the turns before it into one file (LineWriter._merge_below), so
-    #: a conversation restores from two files up to ``merge_max_bytes``, and from files of
+    #: a head that ends a turn absorbs the turns before it (LineWriter._absorbed_by_head), so
+    #: a conversation restores from one file up to ``merge_max_bytes``, and from files of
     #: about that size beyond (False: a file per turn, as before 2026-12-04; for benchmarks)
     merge_turns: bool = True
-    #: the largest file a merge writes (LineWriter._absorbed): the save after an answer stays
+    #: the most a head or a merge absorbs (LineWriter._absorbed): the save after an answer stays
     #: bounded, and a file this large costs its restore little beyond its copy
     merge_max_bytes: int = 32 << 20
 
@@ -330,8 +331,12 @@ class LineWriter:
             idx = self._on_shared_prefix(conv)
         if cut is None and idx is not None:
             idx = self._below_others_tips(idx, conv)
+        points: list[tuple[int, int]] = []
         if cut is None and idx is not None and kind != KIND_AUTOSAVE:
-            idx = self._merge_below(idx, conv)
+            if self._ends_turn_with_cells(conv, idx):
+                idx, points = self._absorbed_by_head(idx, conv)
+            else:
+                idx = self._merge_below(idx, conv)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -340,14 +345,14 @@ class LineWriter:
         try:
             self.store.ensure()
             info = self._save(conv, kind, self.chain[idx] if idx is not None else None, landing,
-                              cut=cut[1] if cut else None)
+                              cut=cut[1] if cut else None, points=points)
         except SaveFailed:
             if idx is None:
                 raise
             # the parent went away meanwhile (another process pruned or deleted it)
             log.info("delta parent %s is gone; writing a full checkpoint", self.chain[idx].path.name)
             idx, cut, superseding = None, None, True
-            info = self._save(conv, kind, None)
+            info = self._save(conv, kind, None, points=points)
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
         if kind != KIND_AUTOSAVE and not conv.paused:   # a turn's end: a later head may absorb it
@@ -376,9 +381,9 @@ class LineWriter:
         shares (a document followed by another question: engine.prefix_reuse) then
         stores only its own tokens.  Only when it is worth it: the cut must save at least
         :data:`MIN_CUT_GAIN` tokens, and use at least half of the cut file's own cells,
-        since the file stays in the store as long as the delta does; and the file must not
-        be its line's newest (its tip): a conversation's own file before its head, e.g.
-        its prompt's checkpoint, is what a document's next conversation is cut from."""
+        since the file stays in the store as long as the delta does.  A line's tip may be
+        cut from (it stays that line's head): an Edit or a Regenerate of the last turn, which
+        the head absorbed (:meth:`_head_absorbing`), or a document's next conversation."""
         if (self.mode != "delta" or not self.runtime.settings.supports_deltas
                 or not self.runtime.shape.cells_by_position or tip == len(self.chain) - 1):
             return None
@@ -394,10 +399,8 @@ class LineWriter:
             if (shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared
                     or info.depth + 1 > self.policy.max_files):
                 return None
-            # never from a line's tip: a tip an other line's chain holds is no head any more
-            # (engine.checkpoints.graph), and its conversation would vanish from the list
-            tip_file = Graph.scan(self.store).tip_of_line.get(info.line)
-            return None if tip_file is None or tip_file.name == info.path.name else (i, shared)
+            # (a line's tip cut from stays its head: engine.checkpoints.graph)
+            return i, shared
         return None
 
     def _below_others_tips(self, idx: int, conv: Conversation) -> int | None:
@@ -419,6 +422,34 @@ class LineWriter:
                 return i
         return None
 
+    def _ends_turn_with_cells(self, conv: Conversation, idx: int) -> bool:
+        """Whether the head about to go on ``self.chain[idx]`` ends a turn (a finished answer,
+        not a pause) with cells of its own (not a rename, nor a fork's metadata)."""
+        return not conv.paused and len(self.runtime.kv_tokens) > self.chain[idx].n_tokens
+
+    def _absorbed_by_head(self, idx: int, conv: Conversation) -> tuple[int | None, list[tuple[int, int]]]:
+        """``(parent, points)`` for a head that ends a turn, to go on ``self.chain[idx]``:
+        the head absorbs that file and the files below it (:meth:`_absorbed`, their turn ends
+        recorded as its *points*) and goes on the file below them (None: a full file), so a
+        conversation restores from one file, or two on a shared prefix, up to
+        ``merge_max_bytes``; ``(idx, [])`` where nothing may be absorbed.
+
+        Each file costs a restore about as much as copying a few MB
+        (benchmarks.restore_profile), so a turn's end is kept as a point of the head rather
+        than as a file: an Edit of a turn, a Regenerate, a fork or ``--from-turn`` restores
+        the head and trims it there (engine.branches.turn_end), exactly, since an attention
+        memory without a sliding window holds the same cells before a position whatever
+        follows (``cells_by_position``; a recurrent or sliding-window memory exists only at
+        a file's end, so it keeps a file per turn).  Their new line is cut from the head
+        (:meth:`_cut`), which stays its own line's head (engine.checkpoints.graph).  The
+        files absorbed are retired once the head is durable (superseded); a crash before
+        leaves them as they were."""
+        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position):
+            return idx, []
+        held = self._held_by_other_lines()
+        j, points = self._absorbed(idx, conv, 0, held)
+        return (j if j >= 0 else None), points
+
     def _merge_below(self, idx: int, conv: Conversation) -> int:
         """Before a head goes on ``self.chain[idx]``, the previous turn's end: write that
         state again as one file absorbing the files below it, and return its index (the
@@ -437,17 +468,20 @@ class LineWriter:
         once the head is durable (superseded: engine.checkpoints.graph); a crash between the
         two saves leaves the merged file as the line's head, the same state.
 
-        The previous turn's end stays a file's end, so Regenerate and an Edit of the last
-        message branch from it with only their own cells; a fork or edit of an older turn
-        is cut from the merged file where it uses at least half of it (LineWriter._cut), and
-        otherwise starts from the merged file's parent, or anew, and writes its cells again.
+        Used for a pause (a head that ends no turn); a head that ends a turn absorbs its
+        parent too (:meth:`_absorbed_by_head`).  A fork or edit of an older turn is cut from
+        the merged file where it uses at least half of it (LineWriter._cut), and otherwise
+        starts from the merged file's parent, or anew, and writes its cells again.
         """
         if not (self.policy.merge_turns and self.runtime.shape.cells_by_position) or idx < 1:
             return idx
         last = self.chain[idx]
         if last.turn_messages is None or not self._absorbable(last, self.chain[idx - 1], conv):
             return idx
-        j, points = self._absorbed(idx, conv)
+        held = self._held_by_other_lines()
+        if last.path.name in held:
+            return idx
+        j, points = self._absorbed(idx - 1, conv, last.size, held)
         if j == idx - 1:
             return idx
         then = self._conversation_at(last, conv)
@@ -462,30 +496,27 @@ class LineWriter:
         self._chain = self._chain[:j + 1] + [replace(merged, turn_messages=last.turn_messages)]
         return j + 1
 
-    def _absorbed(self, idx: int, conv: Conversation) -> tuple[int, list[tuple[int, int]]]:
-        """``(j, points)``: the files ``chain[j+1..idx-1]`` below the previous turn's end
-        ``chain[idx]`` that its merged file absorbs (see _merge_below), and their turn ends;
-        ``j`` is -1 where it absorbs the chain's base too (the merged file is a full one).
+    def _absorbed(self, top: int, conv: Conversation, rewritten: int,
+                  held: set[str]) -> tuple[int, list[tuple[int, int]]]:
+        """``(j, points)``: the files ``chain[j+1..top]`` that a file written now absorbs (a
+        head, _absorbed_by_head; a merged previous turn's end of ``rewritten`` bytes,
+        _merge_below), and their turn ends; ``j`` is -1 where it absorbs the chain's base too
+        (the file is a full one).  ``held``: names of files other lines build on.
 
-        Files are absorbed, newest first, while the merged file stays within
+        Files are absorbed, newest first, while what they hold stays within
         ``merge_max_bytes``: below that size a file costs a restore more than its bytes do
         (about 0.6 ms each, the copy of a few MB: benchmarks.restore_profile), so a
-        conversation of up to that size restores from two files, its previous turn's end
-        and its head, and a longer one from files of about that size.  Only a file this
+        conversation of up to that size restores from its head alone (and a shared prefix
+        below it), and a longer one from files of about that size.  Only a file this
         writer wrote on its own line (a delta on the whole file below it, or the line's
         own full base) that no other line's file builds on (a fork keeps what it was
         forked from; the previous turn's end itself included)."""
-        last = self.chain[idx]
         points: list[tuple[int, int]] = []
-        rewritten = last.size
-        held: set[str] | None = None
-        i = idx - 1
+        i = top
         while i >= 0:
             info, below = self.chain[i], self.chain[i - 1] if i else None
-            if rewritten + info.size > self.policy.merge_max_bytes or not self._absorbable(info, below, conv):
-                break
-            held = self._held_by_other_lines() if held is None else held   # (once, when needed)
-            if info.path.name in held or last.path.name in held:
+            if (rewritten + info.size > self.policy.merge_max_bytes or info.path.name in held
+                    or not self._absorbable(info, below, conv)):
                 break
             turn = [(info.n_tokens, len(info.turn_messages))] if info.turn_messages is not None else []
             points = [*info.points, *turn, *points]

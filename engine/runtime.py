@@ -79,7 +79,7 @@ class SaveInfo:
     kind: int = KIND_MANUAL
     #: files of its chain, itself included (what a restore reads: ChainPolicy.max_files)
     depth: int = 1
-    #: its tokens, when at hand (a file read back): what a cut on it is checked against
+    #: its tokens, when at hand (a file written, or read back): what a cut on it is checked against
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: where a delta's cells start (its parent's end, or a cut); 0 for a full file
     parent_n_tokens: int = 0
@@ -372,8 +372,8 @@ class Runtime:
         ``conv`` is the conversation of those tokens: a shared prefix (engine.shared_prefix).
         An autosave of a recurrent memory is written one token short where it can be
         (:func:`saves_one_short`).  ``cut``: the delta builds on only the parent's first
-        ``cut`` tokens, which the cache shares with it (a parent read back, whose tokens
-        the SaveInfo holds; a plain attention memory: engine.checkpoints.chain.can_cut).
+        ``cut`` tokens, which the cache shares with it (the parent's SaveInfo holds its
+        tokens; a plain attention memory: engine.checkpoints.chain.can_cut).
         ``points``: (tokens, messages) of earlier turn ends the file holds (metadata
         ``points``, engine.checkpoints.format; engine.history.LineWriter._merge_below).
         """
@@ -426,6 +426,7 @@ class Runtime:
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(kv), delta=parent is not None,
                         line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1,
+                        tokens=np.asarray(kv, dtype=np.int32),   # a later cut is checked against them
                         parent_n_tokens=p0 if parent is not None else 0, points=tuple(points))
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:

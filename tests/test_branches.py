@@ -82,9 +82,10 @@ def test_edit_keeps_the_old_turns_on_their_branch(engine):
 def test_fork_is_a_new_conversation_on_the_same_files(engine):
     w, rec = engine
     conv = w.new_conversation(sampler=SamplerSettings(seed=5, temperature=0.0))
-    _answer(rec, w, w.send, conv, "Name a planet.", 8)
+    _answer(rec, w, w.send, conv, "Name a planet and tell me about it.", 96)
     _answer(rec, w, w.send, conv, "And a moon?", 8)
-    fork = w.fork(conv, 1)                                    # up to the first answer
+    # up to the first answer: a point of the head, which the fork is cut from
+    fork = w.fork(conv, 1)
     snap = rec.next("changed")[1]
     assert snap.id == fork and len(snap.transcript) == 2
     g = Graph.scan(w.store)

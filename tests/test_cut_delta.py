@@ -16,7 +16,7 @@ from conftest import continue_in_fresh_runtime, run_cli
 
 from engine.checkpoints import graph as store_graph
 from engine.checkpoints.chain import LinkFacts, ParentRef, link_problem, load_chain, tokens_digest
-from engine.checkpoints.format import KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.format import KIND_MANUAL, KIND_PAUSE, read_header
 from engine.checkpoints.graph import Graph
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
@@ -181,7 +181,8 @@ def test_the_cli_reuses_a_document_without_a_second_copy(app_home, tmp_path):
     shown = []
     for head in heads:
         checked = run_cli("validate", str(head))
-        assert checked.returncode == 0 and "Chain OK" in checked.stdout, checked.stdout + checked.stderr
+        whole = "Chain OK" in checked.stdout or not read_header(head).is_delta   # (a full file: no chain)
+        assert checked.returncode == 0 and whole, checked.stdout + checked.stderr
         shown.append(run_cli("inspect", str(head), check=True).stdout)
     # inspect says where a chain is cut
     assert sum("used)" in out for out in shown) == 1, shown
@@ -252,17 +253,21 @@ def test_export_of_a_cut_conversation_is_one_whole_file_and_an_import_links_it(s
     results = import_files([d.path for d in chain], other, rt.target)
     assert all(r.ok for r in results), [r.message for r in results]
     g = Graph.scan(other)
-    assert len(g.heads) == 1 and len(g.chain(g.heads[0])) == len(chain)
+    # (the file it is cut from came along: the first conversation's head, a head there too)
+    (head,) = [h for h in g.heads if h.conversation_id == chain[-1].header.conversation_id]
+    assert len(g.chain(head)) == len(chain)
     rt.trim(0)
-    rt.restore_chain(load_chain(g.heads[0].path))
+    rt.restore_chain(load_chain(head.path))
     assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected)
 
 
 @pytest.mark.slow
-def test_a_cut_is_never_from_a_line_s_tip_so_no_conversation_vanishes(smollm_runtime, tmp_path):
+def test_a_cut_from_a_line_s_tip_keeps_that_conversation_until_it_is_deleted(smollm_runtime, tmp_path):
     """A first conversation whose only file is its head (a prompt too short for a prompt
-    checkpoint): the next one on its text does not cut from that head, which would hide
-    the first conversation from the list (a tip another chain holds is no head)."""
+    checkpoint): the next one on its text is cut from that head, which stays the first
+    conversation's head (a tip another chain holds only the first tokens of).  Deleting the
+    first conversation keeps the file for the second, and the first stays gone; deleting
+    the second then frees it."""
     rt, store = smollm_runtime, Store(tmp_path)
     text = " ".join(f"item {i} costs {i * 3} euros;" for i in range(18))   # ~150 tokens
     convs = []
@@ -277,9 +282,18 @@ def test_a_cut_is_never_from_a_line_s_tip_so_no_conversation_vanishes(smollm_run
         convs.append(conv.id)
     g = Graph.scan(store)
     assert {h.conversation_id for h in g.heads} == set(convs)
-    for head in g.heads:
-        chain = g.chain(head)
-        assert all(chain[i + 1].header.parent_n_tokens == chain[i].header.n_tokens for i in range(len(chain) - 1))
+    (second,) = g.heads_of(convs[1])
+    first_head = g.chain(second)[0]
+    assert first_head.conversation_id == convs[0] and g.is_head(first_head)
+    assert second.header.parent_n_tokens < first_head.header.n_tokens   # cut
+    store_graph.delete_conversation(store, convs[0])
+    g = Graph.scan(store)
+    assert {h.conversation_id for h in g.heads} == {convs[1]}, "the deleted conversation came back"
+    assert first_head.path.exists()
+    rt.trim(0)
+    assert rt.restore_chain(load_chain(second.path)).id == convs[1]
+    store_graph.delete_conversation(store, convs[1])
+    assert not list(store.folder.glob("*.kvckpt"))
 
 
 def test_room_is_made_for_the_parent_a_cut_drops_a_tail_of():

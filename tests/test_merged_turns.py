@@ -1,6 +1,6 @@
-"""A conversation of many turns keeps few files: a head's parent absorbs the turns before
-it (engine.history.LineWriter._merge_below) and records their ends as points, which an
-edit restores exactly (engine.branches.turn_end)."""
+"""A conversation of many turns keeps few files: a head that ends a turn absorbs the turns
+before it (engine.history.LineWriter._absorbed_by_head) and records their ends as points,
+which an edit restores exactly (engine.branches.turn_end)."""
 
 from __future__ import annotations
 
@@ -36,17 +36,17 @@ def _chat(rt, store: Store, turns: int, policy: ChainPolicy | None = None, line:
 
 
 def test_a_conversation_of_many_turns_keeps_few_files(smollm_runtime, tmp_path):
-    """Twelve turns: a file per turn before, two now (the previous turn's end as one full
-    file, and the head: all of it is far below ChainPolicy.merge_max_bytes), and nothing
-    else left in the store; the head restores in a new context to the same tokens, and
-    goes on as the first context does."""
+    """Twelve turns: a file per turn before, one now (the head, a full file with the turn
+    ends before it as points: all of it is far below ChainPolicy.merge_max_bytes), and
+    nothing else left in the store; the head restores in a new context to the same tokens,
+    and goes on as the first context does."""
     rt = smollm_runtime
     before, _, _ = _chat(rt, Store(tmp_path / "before"), 12, ChainPolicy(merge_turns=False))
     assert len(load_chain(Graph.scan(tmp_path / "before").heads[0].path)) == 12
     conv, writer, heads = _chat(rt, Store(tmp_path / "now"), 12)
     assert conv.tokens == before.tokens   # greedy: the same conversation either way
     chain = load_chain(heads[-1].path)
-    assert len(chain) == 2 and not chain[0].header.is_delta, [d.header.n_tokens for d in chain]
+    assert len(chain) == 1 and not chain[0].header.is_delta, [d.header.n_tokens for d in chain]
     graph = Graph.scan(tmp_path / "now")
     assert {n.name for n in graph.nodes.values()} == {d.path.name for d in chain}, "absorbed files left behind"
     # every turn end before the last is in the chain: a file's own end or a point of one
@@ -162,7 +162,7 @@ def test_points_in_hostile_metadata_are_ignored(smollm_runtime, tmp_path):
     """Points that are no counts, or lie outside the file's own cells, are never used."""
     rt = smollm_runtime
     _conv, _writer, heads = _chat(rt, Store(tmp_path), 4)
-    data = load_chain(heads[-1].path)[-2]   # the previous turn's end, written again on the base
+    data = load_chain(heads[-1].path)[-1]   # the head, the turn ends before it as points
     good = points_of(data)
     assert good
     for bad in (None, "x", [1, 2], [{"n_tokens": "5", "n_messages": 2}],
@@ -199,16 +199,17 @@ def test_from_turn_on_an_absorbed_turn_equals_continuing_that_turns_file(smollm_
 
 
 def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_runtime, tmp_path):
-    """The previous turn's end stays a file's end: an Edit of the last message (a new line on
-    the same files, as the window's branch makes it; Regenerate goes back to a point after
-    it) builds on it and stores only the new turn's cells, not the turns a merge absorbed."""
+    """The previous turn's end is a point of the head: an Edit of the last message (a new line
+    on the same files, as the window's branch makes it; Regenerate goes back to a point after
+    it) is cut from the head there and stores only the new turn's cells, not the turns the
+    head absorbed; the head stays its own line's head (the first version of the turn)."""
     import uuid
     rt = smollm_runtime
     store = Store(tmp_path)
     for turns in (5, 8, 9):   # after merges of several sizes
         conv, writer, heads = _chat(rt, store, turns, line=uuid.uuid4().hex)
         chain = load_chain(heads[-1].path)
-        assert len(chain) < turns and chain[-2].header.n_tokens == heads[-2].n_tokens
+        assert len(chain) == 1 and heads[-2].n_tokens in [n for n, _m in points_of(chain[-1])]
         branch = LineWriter.starting(rt, store, uuid.uuid4().hex, writer.chain)
         writer.close()
         conv.messages, conv.answer = conv.messages[:-2], None
@@ -218,20 +219,26 @@ def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_r
         commit_answer(conv)
         again = branch.save_head(conv, KIND_MANUAL)
         branch.close()
-        assert again.parent_n_tokens == heads[-2].n_tokens, turns
-        assert heads[-1].path.exists()   # the first version of the turn stays a branch
+        # cut where the edited message starts: the previous turn's end, and the template's
+        # tokens that open the next user message
+        assert heads[-2].n_tokens <= again.parent_n_tokens < heads[-2].n_tokens + 8, turns
+        assert again.path.stat().st_size < heads[-1].path.stat().st_size / 2, turns
+        assert load_chain(again.path)[0].path == heads[-1].path
+        graph = Graph.scan(store)
+        assert heads[-1].path.name in {h.name for h in graph.heads}, "the first version of the turn is gone"
+        assert again.path.name in {h.name for h in graph.heads}
 
 
-def test_past_the_bound_a_merge_writes_no_larger_file(smollm_runtime, tmp_path):
-    """With ``merge_max_bytes`` of a few turns, the turns go on in files of at most that
-    size (one turn's file alone may be larger), still with every turn's end in the chain."""
+def test_past_the_bound_a_head_absorbs_no_more(smollm_runtime, tmp_path):
+    """With ``merge_max_bytes`` of a few turns, the turns go on in files that hold at most
+    that much of earlier turns, and their own, still with every turn's end in the chain."""
     rt = smollm_runtime
     _conv, _, first = _chat(rt, Store(tmp_path / "probe"), 1)
     bound = 3 * first[0].size
     _conv, _, heads = _chat(rt, Store(tmp_path / "store"), 12, ChainPolicy(merge_max_bytes=bound))
     chain = load_chain(heads[-1].path)
     sizes = [d.path.stat().st_size for d in chain]
-    assert max(sizes[:-1]) <= bound, sizes
+    assert max(sizes) <= bound + first[0].size, sizes   # (a turn's own file: first[0])
     assert 3 <= len(chain) < 12, sizes
     ends = sorted({d.header.n_tokens for d in chain} | {n for d in chain for n, _m in points_of(d)})
     assert ends == [h.n_tokens for h in heads]
@@ -256,6 +263,6 @@ def test_a_shared_prefix_is_never_absorbed(smollm_runtime, tmp_path):
     chain = chat(6)
     prefix = chain[0]
     assert is_shared_line(line_of(prefix.meta, prefix.header)), "the conversation did not start on a shared prefix"
-    assert len(chain) == 3 and chain[1].header.parent_n_tokens == prefix.header.n_tokens
+    assert len(chain) == 2 and chain[1].header.parent_n_tokens == prefix.header.n_tokens
     assert prefix.path.exists()
     assert chat(2)[0].path == prefix.path

@@ -16,9 +16,12 @@ CRC match the reference; a delta whose parent is missing or replaced is *broken*
 Lines and heads.  A line is one line of a conversation's history (the metadata's
 ``"line"``; files written before lines existed belong to their conversation's line).
 Each line's *tip* is its newest node whose chain is complete, and it is the line's
-*head* unless another line's chain contains it (a fork point whose own line was
-deleted holds nothing of its own).  A conversation has one head per line: one today,
-one per branch when branches come.  The chain of a head (the head and its ancestors)
+*head* unless another line's chain contains it whole (a fork point whose own line was
+deleted holds nothing of its own).  A tip another line was *cut* from (built on its
+first tokens only: an Edit or a Regenerate of a turn the tip absorbed) holds its own
+tail and stays a head, unless its conversation was deleted (Store.deleted_conversations:
+the file is kept for the other line's sake, and the conversation stays gone).  A
+conversation has one head per line: one per branch.  The chain of a head (the head and its ancestors)
 is what restoring it needs.
 
 Shared prefixes.  A line whose name starts with ``shared-`` holds the cells of a long
@@ -272,7 +275,7 @@ class Graph:
     """A snapshot of a store's files as nodes, parent edges, lines and heads."""
 
     def __init__(self, nodes: Iterable[Node], unreadable: Iterable[Unreadable] = (),
-                 *, rejected: Iterable[str] = ()) -> None:
+                 *, rejected: Iterable[str] = (), deleted: Iterable[uuid.UUID] = ()) -> None:
         self.nodes: dict[str, Node] = {n.name: n for n in nodes}
         self.unreadable: list[Unreadable] = list(unreadable)
         self._rejected = set(rejected)    # heads that failed verification: not heads
@@ -297,15 +300,22 @@ class Graph:
             if tip is not None:
                 self.tip_of_line[line] = tip
         self._reachable: set[str] = set()
-        ancestors: set[str] = set()
+        held_whole: set[str] = set()   # files a child in some tip's chain builds on whole
+        cut_from: set[str] = set()     # files a child there builds on the first tokens of
         for tip in self.tip_of_line.values():
             chain = self.chain(tip)
             self._reachable.update(n.name for n in chain)
-            ancestors.update(n.name for n in chain[:-1])
-        # a tip that another line's history contains holds nothing of its own (a fork
-        # point whose own line was deleted, say): it is not a head
+            for parent, child in zip(chain, chain[1:], strict=False):
+                cut = child.header.parent_n_tokens < parent.header.n_tokens
+                (cut_from if cut else held_whole).add(parent.name)
+        # a tip that another line's history holds whole holds nothing of its own (a fork
+        # point whose own line was deleted, say): it is not a head.  One that another line
+        # was cut from (an Edit or a Regenerate of a turn it absorbed) holds its own tail:
+        # it stays a head, unless its conversation was deleted (kept for the other's sake)
+        gone = set(deleted)
         self.head_of_line: dict[str, Node] = {
-            line: tip for line, tip in self.tip_of_line.items() if tip.name not in ancestors}
+            line: tip for line, tip in self.tip_of_line.items()
+            if tip.name not in held_whole and not (tip.name in cut_from and tip.conversation_id in gone)}
         self.heads: list[Node] = sorted(self.head_of_line.values(),
                                         key=lambda n: (n.created_ns, n.name), reverse=True)
         self._head_names = {h.name for h in self.heads}
@@ -326,7 +336,7 @@ class Graph:
                 except OSError:
                     continue
                 unreadable.append(Unreadable(path, size, getattr(exc, "strerror", None) or str(exc)))
-        return cls(nodes, unreadable, rejected=rejected)
+        return cls(nodes, unreadable, rejected=rejected, deleted=store.deleted_conversations())
 
     # -- edges and chains -------------------------------------------------------------------
     def _link(self, node: Node) -> Node | None:
@@ -616,10 +626,10 @@ def retire(store: Store, line: str) -> PruneReport:
 
 def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport:
     """Delete every file of a conversation that no other conversation's head needs, and the
-    files of others its heads' chains hold that no other head needs: up to a cut (a writer
-    never cuts from a line's tip, so no live conversation hangs on such a file alone,
-    engine.history.LineWriter._cut), and those of a conversation deleted before that kept
-    them alive for this one (left, they would become its heads again).
+    files of others its heads' chains hold that no other head needs: up to a cut (a tip
+    cut from is still its line's head, so a live conversation's file is always needed),
+    and those of a conversation deleted before that kept them alive for this one (left,
+    they would become its heads again).
 
     Which conversations were deleted is recorded (Store.deleted_conversations) while
     another's chain still holds some of their files: a conversation with no head is not
