@@ -330,7 +330,13 @@ class LineWriter:
         elif idx is None and self.mode == "delta":
             idx = self._on_shared_prefix(conv)
         if cut is None and idx is not None:
-            idx = self._below_others_tips(idx, conv)
+            below = self._below_others_tips(idx, conv)
+            if below != idx and self._may_cut(self.chain[idx]):
+                # another conversation's tip, held whole (a fork at the last message): cut
+                # one token short of it, so it stays a head, and hold that one cell again
+                cut = (idx, self.chain[idx].n_tokens - 1)
+            else:
+                idx = below
         points: list[tuple[int, int]] = []
         if cut is None and idx is not None and kind != KIND_AUTOSAVE:
             if self._ends_turn_with_cells(conv, idx):
@@ -381,9 +387,10 @@ class LineWriter:
         shares (a document followed by another question: engine.prefix_reuse) then
         stores only its own tokens.  Only when it is worth it: the cut must save at least
         :data:`MIN_CUT_GAIN` tokens, and use at least half of the cut file's own cells,
-        since the file stays in the store as long as the delta does.  A line's tip may be
-        cut from (it stays that line's head): an Edit or a Regenerate of the last turn, which
-        the head absorbed (:meth:`_head_absorbing`), or a document's next conversation."""
+        since the file stays in the store as long as the delta does — unless the file is
+        its line's tip, which stays as that line's head anyway (engine.checkpoints.graph):
+        an Edit, a Regenerate or a fork of a turn the head absorbed
+        (:meth:`_absorbed_by_head`), or a document's next conversation."""
         if (self.mode != "delta" or not self.runtime.settings.supports_deltas
                 or not self.runtime.shape.cells_by_position or tip == len(self.chain) - 1):
             return None
@@ -396,12 +403,22 @@ class LineWriter:
             if shared >= info.n_tokens:
                 continue   # a prefix of the cache: the tip is at or after it
             own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
-            if (shared - below < MIN_CUT_GAIN or shared - own < info.n_tokens - shared
-                    or info.depth + 1 > self.policy.max_files):
+            if shared - below < MIN_CUT_GAIN or info.depth + 1 > self.policy.max_files:
                 return None
-            # (a line's tip cut from stays its head: engine.checkpoints.graph)
+            if shared - own < info.n_tokens - shared and not self._is_a_tip(info):
+                return None
             return i, shared
         return None
+
+    def _may_cut(self, info: SaveInfo) -> bool:
+        """Whether a delta may be cut from ``info``'s file at all (engine.checkpoints.chain.can_cut)."""
+        return (self.runtime.shape.cells_by_position and info.n_tokens > 1 and info.tokens is not None
+                and bool(info.checkpoint_id) and info.depth + 1 <= self.policy.max_files)
+
+    def _is_a_tip(self, info: SaveInfo) -> bool:
+        """Whether ``info``'s file is its line's tip (newest restorable file)."""
+        tip = Graph.scan(self.store).tip_of_line.get(info.line)
+        return tip is not None and tip.name == info.path.name
 
     def _below_others_tips(self, idx: int, conv: Conversation) -> int | None:
         """``idx``, or the index of the newest file below it that is no other conversation's

@@ -42,13 +42,14 @@ def test_autosaves_every_n_tokens_within_the_budget(worker):
     assert summary.n_generated >= 8
     assert kinds == [KIND_AUTOSAVE] * (summary.n_generated // 8) + [kinds[-1]]
     assert kinds[-1] != KIND_AUTOSAVE
-    # the final save is the conversation's head: a delta on the autosaves, which are its
-    # chain; nothing in the store is outside that chain
+    # the final save is the conversation's head: it absorbed the autosaves (a full file,
+    # engine.history.LineWriter._absorbed_by_head), which are retired; nothing in the store
+    # is outside its chain
     g = Graph.scan(w.store)
     (head,) = g.heads
     assert head.conversation_id == a and head.path == rec.of("saved")[-1][2]
-    assert head.header.kind != KIND_AUTOSAVE and head.is_delta
-    assert {n.name for n in g.chain(head)} == set(g.nodes)
+    assert head.header.kind != KIND_AUTOSAVE and not head.is_delta
+    assert {n.name for n in g.chain(head)} == set(g.nodes) == {head.name}
 
     # a tiny budget prunes what no head needs, oldest first: here a stale copy of A's
     # history; never A's chain, never B's live autosaves

@@ -74,17 +74,17 @@ MERGED = [("answer", 0, 4), ("prune", 2, 10**9), ("regenerate", 0, 6), ("answer"
 
 def test_a_long_conversation_keeps_every_head_through_its_merges(smollm_path, checker, tmp_path,
                                                                  monkeypatch):
-    """The composition above on one conversation of many turns: its heads write the
-    previous turn's end again on lower files (merges) between the Regenerates, Edits, the
-    kill and the fork, and every head still restores and nothing is left behind."""
+    """The composition above on one conversation of many turns: its heads absorb the turns
+    before them (merges) between the Regenerates, Edits (cut from a head), the kill and the
+    fork, and every head still restores and nothing is left behind."""
     from engine.history import LineWriter
-    merges, merge_below = [], LineWriter._merge_below
+    merges, absorbed_by_head = [], LineWriter._absorbed_by_head
 
     def counted(self, idx, conv):
-        out = merge_below(self, idx, conv)
-        merges.append(out != idx)
+        out = absorbed_by_head(self, idx, conv)
+        merges.append(out[0] != idx)
         return out
-    monkeypatch.setattr(LineWriter, "_merge_below", counted)
+    monkeypatch.setattr(LineWriter, "_absorbed_by_head", counted)
     driver, outcome = run_sequence(smollm_path, tmp_path, MERGED, checker)
     assert sum(merges) >= 2, "the sequence no longer merges: it tests nothing new"
     assert outcome.problems == [] and outcome.heads_lost == []
