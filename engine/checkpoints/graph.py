@@ -21,8 +21,8 @@ deleted holds nothing of its own).  A tip another line was *cut* from (built on 
 first tokens only: an Edit or a Regenerate of a turn the tip absorbed) holds its own
 tail and stays a head, unless its conversation was deleted (Store.deleted_conversations:
 the file is kept for the other line's sake, and the conversation stays gone).  A
-conversation has one head per line: one per branch.  The chain of a head (the head and its ancestors)
-is what restoring it needs.
+conversation has one head per line, one per branch.  The chain of a head (the head and
+its ancestors) is what restoring it needs.
 
 Shared prefixes.  A line whose name starts with ``shared-`` holds the cells of a long
 system prompt that several conversations' chains start with (engine.shared_prefix): it
