@@ -403,7 +403,7 @@ class LineWriter:
             if shared >= info.n_tokens:
                 continue   # a prefix of the cache: the tip is at or after it
             own = self.chain[i - 1].n_tokens if i else 0   # where its own cells start
-            if shared - below < MIN_CUT_GAIN or info.depth + 1 > self.policy.max_files:
+            if shared - below < MIN_CUT_GAIN or not self._may_cut(info):
                 return None
             if shared - own < info.n_tokens - shared and not self._is_a_tip(info):
                 return None

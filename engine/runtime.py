@@ -383,7 +383,7 @@ class Runtime:
         if short:
             upto = len(self.kv_tokens) - 1
         n, p0 = _saved_span(self, conv, parent, upto, pending=int(short), cut=cut)
-        kv = self.kv_tokens[:n]
+        kv = np.asarray(self.kv_tokens[:n], dtype=np.int32)   # (kept: a later cut is checked against them)
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind, n)
         if parent is not None:
@@ -426,7 +426,7 @@ class Runtime:
                         checkpoint_id=checkpoint_id, payload_crc=crc,
                         tokens_digest=tokens_digest(kv), delta=parent is not None,
                         line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1,
-                        tokens=np.asarray(kv, dtype=np.int32),   # a later cut is checked against them
+                        tokens=kv,
                         parent_n_tokens=p0 if parent is not None else 0, points=tuple(points))
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
