@@ -44,7 +44,12 @@ With a llama-server binary (``--llama-server PATH`` or ``LLAMA_SERVER=PATH``; bu
 go through its slot save (``--slot-save-path``, a completion with ``cache_prompt``, then
 ``POST /slots/0?action=save``), and each repeat starts a new server and times
 ``POST /slots/0?action=restore``: its own ``timings.restore_ms``.  Without one the table
-says so.  Medians of the repeats; exits 0 whatever the numbers.
+says so.  Every file is evicted from the page cache once and read back by its own reader
+before the first repeat (:func:`_read_back_cold`).  Each repeat runs every measurement
+once, the server's restore first, then each layout's: everything is interleaved, because
+this machine's speed drifts by 30 % and more over minutes (2026-12-05: the server's
+restore of 7,500 tokens took 12.1 ms in one block of repeats, 19.4 ms in another).
+Medians of the repeats; exits 0 whatever the numbers.
 """
 
 from __future__ import annotations
@@ -237,6 +242,21 @@ def _warm(files: list[Path]) -> None:
             f.read_bytes()
 
 
+def _read_back_cold(files: list[Path]) -> str | None:
+    """Drop ``files`` from the page cache, then let each one's own reader read it back
+    (:func:`_warm`): every file is then cached as after a reboot, whoever wrote it.
+
+    How a file came into the page cache decides the sizes of its pages there, and reading
+    it again from the cache costs up to a third more in small ones (2026-12-05: the same
+    7,500 tokens' llama.cpp file restored in 17.9 ms as it had been cached, 13.6 ms once
+    evicted and read back, the server's own file beside it 14.1 and 13.6 ms).  Returns a
+    note when some file could not be evicted (tmpfs: the files stay as written)."""
+    from benchmarks.page_cache import evict
+    stayed = [f for f in files if not evict(f)]
+    _warm(files)
+    return f"{len(stayed)} file(s) could not be evicted and were read as written" if stayed else None
+
+
 # -- the files -------------------------------------------------------------------------------
 LAYOUTS = ("full", "chain", "turns", "merged", "shared")
 #: the shared layout's prefix: the issue's 1,500-token system prompt, at most 3/4 of the tokens
@@ -420,38 +440,50 @@ class LlamaServer:
         self._log.close()
 
 
-def measure_server(binary: str, folder: Path, tokens: list[int], n_ctx: int, threads: int,
-                   repeats: int) -> dict:
-    from benchmarks.common import model_path
-    slots = folder / "slots"
-    slots.mkdir(exist_ok=True)
-    log = folder / "llama-server.log"
-    name = f"slot-{len(tokens)}.bin"
-    server = LlamaServer(binary, model_path("smollm"), n_ctx, threads, slots, log)
-    try:
-        _post(server.url + "/completion", {"prompt": tokens, "n_predict": 1, "cache_prompt": True,
-                                           "id_slot": 0, "temperature": 0})
-        saved = _post(server.url + "/slots/0?action=save", {"filename": name})
-    finally:
-        server.close()
-    runs = []
-    for _ in range(repeats):
-        (slots / name).read_bytes()   # warm in the page cache
-        server = LlamaServer(binary, model_path("smollm"), n_ctx, threads, slots, log)
+class ServerSlot:
+    """The same tokens saved through llama-server's slot save, then restored by a new server
+    per :meth:`restore` (its own ``timings.restore_ms``)."""
+
+    def __init__(self, binary: str, folder: Path, tokens: list[int], n_ctx: int, threads: int) -> None:
+        from benchmarks.common import model_path
+        self.binary, self.model, self.n_ctx, self.threads = binary, model_path("smollm"), n_ctx, threads
+        self.slots = folder / "slots"
+        self.slots.mkdir(exist_ok=True)
+        self.log = folder / "llama-server.log"
+        self.name = f"slot-{len(tokens)}.bin"
+        self.runs: list[tuple] = []
+        server = self._start()
+        try:
+            _post(server.url + "/completion", {"prompt": tokens, "n_predict": 1, "cache_prompt": True,
+                                               "id_slot": 0, "temperature": 0})
+            self.saved = _post(server.url + "/slots/0?action=save", {"filename": self.name})
+        finally:
+            server.close()
+        _read_back_cold([self.slots / self.name])
+
+    def _start(self) -> LlamaServer:
+        return LlamaServer(self.binary, self.model, self.n_ctx, self.threads, self.slots, self.log)
+
+    def restore(self) -> None:
+        """One restore by a new server, the file warm in the page cache."""
+        (self.slots / self.name).read_bytes()
+        server = self._start()
         try:
             started = clock()
-            got = _post(server.url + "/slots/0?action=restore", {"filename": name})
+            got = _post(server.url + "/slots/0?action=restore", {"filename": self.name})
             wall = clock() - started
         finally:
             server.close()
-        runs.append((got["timings"]["restore_ms"], wall * 1e3, got.get("n_restored"), got.get("n_read")))
-    return {"restore_ms": median([r[0] for r in runs]), "best_ms": min(r[0] for r in runs),
-            "http_ms": median([r[1] for r in runs]),
-            "n_restored": runs[-1][2], "n_read": runs[-1][3], "n_saved": saved.get("n_saved"),
-            "file_MB": (slots / name).stat().st_size / 1e6}
+        self.runs.append((got["timings"]["restore_ms"], wall * 1e3, got.get("n_restored"), got.get("n_read")))
+
+    def summary(self) -> dict:
+        runs = self.runs
+        return {"restore_ms": median([r[0] for r in runs]), "best_ms": min(r[0] for r in runs),
+                "http_ms": median([r[1] for r in runs]), "all_ms": [r[0] for r in runs],
+                "n_restored": runs[-1][2], "n_read": runs[-1][3], "n_saved": self.saved.get("n_saved"),
+                "file_MB": (self.slots / self.name).stat().st_size / 1e6}
 
 
-# -- the run ---------------------------------------------------------------------------------
 def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
         keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS, against: Path | None = None) -> dict:
     n_ctx = ctx_size_for(max(sizes))
@@ -462,34 +494,27 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
         folder.mkdir(parents=True, exist_ok=True)
         echo(f"making checkpoints of {sizes} tokens (n_ctx {n_ctx}) ...", file=sys.stderr)
         files = make_files(folder, sizes, n_ctx, threads, deltas, turns)
+        cold = _read_back_cold([f for n in sizes for k in (*LAYOUTS, "llama") for f in files[n][k]])
+        if cold is not None:
+            out.notes.append(cold)
         for n in sizes:
+            slot = None
             if server:
                 echo(f"llama-server, {n} tokens ...", file=sys.stderr)
-                servers[n] = measure_server(server, folder, files[n]["tokens"], n_ctx, threads, repeats)
+                slot = ServerSlot(server, folder, files[n]["tokens"], n_ctx, threads)
+            runs: dict[str, dict[str, list]] = {layout: {"app": [], "floor": [], "load": [], "other": []}
+                                                for layout in LAYOUTS}
+            for r in range(repeats):
+                # interleaved, the server too: the machine's noise falls on all alike
+                echo(f"{n} tokens, repeat {r + 1} of {repeats} ...", file=sys.stderr)
+                if slot is not None:
+                    slot.restore()
+                for layout in LAYOUTS:
+                    _measure_once(runs[layout], files[n][layout], files[n]["llama"], n_ctx, threads, against)
+            if slot is not None:
+                servers[n] = slot.summary()
             for layout in LAYOUTS:
-                paths = files[n][layout]
-                echo(f"{layout} {n} tokens ...", file=sys.stderr)
-                apps, floors, loads, others = [], [], [], []
-                for _ in range(repeats):   # interleaved: the machine's noise falls on all
-                    apps.append(_run_child("app", paths, n_ctx, threads))
-                    if against is not None:
-                        others.append(_run_child("app", paths, n_ctx, threads, against)["total"])
-                    floors.append(_run_child("floor", paths, n_ctx, threads)["total"])
-                    loads.append(_run_child("loadfile", files[n]["llama"], n_ctx, threads)["total"])
-                restore_ms = median([a["total"] for a in apps]) * 1e3
-                floor_ms = median(floors) * 1e3
-                load_ms = median(loads) * 1e3
-                srv = servers.get(n, {}).get("restore_ms")
-                other_ms = median(others) * 1e3 if others else None
-                best = min(a["total"] for a in apps) * 1e3
-                parts = {p: median([a["parts"].get(p, 0.0) for a in apps]) * 1e3 for p in PARTS}
-                out.add(tokens=n, layout=f"{layout} ({len(paths)})",
-                        files_MB=sum(p.stat().st_size for p in paths) / 1e6,
-                        restore_ms=restore_ms, floor_ms=floor_ms, loadfile_ms=load_ms, server_ms=srv,
-                        against_ms=other_ms, vs_against=ratio(restore_ms, other_ms),
-                        vs_loadfile=ratio(restore_ms, load_ms), best_vs_loadfile=ratio(best, min(loads) * 1e3),
-                        vs_server=ratio(restore_ms, srv), vs_floor=ratio(restore_ms, floor_ms),
-                        best_vs_server=ratio(best, servers.get(n, {}).get("best_ms")), **parts)
+                out.add(**_row(n, layout, files[n][layout], runs[layout], servers.get(n, {})))
     if server:
         for n, s in servers.items():
             out.notes.append(f"llama-server {n}: n_restored {s['n_restored']}, {s['file_MB']:.1f} MB "
@@ -502,6 +527,31 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
     out.notes.append("parts are exclusive: read = reading the files besides the crc/json/arrays inside it")
     return {"table": out.to_json(), "servers": servers, "sizes": sizes, "repeats": repeats,
             "threads": threads, "n_ctx": n_ctx, "load_avg": os.getloadavg()}
+
+
+def _measure_once(into: dict[str, list], paths: list[Path], llama: list[Path], n_ctx: int, threads: int,
+                  against: Path | None) -> None:
+    into["app"].append(_run_child("app", paths, n_ctx, threads))
+    if against is not None:
+        into["other"].append(_run_child("app", paths, n_ctx, threads, against)["total"])
+    into["floor"].append(_run_child("floor", paths, n_ctx, threads)["total"])
+    into["load"].append(_run_child("loadfile", llama, n_ctx, threads)["total"])
+
+
+def _row(n: int, layout: str, paths: list[Path], runs: dict[str, list], srv: dict) -> dict:
+    apps, loads, others = runs["app"], runs["load"], runs["other"]
+    restore_ms = median([a["total"] for a in apps]) * 1e3
+    load_ms = median(loads) * 1e3
+    floor_ms = median(runs["floor"]) * 1e3
+    other_ms = median(others) * 1e3 if others else None
+    best = min(a["total"] for a in apps) * 1e3
+    parts = {p: median([a["parts"].get(p, 0.0) for a in apps]) * 1e3 for p in PARTS}
+    return dict(tokens=n, layout=f"{layout} ({len(paths)})", files_MB=sum(p.stat().st_size for p in paths) / 1e6,
+                restore_ms=restore_ms, floor_ms=floor_ms, loadfile_ms=load_ms, server_ms=srv.get("restore_ms"),
+                against_ms=other_ms, vs_against=ratio(restore_ms, other_ms),
+                vs_loadfile=ratio(restore_ms, load_ms), best_vs_loadfile=ratio(best, min(loads) * 1e3),
+                vs_server=ratio(restore_ms, srv.get("restore_ms")), vs_floor=ratio(restore_ms, floor_ms),
+                best_vs_server=ratio(best, srv.get("best_ms")), **parts)
 
 
 def main(argv=None) -> int:

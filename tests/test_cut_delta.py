@@ -262,12 +262,13 @@ def test_export_of_a_cut_conversation_is_one_whole_file_and_an_import_links_it(s
 
 
 @pytest.mark.slow
-def test_a_cut_from_a_line_s_tip_keeps_that_conversation_until_it_is_deleted(smollm_runtime, tmp_path):
+@pytest.mark.parametrize("how", ["conversation", "checkpoint"])
+def test_a_cut_from_a_line_s_tip_keeps_that_conversation_until_it_is_deleted(smollm_runtime, tmp_path, how):
     """A first conversation whose only file is its head (a prompt too short for a prompt
     checkpoint): the next one on its text is cut from that head, which stays the first
     conversation's head (a tip another chain holds only the first tokens of).  Deleting the
-    first conversation keeps the file for the second, and the first stays gone; deleting
-    the second then frees it."""
+    first conversation, or that head alone in the browser (delete_node), keeps the file for
+    the second, and the first stays gone from the list; deleting the second then frees it."""
     rt, store = smollm_runtime, Store(tmp_path)
     text = " ".join(f"item {i} costs {i * 3} euros;" for i in range(18))   # ~150 tokens
     convs = []
@@ -286,14 +287,22 @@ def test_a_cut_from_a_line_s_tip_keeps_that_conversation_until_it_is_deleted(smo
     first_head = g.chain(second)[0]
     assert first_head.conversation_id == convs[0] and g.is_head(first_head)
     assert second.header.parent_n_tokens < first_head.header.n_tokens   # cut
-    store_graph.delete_conversation(store, convs[0])
+    if how == "conversation":
+        store_graph.delete_conversation(store, convs[0])
+    else:
+        report = store_graph.delete_node(store, first_head.path)
+        assert report.kept == {store_graph.KEPT_CHAIN: [1, first_head.size]} and not report.deleted
     g = Graph.scan(store)
     assert {h.conversation_id for h in g.heads} == {convs[1]}, "the deleted conversation came back"
-    assert first_head.path.exists()
+    assert first_head.path.exists() and store.deleted()
     rt.trim(0)
     assert rt.restore_chain(load_chain(second.path)).id == convs[1]
-    store_graph.delete_conversation(store, convs[1])
+    if how == "conversation":
+        store_graph.delete_conversation(store, convs[1])
+    else:
+        store_graph.delete_node(store, second.path)
     assert not list(store.folder.glob("*.kvckpt"))
+    assert not store.deleted(), "the record outlived the files it is about"
 
 
 def test_room_is_made_for_the_parent_a_cut_drops_a_tail_of():

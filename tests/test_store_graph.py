@@ -142,7 +142,7 @@ def test_deleting_never_brings_a_deleted_conversation_back(tmp_path, how):
     assert sorted(report.deleted) == sorted(w.path for w in [a_files[0], *b_files])
     assert [h.conversation_id for h in Graph.scan(store).heads] == [c]
     assert all(w.path.exists() for w in c_files)
-    assert store.deleted_conversations() == set()        # nothing of a or b is left
+    assert not store.deleted()                           # nothing of a or b is left
 
 
 def test_a_conversation_without_a_head_is_not_taken_for_a_deleted_one(tmp_path):
@@ -310,3 +310,25 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     # but never the files it started from: a restored autosave stays (its user may name it again)
     writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
     assert writer._parent_index(writer._tip_index(), head=True) == 4
+
+
+def test_the_record_of_deleted_files_reads_its_old_form_and_survives_damage(tmp_path):
+    """The record of what the user deleted (Store.deleted) was a list of conversation ids
+    before 2026-12-05; it is read still.  A damaged record reads as empty (fewer files are
+    then deleted, never a wrong one), and an empty record leaves no file behind."""
+    from engine.checkpoints.store import DELETED_RECORD, Deleted
+    store = Store(tmp_path / "store")
+    store.folder.mkdir(parents=True)
+    a = uuid.uuid4()
+    (store.folder / DELETED_RECORD).write_text(f'["{a}"]', encoding="utf-8")
+    assert store.deleted() == Deleted(frozenset({a}))
+    record = Deleted(frozenset({a}), frozenset({"x.kvckpt"}))
+    with store.lock():
+        store.record_deleted(record)
+    assert store.deleted() == record
+    for damage in ('{"checkpoints": [1]}', '{"conversations": ["not an id"]}', "[", '"text"'):
+        (store.folder / DELETED_RECORD).write_text(damage, encoding="utf-8")
+        assert store.deleted() == Deleted(), damage
+    with store.lock():
+        store.record_deleted(Deleted())
+    assert not (store.folder / DELETED_RECORD).exists()

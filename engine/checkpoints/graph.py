@@ -19,8 +19,8 @@ Each line's *tip* is its newest node whose chain is complete, and it is the line
 *head* unless another line's chain contains it whole (a fork point whose own line was
 deleted holds nothing of its own).  A tip another line was *cut* from (built on its
 first tokens only: an Edit or a Regenerate of a turn the tip absorbed) holds its own
-tail and stays a head, unless its conversation was deleted (Store.deleted_conversations:
-the file is kept for the other line's sake, and the conversation stays gone).  A
+tail and stays a head, unless the user deleted it or its conversation (Store.deleted:
+the file is kept for the other line's sake, and it stays gone from the list).  A
 conversation has one head per line, one per branch.  The chain of a head (the head and
 its ancestors) is what restoring it needs.
 
@@ -40,8 +40,10 @@ file this module ever deletes on its own:
 * :func:`delete_conversation` deletes every node of a conversation that no head of
   another conversation depends on (the user asked for it), and what its chains hold of
   a conversation deleted before (up to a cut, engine.checkpoints.chain.can_cut, or of a
-  conversation recorded as deleted, Store.deleted_conversations) that no other head
-  needs: deleting never brings a conversation back.
+  conversation recorded as deleted, Store.deleted) that no other head needs: deleting
+  never brings a conversation back;
+* :func:`delete_node` deletes a head the user chose with what of its chain no other head
+  needs; a head another line was cut from stays, recorded as deleted (Store.deleted).
 
 Never deleted automatically: a head or anything in a head's chain; a node newer than
 its line's head (a chain being written, or one whose parent went missing: the user may
@@ -87,7 +89,7 @@ from engine.checkpoints.format import (
     unpack_header,
     verify_file,
 )
-from engine.checkpoints.store import STALE_TEMP_AGE_S, Store, file_identity
+from engine.checkpoints.store import STALE_TEMP_AGE_S, Deleted, Store, file_identity
 from engine.errors import CheckpointError
 
 log = logging.getLogger("checkpoint")
@@ -275,7 +277,7 @@ class Graph:
     """A snapshot of a store's files as nodes, parent edges, lines and heads."""
 
     def __init__(self, nodes: Iterable[Node], unreadable: Iterable[Unreadable] = (),
-                 *, rejected: Iterable[str] = (), deleted: Iterable[uuid.UUID] = ()) -> None:
+                 *, rejected: Iterable[str] = (), deleted: Deleted | None = None) -> None:
         self.nodes: dict[str, Node] = {n.name: n for n in nodes}
         self.unreadable: list[Unreadable] = list(unreadable)
         self._rejected = set(rejected)    # heads that failed verification: not heads
@@ -311,11 +313,12 @@ class Graph:
         # a tip that another line's history holds whole holds nothing of its own (a fork
         # point whose own line was deleted, say): it is not a head.  One that another line
         # was cut from (an Edit or a Regenerate of a turn it absorbed) holds its own tail:
-        # it stays a head, unless its conversation was deleted (kept for the other's sake)
-        gone = set(deleted)
+        # it stays a head, unless the user deleted it or its conversation (kept for the
+        # other's sake)
+        gone = deleted if deleted is not None else Deleted()
         self.head_of_line: dict[str, Node] = {
             line: tip for line, tip in self.tip_of_line.items()
-            if tip.name not in held_whole and not (tip.name in cut_from and tip.conversation_id in gone)}
+            if tip.name not in held_whole and not (tip.name in cut_from and _recorded_deleted(tip, gone))}
         self.heads: list[Node] = sorted(self.head_of_line.values(),
                                         key=lambda n: (n.created_ns, n.name), reverse=True)
         self._head_names = {h.name for h in self.heads}
@@ -336,7 +339,7 @@ class Graph:
                 except OSError:
                     continue
                 unreadable.append(Unreadable(path, size, getattr(exc, "strerror", None) or str(exc)))
-        return cls(nodes, unreadable, rejected=rejected, deleted=store.deleted_conversations())
+        return cls(nodes, unreadable, rejected=rejected, deleted=store.deleted())
 
     # -- edges and chains -------------------------------------------------------------------
     def _link(self, node: Node) -> Node | None:
@@ -631,7 +634,7 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
     and those of a conversation deleted before that kept them alive for this one (left,
     they would become its heads again).
 
-    Which conversations were deleted is recorded (Store.deleted_conversations) while
+    Which conversations were deleted is recorded (Store.deleted) while
     another's chain still holds some of their files: a conversation with no head is not
     necessarily deleted (a store written before 2026-12-04 may hide a live conversation's
     head in a fork's chain; an import may link to a live tip), so having no head is never
@@ -647,7 +650,8 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
                 needed.update(n.name for n in graph.chain(head))
         mine = [n for n in graph.nodes.values() if n.conversation_id == conversation_id]
         headed = {h.conversation_id for h in graph.heads}
-        deleted = store.deleted_conversations() - headed   # an import may have brought one back
+        record = store.deleted()
+        deleted = set(record.conversations) - headed   # an import may have brought one back
         borrowed: dict[str, Node] = {}
         for head in graph.heads:
             if head.conversation_id == conversation_id:
@@ -663,24 +667,32 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
                 report.keep("file(s) another conversation's head depends on", node)
         _delete_leaves_first(store, graph, [n for n in mine if n.name not in needed], report)
         _drop_unused_shared(store, Graph.scan(store), report)
-        _record_deleted(store, deleted | {conversation_id})
+        _record_deleted(store, Deleted(frozenset(deleted | {conversation_id}), record.checkpoints))
     return report
 
 
-def _record_deleted(store: Store, deleted: set[uuid.UUID]) -> None:
-    """Keep the record of deleted conversations to those with files left (lock held);
+def _recorded_deleted(node: Node, deleted: Deleted) -> bool:
+    return node.conversation_id in deleted.conversations or node.name in deleted.checkpoints
+
+
+def _record_deleted(store: Store, deleted: Deleted) -> None:
+    """Keep the record of what the user deleted to what has files left (lock held);
     written only when it changes."""
-    left = {n.conversation_id for n in Graph.scan(store).nodes.values()}
-    if deleted & left != store.deleted_conversations():
-        store.record_deleted(deleted & left)
+    nodes = Graph.scan(store).nodes
+    left = {n.conversation_id for n in nodes.values()}
+    kept = Deleted(deleted.conversations & left, frozenset(n for n in deleted.checkpoints if n in nodes))
+    if kept != store.deleted():
+        store.record_deleted(kept)
 
 
 def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
     """Delete one file the user chose, as far as the graph allows.
 
-    A head goes with every file of its chain that no other head needs; a file some head
-    needs is refused (CheckpointError naming the head); any other file (superseded,
-    broken, unreadable) goes alone.
+    A head goes with every file of its chain that no other head needs; a head another
+    line was cut from (an Edit, a fork) stays for that line's sake, recorded as deleted
+    (Store.deleted), so that it is no head any more.  A file some head needs is refused
+    (CheckpointError naming the head); any other file (superseded, broken, unreadable)
+    goes alone.
     """
     path = Path(path)
     if not store.contains(path):
@@ -715,7 +727,9 @@ def delete_node(store: Store, path: str | os.PathLike) -> PruneReport:
             if member.name in needed:
                 report.keep(KEPT_CHAIN, member)
         _drop_unused_shared(store, Graph.scan(store), report)
-        _record_deleted(store, store.deleted_conversations())
+        record = store.deleted()
+        hidden = {node.name} if node.name in needed else set()
+        _record_deleted(store, Deleted(record.conversations, record.checkpoints | hidden))
     return report
 
 

@@ -32,7 +32,6 @@ import secrets
 import time
 import unicodedata
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +45,38 @@ from engine.errors import CheckpointError
 #: A temp file untouched this long, with no live writer, is a killed writer's leftover.
 STALE_TEMP_AGE_S = 60.0
 
-#: the conversations deleted while another conversation's chain still held some of their
-#: files (engine.checkpoints.graph.delete_conversation): a JSON list of ids
+#: what the user deleted while another conversation's chain still held some of its files
+#: (engine.checkpoints.graph: delete_conversation, delete_node): a JSON object,
+#: ``{"conversations": [ids], "checkpoints": [file names]}`` (before 2026-12-05 a list of
+#: conversation ids, still read)
 DELETED_RECORD = ".deleted-conversations.json"
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What :data:`DELETED_RECORD` says the user deleted and the store still holds: whole
+    conversations, and single heads (by file name) that another line was cut from."""
+    conversations: frozenset[uuid.UUID] = frozenset()
+    checkpoints: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.conversations or self.checkpoints)
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"conversations": sorted(str(i) for i in self.conversations),
+                "checkpoints": sorted(self.checkpoints)}
+
+    @classmethod
+    def from_json(cls, data: object) -> Deleted:
+        """The record read back; ValueError (or TypeError, AttributeError) when malformed."""
+        if isinstance(data, list):   # the record before 2026-12-05
+            return cls(frozenset(uuid.UUID(i) for i in data))
+        if not isinstance(data, dict):
+            raise ValueError("not a record of deleted files")
+        names = data.get("checkpoints", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("the deleted checkpoints are not a list of names")
+        return cls(frozenset(uuid.UUID(i) for i in data.get("conversations", [])), frozenset(names))
 
 
 @dataclass(frozen=True)
@@ -191,27 +219,25 @@ class Store:
                     pass  # Windows: still open by its writer; or removed meanwhile
         return removed
 
-    # -- conversations deleted whose files another conversation still holds -------------------
-    def deleted_conversations(self) -> set[uuid.UUID]:
+    # -- what the user deleted that another conversation still holds -------------------------
+    def deleted(self) -> Deleted:
         """The record of :data:`DELETED_RECORD` (read with the lock held).  A missing or
         unreadable record reads as empty: then fewer files are deleted, never a wrong one."""
         try:
-            ids = json.loads((self.folder / DELETED_RECORD).read_text(encoding="utf-8"))
-            return {uuid.UUID(i) for i in ids} if isinstance(ids, list) else set()
+            return Deleted.from_json(json.loads((self.folder / DELETED_RECORD).read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError, AttributeError):
-            return set()
+            return Deleted()
 
-    def record_deleted(self, ids: Iterable[uuid.UUID]) -> None:
+    def record_deleted(self, record: Deleted) -> None:
         """Replace the record, atomically (lock held); an empty one is removed."""
         path = self.folder / DELETED_RECORD
-        names = sorted(str(i) for i in ids)
-        if not names:
+        if not record:
             path.unlink(missing_ok=True)
             return
         # the checkpoints' own atomic write: a temp name the store sweeps when a writer dies,
         # the rename retried where Windows briefly refuses it; the caller holds the lock
         with atomic_write(path, lock=contextlib.nullcontext()) as f:
-            f.write(json.dumps(names).encode("utf-8"))
+            f.write(json.dumps(record.to_json()).encode("utf-8"))
 
     def contains(self, path: str | os.PathLike) -> bool:
         """Whether ``path`` names a checkpoint file of this store's folder."""
