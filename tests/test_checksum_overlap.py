@@ -32,6 +32,7 @@ def later_always(request, monkeypatch):
     if request.param == "mapped" and not mapped.supported():
         pytest.skip("no MADV_POPULATE_READ here")
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    monkeypatch.setattr(fmt, "CRC_QUEUED_MIN_BYTES", 0)
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if request.param == "mapped" else 1 << 62)
 
 
@@ -106,6 +107,34 @@ def test_a_damaged_parent_is_named_as_before(rt, tmp_path, later_always):
     rt.trim(0)
     with pytest.raises(BrokenChain, match="the parent checkpoint base.kvckpt is damaged: payload checksum"):
         rt.restore_chain(chain)
+    assert rt.ctx.pos_max(0) == -1
+
+
+def test_a_chain_is_checksummed_on_one_thread_which_ends(rt, tmp_path, later_always, monkeypatch):
+    """Every large state of a chain is checksummed in turn on ONE helper thread
+    (format.ChecksumWorker; a thread per file made the checksums run at once beside the
+    copy), which ends once they are done; a damaged middle file is still named."""
+    import threading
+    base, conv = _saved(rt, tmp_path / "base.kvckpt", "Describe a walk through a forest.", 4)
+    generate(rt, conv, stop_after=4)
+    mid = rt.save(tmp_path / "mid.kvckpt", conv, parent=base)
+    generate(rt, conv, stop_after=4)
+    last = rt.save(tmp_path / "last.kvckpt", conv, parent=mid)
+    started: list[threading.Thread] = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self), real_start(self))[1])
+    chain = load_chain(last.path, crc_later=True)
+    assert len(chain) == 3 and all(d.pending_crc is not None for d in chain)
+    assert [t.name for t in started] == ["checkpoint-crc"], "not one helper thread for the chain"
+    rt.trim(0)
+    rt.restore_chain(chain)
+    assert rt.ctx.pos_max(0) == last.n_tokens - 1
+    started[0].join(5)
+    assert not started[0].is_alive(), "the helper thread outlived its chain"
+    _damaged_copy(mid.path, tmp_path / "mid.kvckpt")
+    rt.trim(0)
+    with pytest.raises(BrokenChain, match="the parent checkpoint mid.kvckpt is damaged: payload checksum"):
+        rt.restore_chain(load_chain(last.path, crc_later=True))
     assert rt.ctx.pos_max(0) == -1
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, Header, read_checkpoint
+from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, ChecksumWorker, Header, read_checkpoint
 from engine.errors import BrokenChain, CheckpointError
 
 MAX_CHAIN = 1024
@@ -76,21 +76,27 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     """``path`` and its ancestors, base first, every file verified and linked.
 
     ``crc_later``: the large states' checksums are still being computed when this returns
-    (read_checkpoint); whoever uses the chain calls :func:`settle` before keeping anything
-    of it (engine.restore.restore_into does).  A damaged file is still reported as such,
+    (read_checkpoint), one after another on one helper thread (ChecksumWorker); whoever
+    uses the chain calls :func:`settle` before keeping anything of it
+    (engine.restore.restore_into does).  A damaged file is still reported as such,
     whatever else the unsettled files made go wrong here.
     """
     path = Path(path)
-    chain = [read_checkpoint(path, progress=progress, crc_later=crc_later)]
+    worker = ChecksumWorker() if crc_later else False
     try:
-        _load_ancestors(path, chain, progress, crc_later)
-    except CheckpointError:
-        settle(chain)   # damage is the reason, when a file's checksum says so
-        raise
+        chain = [read_checkpoint(path, progress=progress, crc_later=worker)]
+        try:
+            _load_ancestors(path, chain, progress, worker)
+        except CheckpointError:
+            settle(chain)   # damage is the reason, when a file's checksum says so
+            raise
+    finally:
+        if isinstance(worker, ChecksumWorker):
+            worker.close()   # the checksums queued are still computed
     return chain
 
 
-def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: bool) -> None:
+def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: ChecksumWorker | bool) -> None:
     # every parent is a plain name in the folder of ``path`` (parent_ref): names find a loop
     seen = {os.path.normcase(path.name)}
     first = path                   # the file chain[0] was read from
