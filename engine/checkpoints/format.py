@@ -756,9 +756,9 @@ CRC_LATER_MIN_BYTES = 8 << 20 if CRC_FAST else 1 << 20
 #: with a :class:`ChecksumWorker` (a chain's one helper thread), states at least this large
 #: are queued to it; smaller ones cost less inline than the hand-over.  Measured here (a
 #: warm process, SmolLM2, 12 files of a conversation, medians of 25, queued from 1 MiB vs
-#: from 8 MiB): 2.0 MB files 8.21 vs 7.70 ms, 7.7 MB files 18.98 vs 20.75 ms.  Read at
-#: call time, as above.
-CRC_QUEUED_MIN_BYTES = 4 << 20
+#: from 8 MiB): 2.0 MB files 8.21 vs 7.70 ms, 7.7 MB files 18.98 vs 20.75 ms.  zlib's CRC,
+#: 8× slower, is worth handing over from 1 MiB.  Read at call time, as above.
+CRC_QUEUED_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
