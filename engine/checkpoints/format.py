@@ -615,7 +615,8 @@ class _QueuedCrc:
     """The CRC32 of one buffer, computed in turn by a :class:`ChecksumWorker`."""
 
     def __init__(self, view: memoryview, initial: int) -> None:
-        self._view, self._initial = view, initial
+        self._view = view
+        self._initial = initial   # the CRC of the bytes before these (crc32's running value)
         self._done = threading.Event()
         self._value: int | None = None
         self._error: BaseException | None = None
