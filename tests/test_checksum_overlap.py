@@ -32,7 +32,6 @@ def later_always(request, monkeypatch):
     if request.param == "mapped" and not mapped.supported():
         pytest.skip("no MADV_POPULATE_READ here")
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
-    monkeypatch.setattr(fmt, "CRC_QUEUED_MIN_BYTES", 0)
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if request.param == "mapped" else 1 << 62)
 
 

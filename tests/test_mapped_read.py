@@ -78,10 +78,10 @@ def test_copying_reader_gives_the_same_and_read_only(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("reader", ["mapped", "copied"])
 @pytest.mark.parametrize("section", ["metadata", "tokens", "logits", "state", "trailer"])
-@pytest.mark.parametrize("later", [False, True, "queued"], ids=["now", "later", "queued"])
+@pytest.mark.parametrize("later", [False, True], ids=["now", "later"])
 def test_every_reader_refuses_a_flip_in_every_section(tmp_path, monkeypatch, reader, section, later):
-    """Either reader, its checksum computed at once, on a helper thread (crc_later), or
-    queued to a chain's one helper thread (format.ChecksumWorker)."""
+    """Either reader, its checksum computed at once or on a chain's helper thread
+    (crc_later: format.ChecksumWorker)."""
     if reader == "mapped" and not mapped.supported():
         pytest.skip("no MADV_POPULATE_READ here")
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if reader == "mapped" else 1 << 62)
@@ -93,12 +93,11 @@ def test_every_reader_refuses_a_flip_in_every_section(tmp_path, monkeypatch, rea
     damaged[start + 1] ^= 0x08
     path.write_bytes(bytes(damaged))
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
-    monkeypatch.setattr(fmt, "CRC_QUEUED_MIN_BYTES", 0)
-    worker = fmt.ChecksumWorker() if later == "queued" else None
+    worker = fmt.ChecksumWorker() if later else None
     with pytest.raises(CheckpointError):
-        fmt.read_checkpoint(path, crc_later=worker or bool(later)).settle()
+        fmt.read_checkpoint(path, crc_later=worker).settle()
     path.write_bytes(data)
-    intact = fmt.read_checkpoint(path, crc_later=worker or bool(later))
+    intact = fmt.read_checkpoint(path, crc_later=worker)
     if worker is not None:
         worker.close()
     intact.settle()

@@ -82,7 +82,7 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     whatever else the unsettled files made go wrong here.
     """
     path = Path(path)
-    worker = ChecksumWorker() if crc_later else False
+    worker = ChecksumWorker() if crc_later else None
     try:
         chain = [read_checkpoint(path, progress=progress, crc_later=worker)]
         try:
@@ -91,12 +91,12 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
             settle(chain)   # damage is the reason, when a file's checksum says so
             raise
     finally:
-        if isinstance(worker, ChecksumWorker):
+        if worker is not None:
             worker.close()   # the checksums queued are still computed
     return chain
 
 
-def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: ChecksumWorker | bool) -> None:
+def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: ChecksumWorker | None) -> None:
     # every parent is a plain name in the folder of ``path`` (parent_ref): names find a loop
     seen = {os.path.normcase(path.name)}
     first = path                   # the file chain[0] was read from

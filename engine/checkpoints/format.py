@@ -544,7 +544,7 @@ class CheckpointData:
     #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice.
     #: Typed loosely because the chain module sits above this one (imports point one way).
     link_facts: object = field(default=None, repr=False, compare=False)
-    pending_crc: _CrcThread | _QueuedCrc | None = field(default=None, repr=False, compare=False)
+    pending_crc: _QueuedCrc | None = field(default=None, repr=False, compare=False)
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -747,23 +747,17 @@ def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
 #: what a payload whose CRC32 differs from its trailer's is
 PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was written"
 
-#: with ``crc_later``, states at least this large are checksummed on a helper thread
-#: (below it starting a thread costs more than the checksum).  With the fast CRC an 8 MB
-#: state takes ~0.3 ms inline, and a conversation of many turns, a file of a few MB per
-#: turn, restored in about half the reading time without a thread per file
-#: (benchmarks.restore_profile, the turns' chain: docs/benchmarks.md)
-CRC_LATER_MIN_BYTES = 8 << 20 if CRC_FAST else 1 << 20
-
-#: with a :class:`ChecksumWorker` (a chain's one helper thread), states at least this large
-#: are queued to it; smaller ones cost less inline than the hand-over.  Measured here (a
-#: warm process, SmolLM2, 12 files of a conversation, medians of 25, queued from 1 MiB vs
-#: from 8 MiB): 2.0 MB files 8.21 vs 7.70 ms, 7.7 MB files 18.98 vs 20.75 ms.  zlib's CRC,
-#: 8× slower, is worth handing over from 1 MiB.  Read at call time, as above.
-CRC_QUEUED_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
+#: with ``crc_later`` (a chain's :class:`ChecksumWorker`), states at least this large are
+#: queued to its helper thread; smaller ones cost less inline than the hand-over.  Measured
+#: here (a warm process, SmolLM2, 12 files of a conversation, medians of 25): 2.0 MB files
+#: 8.21 ms queued from 1 MiB vs 7.70 ms inline; 7.7 MB files 18.84 ms queued from 4 MiB vs
+#: 20.95 ms on a thread each.  zlib's CRC, 8× slower, is worth handing over from 1 MiB.
+#: Read at call time: benchmarks and tests set it.
+CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
-                    progress=None, crc_later: bool | ChecksumWorker = False) -> CheckpointData:
+                    progress=None, crc_later: ChecksumWorker | None = None) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
@@ -771,17 +765,16 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     called while the state streams in.  The state is a read-only array: on Linux the
     file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
 
-    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on a helper
-    thread, started here (or queued to the :class:`ChecksumWorker` given), so that llama.cpp
-    can copy it meanwhile (engine.restore); the caller must :meth:`CheckpointData.settle`
-    before it keeps anything of the file.
+    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed by this
+    :class:`ChecksumWorker`, on its helper thread, so that llama.cpp can copy it meanwhile
+    (engine.restore); the caller must :meth:`CheckpointData.settle` before it keeps
+    anything of the file.
     """
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
-        later = bool(crc_later) and load_state and header.state_len >= (
-            CRC_QUEUED_MIN_BYTES if isinstance(crc_later, ChecksumWorker) else CRC_LATER_MIN_BYTES)
+        later = crc_later is not None and load_state and header.state_len >= CRC_LATER_MIN_BYTES
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
@@ -813,7 +806,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
     # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
     # to take the GIL back between chunks would wait for the restoring thread's Python code
-    job = _crc_job(byte_view(state), crc, crc_later) if later else None
+    job = crc_later.submit(byte_view(state), crc) if later and crc_later is not None else None
     if job is None and stored_crc != crc:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
@@ -824,12 +817,6 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         data.settle()   # damage is the reason, when the checksum says so
         raise
     return data
-
-
-def _crc_job(view: memoryview, initial: int, worker: bool | ChecksumWorker) -> _CrcThread | _QueuedCrc:
-    if isinstance(worker, ChecksumWorker):
-        return worker.submit(view, initial)
-    return _CrcThread((view,), chunk=max(1, len(view)), initial=initial)
 
 
 def _token_arrays(header: Header, tokens_view: memoryview,
