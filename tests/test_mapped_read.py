@@ -15,10 +15,26 @@ pytestmark = pytest.mark.skipif(not mapped.supported(), reason="no MADV_POPULATE
 
 @pytest.fixture
 def always_mapped(monkeypatch):
+    """Every state is mapped; returns the mappings made (empty: the mapped path was not taken)."""
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
+    made = []
+    real = mapped.map_file
+    monkeypatch.setattr(mapped, "map_file", lambda *a: _kept(made, real(*a)))
+    return made
+
+
+def _kept(made: list, mapping):
+    if mapping is not None:
+        made.append(mapping)
+    return mapping
+
+
+@pytest.fixture
+def populated(monkeypatch) -> list:
+    """The ranges mapped.populate is asked to map in."""
     calls = []
     real = mapped.populate
-    monkeypatch.setattr(mapped, "populate", lambda *a: (calls.append(a), real(*a))[1])
+    monkeypatch.setattr(mapped, "populate", lambda *a: (calls.append(a[1:]), real(*a))[1])
     return calls
 
 
@@ -126,7 +142,7 @@ def test_a_truncated_file_is_refused_by_the_mapped_path(tmp_path, always_mapped,
 
 
 def test_a_file_that_shrinks_under_the_mapping_is_a_refusal_not_sigbus(tmp_path):
-    path, data, h = _file(tmp_path, 2000)
+    path, data, h = _file(tmp_path)
     import mmap
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ)
@@ -137,9 +153,77 @@ def test_a_file_that_shrinks_under_the_mapping_is_a_refusal_not_sigbus(tmp_path)
         m.close()
 
 
+def _cached_now(path) -> bool:
+    import os
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mapped.in_page_cache(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def test_a_cached_state_the_helper_checksums_is_not_populated(tmp_path, monkeypatch, always_mapped, populated):
+    """No page of a cached state needs the disk, so none can fail to read: a state whose
+    checksum the chain's helper thread computes is not populated first (its reading maps
+    the pages, on the other core: mapped.in_page_cache).  One checksummed on the reading
+    thread still is."""
+    path, data, h = _file(tmp_path)
+    if not _cached_now(path):
+        pytest.skip("this kernel cannot say what the page cache holds (cachestat, Linux 6.5)")
+    monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    worker = fmt.ChecksumWorker()
+    got = fmt.read_checkpoint(path, crc_later=worker)
+    worker.close()
+    got.settle()
+    assert always_mapped and not populated
+    assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
+    fmt.read_checkpoint(path)
+    assert sum(n for _, n in populated) == h.state_len
+
+
+def test_a_state_not_wholly_cached_is_populated_before_it_is_read(tmp_path, monkeypatch, always_mapped,
+                                                                 populated):
+    """A state the disk must be read for (a cold file) is populated first, as before, its
+    checksum left to the helper or not: a read error is then an error of that call, never
+    SIGBUS."""
+    from benchmarks.page_cache import evict
+    path, data, h = _file(tmp_path)
+    if not evict(path):
+        pytest.skip("the file system keeps its files in memory (tmpfs)")
+    assert not _cached_now(path)
+    monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    worker = fmt.ChecksumWorker()
+    got = fmt.read_checkpoint(path, crc_later=worker)
+    worker.close()
+    got.settle()
+    assert always_mapped
+    assert sum(n for _, n in populated) == h.state_len, "not every page of the state was populated"
+    assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
+
+
+def test_the_part_of_a_file_that_shrank_is_not_in_the_page_cache(tmp_path):
+    """A file truncated under the reader (after its size was read) is never taken as
+    cached, so its state is populated, and refused (TruncatedCheckpoint) as before."""
+    import os
+    path, data, h = _file(tmp_path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if not mapped.in_page_cache(fd, h.state_offset, h.state_len):
+            pytest.skip("this kernel cannot say what the page cache holds (cachestat, Linux 6.5)")
+        os.truncate(fd, h.state_offset + h.state_len // 2)
+        assert not mapped.in_page_cache(fd, h.state_offset, h.state_len)
+        assert mapped.in_page_cache(fd, h.state_offset, h.state_len // 4)
+    finally:
+        os.close(fd)
+
+
 def test_small_states_are_read_not_mapped(tmp_path, monkeypatch):
     path, _, _ = _file(tmp_path, 8)
-    calls = []
-    monkeypatch.setattr(mapped, "populate", lambda *a: calls.append(a))
+    made: list = []
+    real = mapped.map_file
+    monkeypatch.setattr(mapped, "map_file", lambda *a: _kept(made, real(*a)))
     fmt.read_checkpoint(path)
-    assert not calls
+    assert not made
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)   # the same file is mapped when allowed
+    fmt.read_checkpoint(path)
+    assert made

@@ -785,7 +785,10 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         mapping = mapped.map_file(f.fileno(), size, header.state_len) if load_state else None
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
-            state, state_crc = _map_state(mapping, header, None if later else crc, progress)
+            # a state the helper checksums is mapped in by its reading, on another core, where
+            # no page of it needs the disk (engine.checkpoints.mapped)
+            populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, header.state_len))
+            state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate)
             if state_crc is not None:   # None: left to the helper
                 crc = state_crc
             f.seek(size - TRAILER_LEN)
@@ -836,11 +839,11 @@ def _token_arrays(header: Header, tokens_view: memoryview,
     return tokens, logits
 
 
-def _map_state(mapping, header: Header, crc: int | None, progress,
+def _map_state(mapping, header: Header, crc: int | None, progress, populate: bool,
                chunk: int = 8 << 20) -> tuple[np.ndarray, int | None]:
-    """The state section of a mapped file, each chunk mapped in (never a fault to disk: see
-    engine.checkpoints.mapped) and checksummed in turn (``crc`` None: not checksummed); the
-    array holds the mapping."""
+    """The state section of a mapped file, each chunk mapped in first (``populate``; never a
+    fault to disk: see engine.checkpoints.mapped) and checksummed in turn (``crc`` None: not
+    checksummed); the array holds the mapping."""
     start, total = header.state_offset, header.state_len
     state = np.frombuffer(mapping, dtype=np.uint8, count=total, offset=start)
     view = memoryview(mapping)[start:start + total]
@@ -848,7 +851,8 @@ def _map_state(mapping, header: Header, crc: int | None, progress,
         done = 0
         while done < total:
             n = min(chunk, total - done)
-            mapped.populate(mapping, start + done, n)
+            if populate:
+                mapped.populate(mapping, start + done, n)
             if crc is not None:
                 crc = crc32(view[done:done + n], crc)
             done += n

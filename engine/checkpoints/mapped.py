@@ -20,6 +20,16 @@ Why the mapping is safe to check and to hand to llama.cpp:
   the walk checked, whatever replaces or deletes the file meanwhile.  Only another
   program truncating the file in place during the restore could still raise ``SIGBUS``
   (as it could under llama.cpp's own mapping of the model).
+* A state whose checksum a helper thread computes (read_checkpoint's ``crc_later``) is
+  not populated where it lies wholly in the page cache (:func:`in_page_cache`, Linux 6.5's
+  ``cachestat``): no page of it needs the disk, so no read error can strike while it is
+  read, and the helper's reading maps its pages on the other core while the restoring
+  thread goes on.  Measured here (SmolLM2, 2,000 tokens, a new process each time, medians
+  of 15): a restore from one 24.5 MB file took 4.95 ms populated and 4.62 ms not; from two
+  files (18.4 + 6.1 MB) 5.77 and 4.91 ms.  A state checksummed on the restoring thread is
+  still populated: faulting its pages in there as the checksum reads them cost more (12
+  files of 2 MB: 10.3 ms populated, 11.8 ms not).  A state not wholly cached (a cold file,
+  a file that shrank) is populated as before: the disk is read then anyway.
 * Where any of this is missing (Windows, where a mapped file could not be replaced
   until the mapping is gone; macOS; kernels before 5.14; a file system that cannot map),
   :func:`map_file` returns None and the reader reads the state into memory as before.
@@ -27,6 +37,7 @@ Why the mapping is safe to check and to hand to llama.cpp:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import mmap
@@ -87,6 +98,45 @@ def _ask_for_huge_pages(mapping: mmap.mmap, size: int) -> None:
         mapping.madvise(MADV_HUGEPAGE, 0, size)
     except (OSError, ValueError):
         pass
+
+
+class _Range(ctypes.Structure):      # struct cachestat_range
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):  # struct cachestat
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+#: cachestat's number in the system call table every 64-bit Linux architecture shares
+#: (x86-64 included); another architecture answers ENOSYS or EINVAL, and is populated
+SYS_CACHESTAT = 451
+
+
+@functools.cache
+def _syscall():
+    libc = ctypes.CDLL(None, use_errno=True)
+    call = libc.syscall
+    call.restype = ctypes.c_long
+    return call
+
+
+def in_page_cache(fileno: int, start: int, length: int) -> bool:
+    """Whether every page of bytes ``[start, start + length)`` of the open file is in the
+    page cache now (cachestat, Linux 6.5); False where that cannot be asked.
+
+    Asked in ~10 µs for a file cached in large folios, ~0.3 ms for 92 MB in small ones:
+    less than populating them (see the module docstring)."""
+    if length <= 0 or not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return False
+    first, last = start // mmap.PAGESIZE, (start + length - 1) // mmap.PAGESIZE
+    span, stat = _Range(first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE), _CacheStat()
+    try:
+        failed = _syscall()(SYS_CACHESTAT, fileno, ctypes.byref(span), ctypes.byref(stat), 0)
+    except (OSError, AttributeError):
+        return False
+    return failed == 0 and stat.nr_cache >= last - first + 1
 
 
 def populate(mapping: mmap.mmap, start: int, length: int) -> None:
