@@ -109,9 +109,16 @@ class _CacheStat(ctypes.Structure):  # struct cachestat
                 ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
-#: cachestat's number in the system call table every 64-bit Linux architecture shares
-#: (x86-64 included); another architecture answers ENOSYS or EINVAL, and is populated
+#: cachestat's number: system calls added since Linux 5.1 have one number on every
+#: architecture but alpha and mips (offset there), so it is asked only on these
 SYS_CACHESTAT = 451
+CACHESTAT_MACHINES = ("x86_64", "amd64", "aarch64", "arm64", "riscv64", "ppc64le", "s390x")
+
+
+@functools.cache
+def _machine() -> str:
+    import platform
+    return platform.machine().lower() if ctypes.sizeof(ctypes.c_void_p) == 8 else "32-bit"
 
 
 @functools.cache
@@ -128,12 +135,14 @@ def in_page_cache(fileno: int, start: int, length: int) -> bool:
 
     Asked in ~10 µs for a file cached in large folios, ~0.3 ms for 92 MB in small ones:
     less than populating them (see the module docstring)."""
-    if length <= 0 or not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+    if length <= 0 or not sys.platform.startswith("linux") or _machine() not in CACHESTAT_MACHINES:
         return False
     first, last = start // mmap.PAGESIZE, (start + length - 1) // mmap.PAGESIZE
     span, stat = _Range(first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE), _CacheStat()
     try:
-        failed = _syscall()(SYS_CACHESTAT, fileno, ctypes.byref(span), ctypes.byref(stat), 0)
+        # syscall() reads longs: every argument passed as one, no upper half left undefined
+        failed = _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_long(fileno), ctypes.byref(span),
+                            ctypes.byref(stat), ctypes.c_long(0))
     except (OSError, AttributeError):
         return False
     return failed == 0 and stat.nr_cache >= last - first + 1
