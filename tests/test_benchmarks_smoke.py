@@ -97,3 +97,16 @@ def test_merged_turns_keep_fewer_files_than_a_file_per_turn(smollm_path):
     assert before["files"] == 6 and now["files"] < before["files"]
     assert now["written_MB"] > before["written_MB"]   # absorbed turns are written again
     assert now["store_MB"] <= before["store_MB"] * 1.05 and now["restore_ms"] > 0
+
+
+def test_the_copy_runs_benchmark_prints_each_layout_and_piece(capsys):
+    """benchmarks.copy_runs at its smallest: the same bytes as one, three and twelve files'
+    runs, and in pieces of each size, every figure measured."""
+    from benchmarks.copy_runs import main
+    assert main(["--mb", "4", "--repeats", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert {"one", "three", "twelve"} <= rows.keys()
+    assert rows["one"][-1] == "1.00" and float(rows["three"][-1]) > 0 and float(rows["twelve"][-1]) > 0
+    pieces = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 2]
+    assert len(pieces) == 7 and all(float(gbs) > 0 for _, gbs in pieces)   # pieces up to 4 MB
