@@ -19,10 +19,10 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    sequence, which shares its cells (``seq_cp``) and is emptied after (a delta cut from
    a parent that holds more drops the parent's cells from its start first).  A base with
    fewer cells than the next file (a shared system prompt's) waits in the scratch
-   sequence instead, and that file goes into the sequence directly (:func:`_parks_base`).  A recurrent
-   memory keeps a snapshot (engine.snapshots) after each file that is the nearest below a
-   point its conversation goes back to (the answer's prompt end and its marks:
-   Regenerate, Edit, a thinking model's next turn), so those read only from there.
+   sequence instead, and that file goes into the sequence directly (:func:`_parks_base`).
+   A recurrent memory keeps a snapshot (engine.snapshots) after each file that is the
+   nearest below a point its conversation goes back to (the answer's prompt end and its
+   marks: Regenerate, Edit, a thinking model's next turn), so those read only from there.
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
 
