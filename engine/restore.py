@@ -170,36 +170,27 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
     ``snapshots``, the slot keeps a snapshot (SequenceSlot.passed)."""
     ctx, scratch_used = slot.ctx, False
     parked = _parks_base(chain, keep)
+    direct = 1 if parked else 0   # the file set into the sequence itself; the others pass the scratch one
     try:
         for i, data in enumerate(chain):
             if i < keep:
                 continue   # in the cache already
-            cut = i and data.header.parent_n_tokens < chain[i - 1].header.n_tokens
-            if cut and not (parked and i == 1):
+            if i and data.header.parent_n_tokens < chain[i - 1].header.n_tokens:
                 # a cut (engine.checkpoints.chain.can_cut): the delta builds on the parent's
-                # first tokens only; its cells from there on go
-                ctx.seq_rm(slot.seq, data.header.parent_n_tokens, -1)
+                # first tokens only; its cells from there on go (a parked base's, where it waits)
+                ctx.seq_rm(slot.scratch if parked and i == 1 else slot.seq, data.header.parent_n_tokens, -1)
             if not len(data.state):
-                pass       # no cells (empty, or metadata only)
-            elif parked and i == 0:
-                scratch_used = True
-                ctx.state_set_from(data.state, len(data.state), slot.scratch)
-                if chain[1].header.parent_n_tokens < data.header.n_tokens:   # the next file is cut from it
-                    ctx.seq_rm(slot.scratch, chain[1].header.parent_n_tokens, -1)
-            elif i == 0 or (parked and i == 1):
-                ctx.state_set_from(data.state, len(data.state), slot.seq)
-                if parked:   # the base's cells join it from the scratch sequence
-                    ctx.seq_cp(slot.scratch, slot.seq, -1, -1)
-                    ctx.seq_rm(slot.scratch, -1, -1)
-            else:   # a delta: through the scratch sequence, which shares its cells
-                scratch_used = True
-                ctx.state_set_from(data.state, len(data.state), slot.scratch)
+                continue   # no cells (empty, or metadata only)
+            scratch_used = scratch_used or i != direct
+            ctx.state_set_from(data.state, len(data.state), slot.seq if i == direct else slot.scratch)
+            if i and (i != direct or parked):
+                # the scratch sequence's cells (this delta's, or the parked base's) join the
+                # sequence: it shares them (seq_cp) and lets go of them
                 ctx.seq_cp(slot.scratch, slot.seq, -1, -1)
                 ctx.seq_rm(slot.scratch, -1, -1)
-            if len(data.state):
-                slot.applied(data.header.parent_n_tokens if i else 0, data.header.n_tokens)
-                if i in snapshots:
-                    slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
+            slot.applied(data.header.parent_n_tokens if i else 0, data.header.n_tokens)
+            if i in snapshots:
+                slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
     except StateError as exc:
         slot.empty()
         # and the snapshots kept after the files before it: a large file's checksum may

@@ -116,15 +116,14 @@ CACHESTAT_MACHINES = ("x86_64", "amd64", "aarch64", "arm64", "riscv64", "ppc64le
 
 
 @functools.cache
-def _machine() -> str:
-    import platform
-    return platform.machine().lower() if ctypes.sizeof(ctypes.c_void_p) == 8 else "32-bit"
-
-
-@functools.cache
 def _syscall():
-    libc = ctypes.CDLL(None, use_errno=True)
-    call = libc.syscall
+    """libc's ``syscall``, where cachestat can be asked through it (64-bit Linux on one of
+    :data:`CACHESTAT_MACHINES`), else None."""
+    import platform
+    if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8 \
+            or platform.machine().lower() not in CACHESTAT_MACHINES:
+        return None
+    call = ctypes.CDLL(None, use_errno=True).syscall
     call.restype = ctypes.c_long
     return call
 
@@ -135,16 +134,15 @@ def in_page_cache(fileno: int, start: int, length: int) -> bool:
 
     Asked in ~10 µs for a file cached in large folios, ~0.3 ms for 92 MB in small ones:
     less than populating them (see the module docstring)."""
-    if length <= 0 or not sys.platform.startswith("linux") or _machine() not in CACHESTAT_MACHINES:
+    call = _syscall()
+    if length <= 0 or call is None:
         return False
     first, last = start // mmap.PAGESIZE, (start + length - 1) // mmap.PAGESIZE
     span, stat = _Range(first * mmap.PAGESIZE, (last - first + 1) * mmap.PAGESIZE), _CacheStat()
-    try:
-        # syscall() reads longs: every argument passed as one, no upper half left undefined
-        failed = _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_long(fileno), ctypes.byref(span),
-                            ctypes.byref(stat), ctypes.c_long(0))
-    except (OSError, AttributeError):
-        return False
+    # syscall() reads longs: every argument passed as one, no upper half left undefined;
+    # a kernel before 6.5 answers ENOSYS (-1)
+    failed = call(ctypes.c_long(SYS_CACHESTAT), ctypes.c_long(fileno), ctypes.byref(span),
+                  ctypes.byref(stat), ctypes.c_long(0))
     return failed == 0 and stat.nr_cache >= last - first + 1
 
 
