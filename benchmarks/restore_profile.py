@@ -145,7 +145,8 @@ def child(args) -> int:
     from benchmarks.common import context_settings, model_path
     from engine.checkpoints.chain import load_chain
     from engine.runtime import Runtime
-    rt = Runtime(model_path("smollm"), context_settings(args.n_ctx, args.threads))
+    model = Path(args.model_file) if args.model_file else model_path("smollm")
+    rt = Runtime(model, context_settings(args.n_ctx, args.threads))
     try:
         files = [Path(p) for p in args.child_files]
         if args.child == "floor":
@@ -216,11 +217,13 @@ def _load_file(rt, path: Path) -> float:
     return spent
 
 
-def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int, root: Path = ROOT) -> dict:
-    """One measurement in a new process, with the code of ``root`` (this tree, or --against's)."""
+def _run_child(mode: str, files: list[Path], n_ctx: int, threads: int, root: Path = ROOT,
+               model: Path | None = None) -> dict:
+    """One measurement in a new process, with the code of ``root`` (this tree, or --against's),
+    on ``model`` (None: SmolLM2)."""
     _warm(files)
     cmd = [sys.executable, "-m", "benchmarks.restore_profile", "--child", mode, "--n-ctx", str(n_ctx),
-           "--threads", str(threads), *map(str, files)]
+           "--threads", str(threads), *(["--model-file", str(model)] if model else []), *map(str, files)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     done = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -258,35 +261,58 @@ def _read_back_cold(files: list[Path]) -> str | None:
 
 
 # -- the files -------------------------------------------------------------------------------
+#: --model: what each measures on
+MODELS = {
+    "smollm": "SmolLM2-135M-Instruct",
+    "lfm2-wide": "a random-weight LFM2 (tests/tinymodels.py) of 16 layers, 8 of them attention with "
+                 "LFM2-2.6B's 8 KV heads of 64 (its KV bytes per token), 8 short convolutions of 1024",
+}
+#: the hybrid's widths: LFM2-2.6B's attention (8 KV heads of 64, 16 query heads); the layer
+#: pattern alternates convolution and attention, so 16 layers hold its 8 attention layers;
+#: its trained context LFM2's 32k (llama-server caps a slot's context at it)
+WIDE_LFM2 = {"n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head": 64, "n_ctx_train": 32768}
+
+
+def model_file(key: str, folder: Path) -> Path | None:
+    """The GGUF ``--model`` names, built into ``folder`` once (None: SmolLM2, the app's own)."""
+    if key == "smollm":
+        return None
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    import tinymodels
+    return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
+
+
 LAYOUTS = ("full", "chain", "turns", "merged", "shared")
 #: the shared layout's prefix: the issue's 1,500-token system prompt, at most 3/4 of the tokens
 SHARED_PREFIX = 1500
 
 
 def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
-               deltas: int = DELTAS, turns: int = TURNS) -> dict[int, dict[str, list[Path]]]:
+               deltas: int = DELTAS, turns: int = TURNS, model: Path | None = None) -> dict[int, dict[str, list[Path]]]:
     """Per size: the full checkpoint, the answer's chain (base + deltas) and the turns'
     chain, as paths, base first.
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
     # messages once in the metadata): files made before are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-heads-absorb.json"
+    on = f"-{model.stem}" if model else ""
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}{on}-heads-absorb.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
             return {n: {**{k: [Path(p) for p in known[n][k]] for k in (*LAYOUTS, "llama")},
                         "tokens": known[n]["tokens"]} for n in sizes}
-    return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas, turns)
+    return _make_files_anew(folder, sizes, n_ctx, threads, manifest, deltas, turns, model)
 
 
-def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int,
-                     manifest: Path, deltas: int, turns: int) -> dict[int, dict[str, list[Path]]]:
+def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, manifest: Path,
+                     deltas: int, turns: int, model: Path | None) -> dict[int, dict[str, list[Path]]]:
     from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
     from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
     from engine.generation import generate
     from engine.runtime import Runtime
-    rt = Runtime(model_path("smollm"), context_settings(n_ctx, threads))
+    rt = Runtime(model or model_path("smollm"), context_settings(n_ctx, threads))
     files: dict[int, dict[str, list[Path]]] = {}
     try:
         for n in sizes:
@@ -444,9 +470,10 @@ class ServerSlot:
     """The same tokens saved through llama-server's slot save, then restored by a new server
     per :meth:`restore` (its own ``timings.restore_ms``)."""
 
-    def __init__(self, binary: str, folder: Path, tokens: list[int], n_ctx: int, threads: int) -> None:
+    def __init__(self, binary: str, folder: Path, tokens: list[int], n_ctx: int, threads: int,
+                 model: Path | None = None) -> None:
         from benchmarks.common import model_path
-        self.binary, self.model, self.n_ctx, self.threads = binary, model_path("smollm"), n_ctx, threads
+        self.binary, self.model, self.n_ctx, self.threads = binary, model or model_path("smollm"), n_ctx, threads
         self.slots = folder / "slots"
         self.slots.mkdir(exist_ok=True)
         self.log = folder / "llama-server.log"
@@ -485,15 +512,20 @@ class ServerSlot:
 
 
 def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=print,
-        keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS, against: Path | None = None) -> dict:
+        keep: str | None = None, deltas: int = DELTAS, turns: int = TURNS, against: Path | None = None,
+        model_key: str = "smollm") -> dict:
     n_ctx = ctx_size_for(max(sizes))
     out = table()
     servers: dict[int, dict] = {}
     with tempfile.TemporaryDirectory(prefix="restore-profile-") as tmp:
         folder = Path(keep) if keep else Path(tmp)
+        model = model_file(model_key, folder / "models")
+        if model is not None:   # its files apart from SmolLM2's
+            folder = folder / model.stem
+            out.notes.append(f"model: {MODELS[model_key]}")
         folder.mkdir(parents=True, exist_ok=True)
         echo(f"making checkpoints of {sizes} tokens (n_ctx {n_ctx}) ...", file=sys.stderr)
-        files = make_files(folder, sizes, n_ctx, threads, deltas, turns)
+        files = make_files(folder, sizes, n_ctx, threads, deltas, turns, model)
         cold = _read_back_cold([f for n in sizes for k in (*LAYOUTS, "llama") for f in files[n][k]])
         if cold is not None:
             out.notes.append(cold)
@@ -501,7 +533,7 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
             slot = None
             if server:
                 echo(f"llama-server, {n} tokens ...", file=sys.stderr)
-                slot = ServerSlot(server, folder, files[n]["tokens"], n_ctx, threads)
+                slot = ServerSlot(server, folder, files[n]["tokens"], n_ctx, threads, model)
             runs: dict[str, dict[str, list]] = {layout: {"app": [], "floor": [], "load": [], "other": []}
                                                 for layout in LAYOUTS}
             for r in range(repeats):
@@ -510,7 +542,8 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
                 if slot is not None:
                     slot.restore()
                 for layout in LAYOUTS:
-                    _measure_once(runs[layout], files[n][layout], files[n]["llama"], n_ctx, threads, against)
+                    _measure_once(runs[layout], files[n][layout], files[n]["llama"], n_ctx, threads, against,
+                                  model)
             if slot is not None:
                 servers[n] = slot.summary()
             for layout in LAYOUTS:
@@ -530,12 +563,12 @@ def run(sizes: list[int], repeats: int, threads: int, server: str | None, echo=p
 
 
 def _measure_once(into: dict[str, list], paths: list[Path], llama: list[Path], n_ctx: int, threads: int,
-                  against: Path | None) -> None:
-    into["app"].append(_run_child("app", paths, n_ctx, threads))
+                  against: Path | None, model: Path | None = None) -> None:
+    into["app"].append(_run_child("app", paths, n_ctx, threads, model=model))
     if against is not None:
-        into["other"].append(_run_child("app", paths, n_ctx, threads, against)["total"])
-    into["floor"].append(_run_child("floor", paths, n_ctx, threads)["total"])
-    into["load"].append(_run_child("loadfile", llama, n_ctx, threads)["total"])
+        into["other"].append(_run_child("app", paths, n_ctx, threads, against, model)["total"])
+    into["floor"].append(_run_child("floor", paths, n_ctx, threads, model=model)["total"])
+    into["load"].append(_run_child("loadfile", llama, n_ctx, threads, model=model)["total"])
 
 
 def _row(n: int, layout: str, paths: list[Path], runs: dict[str, list], srv: dict) -> dict:
@@ -570,6 +603,9 @@ def main(argv=None) -> int:
                         help=f"files of the turns' chain, one per turn (default {TURNS})")
     parser.add_argument("--against", metavar="TREE", type=Path,
                         help="another checkout: its restore of the same files, alternating with this one's")
+    parser.add_argument("--model", choices=tuple(MODELS), default="smollm",
+                        help="smollm (default), or a hybrid at a real model's widths, built here")
+    parser.add_argument("--model-file", help=argparse.SUPPRESS)
     parser.add_argument("--child", choices=("app", "floor", "loadfile"), help=argparse.SUPPRESS)
     parser.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     parser.add_argument("child_files", nargs="*", help=argparse.SUPPRESS)
@@ -583,7 +619,8 @@ def main(argv=None) -> int:
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
-                 echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns, against=args.against)
+                 echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns, against=args.against,
+                 model_key=args.model)
     data = report["table"]
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:

@@ -119,3 +119,23 @@ def test_builds_are_deterministic(tmp_path, tiny_model_path):
     other = tinymodels.build("mamba2", tmp_path / "other.gguf", seed=1)
     assert tinymodels.digest(again) == tinymodels.digest(tiny_model_path("mamba2"))
     assert tinymodels.digest(other) != tinymodels.digest(again)
+
+
+def test_a_wider_shape_widens_the_state_as_its_widths_say(tmp_path, tiny_model_path):
+    """Shape gives a benchmark a real model's state sizes: twice the KV heads, twice the
+    attention bytes per token (q8_0: 34 bytes per 32 values, K and V, each attention
+    layer); the default shape writes the fixtures' bytes."""
+    wide = tinymodels.Shape(n_embd=128, n_head=4, n_head_kv=2, head=32)
+    assert tinymodels.file_name("lfm2", shape=wide) != tinymodels.file_name("lfm2")
+    assert tinymodels.digest(tinymodels.build("lfm2", tmp_path / "default.gguf", shape=tinymodels.TINY)) \
+        == tinymodels.digest(tiny_model_path("lfm2"))
+    growth = {}
+    for name, path in (("tiny", tiny_model_path("lfm2")), ("wide", tinymodels.build("lfm2", tmp_path / "w.gguf",
+                                                                                     shape=wide))):
+        with Model(path) as model:
+            tokens = (model.tokenize_prompt(PROMPT) * 8)[:64]
+            sizes = state_sizes(model, tokens, (1, 64))
+        growth[name] = (sizes[64][0] - sizes[1][0]) / 63
+    attention_layers = sum(tinymodels._lfm2_attention_layers(tinymodels.DEFAULT_LAYERS["lfm2"]))
+    extra_values = (wide.n_head_kv * wide.head) - (tinymodels.TINY.n_head_kv * tinymodels.TINY.head)
+    assert growth["wide"] - growth["tiny"] == attention_layers * 2 * extra_values // 32 * 34

@@ -7,7 +7,7 @@ token types, special ids, chat template), copied from the default model's GGUF, 
 tokenize exactly as with the app's default model.  Random weights prove exactness (logits,
 state bytes), not quality: compare logits and state bytes, not text.
 
-    build(arch, path, *, seed=0, n_layer=None, chat_template=None) -> path
+    build(arch, path, *, seed=0, n_layer=None, chat_template=None, shape=TINY) -> path
 
 Architectures (:data:`ARCHS`, in this order) and their memory (:data:`KIND`):
 
@@ -25,8 +25,9 @@ falcon-h1       hybrid      2 layers, each Mamba-2 and attention side by side (p
 llama           attention   2 plain attention layers: the control
 ==============  ==========  ===============================================================
 
-Shapes: ``n_embd`` 64, attention head size 32 (head size 16 fails to create a context
-with the default q8_0 KV cache), 2 query heads and 1 KV head.  ``token_embd`` (and
+Shapes (:data:`TINY`, the default :class:`Shape`): ``n_embd`` 64, attention head size 32
+(head size 16 fails to create a context with the default q8_0 KV cache), 2 query heads
+and 1 KV head.  ``token_embd`` (and
 RWKV-7's separate ``output``) are Q8_0 (49,152 x 64: 3.3 MB instead of 12.6 MB in F32);
 every other tensor is F32, with small values so logits stay finite.  Tensor names and
 shapes follow ``load_arch_tensors`` of ``src/models/<arch>.cpp`` in the vendored
@@ -47,6 +48,7 @@ import hashlib
 import os
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -69,12 +71,41 @@ KIND = {
 #: Bumped whenever a builder changes what it writes: cached files carry it in their name.
 BUILD_VERSION = 2
 
-N_EMBD = 64
-N_FF = 128
-HEAD = 32            # attention head size (key and value)
-N_HEAD = 2
-N_HEAD_KV = 1
-N_CTX_TRAIN = 4096
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The widths a model is built with.  The default is the fixtures' (a few MB, every
+    test's); a benchmark asks for a real model's widths to get a real model's state sizes
+    (the layer pattern and the tokenizer stay the tiny ones)."""
+
+    n_embd: int = 64
+    n_ff: int = 128
+    head: int = 32         # attention head size (key and value)
+    n_head: int = 2
+    n_head_kv: int = 1
+    gdn_state: int = 32    # qwen35's gated delta net: head size of keys and values
+    gdn_k_heads: int = 2
+    gdn_v_heads: int = 2
+    n_ctx_train: int = 4096   # llama-server caps its slots' context at it
+
+    @property
+    def ssm_inner(self) -> int:
+        """Mamba-2's inner size: 2 x n_embd (granite requires it)."""
+        return 2 * self.n_embd
+
+    @property
+    def rwkv_ff(self) -> int:
+        return 4 * self.n_embd
+
+    def tag(self) -> str:
+        """'' for the default shape, else the widths that differ, for file names."""
+        changed = [f"{f.name}{getattr(self, f.name)}" for f in fields(self)
+                   if getattr(self, f.name) != f.default]
+        return "-".join(changed)
+
+
+TINY = Shape()
 RMS_EPS = 1e-5
 # Weights N(0, (MATRIX_GAIN / sqrt(fan_in))^2); embeddings N(0, EMBD_STD^2).  The output
 # is tied to the embeddings: with larger embeddings (0.1) the attention models repeat their
@@ -82,9 +113,8 @@ RMS_EPS = 1e-5
 MATRIX_GAIN = 1.0
 EMBD_STD = 0.02
 
-# Mamba-2 mixers (mamba2, granitehybrid, falcon-h1): inner size 2 x n_embd (granite
-# requires it), 4 SSM heads of 32, one group, state 16, conv kernel 4.
-SSM_INNER = 2 * N_EMBD
+# Mamba-2 mixers (mamba2, granitehybrid, falcon-h1): inner size Shape.ssm_inner, 4 SSM
+# heads (of 32 at the default width), one group, state 16, conv kernel 4.
 SSM_STATE = 16
 SSM_HEADS = 4
 SSM_GROUPS = 1
@@ -118,11 +148,12 @@ def _smollm2_tokenizer() -> tuple:
 class _Writer:
     """A GGUFWriter with deterministic random tensors given in ggml's order {ne0, ne1, ...}."""
 
-    def __init__(self, arch: str, seed: int, chat_template: str | None = None) -> None:
+    def __init__(self, arch: str, seed: int, chat_template: str | None = None, shape: Shape = TINY) -> None:
         import gguf
         self.gguf = gguf
         self.arch = arch
         self.seed = seed
+        self.shape = shape
         self.chat_template = chat_template   # None: SmolLM2's
         self.kv: list[tuple[str, object, object, object]] = []
         self.tensors: list[tuple[str, np.ndarray, object]] = []
@@ -189,14 +220,16 @@ def _ssm_dt_bias(rng, shape):
     return np.log(np.expm1(dt))
 
 
-def _common(w: _Writer, n_layer: int, *, n_ff: int = N_FF) -> None:
-    w.u32("context_length", N_CTX_TRAIN)
-    w.u32("embedding_length", N_EMBD)
+def _common(w: _Writer, n_layer: int, *, n_ff: int | None = None) -> None:
+    s = w.shape
+    n_ff = s.n_ff if n_ff is None else n_ff
+    w.u32("context_length", s.n_ctx_train)
+    w.u32("embedding_length", s.n_embd)
     w.u32("block_count", n_layer)
     w.u32("feed_forward_length", n_ff)
     w.u32("vocab_size", _n_vocab())
     w.f32("attention.layer_norm_rms_epsilon", RMS_EPS)
-    w.tensor("token_embd.weight", (N_EMBD, _n_vocab()), "embedding", q8=True)
+    w.tensor("token_embd.weight", (s.n_embd, _n_vocab()), "embedding", q8=True)
 
 
 def _n_vocab() -> int:
@@ -207,58 +240,64 @@ def _n_vocab() -> int:
 
 
 def _mamba2_keys(w: _Writer) -> None:
+    s = w.shape
     w.u32("ssm.conv_kernel", SSM_CONV)
-    w.u32("ssm.inner_size", SSM_INNER)
+    w.u32("ssm.inner_size", s.ssm_inner)
     w.u32("ssm.state_size", SSM_STATE)
     w.u32("ssm.time_step_rank", SSM_HEADS)
     w.u32("ssm.group_count", SSM_GROUPS)
 
 
 def _mamba2_mixer(w: _Writer, i: int, *, conv_bias: bool = True) -> None:
-    conv_dim = SSM_INNER + 2 * SSM_GROUPS * SSM_STATE
-    d_in_proj = SSM_INNER + conv_dim + SSM_HEADS            # z, xBC, dt
+    s = w.shape
+    conv_dim = s.ssm_inner + 2 * SSM_GROUPS * SSM_STATE
+    d_in_proj = s.ssm_inner + conv_dim + SSM_HEADS            # z, xBC, dt
     b = f"blk.{i}"
-    w.tensor(f"{b}.ssm_in.weight", (N_EMBD, d_in_proj))
+    w.tensor(f"{b}.ssm_in.weight", (s.n_embd, d_in_proj))
     w.tensor(f"{b}.ssm_conv1d.weight", (SSM_CONV, conv_dim))
     if conv_bias:
         w.tensor(f"{b}.ssm_conv1d.bias", (conv_dim,), 0.0)
     w.tensor(f"{b}.ssm_dt.bias", (SSM_HEADS,), _ssm_dt_bias)
     w.tensor(f"{b}.ssm_a", (1, SSM_HEADS), _ssm_a)
     w.tensor(f"{b}.ssm_d", (1, SSM_HEADS), 1.0)
-    w.tensor(f"{b}.ssm_norm.weight", (SSM_INNER // SSM_GROUPS, SSM_GROUPS), 1.0)
-    w.tensor(f"{b}.ssm_out.weight", (SSM_INNER, N_EMBD))
+    w.tensor(f"{b}.ssm_norm.weight", (s.ssm_inner // SSM_GROUPS, SSM_GROUPS), 1.0)
+    w.tensor(f"{b}.ssm_out.weight", (s.ssm_inner, s.n_embd))
 
 
-def _attention(w: _Writer, i: int, *, q_out: int = N_HEAD * HEAD, qk_norm: bool = False) -> None:
+def _attention(w: _Writer, i: int, *, q_out: int | None = None, qk_norm: bool = False) -> None:
+    s = w.shape
+    q_out = s.n_head * s.head if q_out is None else q_out
     b = f"blk.{i}"
-    w.tensor(f"{b}.attn_q.weight", (N_EMBD, q_out))
-    w.tensor(f"{b}.attn_k.weight", (N_EMBD, N_HEAD_KV * HEAD))
-    w.tensor(f"{b}.attn_v.weight", (N_EMBD, N_HEAD_KV * HEAD))
-    w.tensor(f"{b}.attn_output.weight", (N_HEAD * HEAD, N_EMBD))
+    w.tensor(f"{b}.attn_q.weight", (s.n_embd, q_out))
+    w.tensor(f"{b}.attn_k.weight", (s.n_embd, s.n_head_kv * s.head))
+    w.tensor(f"{b}.attn_v.weight", (s.n_embd, s.n_head_kv * s.head))
+    w.tensor(f"{b}.attn_output.weight", (s.n_head * s.head, s.n_embd))
     if qk_norm:
-        w.tensor(f"{b}.attn_q_norm.weight", (HEAD,), 1.0)
-        w.tensor(f"{b}.attn_k_norm.weight", (HEAD,), 1.0)
+        w.tensor(f"{b}.attn_q_norm.weight", (s.head,), 1.0)
+        w.tensor(f"{b}.attn_k_norm.weight", (s.head,), 1.0)
 
 
 def _ffn(w: _Writer, i: int, *, norm_name: str = "ffn_norm.weight") -> None:
+    s = w.shape
     b = f"blk.{i}"
     if norm_name:
-        w.tensor(f"{b}.{norm_name}", (N_EMBD,), 1.0)
-    w.tensor(f"{b}.ffn_gate.weight", (N_EMBD, N_FF))
-    w.tensor(f"{b}.ffn_down.weight", (N_FF, N_EMBD))
-    w.tensor(f"{b}.ffn_up.weight", (N_EMBD, N_FF))
+        w.tensor(f"{b}.{norm_name}", (s.n_embd,), 1.0)
+    w.tensor(f"{b}.ffn_gate.weight", (s.n_embd, s.n_ff))
+    w.tensor(f"{b}.ffn_down.weight", (s.n_ff, s.n_embd))
+    w.tensor(f"{b}.ffn_up.weight", (s.n_embd, s.n_ff))
 
 
 # -- the architectures -------------------------------------------------------------------------
 
 def _mamba2(w: _Writer, n_layer: int) -> None:
     # src/models/mamba2.cpp; head_count 0 as convert_hf_to_gguf writes for Mamba
+    s = w.shape
     _common(w, n_layer, n_ff=0)
     w.u32("attention.head_count", 0)
     _mamba2_keys(w)
-    w.tensor("output_norm.weight", (N_EMBD,), 1.0)
+    w.tensor("output_norm.weight", (s.n_embd,), 1.0)
     for i in range(n_layer):
-        w.tensor(f"blk.{i}.attn_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"blk.{i}.attn_norm.weight", (s.n_embd,), 1.0)
         _mamba2_mixer(w, i)
 
 
@@ -268,84 +307,82 @@ def _lfm2_attention_layers(n_layer: int) -> list[bool]:
 
 def _lfm2(w: _Writer, n_layer: int) -> None:
     # src/models/lfm2.cpp: a layer is a short convolution iff its head_count_kv is 0
+    s = w.shape
     if n_layer < 2:
         raise ValueError("lfm2 needs at least 2 layers (conv, attn)")
     attn = _lfm2_attention_layers(n_layer)
     _common(w, n_layer)
-    w.u32("attention.head_count", N_HEAD)
-    w.i32_array("attention.head_count_kv", [N_HEAD_KV if a else 0 for a in attn])
+    w.u32("attention.head_count", s.n_head)
+    w.i32_array("attention.head_count_kv", [s.n_head_kv if a else 0 for a in attn])
     w.f32("rope.freq_base", 1_000_000.0)
     w.u32("shortconv.l_cache", 3)
-    w.tensor("token_embd_norm.weight", (N_EMBD,), 1.0)   # LFM2's output norm is named so
+    w.tensor("token_embd_norm.weight", (s.n_embd,), 1.0)   # LFM2's output norm is named so
     for i, a in enumerate(attn):
         b = f"blk.{i}"
         _ffn(w, i)
-        w.tensor(f"{b}.attn_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"{b}.attn_norm.weight", (s.n_embd,), 1.0)
         if a:
-            _attention(w, i, q_out=N_EMBD, qk_norm=True)
+            _attention(w, i, q_out=s.n_embd, qk_norm=True)
         else:
-            w.tensor(f"{b}.shortconv.conv.weight", (3, N_EMBD))
-            w.tensor(f"{b}.shortconv.in_proj.weight", (N_EMBD, 3 * N_EMBD))
-            w.tensor(f"{b}.shortconv.out_proj.weight", (N_EMBD, N_EMBD))
+            w.tensor(f"{b}.shortconv.conv.weight", (3, s.n_embd))
+            w.tensor(f"{b}.shortconv.in_proj.weight", (s.n_embd, 3 * s.n_embd))
+            w.tensor(f"{b}.shortconv.out_proj.weight", (s.n_embd, s.n_embd))
 
 
 QWEN35_ATTENTION_INTERVAL = 4
-# gated delta net: 2 key heads and 2 value heads of 32 (head_v_dim = inner / v heads = state)
-GDN_STATE = 32
-GDN_K_HEADS = 2
-GDN_V_HEADS = 2
 
 
 def _qwen35(w: _Writer, n_layer: int) -> None:
     # src/models/qwen35.cpp: layer i is full attention iff (i + 1) % interval == 0
+    s = w.shape
     if n_layer < QWEN35_ATTENTION_INTERVAL:
         raise ValueError(f"qwen35 needs at least {QWEN35_ATTENTION_INTERVAL} layers (one attention layer)")
     _common(w, n_layer)
-    w.u32("attention.head_count", N_HEAD)
-    w.u32("attention.head_count_kv", N_HEAD_KV)
-    w.u32("attention.key_length", HEAD)
-    w.u32("attention.value_length", HEAD)
-    w.u32("rope.dimension_count", HEAD)
+    w.u32("attention.head_count", s.n_head)
+    w.u32("attention.head_count_kv", s.n_head_kv)
+    w.u32("attention.key_length", s.head)
+    w.u32("attention.value_length", s.head)
+    w.u32("rope.dimension_count", s.head)
     w.i32_array("rope.dimension_sections", [6, 5, 5, 0])     # sums to rope dims / 2
     w.f32("rope.freq_base", 10_000_000.0)
     w.u32("full_attention_interval", QWEN35_ATTENTION_INTERVAL)
-    key_dim, value_dim = GDN_STATE * GDN_K_HEADS, GDN_STATE * GDN_V_HEADS
+    key_dim, value_dim = s.gdn_state * s.gdn_k_heads, s.gdn_state * s.gdn_v_heads
     w.u32("ssm.conv_kernel", 4)
     w.u32("ssm.inner_size", value_dim)
-    w.u32("ssm.state_size", GDN_STATE)
-    w.u32("ssm.time_step_rank", GDN_V_HEADS)
-    w.u32("ssm.group_count", GDN_K_HEADS)
-    w.tensor("output_norm.weight", (N_EMBD,), 1.0)
+    w.u32("ssm.state_size", s.gdn_state)
+    w.u32("ssm.time_step_rank", s.gdn_v_heads)
+    w.u32("ssm.group_count", s.gdn_k_heads)
+    w.tensor("output_norm.weight", (s.n_embd,), 1.0)
     for i in range(n_layer):
         b = f"blk.{i}"
-        w.tensor(f"{b}.attn_norm.weight", (N_EMBD,), 1.0)
-        w.tensor(f"{b}.post_attention_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"{b}.attn_norm.weight", (s.n_embd,), 1.0)
+        w.tensor(f"{b}.post_attention_norm.weight", (s.n_embd,), 1.0)
         if (i + 1) % QWEN35_ATTENTION_INTERVAL == 0:
-            _attention(w, i, q_out=N_HEAD * HEAD * 2, qk_norm=True)   # query + gate
+            _attention(w, i, q_out=s.n_head * s.head * 2, qk_norm=True)   # query + gate
         else:
-            w.tensor(f"{b}.attn_qkv.weight", (N_EMBD, 2 * key_dim + value_dim))
-            w.tensor(f"{b}.attn_gate.weight", (N_EMBD, value_dim))
+            w.tensor(f"{b}.attn_qkv.weight", (s.n_embd, 2 * key_dim + value_dim))
+            w.tensor(f"{b}.attn_gate.weight", (s.n_embd, value_dim))
             w.tensor(f"{b}.ssm_conv1d.weight", (4, 2 * key_dim + value_dim))
-            w.tensor(f"{b}.ssm_dt.bias", (GDN_V_HEADS,), _ssm_dt_bias)
-            w.tensor(f"{b}.ssm_a", (GDN_V_HEADS,), _ssm_a)
-            w.tensor(f"{b}.ssm_beta.weight", (N_EMBD, GDN_V_HEADS))
-            w.tensor(f"{b}.ssm_alpha.weight", (N_EMBD, GDN_V_HEADS))
-            w.tensor(f"{b}.ssm_norm.weight", (GDN_STATE,), 1.0)
-            w.tensor(f"{b}.ssm_out.weight", (value_dim, N_EMBD))
+            w.tensor(f"{b}.ssm_dt.bias", (s.gdn_v_heads,), _ssm_dt_bias)
+            w.tensor(f"{b}.ssm_a", (s.gdn_v_heads,), _ssm_a)
+            w.tensor(f"{b}.ssm_beta.weight", (s.n_embd, s.gdn_v_heads))
+            w.tensor(f"{b}.ssm_alpha.weight", (s.n_embd, s.gdn_v_heads))
+            w.tensor(f"{b}.ssm_norm.weight", (s.gdn_state,), 1.0)
+            w.tensor(f"{b}.ssm_out.weight", (value_dim, s.n_embd))
         _ffn(w, i, norm_name="")
 
 
 RWKV_HEAD = 32
 RWKV_LORA = 8
-RWKV_FF = 4 * N_EMBD
 
 
 def _rwkv7(w: _Writer, n_layer: int) -> None:
     # src/models/rwkv7.cpp
-    w.u32("context_length", N_CTX_TRAIN)
-    w.u32("embedding_length", N_EMBD)
+    s = w.shape
+    w.u32("context_length", s.n_ctx_train)
+    w.u32("embedding_length", s.n_embd)
     w.u32("block_count", n_layer)
-    w.u32("feed_forward_length", RWKV_FF)
+    w.u32("feed_forward_length", s.rwkv_ff)
     w.u32("vocab_size", _n_vocab())
     w.u32("attention.head_count", 0)
     w.f32("attention.layer_norm_epsilon", 1e-5)
@@ -353,7 +390,7 @@ def _rwkv7(w: _Writer, n_layer: int) -> None:
     for key in ("decay_lora_rank", "iclr_lora_rank", "value_residual_mix_lora_rank", "gate_lora_rank"):
         w.u32(f"attention.{key}", RWKV_LORA)
     w.u32("token_shift_count", 2)
-    E, L = N_EMBD, RWKV_LORA
+    E, L = s.n_embd, RWKV_LORA
     w.tensor("token_embd.weight", (E, _n_vocab()), "embedding", q8=True)
     w.tensor("token_embd_norm.weight", (E,), 1.0)
     w.tensor("token_embd_norm.bias", (E,), 0.0)
@@ -385,23 +422,24 @@ def _rwkv7(w: _Writer, n_layer: int) -> None:
         for m in ("key", "value", "receptance", "output"):
             w.tensor(f"{b}.time_mix_{m}.weight", (E, E))
         w.tensor(f"{b}.channel_mix_lerp_k.weight", (E, 1, 1), uniform)
-        w.tensor(f"{b}.channel_mix_key.weight", (E, RWKV_FF))
-        w.tensor(f"{b}.channel_mix_value.weight", (RWKV_FF, E))
+        w.tensor(f"{b}.channel_mix_key.weight", (E, s.rwkv_ff))
+        w.tensor(f"{b}.channel_mix_value.weight", (s.rwkv_ff, E))
 
 
 def _granitehybrid(w: _Writer, n_layer: int) -> None:
     # src/models/granite-hybrid.cpp: a layer is Mamba-2 iff its head_count_kv is 0
+    s = w.shape
     if n_layer < 2:
         raise ValueError("granitehybrid needs at least 2 layers (mamba2, attn)")
     attn = _lfm2_attention_layers(n_layer)
     _common(w, n_layer)
-    w.u32("attention.head_count", N_HEAD)
-    w.i32_array("attention.head_count_kv", [N_HEAD_KV if a else 0 for a in attn])
+    w.u32("attention.head_count", s.n_head)
+    w.i32_array("attention.head_count_kv", [s.n_head_kv if a else 0 for a in attn])
     w.f32("rope.freq_base", 10_000.0)
     _mamba2_keys(w)
-    w.tensor("output_norm.weight", (N_EMBD,), 1.0)
+    w.tensor("output_norm.weight", (s.n_embd,), 1.0)
     for i, a in enumerate(attn):
-        w.tensor(f"blk.{i}.attn_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"blk.{i}.attn_norm.weight", (s.n_embd,), 1.0)
         if a:
             _attention(w, i)
         else:
@@ -412,31 +450,33 @@ def _granitehybrid(w: _Writer, n_layer: int) -> None:
 def _falcon_h1(w: _Writer, n_layer: int) -> None:
     # src/models/falcon-h1.cpp: every layer has a Mamba-2 mixer and attention in parallel.
     # Its loader names the FFN norm "blk.N.ffn_norm", without ".weight".
+    s = w.shape
     _common(w, n_layer)
-    w.u32("attention.head_count", N_HEAD)
-    w.u32("attention.head_count_kv", N_HEAD_KV)
-    w.u32("attention.key_length", HEAD)
-    w.u32("attention.value_length", HEAD)
+    w.u32("attention.head_count", s.n_head)
+    w.u32("attention.head_count_kv", s.n_head_kv)
+    w.u32("attention.key_length", s.head)
+    w.u32("attention.value_length", s.head)
     w.f32("rope.freq_base", 10_000.0)
     _mamba2_keys(w)
-    w.tensor("output_norm.weight", (N_EMBD,), 1.0)
+    w.tensor("output_norm.weight", (s.n_embd,), 1.0)
     for i in range(n_layer):
         _mamba2_mixer(w, i)
         _attention(w, i)
-        w.tensor(f"blk.{i}.attn_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"blk.{i}.attn_norm.weight", (s.n_embd,), 1.0)
         _ffn(w, i, norm_name="ffn_norm")
 
 
 def _llama(w: _Writer, n_layer: int) -> None:
     # src/models/llama.cpp
+    s = w.shape
     _common(w, n_layer)
-    w.u32("attention.head_count", N_HEAD)
-    w.u32("attention.head_count_kv", N_HEAD_KV)
-    w.u32("rope.dimension_count", HEAD)
+    w.u32("attention.head_count", s.n_head)
+    w.u32("attention.head_count_kv", s.n_head_kv)
+    w.u32("rope.dimension_count", s.head)
     w.f32("rope.freq_base", 10_000.0)
-    w.tensor("output_norm.weight", (N_EMBD,), 1.0)
+    w.tensor("output_norm.weight", (s.n_embd,), 1.0)
     for i in range(n_layer):
-        w.tensor(f"blk.{i}.attn_norm.weight", (N_EMBD,), 1.0)
+        w.tensor(f"blk.{i}.attn_norm.weight", (s.n_embd,), 1.0)
         _attention(w, i)
         _ffn(w, i)
 
@@ -446,13 +486,13 @@ _BUILDERS = {"mamba2": _mamba2, "lfm2": _lfm2, "qwen35": _qwen35, "rwkv7": _rwkv
 
 
 def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None,
-          chat_template: str | None = None) -> Path:
+          chat_template: str | None = None, shape: Shape = TINY) -> Path:
     """Write a tiny random-weight GGUF of ``arch`` to ``path`` (atomically) and return it.
 
     The same arch, seed and n_layer give the same bytes.  ``n_layer`` defaults to
     :data:`DEFAULT_LAYERS`; hybrids need enough layers for one attention layer.
     ``chat_template`` replaces SmolLM2's ``tokenizer.chat_template`` (a thinking model's,
-    from tests/templates/).
+    from tests/templates/).  ``shape`` gives other widths (:class:`Shape`).
     """
     if arch not in _BUILDERS:
         raise ValueError(f"unknown tiny architecture {arch!r} (choose from {', '.join(ARCHS)})")
@@ -460,7 +500,7 @@ def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None,
     n_layer = DEFAULT_LAYERS[arch] if n_layer is None else int(n_layer)
     if n_layer < 1:
         raise ValueError(f"n_layer must be positive, not {n_layer}")
-    w = _Writer(arch, seed, chat_template)
+    w = _Writer(arch, seed, chat_template, shape)
     _BUILDERS[arch](w, n_layer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -473,20 +513,21 @@ def build(arch: str, path: Path, *, seed: int = 0, n_layer: int | None = None,
 
 
 def file_name(arch: str, *, seed: int = 0, n_layer: int | None = None,
-              chat_template: str | None = None) -> str:
+              chat_template: str | None = None, shape: Shape = TINY) -> str:
     """The cache file name for these parameters (includes :data:`BUILD_VERSION`)."""
     n_layer = DEFAULT_LAYERS[arch] if n_layer is None else n_layer
     template = "" if chat_template is None else \
         f"-t{hashlib.sha256(chat_template.encode()).hexdigest()[:12]}"
-    return f"tiny-{arch}-L{n_layer}-s{seed}{template}-v{BUILD_VERSION}.gguf"
+    widths = f"-{shape.tag()}" if shape != TINY else ""
+    return f"tiny-{arch}-L{n_layer}-s{seed}{template}{widths}-v{BUILD_VERSION}.gguf"
 
 
 def cached(arch: str, folder: Path, *, seed: int = 0, n_layer: int | None = None,
-           chat_template: str | None = None) -> Path:
+           chat_template: str | None = None, shape: Shape = TINY) -> Path:
     """``folder/<file_name>``, built unless already there (many tests share one file)."""
-    path = Path(folder) / file_name(arch, seed=seed, n_layer=n_layer, chat_template=chat_template)
+    path = Path(folder) / file_name(arch, seed=seed, n_layer=n_layer, chat_template=chat_template, shape=shape)
     if not path.is_file():
-        build(arch, path, seed=seed, n_layer=n_layer, chat_template=chat_template)
+        build(arch, path, seed=seed, n_layer=n_layer, chat_template=chat_template, shape=shape)
     return path
 
 
