@@ -2,10 +2,12 @@
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
-                                         [--against TREE] [--json out.json]
+                                         [--against TREE] [--model smollm|lfm2-wide] [--json out.json]
 
-SmolLM2 with the app's context settings (q8_0 K and V, flash attention, a unified cache
-with a scratch sequence), the context just large enough for the largest size.  For each
+SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
+attention widths, random weights: :data:`MODELS`) with the app's context settings (q8_0 K
+and V, flash attention, a unified cache with a scratch sequence), the context just large
+enough for the largest size.  For each
 size a long prose prompt is prefilled and answered, and saved at the same token: as
 one full checkpoint, as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
