@@ -139,3 +139,48 @@ def test_a_wider_shape_widens_the_state_as_its_widths_say(tmp_path, tiny_model_p
     attention_layers = sum(tinymodels._lfm2_attention_layers(tinymodels.DEFAULT_LAYERS["lfm2"]))
     extra_values = (wide.n_head_kv * wide.head) - (tinymodels.TINY.n_head_kv * tinymodels.TINY.head)
     assert growth["wide"] - growth["tiny"] == attention_layers * 2 * extra_values // 32 * 34
+
+
+def _decode_in_batches(ctx: Context, tokens: list[int], pos0: int) -> None:
+    step = SETTINGS.n_batch
+    for i in range(0, len(tokens), step):
+        ctx.decode(tokens[i:i + step], pos0 + i)
+
+
+def _seq_state(ctx: Context, flags: int = 0) -> bytes:
+    size = ctx.state_size(0, flags)
+    buf = np.empty(size, dtype=np.uint8)
+    return bytes(buf[:ctx.state_get_into(buf, size, 0, flags)])
+
+
+@pytest.mark.parametrize("arch", [a for a in tinymodels.ARCHS if tinymodels.KIND[a] != "attention"])
+def test_a_turn_ends_state_comes_back_from_a_later_one_and_its_recurrent_part(arch, tiny_model_path):
+    """What engine.snapshots relies on, and a head that absorbs a hybrid's turns would: the
+    state after 600 tokens, then the recurrent part (PARTIAL_ONLY) saved after 333 put
+    back, lets llama.cpp drop the attention cells from 333 on; the sequence is then byte
+    for byte the state saved at 333, and the next logits are bit-identical.  A hybrid's
+    recurrent part is its full state's first 8 bytes and its tail (a writer can take it
+    from a file)."""
+    with Model(tiny_model_path(arch)) as model, Context(model, SETTINGS) as ctx:
+        tokens = (model.tokenize_prompt(PROMPT) * 40)[:200]
+        turn_end, later = 120, 200
+        _decode_in_batches(ctx, tokens[:turn_end], 0)
+        at_turn, recurrent = _seq_state(ctx), _seq_state(ctx, PARTIAL_ONLY)
+        _decode_in_batches(ctx, tokens[turn_end:later], turn_end)
+        at_later = _seq_state(ctx)
+        assert not ctx.seq_rm(0, turn_end, -1)          # the recurrent state ends past the cut
+        ctx.clear()
+        assert ctx.state_set_from(np.frombuffer(at_later, np.uint8), len(at_later), 0)
+        assert ctx.state_set_from(np.frombuffer(recurrent, np.uint8), len(recurrent), 0, PARTIAL_ONLY)
+        assert ctx.seq_rm(0, turn_end, -1)
+        assert _seq_state(ctx) == at_turn
+        ctx.decode([tokens[turn_end]], turn_end)
+        from_later = ctx.logits_last().copy()
+        ctx.clear()
+        assert ctx.state_set_from(np.frombuffer(at_turn, np.uint8), len(at_turn), 0)
+        ctx.decode([tokens[turn_end]], turn_end)
+        assert ctx.logits_last().tobytes() == from_later.tobytes()
+    if tinymodels.KIND[arch] == "hybrid":
+        assert recurrent == at_turn[:8] + at_turn[len(at_turn) - len(recurrent) + 8:]
+    else:
+        assert recurrent == at_turn                    # PARTIAL_ONLY is ignored: the whole state
