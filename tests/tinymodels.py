@@ -26,14 +26,13 @@ llama           attention   2 plain attention layers: the control
 ==============  ==========  ===============================================================
 
 Shapes (:data:`TINY`, the default :class:`Shape`): ``n_embd`` 64, attention head size 32
-(head size 16 fails to create a context with the default q8_0 KV cache), 2 query heads
-and 1 KV head.  ``token_embd`` (and
-RWKV-7's separate ``output``) are Q8_0 (49,152 x 64: 3.3 MB instead of 12.6 MB in F32);
-every other tensor is F32, with small values so logits stay finite.  Tensor names and
-shapes follow ``load_arch_tensors`` of ``src/models/<arch>.cpp`` in the vendored
-llama.cpp, hyperparameter keys its ``load_arch_hparams`` and ``src/llama-arch.cpp``;
-llama.cpp refuses a file with one tensor too many or too few, so each builder writes
-exactly the tensors its loader creates.
+(head size 16 fails to create a context with the default q8_0 KV cache), 2 query heads and
+1 KV head.  ``token_embd`` (and RWKV-7's separate ``output``) are Q8_0 (49,152 x 64: 3.3
+MB instead of 12.6 MB in F32); every other tensor is F32, with small values so logits stay
+finite.  Tensor names and shapes follow ``load_arch_tensors`` of ``src/models/<arch>.cpp``
+in the vendored llama.cpp, hyperparameter keys its ``load_arch_hparams`` and
+``src/llama-arch.cpp``; llama.cpp refuses a file with one tensor too many or too few, so
+each builder writes exactly the tensors its loader creates.
 
 All seven load and generate with this llama.cpp; none had to be skipped.
 
@@ -72,7 +71,6 @@ KIND = {
 BUILD_VERSION = 2
 
 
-
 @dataclass(frozen=True)
 class Shape:
     """The widths a model is built with.  The default is the fixtures' (a few MB, every
@@ -96,6 +94,7 @@ class Shape:
 
     @property
     def rwkv_ff(self) -> int:
+        """RWKV-7's channel-mix size: 4 x n_embd."""
         return 4 * self.n_embd
 
     def tag(self) -> str:
