@@ -5,10 +5,10 @@
                                          [--against TREE] [--model smollm|lfm2-wide] [--json out.json]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
-attention widths, random weights: :data:`MODELS`) with the app's context settings (q8_0 K
-and V, flash attention, a unified cache with a scratch sequence), the context just large
-enough for the largest size.  For each
-size a long prose prompt is prefilled and answered, and saved at the same token: as
+attention widths, random weights, its files in a folder of their own: :data:`MODELS`) with
+the app's context settings (q8_0 K and V, flash attention, a unified cache with a scratch
+sequence), the context just large enough for the largest size.  For each size a long prose
+prompt is prefilled and answered, and saved at the same token: as
 one full checkpoint, as a chain written as an answer's line is (the prompt's file,
 then an autosave every 16 generated tokens and the pause that ends the answer: three
 deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
@@ -298,8 +298,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
     # messages once in the metadata): files made before are made again
-    on = f"-{model.stem}" if model else ""
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}{on}-heads-absorb.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-heads-absorb.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
