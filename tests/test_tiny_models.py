@@ -9,10 +9,13 @@ hybrids.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import tinymodels
 
+from engine.snapshots import PromptSnapshot
 from native.context import Context, ContextSettings
 from native.library import bindings
 from native.model import Model
@@ -129,9 +132,9 @@ def test_a_wider_shape_widens_the_state_as_its_widths_say(tmp_path, tiny_model_p
     assert tinymodels.file_name("lfm2", shape=wide) != tinymodels.file_name("lfm2")
     assert tinymodels.digest(tinymodels.build("lfm2", tmp_path / "default.gguf", shape=tinymodels.TINY)) \
         == tinymodels.digest(tiny_model_path("lfm2"))
+    wide_path = tinymodels.build("lfm2", tmp_path / "wide.gguf", shape=wide)
     growth = {}
-    for name, path in (("tiny", tiny_model_path("lfm2")), ("wide", tinymodels.build("lfm2", tmp_path / "w.gguf",
-                                                                                     shape=wide))):
+    for name, path in (("tiny", tiny_model_path("lfm2")), ("wide", wide_path)):
         with Model(path) as model:
             tokens = (model.tokenize_prompt(PROMPT) * 8)[:64]
             sizes = state_sizes(model, tokens, (1, 64))
@@ -141,39 +144,36 @@ def test_a_wider_shape_widens_the_state_as_its_widths_say(tmp_path, tiny_model_p
     assert growth["wide"] - growth["tiny"] == attention_layers * 2 * extra_values // 32 * 34
 
 
-def _decode_in_batches(ctx: Context, tokens: list[int], pos0: int) -> None:
-    step = SETTINGS.n_batch
-    for i in range(0, len(tokens), step):
-        ctx.decode(tokens[i:i + step], pos0 + i)
-
-
-def _seq_state(ctx: Context, flags: int = 0) -> bytes:
-    size = ctx.state_size(0, flags)
-    buf = np.empty(size, dtype=np.uint8)
-    return bytes(buf[:ctx.state_get_into(buf, size, 0, flags)])
+def _state(ctx: Context, tokens: list[int], *, recurrent_only: bool = False) -> bytes:
+    """Sequence 0's state as engine.snapshots takes it."""
+    snapshot = PromptSnapshot.take(ctx, 0, tokens, None, recurrent_only=recurrent_only)
+    assert snapshot is not None
+    return bytes(snapshot.state)
 
 
 @pytest.mark.parametrize("arch", [a for a in tinymodels.ARCHS if tinymodels.KIND[a] != "attention"])
 def test_a_turn_ends_state_comes_back_from_a_later_one_and_its_recurrent_part(arch, tiny_model_path):
     """What engine.snapshots relies on, and a head that absorbs a hybrid's turns would: the
-    state after 600 tokens, then the recurrent part (PARTIAL_ONLY) saved after 333 put
-    back, lets llama.cpp drop the attention cells from 333 on; the sequence is then byte
-    for byte the state saved at 333, and the next logits are bit-identical.  A hybrid's
+    state after 200 tokens, then the recurrent part (PARTIAL_ONLY) saved after 120 put
+    back, lets llama.cpp drop the attention cells from 120 on; the sequence is then byte
+    for byte the state saved at 120, and the next logits are bit-identical.  A hybrid's
     recurrent part is its full state's first 8 bytes and its tail (a writer can take it
     from a file)."""
-    with Model(tiny_model_path(arch)) as model, Context(model, SETTINGS) as ctx:
+    settings = replace(SETTINGS, n_batch=256, n_ubatch=256)
+    with Model(tiny_model_path(arch)) as model, Context(model, settings) as ctx:
         tokens = (model.tokenize_prompt(PROMPT) * 40)[:200]
         turn_end, later = 120, 200
-        _decode_in_batches(ctx, tokens[:turn_end], 0)
-        at_turn, recurrent = _seq_state(ctx), _seq_state(ctx, PARTIAL_ONLY)
-        _decode_in_batches(ctx, tokens[turn_end:later], turn_end)
-        at_later = _seq_state(ctx)
+        ctx.decode(tokens[:turn_end], 0)
+        at_turn = _state(ctx, tokens[:turn_end])
+        recurrent = _state(ctx, tokens[:turn_end], recurrent_only=True)
+        ctx.decode(tokens[turn_end:later], turn_end)
+        at_later = _state(ctx, tokens[:later])
         assert not ctx.seq_rm(0, turn_end, -1)          # the recurrent state ends past the cut
         ctx.clear()
         assert ctx.state_set_from(np.frombuffer(at_later, np.uint8), len(at_later), 0)
         assert ctx.state_set_from(np.frombuffer(recurrent, np.uint8), len(recurrent), 0, PARTIAL_ONLY)
         assert ctx.seq_rm(0, turn_end, -1)
-        assert _seq_state(ctx) == at_turn
+        assert _state(ctx, tokens[:turn_end]) == at_turn
         ctx.decode([tokens[turn_end]], turn_end)
         from_later = ctx.logits_last().copy()
         ctx.clear()
