@@ -91,14 +91,14 @@ def _edit_times(rt, chain1, chain2, median_of) -> tuple[float, float]:
     # edit turn 2: restore the end of turn 1, decode the new turn (vs everything)
     messages = chain1[-1].meta["conversation"]["messages"]
     kept = [(m["role"], m["content"]) for m in messages[:2]]
-    k, n = turn_end(chain1, kept)   # (a point of a later head: restored, then trimmed to it)
+    k, n, point = turn_end(chain1, kept)   # (a point of a later head: restored, then trimmed to it)
 
     def edit():
         rt.restore_chain(chain2)
 
         def run():
             c = rt.restore_chain(chain1[:k])
-            c.tokens = c.tokens[:rt.trim(n)]
+            c.tokens = c.tokens[:rt.trim(n, point)]
             c.messages, c.answer = kept, None
             begin_answer(c, rt, "Now tell it in French.", n_predict=0)
             rt.prefill(c.tokens)
@@ -109,7 +109,7 @@ def _edit_times(rt, chain1, chain2, median_of) -> tuple[float, float]:
 
         def run():
             c = rt.restore_chain(chain1[:k])
-            c.tokens = c.tokens[:rt.trim(n)]
+            c.tokens = c.tokens[:rt.trim(n, point)]
             c.messages, c.answer = kept, None
             begin_answer(c, rt, "Now tell it in French.", n_predict=0)
             rt.trim(0)

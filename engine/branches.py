@@ -21,6 +21,7 @@ from pathlib import Path
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE, read_metadata
 from engine.checkpoints.graph import Graph
+from engine.checkpoints.points import Point, points_of
 from engine.checkpoints.store import Store
 from engine.conversation import transcript_of
 from engine.errors import CheckpointError
@@ -105,13 +106,13 @@ def _first_seen(message: Message, i: int, current: tuple, branches: Sequence[Bra
     return min(times) if times else 1 << 62
 
 
-def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int]:
-    """``(k, n)``: the first ``k`` files of ``chain`` (CheckpointData, base first), trimmed
-    to their first ``n`` tokens, are the state that holds exactly ``messages``, every answer
-    finished; ``(0, 0)``: none is (compacted away).  ``n`` is the k-th file's own token count,
-    or fewer where that file absorbed the turn's end as a point (metadata ``points``:
-    engine.history.LineWriter._merge_below; only an attention memory without a sliding
-    window, which trims exactly).
+def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int, Point | None]:
+    """``(k, n, point)``: the first ``k`` files of ``chain`` (CheckpointData, base first),
+    trimmed to their first ``n`` tokens, are the state that holds exactly ``messages``, every
+    answer finished; ``(0, 0, None)``: none is (compacted away).  ``n`` is the k-th file's
+    own token count, or fewer where that file absorbed the turn's end as a ``point``
+    (metadata ``points``, engine.checkpoints.points: the restore trims to it, putting its
+    recurrent state back first for a memory with a recurrent part; None: no point).
 
     Editing turn K restores that state (the end of turn K-1) and goes on from there as
     a continuation of it would, so the result is the same text as continuing a
@@ -124,29 +125,11 @@ def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int]:
         conv = data.meta.get("conversation")
         saved = Conversation.from_json(conv if isinstance(conv, dict) else {}, [])
         if saved.messages == wanted and not saved.paused:
-            return k, data.header.n_tokens
-        for n_tokens, n_messages in points_of(data):
-            if n_messages == len(wanted) and saved.messages[:n_messages] == wanted:
-                return k, n_tokens
-    return 0, 0
-
-
-def points_of(data) -> list[tuple[int, int]]:
-    """The turn ends a file holds before its own end, ``(tokens, messages)`` each, as its
-    metadata ``points`` records them; an entry that is not two counts within the file's own
-    cells (from its parent's end, before its own end) is ignored: metadata is untrusted."""
-    raw = data.meta.get("points")
-    header = data.header
-    out = []
-    for point in raw if isinstance(raw, list) else ():
-        if not isinstance(point, dict):
-            continue
-        n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
-        if (type(n_tokens) is int and type(n_messages) is int
-                and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
-                and n_messages >= 0):
-            out.append((n_tokens, n_messages))
-    return out
+            return k, data.header.n_tokens, None
+        for point in points_of(data):
+            if point.n_messages == len(wanted) and saved.messages[:point.n_messages] == wanted:
+                return k, point.n_tokens, point
+    return 0, 0, None
 
 
 def user_turn_index(messages: Sequence[Message], turn: int) -> int:

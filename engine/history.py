@@ -42,11 +42,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
 from engine.checkpoints.chain import common_prefix, settle, tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData, read_metadata
 from engine.checkpoints.graph import Graph, line_of
+from engine.checkpoints.points import Point
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import CheckpointError, SaveFailed
@@ -121,7 +124,9 @@ class SavingRuntime(Protocol):
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = ...,
              parent: SaveInfo | None = ..., *, line: str | None = ..., seq: int = ...,
              fresh: bool = ..., landing: Any = ..., upto: int | None = ...,
-             cut: int | None = ..., points: Sequence[tuple[int, int]] = ...) -> SaveInfo: ...
+             cut: int | None = ..., points: Sequence[Point] = ...) -> SaveInfo: ...
+
+    def recurrent_part(self) -> np.ndarray | None: ...
 
 
 class LineWriter:
@@ -337,7 +342,7 @@ class LineWriter:
                 cut = (idx, self.chain[idx].n_tokens - 1)
             else:
                 idx = below
-        points: list[tuple[int, int]] = []
+        points: list[Point] = []
         if cut is None and idx is not None and kind != KIND_AUTOSAVE:
             if self._ends_turn_with_cells(conv, idx):
                 idx, points = self._absorbed_by_head(idx, conv)
@@ -362,7 +367,8 @@ class LineWriter:
         except OSError as exc:   # the folder itself: full disk, permissions, a lock timeout
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
         if kind != KIND_AUTOSAVE and not conv.paused:   # a turn's end: a later head may absorb it
-            info = replace(info, turn_messages=tuple(tuple(m) for m in conv.messages))
+            info = replace(info, turn_messages=tuple(tuple(m) for m in conv.messages),
+                           turn_state=self._turn_state(info))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
             self._landing_info = info
@@ -444,7 +450,17 @@ class LineWriter:
         not a pause) with cells of its own (not a rename, nor a fork's metadata)."""
         return not conv.paused and len(self.runtime.kv_tokens) > self.chain[idx].n_tokens
 
-    def _absorbed_by_head(self, idx: int, conv: Conversation) -> tuple[int | None, list[tuple[int, int]]]:
+    def _turn_state(self, info: SaveInfo) -> np.ndarray | None:
+        """For a memory with a recurrent part, the recurrent part of the state at the end of
+        the turn ``info``'s file just ended (the cache's end: a head is saved whole), which
+        its point will carry when a later head absorbs it (engine.checkpoints.points)."""
+        shape = self.runtime.shape
+        if not (self.policy.merge_turns and shape.has_recurrent and shape.holds_points) \
+                or info.n_tokens != len(self.runtime.kv_tokens):
+            return None
+        return self.runtime.recurrent_part()
+
+    def _absorbed_by_head(self, idx: int, conv: Conversation) -> tuple[int | None, list[Point]]:
         """``(parent, points)`` for a head that ends a turn, to go on ``self.chain[idx]``:
         the head absorbs that file and the files below it (:meth:`_absorbed`, their turn ends
         recorded as its *points*) and goes on the file below them (None: a full file), so a
@@ -456,12 +472,15 @@ class LineWriter:
         than as a file: an Edit of a turn, a Regenerate, a fork or ``--from-turn`` restores
         the head and trims it there (engine.branches.turn_end), exactly, since an attention
         memory without a sliding window holds the same cells before a position whatever
-        follows (``cells_by_position``; a recurrent or sliding-window memory exists only at
-        a file's end, so it keeps a file per turn).  Their new line is cut from the head
-        (:meth:`_cut`), which stays its own line's head (engine.checkpoints.graph).  The
-        files absorbed are retired once the head is durable (superseded); a crash before
-        leaves them as they were."""
-        if not (self.policy.merge_turns and self.runtime.shape.cells_by_position):
+        follows; a memory with a recurrent part (recurrent, or a hybrid without a sliding
+        window) holds its recurrent state only at its end, so each point carries the
+        recurrent state at that turn's end, put back before the trim
+        (``holds_points``, engine.checkpoints.points; a sliding window keeps a file per
+        turn).  An attention memory's new line is cut from the head (:meth:`_cut`), which
+        stays its own line's head (engine.checkpoints.graph); a recurrent one's goes on the
+        head's parent and holds the cells from there again.  The files absorbed are retired
+        once the head is durable (superseded); a crash before leaves them as they were."""
+        if not (self.policy.merge_turns and self.runtime.shape.holds_points):
             return idx, []
         held = self._held_by_other_lines()
         j, points = self._absorbed(idx, conv, 0, held)
@@ -506,7 +525,7 @@ class LineWriter:
             return idx
         try:
             merged = self._save(then, last.kind, self.chain[j] if j >= 0 else None, upto=last.n_tokens,
-                                points=[*points, *last.points])
+                                points=[*points, *last.points])   # (attention only: no recurrent states)
         except (SaveFailed, OSError) as exc:   # the head still goes on the file it was going on
             log.warning("the turns before this one could not be merged: %s", exc)
             return idx
@@ -514,7 +533,7 @@ class LineWriter:
         return j + 1
 
     def _absorbed(self, top: int, conv: Conversation, rewritten: int,
-                  held: set[str]) -> tuple[int, list[tuple[int, int]]]:
+                  held: set[str]) -> tuple[int, list[Point]]:
         """``(j, points)``: the files ``chain[j+1..top]`` that a file written now absorbs (a
         head, _absorbed_by_head; a merged previous turn's end of ``rewritten`` bytes,
         _merge_below), and their turn ends; ``j`` is -1 where it absorbs the chain's base too
@@ -527,15 +546,19 @@ class LineWriter:
         below it), and a longer one from files of about that size.  Only a file this
         writer wrote on its own line (a delta on the whole file below it, or the line's
         own full base) that no other line's file builds on (a fork keeps what it was
-        forked from; the previous turn's end itself included)."""
-        points: list[tuple[int, int]] = []
+        forked from; the previous turn's end itself included), and for a memory with a
+        recurrent part, one whose turn end's recurrent state was taken (SaveInfo.turn_state)."""
+        points: list[Point] = []
         i = top
         while i >= 0:
             info, below = self.chain[i], self.chain[i - 1] if i else None
             if (rewritten + info.size > self.policy.merge_max_bytes or info.path.name in held
                     or not self._absorbable(info, below, conv)):
                 break
-            turn = [(info.n_tokens, len(info.turn_messages))] if info.turn_messages is not None else []
+            ended = info.turn_messages
+            if ended is not None and info.turn_state is None and self.runtime.shape.has_recurrent:
+                break
+            turn = [Point(info.n_tokens, len(ended), info.turn_state)] if ended is not None else []
             points = [*info.points, *turn, *points]
             rewritten += info.size
             i -= 1
@@ -586,7 +609,7 @@ class LineWriter:
 
     def _save(self, conv: Conversation, kind: int, parent: SaveInfo | None, landing=None,
               cut: int | None = None, upto: int | None = None,
-              points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
+              points: Sequence[Point] = ()) -> SaveInfo:
         """Write a new file of this line (Runtime.save's arguments) and count it as this
         writer's: its line's next sequence number, a file a later merge may absorb."""
         path = (self.store.new_autosave_path(conv.id) if kind == KIND_AUTOSAVE

@@ -101,6 +101,15 @@ class ModelShape:
         return self.memory == MEMORY_ATTENTION and not self.n_swa
 
     @property
+    def holds_points(self) -> bool:
+        """Whether a file can hold earlier turn ends within its own cells, as points
+        (engine.checkpoints.points): an attention memory without a sliding window, whose
+        cells before a point are the point's state; or a recurrent memory, or a hybrid
+        without a sliding window, whose points also carry their recurrent states (the
+        attention cells past a point then drop like any attention tail)."""
+        return self.cells_by_position or self.prefix_from_snapshot
+
+    @property
     def prefix_from_snapshot(self) -> bool:
         """Whether a prefix of the cache can be saved alone from a snapshot taken where it
         ends (engine.snapshots): a recurrent memory, or a hybrid without a sliding window,

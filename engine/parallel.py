@@ -51,13 +51,14 @@ import numpy as np
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
+from engine.checkpoints.points import Point
 from engine.conversation import Conversation
-from engine.errors import GenerationError, RestoreFailed, SaveFailed
+from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
 from engine.model_shape import MEMORY_ATTENTION, MEMORY_RECURRENT
 from engine.restore import peak_tokens, restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, recurrent_part
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -283,6 +284,16 @@ class ParallelRuntime:
         """Whether a checkpoint of ``kind`` of ``seq`` carries its logits (engine.runtime.logits_rule)."""
         return logits_rule(kind, paused, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
 
+    def _point_or_nearest(self, seq: int, n: int, point: Point | None) -> PromptSnapshot | None:
+        """What :meth:`trim` goes back to (Runtime._point_or_nearest)."""
+        held = self._held[seq]
+        if point is not None and point.n_tokens == n and point.recurrent is not None:
+            try:
+                return PromptSnapshot.of_point(held.tokens, point, self.shape.n_layer, self.target.recurrent_rows)
+            except CorruptState as exc:
+                log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
+        return held.snapshots.nearest(held.tokens, n)
+
     # -- decoding -------------------------------------------------------------------------
     def can_keep(self, seq: int, n: int) -> int:
         """How many tokens :meth:`trim` ``(seq, n)`` would keep; nothing changes.  What a
@@ -296,10 +307,11 @@ class ParallelRuntime:
         snapshot = held.snapshots.nearest(held.tokens, n)
         return 0 if snapshot is None else snapshot.n_tokens
 
-    def trim(self, seq: int, n: int) -> int:
+    def trim(self, seq: int, n: int, point: Point | None = None) -> int:
         """Keep only the first ``n`` tokens of ``seq``; returns how many were kept
         (a memory that cannot drop a tail, sliding window or recurrent, is emptied, unless
-        it goes back to the nearest snapshot at or before ``n``: see engine.snapshots)."""
+        it goes back to the nearest snapshot at or before ``n``: see engine.snapshots; or to
+        ``point``, a point at ``n`` of the file just restored, as Runtime.trim)."""
         held = self._held[seq]
         if n >= len(held.tokens):
             return len(held.tokens)
@@ -309,7 +321,7 @@ class ParallelRuntime:
             del held.tokens[cut:]
             held.window.cut(cut)
             self._forget_logits(seq)
-        elif (snapshot := held.snapshots.nearest(held.tokens, n)) is not None and snapshot.put_back(self.ctx, seq):
+        elif (snapshot := self._point_or_nearest(seq, n, point)) is not None and snapshot.put_back(self.ctx, seq):
             del held.tokens[snapshot.n_tokens:]
             held.window.cut(snapshot.n_tokens)
             self._forget_logits(seq)
@@ -587,6 +599,11 @@ class SequenceView:
         if self.seq is not None:
             self._prt.keep_step_snapshot(self.seq)
 
+    def recurrent_part(self) -> np.ndarray | None:
+        """As Runtime.recurrent_part, of this sequence."""
+        seq = self.seq
+        return recurrent_part(self.ctx, seq) if seq is not None and self.shape.has_recurrent else None
+
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx
         source = self.seq
@@ -684,9 +701,9 @@ class ConversationView(SequenceView):
         """Give the conversation a sequence (see the class docstring)."""
         return self._prt.place(self.key)
 
-    def trim(self, n: int) -> int:
+    def trim(self, n: int, point: Point | None = None) -> int:
         seq = self.seq
-        return 0 if seq is None else self._prt.trim(seq, n)
+        return 0 if seq is None else self._prt.trim(seq, n, point)
 
     def can_keep(self, n: int) -> int:
         seq = self.seq

@@ -39,13 +39,14 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.graph import default_line, line_of
-from engine.checkpoints.kvstate import check_state, check_state_for, relabel_state
+from engine.checkpoints.kvstate import check_recurrent_part, check_state, check_state_for, relabel_state
+from engine.checkpoints.points import Point, metadata_of, recurrent_parts
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
 from engine.restore import restore_into
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, recurrent_part
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -83,12 +84,15 @@ class SaveInfo:
     tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
     #: where a delta's cells start (its parent's end, or a cut); 0 for a full file
     parent_n_tokens: int = 0
-    #: turn ends of files it absorbed (engine.history.LineWriter._merge_below): (tokens,
-    #: messages) — the state after the first ``messages`` messages is its first ``tokens``
-    points: tuple[tuple[int, int], ...] = ()
+    #: turn ends of files it absorbed (engine.history.LineWriter._absorbed), each the state
+    #: after a first number of messages (engine.checkpoints.points)
+    points: tuple[Point, ...] = field(default=(), compare=False, repr=False)
     #: its conversation's messages when it ends a turn (no answer paused), for the files
     #: this process wrote: what a later head that absorbs it checks and records as a point
     turn_messages: tuple | None = field(default=None, compare=False, repr=False)
+    #: with ``turn_messages``, for a memory with a recurrent part: the recurrent part of the
+    #: state at its end, which that point carries (engine.checkpoints.points)
+    turn_state: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of_file(cls, data: CheckpointData) -> SaveInfo:
@@ -179,15 +183,17 @@ class Runtime:
         return logits_rule(kind, paused, self.has_logits(), self._logits_alone, self.shape)
 
     # -- bringing tokens into the cache ----------------------------------------------------
-    def trim(self, n: int) -> int:
+    def trim(self, n: int, point: Point | None = None) -> int:
         """Keep only the first ``n`` cached tokens; returns how many were kept.
 
         A memory that cannot drop a tail (sliding window past its window, recurrent) is
         cleared, unless a recurrent memory has a snapshot at or before ``n`` (the end of the
         last prompt, or one of its marks: engine.snapshots): it goes back to the nearest one,
-        and fewer than ``n`` tokens may be kept.  A sliding window restored from a file
-        holds only the window before the file's end: it is cut at most where the window
-        before the cut is whole (engine.snapshots.WindowCover), which may be fewer than ``n``.
+        and fewer than ``n`` tokens may be kept; or ``point``, a point at ``n`` of the file
+        just restored, whose recurrent state is put back (engine.checkpoints.points).  A
+        sliding window restored from a file holds only the window before the file's end: it
+        is cut at most where the window before the cut is whole
+        (engine.snapshots.WindowCover), which may be fewer than ``n``.
         """
         if n >= len(self.kv_tokens):
             return len(self.kv_tokens)
@@ -195,7 +201,7 @@ class Runtime:
         if cut > 0 and self.ctx.seq_rm(0, cut, -1):
             del self.kv_tokens[cut:]
             self._window.cut(cut)
-        elif (snapshot := self._snapshots.nearest(self.kv_tokens, n)) is not None and snapshot.put_back(self.ctx, 0):
+        elif (snapshot := self._point_or_nearest(n, point)) is not None and snapshot.put_back(self.ctx, 0):
             del self.kv_tokens[snapshot.n_tokens:]
             self._window.cut(snapshot.n_tokens)
             if snapshot.logits is not None:
@@ -211,6 +217,22 @@ class Runtime:
         else:
             self._forget_logits()
         return len(self.kv_tokens)
+
+    def _point_or_nearest(self, n: int, point: Point | None) -> PromptSnapshot | None:
+        """What :meth:`trim` goes back to: ``point`` (at ``n``, its state walked first: a point
+        that does not walk is not used), else the nearest snapshot at or before ``n``."""
+        if point is not None and point.n_tokens == n and point.recurrent is not None:
+            try:
+                return PromptSnapshot.of_point(self.kv_tokens, point, self.shape.n_layer,
+                                               self.target.recurrent_rows)
+            except CorruptState as exc:
+                log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
+        return self._snapshots.nearest(self.kv_tokens, n)
+
+    def recurrent_part(self) -> np.ndarray | None:
+        """The recurrent part of the cache's state now, as a point carries it
+        (engine.checkpoints.points); None where the memory has none or llama.cpp cannot give it."""
+        return recurrent_part(self.ctx, 0) if self.shape.has_recurrent else None
 
     def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
                 on_progress: Callable[[int, int], None] | None = None, marks: Sequence[int] = (),
@@ -341,7 +363,7 @@ class Runtime:
         }
 
     def _file_metadata(self, conv: Conversation, checkpoint_id: str, line: str, seq: int,
-                       points: Sequence[tuple[int, int]]) -> dict:
+                       points: Sequence[Point]) -> dict:
         """A new file's metadata: the conversation's, and the file's place in the store."""
         meta = self.metadata_for(conv)
         meta["checkpoint_id"] = checkpoint_id
@@ -349,13 +371,13 @@ class Runtime:
         if seq:
             meta["seq"] = seq
         if points:
-            meta["points"] = [{"n_tokens": t, "n_messages": m} for t, m in points]
+            meta["points"] = metadata_of(points)
         return meta
 
     def save(self, path: str | os.PathLike, conv: Conversation, kind: int = KIND_MANUAL,
              parent: SaveInfo | None = None, *, line: str | None = None, seq: int = 0,
              fresh: bool = False, landing=None, upto: int | None = None,
-             cut: int | None = None, points: Sequence[tuple[int, int]] = ()) -> SaveInfo:
+             cut: int | None = None, points: Sequence[Point] = ()) -> SaveInfo:
         """Write ``conv`` and the KV cache to ``path`` atomically.
 
         With ``parent`` (an earlier save of this conversation whose tokens are still a
@@ -374,8 +396,8 @@ class Runtime:
         (:func:`saves_one_short`).  ``cut``: the delta builds on only the parent's first
         ``cut`` tokens, which the cache shares with it (the parent's SaveInfo holds its
         tokens; a plain attention memory: engine.checkpoints.chain.can_cut).
-        ``points``: (tokens, messages) of earlier turn ends the file holds (metadata
-        ``points``, engine.checkpoints.format; engine.history.LineWriter._merge_below).
+        ``points``: earlier turn ends the file holds, with their recurrent states for a
+        memory with a recurrent part (engine.checkpoints.points; engine.history.LineWriter).
         """
         started = time.perf_counter()
         path = Path(path)
@@ -407,6 +429,10 @@ class Runtime:
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
                 check_state_for(header, state, self.target.recurrent_rows)
+            for point in points:
+                if point.recurrent is not None:
+                    check_recurrent_part(point.recurrent, point.n_tokens, header.n_layer,
+                                         self.target.recurrent_rows)
         except CorruptState as exc:
             raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
                              f"could not be loaded again ({exc}); nothing was saved") from exc
@@ -415,7 +441,7 @@ class Runtime:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(path, precondition=precondition, landing=landing) as f:
                 _, crc = write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32),
-                                        logits, state)
+                                        logits, state, point_states=recurrent_parts(points))
                 size = f.tell()
         except OSError as exc:
             reason = exc.strerror or str(exc)

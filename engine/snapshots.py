@@ -31,6 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.checkpoints.chain import tokens_digest
+from engine.checkpoints.kvstate import check_recurrent_part
+from engine.checkpoints.points import Point
+from engine.errors import CorruptState
 from native.context import STATE_RECURRENT_ONLY
 from native.errors import StateError
 
@@ -58,6 +61,18 @@ class PromptSnapshot:
         return cls(len(tokens), tokens_digest(tokens), buf[:written],
                    None if logits is None else np.array(logits, copy=True), recurrent_only)
 
+    @classmethod
+    def of_point(cls, tokens: Sequence[int], point: Point, n_layer: int,
+                 recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot:
+        """A file's point (engine.checkpoints.points) as the snapshot to go back to in a
+        sequence that holds ``tokens``, the file restored; its recurrent state walked first
+        (CorruptState), as a file's state is before llama.cpp sees a byte."""
+        if point.recurrent is None:
+            raise CorruptState("the point carries no recurrent state")
+        check_recurrent_part(point.recurrent, point.n_tokens, n_layer, recurrent_rows)
+        return cls(point.n_tokens, tokens_digest(tokens[:point.n_tokens]), point.recurrent, None,
+                   recurrent_only=True)
+
     def holds(self, tokens: Sequence[int], n: int) -> bool:
         """Whether this is the state after ``tokens[:n]``."""
         return n == self.n_tokens and len(tokens) >= n and tokens_digest(tokens[:n]) == self.digest
@@ -78,6 +93,17 @@ class PromptSnapshot:
             ctx.seq_rm(seq, -1, -1)
             return False
         return True
+
+
+def recurrent_part(ctx, seq: int) -> np.ndarray | None:
+    """The recurrent part of ``seq``'s state now, naming sequence 0 as a file holds it (a
+    point's: engine.checkpoints.points); None when llama.cpp cannot give it."""
+    snapshot = PromptSnapshot.take(ctx, seq, (), None, recurrent_only=True)
+    if snapshot is None:
+        return None
+    state = snapshot.state   # a fresh array of its own
+    state[4:8] = np.frombuffer((0).to_bytes(4, "little"), dtype=np.uint8)   # llama.cpp ignores it
+    return state
 
 
 class Shelf:

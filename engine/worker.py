@@ -94,6 +94,7 @@ from engine.sampling import SamplerSettings, random_seed
 from engine.sessions import RunningAnswer, SessionTable
 
 if TYPE_CHECKING:   # imported where used: loading a model is what pulls llama.cpp in
+    from engine.checkpoints.points import Point
     from engine.concurrent import Batcher
     from engine.parallel import ParallelRuntime
 
@@ -880,28 +881,29 @@ class EngineWorker:
     def _restore_turn_end(self, conv: Conversation, messages) -> None:
         """Put the state at the end of the turn before an edit into the cache, from the
         chain's file of it (exact for every model), when the chain still has one."""
-        files, n = self._files_of_history(conv, messages)
+        files, n, point = self._files_of_history(conv, messages)
         if files:
             view = self._view(conv)
             view.restore_chain(files)
-            view.trim(n)   # a turn end a later head absorbed (a point): exact, cells by position
+            view.trim(n, point)   # a turn end a later head absorbed (a point): exact
 
-    def _files_of_history(self, conv: Conversation, messages) -> tuple[list, int]:
+    def _files_of_history(self, conv: Conversation, messages) -> tuple[list, int, Point | None]:
         """The files of ``conv``'s chain whose state, trimmed to its first ``n`` tokens, holds
-        exactly ``messages``, every answer finished (engine.branches.turn_end), and ``n``;
-        ``([], 0)`` when no file holds that point (compacted away, or unreadable)."""
+        exactly ``messages``, every answer finished (engine.branches.turn_end), ``n``, and the
+        point to trim to (None: the last file's end); ``([], 0, None)`` when no file holds
+        that point (compacted away, or unreadable)."""
         from engine.branches import turn_end
         from engine.checkpoints.chain import load_chain
         writer = self.sessions.named(conv.id).writer
         if writer is None or not writer.chain:
-            return [], 0
+            return [], 0, None
         try:
             chain = load_chain(writer.chain[-1].path)
         except (CheckpointError, OSError) as exc:   # (OSError: deleted by another program)
             log.info("no file holds the turn's end (%s): its prompt is decoded", exc)
-            return [], 0
-        k, n = turn_end(chain, messages)
-        return chain[:k], n
+            return [], 0, None
+        k, n, point = turn_end(chain, messages)
+        return chain[:k], n, point
 
     def _do_edit_system_prompt(self, conv_id: uuid.UUID, text: str) -> None:
         conv = self._conv(conv_id)
@@ -952,12 +954,12 @@ class EngineWorker:
         fork = Conversation(id=new_id, title=f"{conv.title} (fork)", system_prompt=conv.system_prompt,
                             messages=list(kept), sampler=conv.sampler, stop_strings=list(conv.stop_strings))
         # the files of this conversation's chain that hold exactly those messages
-        files, n = self._files_of_history(conv, kept)
+        files, n, point = self._files_of_history(conv, kept)
         if files:
             fork.tokens = [int(t) for t in files[-1].tokens[:n]]
             view = self._view(fork)
             view.restore_chain(files)   # what the fork holds: shared files
-            view.trim(n)                # (a turn end a later head absorbed: a point)
+            view.trim(n, point)         # (a turn end a later head absorbed: a point)
             session = self.sessions.adopt(fork)
             fork_writer = self.sessions.set_writer(fork.id, LineWriter.starting(
                 view, self.store, default_line(fork.id), saved_infos(files)))

@@ -4,10 +4,11 @@ which an edit restores exactly (engine.branches.turn_end)."""
 
 from __future__ import annotations
 
-from engine.branches import points_of, turn_end
+from engine.branches import turn_end
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.format import KIND_MANUAL, KIND_PAUSE
 from engine.checkpoints.graph import Graph
+from engine.checkpoints.points import points_of
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.generation import begin_answer, commit_answer, generate
@@ -50,7 +51,7 @@ def test_a_conversation_of_many_turns_keeps_few_files(smollm_runtime, tmp_path):
     graph = Graph.scan(tmp_path / "now")
     assert {n.name for n in graph.nodes.values()} == {d.path.name for d in chain}, "absorbed files left behind"
     # every turn end before the last is in the chain: a file's own end or a point of one
-    ends = sorted({d.header.n_tokens for d in chain} | {n for d in chain for n, _m in points_of(d)})
+    ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
     assert ends == [h.n_tokens for h in heads]
     # no cell is stored twice: the files' states cover the tokens once
     assert sum(d.header.n_tokens - d.header.parent_n_tokens for d in chain) == len(conv.tokens)
@@ -80,10 +81,10 @@ def test_editing_any_turn_restores_its_end_exactly(smollm_runtime, tmp_path):
     try:
         for turn in range(2, 9):
             messages = conv.messages[:2 * (turn - 1)]   # the history before user turn ``turn``
-            k, n = turn_end(chain, messages)
+            k, n, _point = turn_end(chain, messages)
             assert k and n == heads[turn - 2].n_tokens, turn
             points += n < chain[k - 1].header.n_tokens
-            assert turn_end(old_chain, messages) == (turn - 1, n)
+            assert turn_end(old_chain, messages) == (turn - 1, n, None)
             answers = []
             for files, upto in ((chain[:k], n), (old_chain[:turn - 1], n)):
                 restored = fresh.restore_chain(files)
@@ -142,14 +143,15 @@ def test_a_pause_head_is_absorbed_without_a_point(smollm_runtime, tmp_path):
     heads += [_turn(rt, conv, writer, i, n_predict=16) for i in (2, 3)]
     chain = load_chain(heads[-1].path)
     ends = [d.header.n_tokens for d in chain]
-    points = [n for d in chain for n, _m in points_of(d)]
+    points = [p.n_tokens for d in chain for p in points_of(d)]
     assert paused.n_tokens not in ends + points and not paused.path.exists()
     assert sorted(ends + points) == [h.n_tokens for h in heads]
     assert len(chain) < len(heads)
 
 
-def test_recurrent_and_sliding_window_memories_keep_a_file_per_turn(gemma_path, tmp_path):
-    """A sliding window's state exists only at a file's end: no turn is absorbed."""
+def test_a_sliding_window_keeps_a_file_per_turn(gemma_path, tmp_path):
+    """A sliding window's state exists only at a file's end: no turn is absorbed (recurrent
+    and hybrid memories' points carry their recurrent states: tests/test_point_states.py)."""
     rt = Runtime(gemma_path, SETTINGS)
     try:
         _conv, _writer, heads = _chat(rt, Store(tmp_path), 4)
@@ -209,7 +211,7 @@ def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_r
     for turns in (5, 8, 9):   # after merges of several sizes
         conv, writer, heads = _chat(rt, store, turns, line=uuid.uuid4().hex)
         chain = load_chain(heads[-1].path)
-        assert len(chain) == 1 and heads[-2].n_tokens in [n for n, _m in points_of(chain[-1])]
+        assert len(chain) == 1 and heads[-2].n_tokens in [p.n_tokens for p in points_of(chain[-1])]
         branch = LineWriter.starting(rt, store, uuid.uuid4().hex, writer.chain)
         writer.close()
         conv.messages, conv.answer = conv.messages[:-2], None
@@ -240,7 +242,7 @@ def test_past_the_bound_a_head_absorbs_no_more(smollm_runtime, tmp_path):
     sizes = [d.path.stat().st_size for d in chain]
     assert max(sizes) <= bound + first[0].size, sizes   # (a turn's own file: first[0])
     assert 3 <= len(chain) < 12, sizes
-    ends = sorted({d.header.n_tokens for d in chain} | {n for d in chain for n, _m in points_of(d)})
+    ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
     assert ends == [h.n_tokens for h in heads]
 
 

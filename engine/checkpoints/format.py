@@ -15,6 +15,7 @@ All integers are little-endian.  The file is five sections back to back, then an
     tokens     tokens_len bytes: n_tokens_total int32 token ids
     logits     logits_len bytes: 0, or n_vocab float32 logits of the last KV position
     state      state_len bytes: the output of llama_state_seq_get_data for sequence 0
+               (with POINT_STATES, followed by the points' recurrent states: see Points)
     trailer    uint32 CRC32 of metadata+tokens+logits+state, then b"KVE1"
 
 Header (offsets in bytes)::
@@ -23,7 +24,8 @@ Header (offsets in bytes)::
       8  2  format_version   2 (1: files written before memory kinds, read as attention)
      10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA,
                              bit 3 CELL_EXT (version 2: the KV cells carry M-RoPE 2D
-                             positions, see kvstate); other bits must be 0
+                             positions, see kvstate), bit 4 POINT_STATES (version 2, a
+                             memory with a recurrent part: see Points); other bits must be 0
      12  4  header_len       256
      16 16  model_fingerprint  see engine.checkpoints.fingerprint
      32  8  model_size       bytes of the GGUF file
@@ -103,12 +105,25 @@ payload CRC a file had before an import rewrote its parent reference.  ``points`
 the files that ended those turns (engine.history.LineWriter._merge_below; an attention
 memory without a sliding window only): each ``{"n_tokens": T, "n_messages": M}`` says that
 the file's first T tokens are the state after the first M messages of its conversation,
-every answer finished; ``parent_n_tokens < T < n_tokens`` (engine.branches.points_of).  ``conversation``
+every answer finished; ``parent_n_tokens <= T < n_tokens`` (engine.checkpoints.points).  ``conversation``
 holds the chat itself (messages, the answer so far, sampler; a reader's transcript is
 engine.conversation.transcript_of; files written before 2026-12-04 also hold the same
 messages as ``transcript``), ``model`` names the model.  A reader treats
 every key as untrusted: a missing or mistyped key is a refusal with the reason, never
 an exception.
+
+Points of a memory with a recurrent part
+----------------------------------------
+A recurrent memory, or a hybrid without a sliding window, holds its recurrent state only
+after its last token, so a file's points carry the recurrent part of the state at each
+point (llama.cpp's ``PARTIAL_ONLY`` state of the sequence: magic, sequence id 0, and the
+recurrent block, see kvstate; engine.checkpoints.points).  Such a file has the
+POINT_STATES flag, each of its metadata's points says ``"recurrent_len": L`` (L > 0, at
+most ``LIMITS.max_points`` points), and its state section is llama.cpp's state followed
+by those blobs, back to back in the points' order: llama.cpp's part is ``state_len`` minus
+their sum.  A reader refuses a POINT_STATES file whose points do not say their lengths,
+or whose lengths leave llama.cpp's part empty; the payload CRC covers the blobs as any
+other state byte.  A reader from before the flag refuses the file (an unknown flag).
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
@@ -132,6 +147,7 @@ import re
 import struct
 import threading
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -141,6 +157,7 @@ import numpy as np
 from engine.checkpoints import mapped
 from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import crc32
+from engine.checkpoints.points import recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
     CorruptHeader,
@@ -165,7 +182,10 @@ FLAG_HAS_LOGITS = 1 << 0
 FLAG_PREFILL_PENDING = 1 << 1
 FLAG_DELTA = 1 << 2
 FLAG_CELL_EXT = 1 << 3
-KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA | FLAG_CELL_EXT
+FLAG_POINT_STATES = 1 << 4
+KNOWN_FLAGS = FLAG_HAS_LOGITS | FLAG_PREFILL_PENDING | FLAG_DELTA | FLAG_CELL_EXT | FLAG_POINT_STATES
+#: flags a version 1 file never has
+V2_FLAGS = FLAG_CELL_EXT | FLAG_POINT_STATES
 
 KIND_MANUAL, KIND_PAUSE, KIND_AUTOSAVE, KIND_EXIT = 0, 1, 2, 3
 KIND_NAMES = {KIND_MANUAL: "manual", KIND_PAUSE: "pause", KIND_AUTOSAVE: "autosave",
@@ -197,6 +217,8 @@ class Limits:
     max_head_dim: int = 4096
     #: bytes of one recurrent layer's R + S rows for one sequence (Mamba-2 7B: ~1 MB)
     max_recurrent_layer: int = 1 << 28
+    #: turn ends one file holds before its own end (metadata ``points``)
+    max_points: int = 1 << 12
 
 
 LIMITS = Limits()
@@ -256,6 +278,11 @@ class Header:
         return bool(self.flags & FLAG_HAS_LOGITS)
 
     @property
+    def has_point_states(self) -> bool:
+        """The state section ends with the recurrent states of the metadata's points."""
+        return bool(self.flags & FLAG_POINT_STATES)
+
+    @property
     def prefill_pending(self) -> bool:
         return bool(self.flags & FLAG_PREFILL_PENDING)
 
@@ -306,7 +333,9 @@ def max_state_len(h: Header) -> int:
     attention = caches * (64 + h.n_layer * per_layer + h.n_ctx * per_cell)
     if not h.has_recurrent:
         return attention
-    return attention + 64 + h.n_layer * (per_layer + LIMITS.max_recurrent_layer)
+    recurrent = 64 + h.n_layer * (per_layer + LIMITS.max_recurrent_layer)
+    points = LIMITS.max_points if h.has_point_states else 0
+    return attention + recurrent * (1 + points)
 
 
 def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIMITS) -> Header:
@@ -322,8 +351,10 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     if crc32(raw[:-4]) != crc:
         raise CorruptHeader("header checksum mismatch: the header is damaged")
     problems: list[str] = []
-    if flags & ~KNOWN_FLAGS or (version == 1 and flags & FLAG_CELL_EXT):
+    if flags & ~KNOWN_FLAGS or (version == 1 and flags & V2_FLAGS):
         problems.append(f"unknown flags 0x{flags:04x}")
+    elif flags & FLAG_POINT_STATES and memory not in (MEMORY_RECURRENT, MEMORY_HYBRID):
+        problems.append("point states without a recurrent memory")
     if version == 1:
         if memory or state_layout:
             problems.append("reserved fields are not zero")
@@ -538,13 +569,17 @@ class CheckpointData:
     meta: dict[str, Any]
     tokens: np.ndarray               # int32, n_tokens_total
     logits: np.ndarray | None        # float32, n_vocab
-    state: np.ndarray                # uint8, exactly state_len bytes
+    state: np.ndarray                # uint8, llama.cpp's state: state_len bytes less the points'
     path: Path                       # the file it was read from
     payload_crc: int = 0             # the trailer's CRC32, which children of a delta chain name
     #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice.
     #: Typed loosely because the chain module sits above this one (imports point one way).
     link_facts: object = field(default=None, repr=False, compare=False)
     pending_crc: _QueuedCrc | None = field(default=None, repr=False, compare=False)
+    #: POINT_STATES: the recurrent states of the metadata's points, after ``state`` in the
+    #: file (engine.checkpoints.points); empty otherwise, and when the state was not loaded
+    point_states: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), repr=False,
+                                     compare=False)
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -680,8 +715,10 @@ def byte_view(data: StateBytes) -> memoryview:
 
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
                    logits: np.ndarray | None, state: StateBytes,
-                   chunk: int = 2 << 20) -> tuple[Header, int]:
+                   chunk: int = 2 << 20, point_states: Sequence[StateBytes] = ()) -> tuple[Header, int]:
     """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
+    ``point_states``: the recurrent states of the metadata's points, after ``state``
+    (POINT_STATES, see the module docstring).
 
     The state is written in chunks straight from the caller's buffer (no second copy of
     it is made).  A payload of :data:`CRC_THREAD_MIN_BYTES` or more is checksummed on a
@@ -689,16 +726,19 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     """
     tokens_bytes = np.ascontiguousarray(tokens, dtype="<i4").tobytes()
     logits_bytes = b"" if logits is None else np.ascontiguousarray(logits, dtype="<f4").tobytes()
-    state_view = byte_view(state)
+    state_views = (byte_view(state), *(byte_view(p) for p in point_states if len(p)))
     flags = (FLAG_HAS_LOGITS if logits is not None else 0) | (
         FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0) | (
-        header.flags & (FLAG_DELTA | FLAG_CELL_EXT))
+        header.flags & (FLAG_DELTA | FLAG_CELL_EXT)) | (FLAG_POINT_STATES if len(state_views) > 1 else 0)
     header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
-                     logits_len=len(logits_bytes), state_len=len(state_view))
-    parts = tuple(memoryview(p).cast("B") for p in (meta_bytes, tokens_bytes, logits_bytes)) + (state_view,)
+                     logits_len=len(logits_bytes), state_len=sum(len(v) for v in state_views))
+    parts = tuple(memoryview(p).cast("B") for p in (meta_bytes, tokens_bytes, logits_bytes)) + state_views
     packed = pack_header(header)
     # the reader's own checks, before a byte is written: never write what cannot be read
     unpack_header(packed, header.file_len)
+    if _point_states_len(header, json.loads(meta_bytes) if header.has_point_states else {},
+                         LIMITS) != header.state_len - len(state_views[0]):
+        raise CorruptMetadata("the metadata's points do not say the lengths of their recurrent states")
     out.write(packed)
     if header.payload_len >= CRC_THREAD_MIN_BYTES:
         job = _CrcThread(parts, chunk)
@@ -778,6 +818,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
+        tail = _point_states_len(header, meta, limits)
         # tokens and logits in one read: the header's checks bound them by the file's length
         arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
         crc = crc32(arrays, crc)
@@ -814,12 +855,29 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job)
+    if tail and load_state:   # split after the checksum was given the whole section
+        data.state, data.point_states = state[:header.state_len - tail], state[header.state_len - tail:]
     try:
         data.tokens, data.logits = _token_arrays(header, tokens_view, logits_view)
     except CorruptMetadata:
         data.settle()   # damage is the reason, when the checksum says so
         raise
     return data
+
+
+def _point_states_len(header: Header, meta: dict[str, Any], limits: Limits) -> int:
+    """Bytes of the points' recurrent states at the end of the state section (0 without
+    POINT_STATES); CorruptMetadata where the metadata does not account for them."""
+    if not header.has_point_states:
+        return 0
+    lengths = recurrent_lengths(meta)
+    if lengths is None or len(lengths) > limits.max_points:
+        raise CorruptMetadata("the file says it holds its points' recurrent states, and its "
+                              "metadata does not list their lengths")
+    total = sum(lengths)
+    if total >= header.state_len:
+        raise CorruptMetadata("the points' recurrent states take the whole state section")
+    return total
 
 
 def _token_arrays(header: Header, tokens_view: memoryview,

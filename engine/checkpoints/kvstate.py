@@ -338,3 +338,16 @@ def check_state_for(header, state: StateBytes,
                        first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0,
                        memory=header.memory, n_swa=header.n_swa, recurrent_rows=recurrent_rows,
                        cell_ext=header.cell_ext)
+
+
+def check_recurrent_part(state: StateBytes, n_tokens: int, n_layer: int,
+                         recurrent_rows: tuple[int, ...] | None = None) -> None:
+    """Walk the recurrent part of a sequence's state after its first ``n_tokens`` tokens (a
+    point's, engine.checkpoints.points: llama.cpp's ``PARTIAL_ONLY`` state, magic and
+    sequence id 0, then the recurrent block of a model of ``n_layer`` layers)."""
+    r = _Reader(byte_view(state))
+    if r.u32("magic") != STATE_MAGIC:
+        raise CorruptState("a point's recurrent state does not start with llama.cpp's state magic")
+    if r.i32("sequence id") != 0:
+        raise CorruptState("a point's recurrent state is not for sequence 0")
+    _recurrent_block(r, n_tokens, n_layer, recurrent_rows)

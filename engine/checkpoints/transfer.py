@@ -301,7 +301,7 @@ def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef 
 
     with atomic_write(dest, precondition=name_still_free) as out:
         _, crc = write_sections(out, full.header, encode_metadata(meta), full.tokens,
-                                full.logits, full.state)
+                                full.logits, full.state, point_states=(full.point_states,))
         out.flush()
         copy = read_checkpoint(out.name, load_state=False)
         if copy.payload_crc != crc or copy.meta.get("checkpoint_id") != data.meta.get("checkpoint_id"):
@@ -329,5 +329,6 @@ def export_copy(src: Path, dest: Path) -> Path:
     meta["line"] = uuid.uuid4().hex
     meta.pop("seq", None)
     with atomic_write(Path(dest)) as out:
-        write_sections(out, full.header, encode_metadata(meta), full.tokens, full.logits, full.state)
+        write_sections(out, full.header, encode_metadata(meta), full.tokens, full.logits, full.state,
+                       point_states=(full.point_states,))
     return Path(dest)

@@ -184,14 +184,15 @@ class RunSession:
         if args.from_turn is not None and (self.chain is None or self.prompt is None):
             raise AppError("--from-turn K needs --checkpoint-load FILE and the new text of turn K (-p)")
         if self.chain is not None:
-            chain, kept, upto = self.chain, None, None
+            chain, kept, point = self.chain, None, None
             if args.from_turn is not None:
-                chain, kept, upto = self.chain_to_edit(args.from_turn)
+                chain, kept, point = self.chain_to_edit(args.from_turn)
             conv = self.restore_or_read_again(chain)
-            if kept is not None and upto is not None:   # a turn end absorbed as a point
+            if kept is not None and point is not None:   # a turn end absorbed as a point
                 conv.messages, conv.answer = kept, None
                 # (read again: the cache is empty, the tokens are decoded as they were)
-                conv.tokens = conv.tokens[:upto if self.read_again else rt.trim(upto)]
+                upto = point.n_tokens
+                conv.tokens = conv.tokens[:upto if self.read_again else rt.trim(upto, point)]
             elif kept is not None:      # turn K and what followed it stay on the old branch
                 conv.messages, conv.answer = kept, None
                 # the branch starts where that history ended, decoded as it was
@@ -249,9 +250,10 @@ class RunSession:
 
     def chain_to_edit(self, turn: int):
         """The files to restore for editing user turn ``turn``, the messages to keep of their
-        conversation and the tokens to keep of their state: the state at the end of the turn
+        conversation and the point to trim their state to: the state at the end of the turn
         before it when the chain still has that file (None, None), or a file that absorbed it
-        (the messages, the point's tokens), else the whole chain (the messages, None)."""
+        (the messages, its point: engine.checkpoints.points), else the whole chain (the
+        messages, None)."""
         from engine.branches import turn_end, user_turn_index
         from engine.checkpoints.chain import settle
         from engine.conversation import Conversation
@@ -271,14 +273,13 @@ class RunSession:
         except ValueError as exc:
             raise AppError(str(exc)) from None
         kept = full.messages[:index]
-        k, n = turn_end(chain, kept)
+        k, _n, point = turn_end(chain, kept)
         if k:
             # the file of exactly that history: restored as it was saved, so the new turn's
             # tokens follow its tokens as a continuation's would (a sliding-window or
             # recurrent memory depends on where each token was decoded); or a file that
-            # absorbed it, trimmed to it (a point: an attention memory, which trims exactly)
-            point = n < chain[k - 1].header.n_tokens
-            return chain[:k], (kept if point else None), (n if point else None)
+            # absorbed it, trimmed to it (a point; a recurrent part is put back first)
+            return chain[:k], (kept if point is not None else None), point
         return chain, kept, None
 
     def prepare_store(self, conv) -> None:

@@ -1,0 +1,99 @@
+"""Turn ends a file holds before its own end (metadata ``points``), and their recurrent states.
+
+A head that ends a turn absorbs the files below it that ended earlier turns
+(engine.history.LineWriter), so a conversation restores from one file.  Each absorbed
+turn end becomes a *point* of the head: the state after the conversation's first
+``n_messages`` messages is the head's first ``n_tokens`` tokens.  An attention memory
+without a sliding window gets that state back by trimming the head's cells.  A memory
+with a recurrent part (recurrent, or a hybrid without a sliding window) holds its
+recurrent state only after its last token, so each of its points also carries the
+recurrent part of the state at that point (llama.cpp's ``PARTIAL_ONLY`` state of the
+sequence, what ``engine.snapshots`` keeps in memory): putting it back, then dropping the
+attention cells past the point, gives the point's state byte for byte (measured on every
+recurrent and hybrid architecture, tests/test_tiny_models.py).
+
+On disk (engine.checkpoints.format, flag ``POINT_STATES``) those recurrent parts follow
+llama.cpp's state in the file's state section, in the order of the metadata's points,
+each entry saying its length as ``recurrent_len``.  This module is the one reader and
+writer of that metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Point:
+    """The state after a conversation's first ``n_messages`` messages, every answer
+    finished, is a file's first ``n_tokens`` tokens; ``recurrent``: the recurrent part of
+    that state (None for an attention memory, which trims exactly without it)."""
+    n_tokens: int
+    n_messages: int
+    recurrent: np.ndarray | None = None
+
+    def to_json(self) -> dict[str, int]:
+        entry = {"n_tokens": self.n_tokens, "n_messages": self.n_messages}
+        if self.recurrent is not None:
+            entry["recurrent_len"] = len(self.recurrent)
+        return entry
+
+
+def metadata_of(points: Sequence[Point]) -> list[dict[str, int]]:
+    """The metadata ``points`` of a file that holds ``points`` (their recurrent parts, in
+    the same order, after llama.cpp's state: :func:`recurrent_parts`)."""
+    return [p.to_json() for p in points]
+
+
+def recurrent_parts(points: Sequence[Point]) -> list[np.ndarray]:
+    """What follows llama.cpp's state in the state section of a file with ``points``."""
+    return [p.recurrent for p in points if p.recurrent is not None]
+
+
+def recurrent_lengths(meta: dict[str, Any]) -> list[int] | None:
+    """The lengths of the recurrent parts a file's metadata says its state section ends
+    with, in order; None where the metadata's points do not say them well (not a list of
+    objects, each with a non-negative integer ``recurrent_len``).  The format's reader
+    refuses a file with ``POINT_STATES`` that gets None."""
+    raw = meta.get("points")
+    if not isinstance(raw, list) or not raw:
+        return None
+    out = []
+    for point in raw:
+        length = point.get("recurrent_len") if isinstance(point, dict) else None
+        if type(length) is not int or length <= 0:
+            return None
+        out.append(length)
+    return out
+
+
+def points_of(data) -> list[Point]:
+    """The turn ends a file (CheckpointData) holds before its own end, as its metadata
+    ``points`` records them, each with its recurrent part where the file carries them;
+    an entry that is not two counts within the file's own cells (from its parent's end,
+    before its own end) is ignored: metadata is untrusted.  A file of a memory with a
+    recurrent part whose points carry no recurrent state (written before they did) has
+    none that can be used."""
+    raw = data.meta.get("points")
+    header = data.header
+    tail = getattr(data, "point_states", None)
+    lengths = recurrent_lengths(data.meta) if tail is not None and len(tail) else None
+    needs_state = header.has_recurrent
+    out, offset = [], 0
+    for i, point in enumerate(raw if isinstance(raw, list) else ()):
+        recurrent = None
+        if lengths is not None and tail is not None:
+            recurrent = tail[offset:offset + lengths[i]]
+            offset += lengths[i]
+        if not isinstance(point, dict) or (needs_state and recurrent is None):
+            continue
+        n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
+        if (type(n_tokens) is int and type(n_messages) is int
+                and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
+                and n_messages >= 0):
+            out.append(Point(n_tokens, n_messages, recurrent if needs_state else None))
+    return out

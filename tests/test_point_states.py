@@ -1,0 +1,231 @@
+"""A recurrent or hybrid conversation of many turns restores from one file: its head
+absorbs the turns before it, each turn end kept as a point that carries the recurrent part
+of the state there (engine.checkpoints.points), which an Edit, a fork or ``--from-turn``
+puts back before dropping the attention cells past it.
+
+Tiny random-weight models (tests/tinymodels.py) on every recurrent and hybrid
+architecture; exactness is the sequence state's bytes and the next answer's text, compared
+with the same conversation saved a file per turn (how it was stored before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import memkit
+import numpy as np
+import pytest
+from tinymodels import ARCHS, KIND
+
+from engine.branches import turn_end
+from engine.checkpoints.chain import load_chain
+from engine.checkpoints.crc import crc32
+from engine.checkpoints.format import (
+    HEADER_LEN,
+    KIND_MANUAL,
+    TRAILER_MAGIC,
+    pack_header,
+    read_checkpoint,
+    write_sections,
+)
+from engine.checkpoints.graph import Graph
+from engine.checkpoints.points import Point, points_of
+from engine.checkpoints.store import Store
+from engine.checkpoints.transfer import export_copy
+from engine.conversation import Conversation
+from engine.errors import CorruptMetadata, SaveFailed
+from engine.generation import begin_answer, commit_answer, generate
+from engine.history import ChainPolicy, LineWriter
+from engine.parallel import ParallelRuntime
+from engine.runtime import Runtime, relabel_as
+from engine.sampling import SamplerSettings
+
+WITH_RECURRENT = [a for a in ARCHS if KIND[a] != "attention"]
+TURNS = 4
+
+
+def _chat(rt, store: Store, policy: ChainPolicy = ChainPolicy()):
+    """``TURNS`` turns as the window makes them (a head after each answer)."""
+    rt.trim(0)
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    writer = LineWriter(rt, store, "line", policy=policy)
+    heads = []
+    for i in range(TURNS):
+        begin_answer(conv, rt, f"Question {i}: name a river and a hill.", n_predict=6)
+        generate(rt, conv)
+        commit_answer(conv)
+        heads.append(writer.save_head(conv, KIND_MANUAL))
+    return conv, heads
+
+
+def _state(ctx, seq: int = 0) -> bytes:
+    size = ctx.state_size(seq)
+    buf = np.empty(size, dtype=np.uint8)
+    return bytes(buf[:ctx.state_get_into(buf, size, seq)])
+
+
+def _edit(rt, files, n, point, messages) -> tuple[bytes, str]:
+    """Restore ``files``, go back to ``n`` (``point``: its recurrent state put back), then
+    ask another question: the state there and the new answer."""
+    conv = rt.restore_chain(files)
+    assert rt.trim(n, point) == n
+    assert rt.kv_tokens == [int(t) for t in files[-1].tokens[:n]]
+    state = _state(rt.ctx)
+    conv.tokens, conv.messages, conv.answer = conv.tokens[:n], list(messages), None
+    begin_answer(conv, rt, "Instead: name a mountain.", n_predict=6)
+    return state, generate(rt, conv).text
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_model_path, tmp_path_factory):
+    """Per arch: the conversation, its merged chain (now) and its chain of a file per turn
+    (before), written in one Runtime."""
+    made = {}
+
+    def layout(arch: str):
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(arch)
+            rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+            try:
+                conv, heads = _chat(rt, Store(folder / "now"))
+                before, old_heads = _chat(rt, Store(folder / "before"), ChainPolicy(merge_turns=False))
+            finally:
+                rt.close()
+            assert conv.tokens == before.tokens   # greedy: the same conversation either way
+            made[arch] = (conv, load_chain(heads[-1].path), load_chain(old_heads[-1].path), folder)
+        return made[arch]
+    return layout
+
+
+@pytest.mark.parametrize("arch", WITH_RECURRENT)
+def test_the_turns_are_one_file_whose_points_carry_their_recurrent_states(arch, layouts):
+    conv, chain, old_chain, folder = layouts(arch)
+    assert len(old_chain) == TURNS
+    assert len(chain) == 1 and chain[0].header.has_point_states, [d.header.n_tokens for d in chain]
+    points = points_of(chain[0])
+    assert [p.n_tokens for p in points] == [d.header.n_tokens for d in old_chain[:-1]]
+    assert all(p.recurrent is not None and len(p.recurrent) for p in points)
+    assert len(chain[0].state) + sum(len(p.recurrent) for p in points) == chain[0].header.state_len
+    graph = Graph.scan(folder / "now")
+    assert {n.name for n in graph.nodes.values()} == {chain[0].path.name}, "absorbed files left behind"
+
+
+@pytest.mark.parametrize("arch", WITH_RECURRENT)
+def test_every_turn_end_comes_back_byte_for_byte(arch, layouts, tiny_model_path):
+    """Each earlier turn's end from the merged head (restored, its point's recurrent state
+    put back, trimmed) is the state its own file gives, byte for byte, and the edit that
+    follows answers the same; without the recurrent state the point cannot be reached."""
+    conv, chain, old_chain, _folder = layouts(arch)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        for turn in range(2, TURNS + 1):
+            messages = conv.messages[:2 * (turn - 1)]
+            k, n, point = turn_end(chain, messages)
+            assert k == 1 and point is not None and n == old_chain[turn - 2].header.n_tokens
+            assert turn_end(old_chain, messages) == (turn - 1, n, None)
+            now = _edit(rt, chain[:k], n, point, messages)
+            before = _edit(rt, old_chain[:turn - 1], n, None, messages)
+            assert now == before, turn
+            rt.restore_chain(chain)
+            assert rt.trim(n) < n   # the point's recurrent state is what makes it exact
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+def test_a_conversation_of_a_parallel_context_goes_back_to_a_point(arch, layouts, tiny_model_path):
+    """The window's context (a sequence of a ParallelRuntime, not sequence 0) puts a point
+    back as the single-sequence Runtime does."""
+    conv, chain, old_chain, _folder = layouts(arch)
+    settings = dataclasses.replace(memkit.SETTINGS, n_seq_max=3)
+    prt = ParallelRuntime(tiny_model_path(arch), settings, sequences=2)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        messages = conv.messages[:2]
+        _k, n, point = turn_end(chain, messages)
+        prt.view_of("other").restore_chain(old_chain)   # sequence 0 taken: the next is another
+        view = prt.view_of("edit")
+        view.restore_chain(chain)
+        assert view.seq != 0 and view.trim(n, point) == n
+        rt.restore_chain(old_chain[:1])
+        state = np.frombuffer(_state(prt.ctx, view.seq), dtype=np.uint8).copy()
+        relabel_as(state, view, n_tokens=n, first_pos=0, source=view.seq, seq_id=0)   # as a file's
+        assert state.tobytes() == _state(rt.ctx)
+    finally:
+        prt.close()
+        rt.close()
+
+
+def test_a_damaged_point_state_is_not_put_back(layouts, tiny_model_path, tmp_path):
+    """A point whose recurrent state does not walk (its bytes damaged, the file's CRC made to
+    match) is never given to llama.cpp: going back reads the prompt again instead."""
+    conv, chain, _old, _folder = layouts("lfm2")
+    _k, n, point = turn_end(chain, conv.messages[:2])
+    bad = Point(point.n_tokens, point.n_messages, np.zeros_like(point.recurrent))
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        rt.restore_chain(chain)
+        assert rt.trim(n, bad) == 0 and rt.kv_tokens == []
+    finally:
+        rt.close()
+
+
+def _rewritten(data, meta: dict, path):
+    """``data``'s file again with ``meta`` as its metadata (lengths and CRC made to match)."""
+    meta_bytes = json.dumps(meta).encode()
+    header = dataclasses.replace(data.header, meta_len=len(meta_bytes))
+    payload = [meta_bytes, data.tokens.tobytes(), b"" if data.logits is None else data.logits.tobytes(),
+               bytes(data.state), bytes(data.point_states)]
+    crc = 0
+    for part in payload:
+        crc = crc32(part, crc)
+    path.write_bytes(pack_header(header) + b"".join(payload) + struct.pack("<I", crc) + TRAILER_MAGIC)
+    return path
+
+
+def test_point_states_the_metadata_does_not_account_for_are_refused(layouts, tmp_path):
+    conv, chain, _old, _folder = layouts("qwen35")
+    data = chain[0]
+    assert read_checkpoint(_rewritten(data, data.meta, tmp_path / "same.kvckpt")).point_states.tobytes() \
+        == data.point_states.tobytes()   # the rewriting itself changes nothing
+    for points in ([{k: v for k, v in p.items() if k != "recurrent_len"} for p in data.meta["points"]],
+                   [{**p, "recurrent_len": "12"} for p in data.meta["points"]],
+                   [{**p, "recurrent_len": data.header.state_len} for p in data.meta["points"]], None):
+        meta = {**data.meta, "points": points}
+        with pytest.raises(CorruptMetadata):
+            read_checkpoint(_rewritten(data, meta, tmp_path / "bad.kvckpt"))
+    # a writer never writes such a file
+    with open(tmp_path / "w.kvckpt", "wb") as out, pytest.raises(CorruptMetadata):
+        write_sections(out, data.header, json.dumps({**data.meta, "points": None}).encode(), data.tokens,
+                       data.logits, data.state, point_states=(data.point_states,))
+
+
+def test_an_export_keeps_the_points(layouts, tmp_path):
+    """Export of a merged head (a full file) copies its points' recurrent states with it."""
+    conv, chain, _old, _folder = layouts("granitehybrid")
+    copy = read_checkpoint(export_copy(chain[0].path, tmp_path / "copy.kvckpt"))
+    assert copy.point_states.tobytes() == chain[0].point_states.tobytes()
+    assert [(p.n_tokens, p.recurrent.tobytes()) for p in points_of(copy)] \
+        == [(p.n_tokens, p.recurrent.tobytes()) for p in points_of(chain[0])]
+
+
+def test_a_save_whose_point_state_does_not_walk_writes_nothing(tiny_model_path, tmp_path):
+    rt = Runtime(tiny_model_path("mamba2"), memkit.SETTINGS)
+    try:
+        conv = memkit.conversation(rt)
+        generate(rt, conv)
+        bad = Point(4, 1, np.zeros(64, dtype=np.uint8))
+        with pytest.raises(SaveFailed):
+            rt.save(tmp_path / "x.kvckpt", conv, KIND_MANUAL, points=[bad])
+        assert not (tmp_path / "x.kvckpt").exists()
+    finally:
+        rt.close()
+
+
+def test_header_only_readers_see_the_whole_section(layouts):
+    """Listing and validation read lengths from the header: the state section is the file's."""
+    _conv, chain, _old, _folder = layouts("falcon-h1")
+    raw = chain[0].path.read_bytes()
+    assert len(raw) == chain[0].header.file_len and raw[:HEADER_LEN] == pack_header(chain[0].header)
