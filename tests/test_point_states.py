@@ -17,6 +17,7 @@ import struct
 import memkit
 import numpy as np
 import pytest
+from conftest import run_cli
 from tinymodels import ARCHS, KIND
 
 from engine.branches import turn_end
@@ -46,11 +47,11 @@ WITH_RECURRENT = [a for a in ARCHS if KIND[a] != "attention"]
 TURNS = 4
 
 
-def _chat(rt, store: Store, policy: ChainPolicy = ChainPolicy()):
+def _chat(rt, store: Store, policy: ChainPolicy | None = None):
     """``TURNS`` turns as the window makes them (a head after each answer)."""
     rt.trim(0)
     conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
-    writer = LineWriter(rt, store, "line", policy=policy)
+    writer = LineWriter(rt, store, "line", policy=policy or ChainPolicy())
     heads = []
     for i in range(TURNS):
         begin_answer(conv, rt, f"Question {i}: name a river and a hill.", n_predict=6)
@@ -229,3 +230,36 @@ def test_header_only_readers_see_the_whole_section(layouts):
     _conv, chain, _old, _folder = layouts("falcon-h1")
     raw = chain[0].path.read_bytes()
     assert len(raw) == chain[0].header.file_len and raw[:HEADER_LEN] == pack_header(chain[0].header)
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "rwkv7"])
+def test_from_turn_on_an_absorbed_turn_equals_continuing_that_turns_file(arch, layouts, tiny_model_path, app_home):
+    """`run --from-turn 3` on the merged head: the same text as continuing the file-per-turn
+    layout's own file of turn 2, its tokens restored, not read again."""
+    _conv, chain, old_chain, _folder = layouts(arch)
+    common = ["-m", str(tiny_model_path(arch)), "-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos",
+              "-t", "2", "--json"]
+
+    def run(*args):
+        done = run_cli("run", *common, *args, check=True)
+        assert "read again" not in done.stderr, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    edited = run("--checkpoint-load", str(chain[0].path), "--from-turn", "3", "-p", "A mountain, then?")
+    reference = run("--checkpoint-load", str(old_chain[1].path), "-p", "A mountain, then?")
+    assert edited["n_prompt_tokens"] == reference["n_prompt_tokens"]   # the same history
+    assert edited["text"] == reference["text"]
+    assert edited["n_reused_tokens"] >= old_chain[1].header.n_tokens
+
+
+def test_validate_walks_the_point_states(layouts, tiny_model_path, tmp_path):
+    """`validate` reads a point's recurrent state as it reads llama.cpp's part: damaged bytes
+    under a matching checksum are named, not passed."""
+    _conv, chain, _old, _folder = layouts("lfm2")
+    data = chain[0]
+    model = str(tiny_model_path("lfm2"))
+    assert run_cli("validate", str(data.path), "--model", model).returncode == 0
+    damaged = dataclasses.replace(data, point_states=np.zeros_like(data.point_states))
+    bad = _rewritten(damaged, data.meta, tmp_path / "bad.kvckpt")
+    done = run_cli("validate", str(bad), "--model", model)
+    assert done.returncode != 0 and "recurrent state" in (done.stdout + done.stderr), done.stdout + done.stderr

@@ -51,6 +51,7 @@ from engine.checkpoints.format import (
     StateBytes,
     byte_view,
 )
+from engine.checkpoints.points import points_of
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
@@ -351,3 +352,11 @@ def check_recurrent_part(state: StateBytes, n_tokens: int, n_layer: int,
     if r.i32("sequence id") != 0:
         raise CorruptState("a point's recurrent state is not for sequence 0")
     _recurrent_block(r, n_tokens, n_layer, recurrent_rows)
+
+
+def check_point_states(data, recurrent_rows: tuple[int, ...] | None = None) -> None:
+    """Walk every recurrent state a file's points carry (CheckpointData: validation and
+    import read them as they read llama.cpp's part; a restore walks one before it is put back)."""
+    for point in points_of(data):
+        if point.recurrent is not None:
+            check_recurrent_part(point.recurrent, point.n_tokens, data.header.n_layer, recurrent_rows)

@@ -48,7 +48,7 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.graph import Graph, is_shared_line, line_of
-from engine.checkpoints.kvstate import check_state_for
+from engine.checkpoints.kvstate import check_point_states, check_state_for
 from engine.checkpoints.store import Store
 from engine.errors import CheckpointError, NotACheckpoint
 
@@ -106,6 +106,7 @@ def check_file(path: Path, target: Target | None, progress=None) -> FileCheck:
         for item in chain:
             if item.header.n_tokens and len(item.state):
                 check_state_for(item.header, item.state)
+                check_point_states(item)
     except (CheckpointError, OSError) as exc:
         return FileCheck(path, *_status_of(exc))
     if target is not None:

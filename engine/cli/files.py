@@ -20,7 +20,7 @@ def cmd_validate(args) -> int:
     from engine.checkpoints import format as fmt
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.compat import ModelIdentity, Target
-    from engine.checkpoints.kvstate import check_state_for
+    from engine.checkpoints.kvstate import check_point_states, check_state_for
 
     path = Path(args.path)
     try:
@@ -42,6 +42,7 @@ def cmd_validate(args) -> int:
             for item in chain:
                 if item.header.n_tokens:
                     check_state_for(item.header, item.state, rows)
+                    check_point_states(item, rows)
             print(f"KV state OK ({memory_name(header.memory, header.n_swa)} memory, "
                   f"llama.cpp state layout {header.state_layout})")
         if header.is_delta:
