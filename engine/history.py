@@ -129,6 +129,13 @@ class SavingRuntime(Protocol):
     def recurrent_part(self) -> np.ndarray | None: ...
 
 
+def _states_kept(info: SaveInfo) -> bool:
+    """Whether a file of a memory with a recurrent part may be absorbed: its turn end's
+    recurrent state and its own points' are at hand (LineWriter._turn_state)."""
+    return (info.turn_messages is None or info.turn_state is not None) \
+        and all(p.recurrent is not None for p in info.points)
+
+
 class LineWriter:
     """Saves one line of a conversation from the Runtime that holds it."""
 
@@ -376,6 +383,7 @@ class LineWriter:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
         self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
+        self._let_go_of_states()
         self.saves += 1
         if superseding or kind != KIND_AUTOSAVE:
             if in_background:
@@ -456,9 +464,23 @@ class LineWriter:
         its point will carry when a later head absorbs it (engine.checkpoints.points)."""
         shape = self.runtime.shape
         if not (self.policy.merge_turns and shape.has_recurrent and shape.holds_points) \
-                or info.n_tokens != len(self.runtime.kv_tokens):
-            return None
+                or info.n_tokens != len(self.runtime.kv_tokens) or info.size > self.policy.merge_max_bytes:
+            return None   # (a file above the bound is never absorbed)
         return self.runtime.recurrent_part()
+
+    def _let_go_of_states(self) -> None:
+        """Drop the recurrent states kept for points (SaveInfo.turn_state, points) of the
+        files no later head can absorb: those below the newest files that together hold
+        more than ``merge_max_bytes`` (a head absorbs from the top of the chain down, within
+        that bound).  The memory they take stays bounded however long the conversation."""
+        total = self._chain[-1].size if self._chain else 0   # (the newest stays as it is: its landing is
+        for i in range(len(self._chain) - 2, -1, -1):       # known by identity)
+            info = self._chain[i]
+            total += info.size
+            if total > self.policy.merge_max_bytes and (
+                    info.turn_state is not None or any(p.recurrent is not None for p in info.points)):
+                self._chain[i] = replace(info, turn_state=None,
+                                         points=tuple(replace(p, recurrent=None) for p in info.points))
 
     def _absorbed_by_head(self, idx: int, conv: Conversation) -> tuple[int | None, list[Point]]:
         """``(parent, points)`` for a head that ends a turn, to go on ``self.chain[idx]``:
@@ -556,8 +578,8 @@ class LineWriter:
                     or not self._absorbable(info, below, conv)):
                 break
             ended = info.turn_messages
-            if ended is not None and info.turn_state is None and self.runtime.shape.has_recurrent:
-                break
+            if self.runtime.shape.has_recurrent and not _states_kept(info):
+                break   # a point of it would not come back exactly
             turn = [Point(info.n_tokens, len(ended), info.turn_state)] if ended is not None else []
             points = [*info.points, *turn, *points]
             rewritten += info.size

@@ -401,6 +401,10 @@ class Runtime:
         """
         started = time.perf_counter()
         path = Path(path)
+        # a memory with a recurrent part reaches a point only through its recurrent state (an
+        # attention memory's points carry none: engine.checkpoints.points)
+        points = [p for p in points if p.recurrent is not None] if self.shape.has_recurrent \
+            else [replace(p, recurrent=None) for p in points]
         short = upto is None and saves_one_short(self, conv, kind)
         if short:
             upto = len(self.kv_tokens) - 1

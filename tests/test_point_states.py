@@ -47,18 +47,23 @@ WITH_RECURRENT = [a for a in ARCHS if KIND[a] != "attention"]
 TURNS = 4
 
 
-def _chat(rt, store: Store, policy: ChainPolicy | None = None):
-    """``TURNS`` turns as the window makes them (a head after each answer)."""
+def _chat(rt, store: Store, policy: ChainPolicy | None = None, turns: int = TURNS):
+    """``turns`` turns as the window makes them (a head after each answer)."""
+    conv, heads, _writer = _chat_with_writer(rt, store, policy, turns)
+    return conv, heads
+
+
+def _chat_with_writer(rt, store: Store, policy: ChainPolicy | None = None, turns: int = TURNS):
     rt.trim(0)
     conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
     writer = LineWriter(rt, store, "line", policy=policy or ChainPolicy())
     heads = []
-    for i in range(TURNS):
+    for i in range(turns):
         begin_answer(conv, rt, f"Question {i}: name a river and a hill.", n_predict=6)
         generate(rt, conv)
         commit_answer(conv)
         heads.append(writer.save_head(conv, KIND_MANUAL))
-    return conv, heads
+    return conv, heads, writer
 
 
 def _state(ctx, seq: int = 0) -> bytes:
@@ -263,3 +268,33 @@ def test_validate_walks_the_point_states(layouts, tiny_model_path, tmp_path):
     bad = _rewritten(damaged, data.meta, tmp_path / "bad.kvckpt")
     done = run_cli("validate", str(bad), "--model", model)
     assert done.returncode != 0 and "recurrent state" in (done.stdout + done.stderr), done.stdout + done.stderr
+
+
+def test_past_the_bound_the_states_kept_for_points_are_let_go(tiny_model_path, tmp_path):
+    """With ``merge_max_bytes`` of a few turns the turns go on in files of about that size,
+    every turn's end still in the chain and coming back exactly; the writer keeps the
+    recurrent states for points only of the files a later head can still absorb."""
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        probe = _chat(rt, Store(tmp_path / "probe"), turns=2)[1]
+        growth = probe[1].size - probe[0].size   # a turn's cells and recurrent state (its logits are the head's)
+        bound = probe[0].size + 2 * growth
+        conv, heads, writer = _chat_with_writer(rt, Store(tmp_path / "store"), ChainPolicy(merge_max_bytes=bound),
+                                                turns=10)
+        chain = load_chain(heads[-1].path)
+        assert 2 <= len(chain) < 10, [d.header.n_tokens for d in chain]
+        ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
+        assert ends == [h.n_tokens for h in heads]
+        kept = [info for info in writer.chain
+                if info.turn_state is not None or any(p.recurrent is not None for p in info.points)]
+        assert kept and sum(info.size for info in kept[:-1]) <= bound, [i.size for i in writer.chain]
+        assert len(kept) < len(writer.chain)
+        for turn in (2, 5, 9):
+            messages = conv.messages[:2 * (turn - 1)]
+            k, n, point = turn_end(chain, messages)
+            assert k and n == heads[turn - 2].n_tokens
+            files = chain[:k]
+            rt.restore_chain(files)
+            assert rt.trim(n, point) == n and rt.kv_tokens == conv.tokens[:n]
+    finally:
+        rt.close()
