@@ -179,21 +179,26 @@ def _floor(rt, files: list[Path]) -> float:
 
     import numpy as np
 
-    from engine.checkpoints.format import read_header
-    headers = [read_header(p) for p in files]   # before the clock: where the states lie
+    from engine.checkpoints.format import read_metadata
+    from engine.checkpoints.points import recurrent_lengths
+
+    def llama_part(path: Path):   # llama.cpp's bytes of the state section (not the points')
+        h, meta = read_metadata(path)
+        return h, h.state_len - (sum(recurrent_lengths(meta) or ()) if h.has_point_states else 0)
+    parts = [llama_part(p) for p in files]   # before the clock: where the states lie
     ctx, ll = rt.ctx, rt.ctx._ll
     started = clock()
-    for i, (path, h) in enumerate(zip(files, headers, strict=True)):
-        if not h.state_len:
+    for i, (path, (h, length)) in enumerate(zip(files, parts, strict=True)):
+        if not length:
             continue
         with open(path, "rb", buffering=0) as f:
             f.seek(h.state_offset)
-            buf = np.empty(h.state_len, dtype=np.uint8)
-            if f.readinto(memoryview(buf)) != h.state_len:
+            buf = np.empty(length, dtype=np.uint8)
+            if f.readinto(memoryview(buf)) != length:
                 raise SystemExit(f"{path} is short")
         src = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         seq = 0 if i == 0 else 1
-        if ll.llama_state_seq_set_data(ctx.ptr, src, h.state_len, seq) == 0:
+        if ll.llama_state_seq_set_data(ctx.ptr, src, length, seq) == 0:
             raise SystemExit("llama_state_seq_set_data refused a state")
         if seq:
             ctx.seq_cp(1, 0, -1, -1)

@@ -11,7 +11,8 @@ of it:
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
   so a conversation restores from one file up to 32 MiB
-  (:meth:`LineWriter._absorbed_by_head`; a pause's parent may be merged so instead,
+  (:meth:`LineWriter._absorbed_by_head`; a recurrent or hybrid memory's points carry
+  their recurrent states; an attention memory's pause may merge its parent so instead,
   :meth:`LineWriter._merge_below`); when the cache was trimmed
   (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
   was decoded (a pause before the first token, a rename) the delta holds no cells at all;
@@ -47,7 +48,7 @@ import numpy as np
 from engine.checkpoints import graph
 from engine.checkpoints.atomic import Landing
 from engine.checkpoints.chain import common_prefix, settle, tokens_digest
-from engine.checkpoints.format import KIND_AUTOSAVE, CheckpointData, read_metadata
+from engine.checkpoints.format import KIND_AUTOSAVE, LIMITS, CheckpointData, read_metadata
 from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.points import Point
 from engine.checkpoints.store import Store
@@ -383,7 +384,8 @@ class LineWriter:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
         self._chain = (self._chain[:idx + 1] if idx is not None and cut is None else []) + [info]
-        self._let_go_of_states()
+        if kind != KIND_AUTOSAVE:   # (an autosave above the head is never absorbed: not counted)
+            self._let_go_of_states()
         self.saves += 1
         if superseding or kind != KIND_AUTOSAVE:
             if in_background:
@@ -521,8 +523,9 @@ class LineWriter:
         metadata ``points``): editing such a turn restores the file and trims it there
         (engine.branches.turn_end), exactly, since an attention memory without a sliding
         window holds the same cells before a position whatever follows
-        (``cells_by_position``; a recurrent or sliding-window memory exists only at a
-        file's end, so it keeps a file per turn).  The files it replaces are retired
+        (``cells_by_position``; only such a memory: the file is written from the cache
+        up to the earlier turn's end, and a recurrent state exists only at the cache's end,
+        a sliding window's cells depend on where it ends).  The files it replaces are retired
         once the head is durable (superseded: engine.checkpoints.graph); a crash between the
         two saves leaves the merged file as the line's head, the same state.
 
@@ -580,6 +583,8 @@ class LineWriter:
             ended = info.turn_messages
             if self.runtime.shape.has_recurrent and not _states_kept(info):
                 break   # a point of it would not come back exactly
+            if len(points) + len(info.points) + 1 > LIMITS.max_points:
+                break
             turn = [Point(info.n_tokens, len(ended), info.turn_state)] if ended is not None else []
             points = [*info.points, *turn, *points]
             rewritten += info.size

@@ -533,6 +533,10 @@ class _Slot:
     def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.prt.keep_snapshot(self.seq, tokens, logits)
 
+    def keep(self, snapshot: PromptSnapshot) -> None:
+        held = self.prt._held[self.seq]
+        held.snapshots.add(snapshot, held.tokens)
+
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         held = self.prt._held[self.seq]
         held.tokens = tokens

@@ -33,6 +33,7 @@ the next time it is used.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -43,9 +44,13 @@ from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import check_state_for
+from engine.checkpoints.points import points_of
 from engine.conversation import Conversation
-from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, RestoreFailed
+from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, CorruptState, RestoreFailed
+from engine.snapshots import PromptSnapshot
 from native.errors import StateError
+
+log = logging.getLogger("engine")
 
 
 class StateContext(Protocol):
@@ -99,6 +104,9 @@ class SequenceSlot(Protocol):
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         """The sequence holds ``tokens`` now, with ``logits`` after them (None: none saved)."""
 
+    def keep(self, snapshot: PromptSnapshot) -> None:
+        """Keep ``snapshot`` of the restored sequence to go back to (a point of its last file)."""
+
 
 @dataclass(frozen=True)
 class Restored:
@@ -129,7 +137,33 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
         slot.empty()
         slot.forget_logits()
         raise
+    _keep_points(slot, chain[-1], restored.conv, target)
     return restored
+
+
+def _keep_points(slot: SequenceSlot, last: CheckpointData, conv: Conversation, target: Target) -> None:
+    """Of the last file's points (earlier turn ends it absorbed, with their recurrent states:
+    engine.checkpoints.points), keep as snapshots the nearest at or before each position the
+    restored conversation goes back to (its answer's prompt end: Regenerate; the prompt's
+    marks: an Edit), as the files of a chain are kept (``_files_to_go_back_to``): a memory with
+    a recurrent part then goes back there without reading the turns again.  Copied out of
+    the file (checked, after the chain settled); a point whose state does not walk is left."""
+    if not last.header.has_point_states:
+        return
+    points = points_of(last)
+    chosen = {}
+    for goal in _go_back_positions(conv):
+        below = [p for p in points if p.n_tokens <= goal]
+        if below:
+            nearest = max(below, key=lambda p: p.n_tokens)
+            chosen[nearest.n_tokens] = nearest
+    tokens = slot.tokens
+    for _n, point in sorted(chosen.items()):
+        try:
+            slot.keep(PromptSnapshot.of_point(tokens, replace(point, recurrent=np.array(point.recurrent)),
+                                              last.header.n_layer, target.recurrent_rows))
+        except CorruptState as exc:
+            log.warning("a turn end's recurrent state in %s is damaged (%s): not kept", last.path.name, exc)
 
 
 def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target) -> Restored:
@@ -152,13 +186,18 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target
     return Restored(conv, n, n - kept)
 
 
-def _files_to_go_back_to(chain: Sequence[CheckpointData], conv: Conversation) -> set[int]:
-    """Indexes of the files of ``chain`` that are the last at or before each point ``conv``
-    goes back to: its answer's prompt end (Regenerate) and the prompt's marks (Answer.marks)."""
+def _go_back_positions(conv: Conversation) -> tuple[int, ...]:
+    """Where ``conv`` goes back to: its answer's prompt end (Regenerate) and the prompt's
+    marks (Answer.marks: an Edit of the user's turn)."""
     answer = conv.answer
-    points = (answer.n_prompt_tokens, *answer.marks) if answer is not None else ()
+    return (answer.n_prompt_tokens, *answer.marks) if answer is not None else ()
+
+
+def _files_to_go_back_to(chain: Sequence[CheckpointData], conv: Conversation) -> set[int]:
+    """Indexes of the files of ``chain`` that are the last at or before each position
+    ``conv`` goes back to (:func:`_go_back_positions`)."""
     found = set()
-    for point in points:
+    for point in _go_back_positions(conv):
         below = [i for i, data in enumerate(chain) if 0 < data.header.n_tokens <= point]
         if below:
             found.add(below[-1])

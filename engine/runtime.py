@@ -578,6 +578,9 @@ class _Slot:
     def passed(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.rt.keep_snapshot(tokens, logits)
 
+    def keep(self, snapshot: PromptSnapshot) -> None:
+        self.rt._snapshots.add(snapshot, self.rt.kv_tokens)
+
     def restored(self, tokens: list[int], logits: np.ndarray | None) -> None:
         self.rt.kv_tokens = tokens
         if logits is not None:

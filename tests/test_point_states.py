@@ -134,8 +134,11 @@ def test_every_turn_end_comes_back_byte_for_byte(arch, layouts, tiny_model_path)
             now = _edit(rt, chain[:k], n, point, messages)
             before = _edit(rt, old_chain[:turn - 1], n, None, messages)
             assert now == before, turn
-            rt.restore_chain(chain)
-            assert rt.trim(n) < n   # the point's recurrent state is what makes it exact
+        # a point the restore keeps no snapshot of (not the last turn's) is reached through
+        # its recurrent state alone
+        _k, first_end, _point = turn_end(chain, conv.messages[:2])
+        rt.restore_chain(chain)
+        assert rt.trim(first_end) < first_end
     finally:
         rt.close()
 
@@ -298,3 +301,40 @@ def test_past_the_bound_the_states_kept_for_points_are_let_go(tiny_model_path, t
             assert rt.trim(n, point) == n and rt.kv_tokens == conv.tokens[:n]
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "mamba2"])
+def test_regenerate_after_a_restore_reads_only_the_last_question(arch, layouts, tiny_model_path):
+    """In a new process, Regenerate of the merged head's last answer goes back to the turn
+    end before it (a point kept while restoring, as the file of that turn was before) and
+    reads only the last question again: the answer is the one the file-per-turn layout's
+    Regenerate draws, having read as much."""
+    from engine.generation import discard_answer
+    _conv, chain, old_chain, _folder = layouts(arch)
+    previous_end = old_chain[-2].header.n_tokens
+    regenerated = []
+    for files in (chain, old_chain):
+        rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)   # (each as in a new process)
+        try:
+            restored = rt.restore_chain(files)
+            assert restored.answer is not None and restored.answer.n_prompt_tokens > previous_end
+            discard_answer(restored)
+            answer = generate(rt, restored)
+            assert answer.n_reused_tokens == previous_end, len(files)
+            regenerated.append(answer.text)
+        finally:
+            rt.close()
+    assert regenerated[0] == regenerated[1]
+
+
+def test_point_states_only_with_a_recurrent_memory_and_no_sliding_window(layouts):
+    """The header's own rule: POINT_STATES with an attention memory, a sliding window (whose
+    cells past a point could not be dropped exactly) or a version 1 file is refused."""
+    from engine.checkpoints.format import MEMORY_ATTENTION, unpack_header
+    from engine.errors import CorruptHeader
+    header = layouts("lfm2")[1][0].header
+    assert unpack_header(pack_header(header)) == header
+    for bad in (dataclasses.replace(header, n_swa=512), dataclasses.replace(header, memory=MEMORY_ATTENTION),
+                dataclasses.replace(header, version=1)):
+        with pytest.raises(CorruptHeader):
+            unpack_header(pack_header(bad))

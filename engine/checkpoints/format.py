@@ -25,7 +25,8 @@ Header (offsets in bytes)::
      10  2  flags            bit 0 HAS_LOGITS, bit 1 PREFILL_PENDING, bit 2 DELTA,
                              bit 3 CELL_EXT (version 2: the KV cells carry M-RoPE 2D
                              positions, see kvstate), bit 4 POINT_STATES (version 2, a
-                             memory with a recurrent part: see Points); other bits must be 0
+                             memory with a recurrent part and no sliding window: see
+                             Points); other bits must be 0
      12  4  header_len       256
      16 16  model_fingerprint  see engine.checkpoints.fingerprint
      32  8  model_size       bytes of the GGUF file
@@ -102,8 +103,8 @@ conversation's id in hex (see engine.checkpoints.graph; ``shared-`` and a digest
 shared prefix, engine.shared_prefix); ``origin_crc`` (optional) is the
 payload CRC a file had before an import rewrote its parent reference.  ``points``
 (optional) lists earlier turn ends a delta holds within its own cells, when a head absorbed
-the files that ended those turns (engine.history.LineWriter._merge_below; an attention
-memory without a sliding window only): each ``{"n_tokens": T, "n_messages": M}`` says that
+the files that ended those turns (engine.history.LineWriter._absorbed; every memory but a
+sliding window, see Points below): each ``{"n_tokens": T, "n_messages": M}`` says that
 the file's first T tokens are the state after the first M messages of its conversation,
 every answer finished; ``parent_n_tokens <= T < n_tokens`` (engine.checkpoints.points).  ``conversation``
 holds the chat itself (messages, the answer so far, sampler; a reader's transcript is
@@ -353,8 +354,8 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     problems: list[str] = []
     if flags & ~KNOWN_FLAGS or (version == 1 and flags & V2_FLAGS):
         problems.append(f"unknown flags 0x{flags:04x}")
-    elif flags & FLAG_POINT_STATES and memory not in (MEMORY_RECURRENT, MEMORY_HYBRID):
-        problems.append("point states without a recurrent memory")
+    elif flags & FLAG_POINT_STATES and (memory not in (MEMORY_RECURRENT, MEMORY_HYBRID) or n_swa):
+        problems.append("point states without a recurrent memory, or with a sliding window")
     if version == 1:
         if memory or state_layout:
             problems.append("reserved fields are not zero")

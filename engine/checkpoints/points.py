@@ -9,8 +9,9 @@ with a recurrent part (recurrent, or a hybrid without a sliding window) holds it
 recurrent state only after its last token, so each of its points also carries the
 recurrent part of the state at that point (llama.cpp's ``PARTIAL_ONLY`` state of the
 sequence, what ``engine.snapshots`` keeps in memory): putting it back, then dropping the
-attention cells past the point, gives the point's state byte for byte (measured on every
-recurrent and hybrid architecture, tests/test_tiny_models.py).
+attention cells past the point, gives the point's state byte for byte (every recurrent and
+hybrid architecture: tests/test_tiny_models.py for llama.cpp, tests/test_point_states.py
+for the files).
 
 On disk (engine.checkpoints.format, flag ``POINT_STATES``) those recurrent parts follow
 llama.cpp's state in the file's state section, in the order of the metadata's points,
