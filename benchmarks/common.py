@@ -262,12 +262,14 @@ Layout = tuple[str, str, bool]
 
 
 def interleaved_layouts(settings, repeats: int, layouts: Sequence[Layout], one_run,
-                        prefix: str) -> dict[str, list[dict]]:
+                        prefix: str, model: Path | None = None) -> dict[str, list[dict]]:
     """``one_run(rt, reader, flag, folder)`` for each layout, ``repeats`` times, interleaved
     run by run (the machine's noise falls on all alike), with a writing and a reading
-    Runtime of SmolLM2 on ``settings`` and a fresh folder each: the runs' dicts per key."""
+    Runtime of ``model`` (None: SmolLM2) on ``settings`` and a fresh folder each: the runs'
+    dicts per key."""
     from engine.runtime import Runtime
-    rt, reader = Runtime(model_path("smollm"), settings), Runtime(model_path("smollm"), settings)
+    path = model or model_path("smollm")
+    rt, reader = Runtime(path, settings), Runtime(path, settings)
     runs: dict[str, list[dict]] = {key: [] for key, _, _ in layouts}
     try:
         with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

@@ -3,8 +3,10 @@ turn's head goes on a file absorbing the turns before it (up to 32 MiB: two file
 file per turn.
 
     python -m benchmarks.merged_turns [--tokens 2000] [--turns 12] [--repeats 3]
+                                      [--model smollm|lfm2-wide] [--folder DIR]
 
-SmolLM2 with the app's context settings.  ``--tokens`` tokens of prose are cut into
+SmolLM2 (``--model lfm2-wide``: benchmarks.restore_profile's hybrid, built into
+``--folder`` once) with the app's context settings.  ``--tokens`` tokens of prose are cut into
 ``--turns`` turns; each turn is decoded and its head written by the app's writer
 (engine.history.LineWriter, a finished answer's head) on a line in a fresh store, in two
 layouts, interleaved run by run: a file per turn (``ChainPolicy(merge_turns=False)``,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -65,9 +68,11 @@ def measure(args) -> Table:
     def run(rt, reader, merge: bool, folder: Path) -> dict:
         tokens[:] = tokens or prompt_tokens(rt.model, args.tokens)   # tokenized once, by the first run
         return one_run(rt, reader, tokens, args.turns, merge, folder)
+    from benchmarks.restore_profile import model_file
+    model = model_file(args.model, Path(args.folder))
     runs = interleaved_layouts(context_settings(ctx_size_for(args.tokens), args.threads), args.repeats,
-                               LAYOUTS, run, "merged-turns-")
-    table = Table(f"A conversation of {args.turns} turns, {args.tokens:,} tokens (SmolLM2; medians of "
+                               LAYOUTS, run, "merged-turns-", model)
+    table = Table(f"A conversation of {args.turns} turns, {args.tokens:,} tokens ({args.model}; medians of "
                   f"{args.repeats}; restore warm, in-process)",
                   ["layout", "files", "written_MB", "largest_save_MB", "slowest_save_ms", "store_MB",
                    "restore_ms", "restore_vs_before"])
@@ -87,6 +92,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     for flag, default in (("--tokens", 2000), ("--turns", 12), ("--repeats", 3), ("--threads", 2)):
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--model", choices=("smollm", "lfm2-wide"), default="smollm")
+    parser.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "checkpoint-chat-bench-models"),
+                        help="where --model lfm2-wide is built (once)")
     return parser.parse_args(argv)
 
 
