@@ -44,7 +44,7 @@ from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import check_state_for
-from engine.checkpoints.points import points_of
+from engine.checkpoints.points import nearest_point
 from engine.conversation import Conversation
 from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, CorruptState, RestoreFailed
 from engine.snapshots import PromptSnapshot
@@ -150,12 +150,9 @@ def _keep_points(slot: SequenceSlot, last: CheckpointData, conv: Conversation, t
     the file (checked, after the chain settled); a point whose state does not walk is left."""
     if not last.header.has_point_states:
         return
-    points = points_of(last)
     chosen = {}
     for goal in _go_back_positions(conv):
-        below = [p for p in points if p.n_tokens <= goal]
-        if below:
-            nearest = max(below, key=lambda p: p.n_tokens)
+        if (nearest := nearest_point(last, goal)) is not None:
             chosen[nearest.n_tokens] = nearest
     tokens = slot.tokens
     for _n, point in sorted(chosen.items()):

@@ -1249,22 +1249,31 @@ class EngineWorker:
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
         """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.
 
-        The head may hold more than the conversation (Regenerate cut the answer): the
-        chain is restored and the tail trimmed; a memory that cannot trim (sliding-window
-        layers) takes the deepest file of the chain that is wholly a prefix instead.
+        The head may hold more than the conversation (Regenerate cut the answer, an Edit
+        put an earlier turn's end in the cache): the chain is restored and the tail
+        trimmed; a memory with a recurrent part goes back to the last file's nearest turn
+        end (a point: engine.checkpoints.points) or a snapshot, and a memory that cannot trim
+        otherwise (sliding-window layers) takes the deepest file of the chain that is wholly
+        a prefix instead.  Nothing is restored where none of that beats the cache.
         """
         from engine.checkpoints.chain import common_prefix
+        from engine.checkpoints.points import nearest_point
         rt = self._view(conv)
         last = chain[-1]
         common = common_prefix(last.tokens[:last.header.n_tokens], conv.tokens)
-        if common <= in_cache:
+        point = nearest_point(last, common) if rt.shape.has_recurrent else None
+        prefix = [d for d in chain if d.header.n_tokens <= common]
+        if common <= in_cache or (rt.shape.has_recurrent and max(
+                point.n_tokens if point else 0, prefix[-1].header.n_tokens if prefix else 0) <= in_cache):
             return
         started = time.perf_counter()
         rt.restore_chain(chain)
-        if rt.trim(common) < common:
-            prefix = [d for d in chain if d.header.n_tokens <= common]
-            if prefix and prefix[-1].header.n_tokens > in_cache:
-                rt.restore_chain(chain[:len(prefix)])
+        if point is not None and rt.can_keep(common) < point.n_tokens:
+            kept = rt.trim(point.n_tokens, point)
+        else:
+            kept = rt.trim(common)
+        if kept < common and prefix and prefix[-1].header.n_tokens > max(in_cache, kept):
+            rt.restore_chain(chain[:len(prefix)])
         log.info("restored %d of %d tokens from %s (%d file(s)) in %.2f s", len(rt.kv_tokens),
                  len(conv.tokens), last.path.name if last.path else "a chain", len(chain),
                  time.perf_counter() - started)

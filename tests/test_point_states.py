@@ -338,3 +338,42 @@ def test_point_states_only_with_a_recurrent_memory_and_no_sliding_window(layouts
                 dataclasses.replace(header, version=1)):
         with pytest.raises(CorruptHeader):
             unpack_header(pack_header(bad))
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
+def test_the_window_edits_an_absorbed_turn_exactly(arch, tiny_model_path, tmp_path):
+    """The window's engine: three turns (the last head absorbing the first two), then an
+    Edit of turn 2 goes back to turn 1's end through its point, reads only the new message,
+    and answers what a conversation that said the same from the start answers."""
+    from enginekit import Recorder
+
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    rec = Recorder()
+    store = Store(tmp_path / "store")
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
+        a = w.new_conversation(sampler=sampler)
+        for i, text in enumerate(("Tell me about rivers.", "And lakes?", "And seas?")):
+            w.send(a, text, n_predict=6)
+            rec.wait("finished", i + 1)
+        heads = Graph.scan(store.folder).heads_of(a)
+        assert len(heads) == 1 and len(load_chain(heads[0].path)) == 1   # one file holds the three turns
+        first_end = points_of(load_chain(heads[0].path)[0])[0].n_tokens
+        w.edit_message(a, 2, "And mountains?", n_predict=6)
+        edited = rec.wait("finished", 4)[-1][1]
+        b = w.new_conversation(sampler=sampler)
+        w.send(b, "Tell me about rivers.", n_predict=6)
+        rec.wait("finished", 5)
+        w.send(b, "And mountains?", n_predict=6)
+        reference = rec.wait("finished", 6)[-1][1]
+        assert not rec.of("error"), rec.of("error")
+        assert edited.text == reference.text and edited.n_prompt_tokens == reference.n_prompt_tokens
+        assert edited.n_reused_tokens == first_end   # turn 1's end, from the head's point
+    finally:
+        w.shutdown()
+        assert w.join(60)

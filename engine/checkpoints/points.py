@@ -72,6 +72,12 @@ def recurrent_lengths(meta: dict[str, Any]) -> list[int] | None:
     return out
 
 
+def nearest_point(data, n: int) -> Point | None:
+    """The point of a file (CheckpointData) with the most tokens, at most ``n`` (None: none)."""
+    below = [p for p in points_of(data) if p.n_tokens <= n]
+    return max(below, key=lambda p: p.n_tokens) if below else None
+
+
 def points_of(data) -> list[Point]:
     """The turn ends a file (CheckpointData) holds before its own end, as its metadata
     ``points`` records them, each with its recurrent part where the file carries them;
