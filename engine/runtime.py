@@ -401,10 +401,6 @@ class Runtime:
         """
         started = time.perf_counter()
         path = Path(path)
-        # a memory with a recurrent part reaches a point only through its recurrent state (an
-        # attention memory's points carry none: engine.checkpoints.points)
-        points = [p for p in points if p.recurrent is not None] if self.shape.has_recurrent \
-            else [replace(p, recurrent=None) for p in points]
         short = upto is None and saves_one_short(self, conv, kind)
         if short:
             upto = len(self.kv_tokens) - 1
@@ -433,10 +429,7 @@ class Runtime:
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
                 check_state_for(header, state, self.target.recurrent_rows)
-            for point in points:
-                if point.recurrent is not None:
-                    check_recurrent_part(point.recurrent, point.n_tokens, header.n_layer,
-                                         self.target.recurrent_rows)
+            points = points_to_write(self.shape, points, header.n_layer, self.target.recurrent_rows)
         except CorruptState as exc:
             raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
                              f"could not be loaded again ({exc}); nothing was saved") from exc
@@ -695,6 +688,21 @@ def relabel_as(state: np.ndarray, rt, *, n_tokens: int, first_pos: int, source: 
     except CorruptState as exc:
         raise SaveFailed(f"llama.cpp wrote an unexpected state for sequence {source}: {exc}") from exc
     relabel_state(state, layout, seq_id)
+
+
+def points_to_write(shape: ModelShape, points: Sequence[Point], n_layer: int,
+                    recurrent_rows: tuple[int, ...] | None) -> list[Point]:
+    """The points a file of this memory holds, their recurrent states walked (CorruptState):
+    a memory with a recurrent part reaches a point only through its recurrent state (one
+    without is left out), an attention memory's points carry none (engine.checkpoints.points)."""
+    if not shape.has_recurrent:
+        return [replace(p, recurrent=None) for p in points]
+    kept = []
+    for point in points:
+        if point.recurrent is not None:
+            check_recurrent_part(point.recurrent, point.n_tokens, n_layer, recurrent_rows)
+            kept.append(point)
+    return kept
 
 
 def logits_rule(kind: int, paused: bool, has_logits: bool, alone: bool, shape: ModelShape) -> bool:
