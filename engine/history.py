@@ -130,10 +130,22 @@ class SavingRuntime(Protocol):
     def recurrent_part(self) -> np.ndarray | None: ...
 
 
+def _is_anchor(conv: Conversation, info: SaveInfo) -> bool:
+    """Whether an autosave ends at one of the answer's prompt marks before the prompt's end
+    (where a thinking model's next turn goes back to: engine.generation.mark_wants_file)."""
+    answer = conv.answer
+    return answer is not None and info.n_tokens in answer.marks and info.n_tokens != answer.n_prompt_tokens
+
+
+def _is_prompt_file(conv: Conversation, info: SaveInfo) -> bool:
+    """Whether an autosave holds the answer's whole prompt (ChainPolicy.prompt_checkpoint)."""
+    return conv.answer is not None and info.turn_messages is None and info.n_tokens == conv.answer.n_prompt_tokens
+
+
 def _states_kept(info: SaveInfo) -> bool:
     """Whether a file of a memory with a recurrent part may be absorbed: its turn end's
-    recurrent state and its own points' are at hand (LineWriter._turn_state)."""
-    return (info.turn_messages is None or info.turn_state is not None) \
+    recurrent state and its own points' are at hand (LineWriter._point_state)."""
+    return (info.turn_messages is None or info.point_state is not None) \
         and all(p.recurrent is not None for p in info.points)
 
 
@@ -376,7 +388,9 @@ class LineWriter:
             raise SaveFailed(f"could not save into {self.store.folder}: {exc.strerror or exc}") from exc
         if kind != KIND_AUTOSAVE and not conv.paused:   # a turn's end: a later head may absorb it
             info = replace(info, turn_messages=tuple(tuple(m) for m in conv.messages),
-                           turn_state=self._turn_state(info))
+                           point_state=self._point_state(info))
+        elif kind == KIND_AUTOSAVE and _is_anchor(conv, info):
+            info = replace(info, point_state=self._point_state(info))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
             self._landing_info = info
@@ -460,10 +474,10 @@ class LineWriter:
         not a pause) with cells of its own (not a rename, nor a fork's metadata)."""
         return not conv.paused and len(self.runtime.kv_tokens) > self.chain[idx].n_tokens
 
-    def _turn_state(self, info: SaveInfo) -> np.ndarray | None:
+    def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of
-        the turn ``info``'s file just ended (the cache's end: a head is saved whole), which
-        its point will carry when a later head absorbs it (engine.checkpoints.points)."""
+        ``info``'s file just written (a turn's end, or an answer's anchor: the cache's end),
+        which its point will carry when a later head absorbs it (engine.checkpoints.points)."""
         shape = self.runtime.shape
         if not (self.policy.merge_turns and shape.has_recurrent and shape.holds_points) \
                 or info.n_tokens != len(self.runtime.kv_tokens) or info.size > self.policy.merge_max_bytes:
@@ -471,7 +485,7 @@ class LineWriter:
         return self.runtime.recurrent_part()
 
     def _let_go_of_states(self) -> None:
-        """Drop the recurrent states kept for points (SaveInfo.turn_state, points) of the
+        """Drop the recurrent states kept for points (SaveInfo.point_state, points) of the
         files no later head can absorb: those below the newest files that together hold
         more than ``merge_max_bytes`` (a head absorbs from the top of the chain down, within
         that bound).  The memory they take stays bounded however long the conversation."""
@@ -480,8 +494,8 @@ class LineWriter:
             info = self._chain[i]
             total += info.size
             if total > self.policy.merge_max_bytes and (
-                    info.turn_state is not None or any(p.recurrent is not None for p in info.points)):
-                self._chain[i] = replace(info, turn_state=None,
+                    info.point_state is not None or any(p.recurrent is not None for p in info.points)):
+                self._chain[i] = replace(info, point_state=None,
                                          points=tuple(replace(p, recurrent=None) for p in info.points))
 
     def _absorbed_by_head(self, idx: int, conv: Conversation) -> tuple[int | None, list[Point]]:
@@ -572,8 +586,13 @@ class LineWriter:
         writer wrote on its own line (a delta on the whole file below it, or the line's
         own full base) that no other line's file builds on (a fork keeps what it was
         forked from; the previous turn's end itself included), and for a memory with a
-        recurrent part, one whose turn end's recurrent state was taken (SaveInfo.turn_state)."""
+        recurrent part, one whose turn end's recurrent state was taken (SaveInfo.point_state).
+        Such a memory's points also keep the last answer's anchors, files where a mark of
+        its prompt ends (:func:`_is_anchor`), so that a thinking model's next turn goes back
+        there in a new process as it would to their files; the answer's prompt file itself
+        (whose logits let Regenerate read nothing) stays a file until the next turn."""
         points: list[Point] = []
+        below_a_turn_end = False
         i = top
         while i >= 0:
             info, below = self.chain[i], self.chain[i - 1] if i else None
@@ -585,8 +604,17 @@ class LineWriter:
                 break   # a point of it would not come back exactly
             if len(points) + len(info.points) + 1 > LIMITS.max_points:
                 break
-            turn = [Point(info.n_tokens, len(ended), info.turn_state)] if ended is not None else []
-            points = [*info.points, *turn, *points]
+            if self.runtime.shape.has_recurrent and not below_a_turn_end and _is_prompt_file(conv, info):
+                break   # its logits let Regenerate read nothing again; the next turn's head absorbs it
+            if ended is not None:
+                own = [Point(info.n_tokens, len(ended), info.point_state)]
+            elif info.point_state is not None and not below_a_turn_end:   # the answer's anchor
+                own = [Point(info.n_tokens, None, info.point_state)]
+            else:
+                own = []
+            # an earlier answer's anchors are no use now: only the last answer is regenerated
+            points = [*(p for p in info.points if p.n_messages is not None), *own, *points]
+            below_a_turn_end = below_a_turn_end or ended is not None
             rewritten += info.size
             i -= 1
         return i, points

@@ -289,7 +289,7 @@ def test_past_the_bound_the_states_kept_for_points_are_let_go(tiny_model_path, t
         ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
         assert ends == [h.n_tokens for h in heads]
         kept = [info for info in writer.chain
-                if info.turn_state is not None or any(p.recurrent is not None for p in info.points)]
+                if info.point_state is not None or any(p.recurrent is not None for p in info.points)]
         assert kept and sum(info.size for info in kept[:-1]) <= bound, [i.size for i in writer.chain]
         assert len(kept) < len(writer.chain)
         for turn in (2, 5, 9):
@@ -374,6 +374,55 @@ def test_the_window_edits_an_absorbed_turn_exactly(arch, tiny_model_path, tmp_pa
         assert not rec.of("error"), rec.of("error")
         assert edited.text == reference.text and edited.n_prompt_tokens == reference.n_prompt_tokens
         assert edited.n_reused_tokens == first_end   # turn 1's end, from the head's point
+    finally:
+        w.shutdown()
+        assert w.join(60)
+
+
+def test_regenerate_after_a_restart_reads_nothing_of_a_long_last_message(tiny_model_path, tmp_path):
+    """A long last message's prompt autosave (ChainPolicy.prompt_checkpoint, with the
+    prompt's logits) stays a file below the head, which absorbs the turns below it: after a
+    restart, Regenerate goes back to the prompt's end and reads nothing again."""
+    from enginekit import Recorder
+
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    store = Store(tmp_path / "store")
+    options = ModelOptions(tiny_model_path("lfm2"), n_ctx=1024, n_threads=2, sequences=2)
+    sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
+    long_message = "Here is a list of rivers to compare: " + "Rhine, Danube, Loire, Elbe, " * 40
+    rec = Recorder()
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(options)
+        rec.wait("loaded")
+        a = w.new_conversation(sampler=sampler)
+        for i, text in enumerate(("Tell me about rivers.", "And lakes?", long_message)):
+            w.send(a, text, n_predict=6)
+            rec.wait("finished", i + 1)
+        last = rec.of("finished")[-1][1]
+        assert last.n_prompt_tokens - last.n_reused_tokens >= 256   # its prompt was saved
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    heads = Graph.scan(store.folder).heads_of(a)
+    chain = load_chain(heads[0].path)
+    assert [d.header.n_tokens for d in chain[-2:]] == [last.n_prompt_tokens, last.n_prompt_tokens + 6]
+    assert len(points_of(chain[0])) == 1   # (turn 2's head absorbed turn 1's)
+    rec = Recorder()
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(options)
+        rec.wait("loaded")
+        w.open_checkpoint(heads[0].path)   # as the window opens a stored conversation
+        rec.wait("changed")
+        w.regenerate(a)
+        again = rec.wait("finished")[-1][1]
+        assert not rec.of("error"), rec.of("error")
+        assert again.n_reused_tokens == again.n_prompt_tokens == last.n_prompt_tokens
+        assert again.text == last.text   # greedy: the same answer, from the same state
     finally:
         w.shutdown()
         assert w.join(60)

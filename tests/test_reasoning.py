@@ -596,6 +596,7 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
     from conftest import run_cli
 
     from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.points import points_of
     from engine.generation import MARK_FILE_MIN
     from native.model import Model
     system = ("Answer briefly, exactly, and in plain words; say so when unsure. " * 4).strip()
@@ -612,7 +613,9 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
         return json.loads(run_cli("run", *common, *args, check=True).stdout.strip().splitlines()[-1])
     first = run("--system", system, "-p", Q1)
     chain = load_chain(Path(first["checkpoint"]))
-    # the file at the turn's end mark, none where the message began (68 tokens in)
-    assert [data.header.n_tokens for data in chain] == [turn_1, first["n_prompt_tokens"] + 8]
+    # the turn's end mark's file, absorbed by the head as an anchor (a point with its
+    # recurrent state, engine.checkpoints.points); none where the message began (68 tokens in)
+    assert [data.header.n_tokens for data in chain] == [first["n_prompt_tokens"] + 8]
+    assert [(p.n_tokens, p.n_messages) for p in points_of(chain[-1])] == [(turn_1, None)]
     second = run("--checkpoint-load", first["checkpoint"], "-p", Q2)
     assert (second["n_reused_tokens"], second["n_generated"]) == (turn_1, 8)

@@ -29,14 +29,15 @@ from engine.generation import begin_answer, generate
 from engine.sampling import SamplerSettings
 
 
-def reference_write(out, header, meta_bytes, tokens, logits, state):
+def reference_write(out, header, meta_bytes, tokens, logits, state, point_states=()):
     """The checkpoint as the spec lays it out, written and checksummed in one pass."""
     tokens_bytes = np.asarray(tokens, dtype="<i4").tobytes()
     logits_bytes = b"" if logits is None else np.asarray(logits, dtype="<f4").tobytes()
-    state_bytes = bytes(memoryview(state).cast("B"))
+    points_bytes = b"".join(bytes(memoryview(p).cast("B")) for p in point_states)
+    state_bytes = bytes(memoryview(state).cast("B")) + points_bytes
     flags = (fmt.FLAG_HAS_LOGITS if logits is not None else 0) | (
         fmt.FLAG_PREFILL_PENDING if header.n_tokens < header.n_tokens_total else 0) | (
-        header.flags & fmt.FLAG_DELTA)
+        header.flags & fmt.FLAG_DELTA) | (fmt.FLAG_POINT_STATES if points_bytes else 0)
     header = replace(header, flags=flags, meta_len=len(meta_bytes), tokens_len=len(tokens_bytes),
                      logits_len=len(logits_bytes), state_len=len(state_bytes))
     payload = meta_bytes + tokens_bytes + logits_bytes + state_bytes
