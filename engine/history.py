@@ -131,15 +131,12 @@ class SavingRuntime(Protocol):
 
 
 def _is_anchor(conv: Conversation, info: SaveInfo) -> bool:
-    """Whether an autosave ends at one of the answer's prompt marks before the prompt's end
-    (where a thinking model's next turn goes back to: engine.generation.mark_wants_file)."""
+    """Whether a file that ends no turn ends where the answer's prompt or one of its marks
+    ends: its prompt file (ChainPolicy.prompt_checkpoint) or a thinking model's mark file
+    (engine.generation.mark_wants_file), which Regenerate and the next turn go back to."""
     answer = conv.answer
-    return answer is not None and info.n_tokens in answer.marks and info.n_tokens != answer.n_prompt_tokens
-
-
-def _is_prompt_file(conv: Conversation, info: SaveInfo) -> bool:
-    """Whether an autosave holds the answer's whole prompt (ChainPolicy.prompt_checkpoint)."""
-    return conv.answer is not None and info.turn_messages is None and info.n_tokens == conv.answer.n_prompt_tokens
+    return (answer is not None and info.turn_messages is None
+            and info.n_tokens in (answer.n_prompt_tokens, *answer.marks))
 
 
 def _states_kept(info: SaveInfo) -> bool:
@@ -389,8 +386,6 @@ class LineWriter:
         if kind != KIND_AUTOSAVE and not conv.paused:   # a turn's end: a later head may absorb it
             info = replace(info, turn_messages=tuple(tuple(m) for m in conv.messages),
                            point_state=self._point_state(info))
-        elif kind == KIND_AUTOSAVE and _is_anchor(conv, info):
-            info = replace(info, point_state=self._point_state(info))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
             self._landing_info = info
@@ -587,10 +582,11 @@ class LineWriter:
         own full base) that no other line's file builds on (a fork keeps what it was
         forked from; the previous turn's end itself included), and for a memory with a
         recurrent part, one whose turn end's recurrent state was taken (SaveInfo.point_state).
-        Such a memory's points also keep the last answer's anchors, files where a mark of
-        its prompt ends (:func:`_is_anchor`), so that a thinking model's next turn goes back
-        there in a new process as it would to their files; the answer's prompt file itself
-        (whose logits let Regenerate read nothing) stays a file until the next turn."""
+        For such a memory the answer's own anchors, its prompt file and a thinking model's
+        mark file (:func:`_is_anchor`), are not absorbed, nor what lies below them: the
+        prompt file's logits let Regenerate read nothing in a new process, and a thinking
+        model's next turn parts from its mark (its template drops the thinking), so it goes
+        on that file; a later head absorbs them once they lie below a turn's end."""
         points: list[Point] = []
         below_a_turn_end = False
         i = top
@@ -604,15 +600,9 @@ class LineWriter:
                 break   # a point of it would not come back exactly
             if len(points) + len(info.points) + 1 > LIMITS.max_points:
                 break
-            if self.runtime.shape.has_recurrent and not below_a_turn_end and _is_prompt_file(conv, info):
-                break   # its logits let Regenerate read nothing again; the next turn's head absorbs it
-            if ended is not None:
-                own = [Point(info.n_tokens, len(ended), info.point_state)]
-            elif info.point_state is not None and not below_a_turn_end:   # the answer's anchor
-                own = [Point(info.n_tokens, None, info.point_state)]
-            else:
-                own = []
-            # an earlier answer's anchors are no use now: only the last answer is regenerated
+            if self.runtime.shape.has_recurrent and not below_a_turn_end and _is_anchor(conv, info):
+                break   # the answer's own prompt or mark file stays one (see the docstring)
+            own = [Point(info.n_tokens, len(ended), info.point_state)] if ended is not None else []
             points = [*(p for p in info.points if p.n_messages is not None), *own, *points]
             below_a_turn_end = below_a_turn_end or ended is not None
             rewritten += info.size

@@ -137,24 +137,25 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
         slot.empty()
         slot.forget_logits()
         raise
-    _keep_points(slot, chain[-1], restored.conv, target)
+    _keep_points(slot, chain, restored.conv, target)
     return restored
 
 
-def _keep_points(slot: SequenceSlot, last: CheckpointData, conv: Conversation, target: Target) -> None:
-    """Of the last file's points (earlier turn ends it absorbed, with their recurrent states:
+def _keep_points(slot: SequenceSlot, chain: Sequence[CheckpointData], conv: Conversation,
+                 target: Target) -> None:
+    """Of the chain's points (earlier turn ends its files absorbed, with their recurrent states:
     engine.checkpoints.points), keep as snapshots the nearest at or before each position the
     restored conversation goes back to (its answer's prompt end: Regenerate; the prompt's
     marks: an Edit), as the files of a chain are kept (``_files_to_go_back_to``): a memory with
     a recurrent part then goes back there without reading the turns again.  Copied out of
     the file (checked, after the chain settled); a point whose state does not walk is left."""
-    if not last.header.has_point_states:
+    if not any(data.header.has_point_states for data in chain):
         return
     chosen = {}
     for goal in _go_back_positions(conv):
-        if (nearest := nearest_point(last, goal)) is not None:
+        if (nearest := nearest_point(chain, goal)) is not None:
             chosen[nearest.n_tokens] = nearest
-    tokens = slot.tokens
+    tokens, last = slot.tokens, chain[-1]
     for _n, point in sorted(chosen.items()):
         try:
             slot.keep(PromptSnapshot.of_point(tokens, replace(point, recurrent=np.array(point.recurrent)),

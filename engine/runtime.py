@@ -409,6 +409,10 @@ class Runtime:
         kv = np.asarray(self.kv_tokens[:n], dtype=np.int32)   # (kept: a later cut is checked against them)
         checkpoint_id = uuid.uuid4().hex
         header = self.header_for(conv, kind, n)
+        try:   # (before the metadata lists them)
+            points = points_to_write(self.shape, points, header.n_layer, self.target.recurrent_rows)
+        except CorruptState as exc:
+            raise SaveFailed(f"a turn end's recurrent state could not be walked ({exc}); nothing was saved") from exc
         if parent is not None:
             header = replace(header, flags=header.flags | FLAG_DELTA, parent_n_tokens=p0)
         line = line or default_line(conv.id)
@@ -430,7 +434,6 @@ class Runtime:
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
             if n:
                 check_state_for(header, state, self.target.recurrent_rows)
-            points = points_to_write(self.shape, points, header.n_layer, self.target.recurrent_rows)
         except CorruptState as exc:
             raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
                              f"could not be loaded again ({exc}); nothing was saved") from exc

@@ -1261,7 +1261,7 @@ class EngineWorker:
         rt = self._view(conv)
         last = chain[-1]
         common = common_prefix(last.tokens[:last.header.n_tokens], conv.tokens)
-        point = nearest_point(last, common) if rt.shape.has_recurrent else None
+        point = nearest_point(chain, common) if rt.shape.has_recurrent else None
         prefix = [d for d in chain if d.header.n_tokens <= common]
         if common <= in_cache or (rt.shape.has_recurrent and max(
                 point.n_tokens if point else 0, prefix[-1].header.n_tokens if prefix else 0) <= in_cache):

@@ -596,7 +596,6 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
     from conftest import run_cli
 
     from engine.checkpoints.chain import load_chain
-    from engine.checkpoints.points import points_of
     from engine.generation import MARK_FILE_MIN
     from native.model import Model
     system = ("Answer briefly, exactly, and in plain words; say so when unsure. " * 4).strip()
@@ -613,9 +612,50 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
         return json.loads(run_cli("run", *common, *args, check=True).stdout.strip().splitlines()[-1])
     first = run("--system", system, "-p", Q1)
     chain = load_chain(Path(first["checkpoint"]))
-    # the turn's end mark's file, absorbed by the head as an anchor (a point with its
-    # recurrent state, engine.checkpoints.points); none where the message began (68 tokens in)
-    assert [data.header.n_tokens for data in chain] == [first["n_prompt_tokens"] + 8]
-    assert [(p.n_tokens, p.n_messages) for p in points_of(chain[-1])] == [(turn_1, None)]
+    # the file at the turn's end mark (the head absorbs no anchor of its own answer), none
+    # where the message began (68 tokens in)
+    assert [data.header.n_tokens for data in chain] == [turn_1, first["n_prompt_tokens"] + 8]
     second = run("--checkpoint-load", first["checkpoint"], "-p", Q2)
     assert (second["n_reused_tokens"], second["n_generated"]) == (turn_1, 8)
+
+
+def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
+    """The window's engine on a thinking hybrid: four turns (each next turn parts from the
+    mark where the user's message ended, its template dropping the thinking), then an Edit
+    of turn 2 answers what a conversation that said the same from the start answers; the
+    conversation is one full file and deltas (a head that absorbed a thinking answer's mark
+    would leave the next turn no file to build on: a full file a turn)."""
+    from enginekit import Recorder
+
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    rec = Recorder()
+    store = Store(tmp_path / "store")
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(ModelOptions(thinker, n_ctx=2048, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
+        a = w.new_conversation(sampler=sampler, system_prompt=("Answer briefly and exactly. " * 6).strip())
+        questions = ("What is 2+2?", "And 3+3?", "And 4+4?", "And 5+5?")
+        for i, text in enumerate(questions):
+            w.send(a, text, n_predict=8)
+            rec.wait("finished", i + 1)
+        full_files = [n for n in Graph.scan(store.folder).nodes.values()
+                      if n.conversation_id == a and not n.header.is_delta]
+        assert len(full_files) <= 1, [n.header.n_tokens for n in full_files]   # one base, then deltas
+        w.edit_message(a, 2, "And 7+7?", n_predict=8)
+        edited = rec.wait("finished", 5)[-1][1]
+        b = w.new_conversation(sampler=sampler, system_prompt=("Answer briefly and exactly. " * 6).strip())
+        w.send(b, questions[0], n_predict=8)
+        rec.wait("finished", 6)
+        w.send(b, "And 7+7?", n_predict=8)
+        reference = rec.wait("finished", 7)[-1][1]
+        assert not rec.of("error"), rec.of("error")
+        assert edited.text == reference.text and edited.n_prompt_tokens == reference.n_prompt_tokens
+    finally:
+        w.shutdown()
+        assert w.join(60)

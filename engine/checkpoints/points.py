@@ -76,9 +76,10 @@ def recurrent_lengths(meta: dict[str, Any]) -> list[int] | None:
     return out
 
 
-def nearest_point(data, n: int) -> Point | None:
-    """The point of a file (CheckpointData) with the most tokens, at most ``n`` (None: none)."""
-    below = [p for p in points_of(data) if p.n_tokens <= n]
+def nearest_point(chain: Sequence, n: int) -> Point | None:
+    """The point with the most tokens, at most ``n``, of the files of a chain (CheckpointData,
+    base first: each file's points are prefixes of the chain's state); None: none."""
+    below = [p for data in chain for p in points_of(data) if p.n_tokens <= n]
     return max(below, key=lambda p: p.n_tokens) if below else None
 
 
