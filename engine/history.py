@@ -603,7 +603,7 @@ class LineWriter:
             if self.runtime.shape.has_recurrent and not below_a_turn_end and _is_anchor(conv, info):
                 break   # the answer's own prompt or mark file stays one (see the docstring)
             own = [Point(info.n_tokens, len(ended), info.point_state)] if ended is not None else []
-            points = [*(p for p in info.points if p.n_messages is not None), *own, *points]
+            points = [*info.points, *own, *points]
             below_a_turn_end = below_a_turn_end or ended is not None
             rewritten += info.size
             i -= 1

@@ -106,9 +106,7 @@ payload CRC a file had before an import rewrote its parent reference.  ``points`
 the files that ended those turns (engine.history.LineWriter._absorbed; every memory but a
 sliding window, see Points below): each ``{"n_tokens": T, "n_messages": M}`` says that
 the file's first T tokens are the state after the first M messages of its conversation,
-every answer finished; ``parent_n_tokens <= T < n_tokens`` (engine.checkpoints.points; an
-entry without ``n_messages`` is an *anchor*, a mark of the last answer's prompt that a
-thinking model's next turn goes back to).  ``conversation``
+every answer finished; ``parent_n_tokens <= T < n_tokens`` (engine.checkpoints.points).  ``conversation``
 holds the chat itself (messages, the answer so far, sampler; a reader's transcript is
 engine.conversation.transcript_of; files written before 2026-12-04 also hold the same
 messages as ``transcript``), ``model`` names the model.  A reader treats

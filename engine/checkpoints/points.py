@@ -31,18 +31,14 @@ import numpy as np
 @dataclass(frozen=True)
 class Point:
     """The state after a conversation's first ``n_messages`` messages, every answer
-    finished, is a file's first ``n_tokens`` tokens (``n_messages`` None: an *anchor* of the
-    file's last answer, where a mark of its prompt ends: what a thinking model's next turn
-    goes back to, engine.generation.mark_wants_file); ``recurrent``: the recurrent part of that
+    finished, is a file's first ``n_tokens`` tokens; ``recurrent``: the recurrent part of that
     state (None for an attention memory, which trims exactly without it)."""
     n_tokens: int
-    n_messages: int | None
+    n_messages: int
     recurrent: np.ndarray | None = None
 
     def to_json(self) -> dict[str, int]:
-        entry = {"n_tokens": self.n_tokens}
-        if self.n_messages is not None:
-            entry["n_messages"] = self.n_messages
+        entry = {"n_tokens": self.n_tokens, "n_messages": self.n_messages}
         if self.recurrent is not None:
             entry["recurrent_len"] = len(self.recurrent)
         return entry
@@ -86,9 +82,8 @@ def nearest_point(chain: Sequence, n: int) -> Point | None:
 def points_of(data) -> list[Point]:
     """The turn ends a file (CheckpointData) holds before its own end, as its metadata
     ``points`` records them, each with its recurrent part where the file carries them;
-    an entry that is not a count within the file's own cells (from its parent's end,
-    before its own end) and a count of messages (or none: an anchor) is ignored: metadata
-    is untrusted.  A file of a memory with a
+    an entry that is not two counts within the file's own cells (from its parent's end,
+    before its own end) is ignored: metadata is untrusted.  A file of a memory with a
     recurrent part whose points carry no recurrent state (written before they did) has
     none that can be used."""
     raw = data.meta.get("points")
@@ -105,7 +100,8 @@ def points_of(data) -> list[Point]:
         if not isinstance(point, dict) or (needs_state and recurrent is None):
             continue
         n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
-        if (type(n_tokens) is int and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
-                and (n_messages is None or type(n_messages) is int and n_messages >= 0)):
+        if (type(n_tokens) is int and type(n_messages) is int
+                and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
+                and n_messages >= 0):
             out.append(Point(n_tokens, n_messages, recurrent if needs_state else None))
     return out
