@@ -10,6 +10,7 @@ with the same conversation saved a file per turn (how it was stored before).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import struct
@@ -340,22 +341,32 @@ def test_point_states_only_with_a_recurrent_memory_and_no_sliding_window(layouts
             unpack_header(pack_header(bad))
 
 
+@contextlib.contextmanager
+def _window_engine(model, store: Store):
+    """The window's engine thread on ``model`` (two sequences) and ``store``: (worker, recorder)."""
+    from enginekit import Recorder
+
+    from engine.worker import EngineWorker, ModelOptions
+    rec = Recorder()
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(ModelOptions(model, n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        yield w, rec
+        assert not rec.of("error"), rec.of("error")
+    finally:
+        w.shutdown()
+        assert w.join(60)
+
+
 @pytest.mark.parametrize("arch", ["lfm2", "mamba2"])
 def test_the_window_edits_an_absorbed_turn_exactly(arch, tiny_model_path, tmp_path):
     """The window's engine: three turns (the last head absorbing the first two), then an
     Edit of turn 2 goes back to turn 1's end through its point, reads only the new message,
     and answers what a conversation that said the same from the start answers."""
-    from enginekit import Recorder
-
-    from engine.sampling import SamplerSettings
-    from engine.worker import EngineWorker, ModelOptions
-    rec = Recorder()
     store = Store(tmp_path / "store")
-    w = EngineWorker(rec, store)
-    w.start()
-    try:
-        w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
-        rec.wait("loaded")
+    with _window_engine(tiny_model_path(arch), store) as (w, rec):
         sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
         a = w.new_conversation(sampler=sampler)
         for i, text in enumerate(("Tell me about rivers.", "And lakes?", "And seas?")):
@@ -371,58 +382,32 @@ def test_the_window_edits_an_absorbed_turn_exactly(arch, tiny_model_path, tmp_pa
         rec.wait("finished", 5)
         w.send(b, "And mountains?", n_predict=6)
         reference = rec.wait("finished", 6)[-1][1]
-        assert not rec.of("error"), rec.of("error")
         assert edited.text == reference.text and edited.n_prompt_tokens == reference.n_prompt_tokens
         assert edited.n_reused_tokens == first_end   # turn 1's end, from the head's point
-    finally:
-        w.shutdown()
-        assert w.join(60)
 
 
 def test_regenerate_after_a_restart_reads_nothing_of_a_long_last_message(tiny_model_path, tmp_path):
     """A long last message's prompt autosave (ChainPolicy.prompt_checkpoint, with the
     prompt's logits) stays a file below the head, which absorbs the turns below it: after a
     restart, Regenerate goes back to the prompt's end and reads nothing again."""
-    from enginekit import Recorder
-
-    from engine.sampling import SamplerSettings
-    from engine.worker import EngineWorker, ModelOptions
     store = Store(tmp_path / "store")
-    options = ModelOptions(tiny_model_path("lfm2"), n_ctx=1024, n_threads=2, sequences=2)
     sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
     long_message = "Here is a list of rivers to compare: " + "Rhine, Danube, Loire, Elbe, " * 40
-    rec = Recorder()
-    w = EngineWorker(rec, store)
-    w.start()
-    try:
-        w.load_model(options)
-        rec.wait("loaded")
+    with _window_engine(tiny_model_path("lfm2"), store) as (w, rec):
         a = w.new_conversation(sampler=sampler)
         for i, text in enumerate(("Tell me about rivers.", "And lakes?", long_message)):
             w.send(a, text, n_predict=6)
             rec.wait("finished", i + 1)
         last = rec.of("finished")[-1][1]
         assert last.n_prompt_tokens - last.n_reused_tokens >= 256   # its prompt was saved
-    finally:
-        w.shutdown()
-        assert w.join(60)
     heads = Graph.scan(store.folder).heads_of(a)
     chain = load_chain(heads[0].path)
     assert [d.header.n_tokens for d in chain[-2:]] == [last.n_prompt_tokens, last.n_prompt_tokens + 6]
     assert len(points_of(chain[0])) == 1   # (turn 2's head absorbed turn 1's)
-    rec = Recorder()
-    w = EngineWorker(rec, store)
-    w.start()
-    try:
-        w.load_model(options)
-        rec.wait("loaded")
+    with _window_engine(tiny_model_path("lfm2"), store) as (w, rec):   # a restart
         w.open_checkpoint(heads[0].path)   # as the window opens a stored conversation
         rec.wait("changed")
         w.regenerate(a)
         again = rec.wait("finished")[-1][1]
-        assert not rec.of("error"), rec.of("error")
         assert again.n_reused_tokens == again.n_prompt_tokens == last.n_prompt_tokens
         assert again.text == last.text   # greedy: the same answer, from the same state
-    finally:
-        w.shutdown()
-        assert w.join(60)
