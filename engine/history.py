@@ -471,7 +471,7 @@ class LineWriter:
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of
-        ``info``'s file just written (a turn's end, or an answer's anchor: the cache's end),
+        the turn ``info``'s file just ended (the cache's end: a head is saved whole),
         which its point will carry when a later head absorbs it (engine.checkpoints.points)."""
         shape = self.runtime.shape
         if not (self.policy.merge_turns and shape.has_recurrent and shape.holds_points) \

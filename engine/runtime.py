@@ -90,9 +90,9 @@ class SaveInfo:
     #: its conversation's messages when it ends a turn (no answer paused), for the files
     #: this process wrote: what a later head that absorbs it checks and records as a point
     turn_messages: tuple | None = field(default=None, compare=False, repr=False)
-    #: for a memory with a recurrent part, a file that ends a turn (``turn_messages``) or an
-    #: answer's anchor (engine.history._is_anchor): the recurrent part of the state at its
-    #: end, which its point carries when a later head absorbs it (engine.checkpoints.points)
+    #: for a memory with a recurrent part, a file that ends a turn (``turn_messages``): the
+    #: recurrent part of the state at its end, which its point carries when a later head
+    #: absorbs it (engine.checkpoints.points)
     point_state: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
