@@ -53,12 +53,12 @@ from engine.checkpoints.compat import ContextShape, Target
 from engine.checkpoints.format import KIND_MANUAL, CheckpointData, Header
 from engine.checkpoints.points import Point
 from engine.conversation import Conversation
-from engine.errors import CorruptState, GenerationError, RestoreFailed, SaveFailed
+from engine.errors import GenerationError, RestoreFailed, SaveFailed
 from engine.model_shape import MEMORY_ATTENTION, MEMORY_RECURRENT
 from engine.restore import peak_tokens, restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover, recurrent_part
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -284,16 +284,6 @@ class ParallelRuntime:
         """Whether a checkpoint of ``kind`` of ``seq`` carries its logits (engine.runtime.logits_rule)."""
         return logits_rule(kind, paused, self.has_logits(seq), self._held[seq].logits_alone, self.shape)
 
-    def _point_or_nearest(self, seq: int, n: int, point: Point | None) -> PromptSnapshot | None:
-        """What :meth:`trim` goes back to (Runtime._point_or_nearest)."""
-        held = self._held[seq]
-        if point is not None and point.n_tokens == n and point.recurrent is not None:
-            try:
-                return PromptSnapshot.of_point(held.tokens, point, self.shape.n_layer, self.target.recurrent_rows)
-            except CorruptState as exc:
-                log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
-        return held.snapshots.nearest(held.tokens, n)
-
     # -- decoding -------------------------------------------------------------------------
     def can_keep(self, seq: int, n: int) -> int:
         """How many tokens :meth:`trim` ``(seq, n)`` would keep; nothing changes.  What a
@@ -321,7 +311,9 @@ class ParallelRuntime:
             del held.tokens[cut:]
             held.window.cut(cut)
             self._forget_logits(seq)
-        elif (snapshot := self._point_or_nearest(seq, n, point)) is not None and snapshot.put_back(self.ctx, seq):
+        elif (snapshot := point_or_nearest(held.snapshots, held.tokens, n, point, self.shape.n_layer,
+                                           self.target.recurrent_rows)) is not None \
+                and snapshot.put_back(self.ctx, seq):
             del held.tokens[snapshot.n_tokens:]
             held.window.cut(snapshot.n_tokens)
             self._forget_logits(seq)

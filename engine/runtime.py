@@ -46,7 +46,7 @@ from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
 from engine.restore import restore_into
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover, recurrent_part
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -202,7 +202,9 @@ class Runtime:
         if cut > 0 and self.ctx.seq_rm(0, cut, -1):
             del self.kv_tokens[cut:]
             self._window.cut(cut)
-        elif (snapshot := self._point_or_nearest(n, point)) is not None and snapshot.put_back(self.ctx, 0):
+        elif (snapshot := point_or_nearest(self._snapshots, self.kv_tokens, n, point, self.shape.n_layer,
+                                           self.target.recurrent_rows)) is not None \
+                and snapshot.put_back(self.ctx, 0):
             del self.kv_tokens[snapshot.n_tokens:]
             self._window.cut(snapshot.n_tokens)
             if snapshot.logits is not None:
@@ -218,17 +220,6 @@ class Runtime:
         else:
             self._forget_logits()
         return len(self.kv_tokens)
-
-    def _point_or_nearest(self, n: int, point: Point | None) -> PromptSnapshot | None:
-        """What :meth:`trim` goes back to: ``point`` (at ``n``, its state walked first: a point
-        that does not walk is not used), else the nearest snapshot at or before ``n``."""
-        if point is not None and point.n_tokens == n and point.recurrent is not None:
-            try:
-                return PromptSnapshot.of_point(self.kv_tokens, point, self.shape.n_layer,
-                                               self.target.recurrent_rows)
-            except CorruptState as exc:
-                log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
-        return self._snapshots.nearest(self.kv_tokens, n)
 
     def recurrent_part(self) -> np.ndarray | None:
         """The recurrent part of the cache's state now, as a point carries it

@@ -25,6 +25,7 @@ again from it gives what reading from the start would.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ from engine.checkpoints.points import Point
 from engine.errors import CorruptState
 from native.context import STATE_RECURRENT_ONLY
 from native.errors import StateError
+
+log = logging.getLogger("engine")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,19 @@ class PromptSnapshot:
             ctx.seq_rm(seq, -1, -1)
             return False
         return True
+
+
+def point_or_nearest(shelf: Shelf, tokens: Sequence[int], n: int, point: Point | None, n_layer: int,
+                     recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot | None:
+    """What a sequence holding ``tokens`` goes back to, to keep ``n`` of them: ``point``, a
+    point at ``n`` of the file just restored (its state walked first: one that does not walk
+    is not used), else the shelf's nearest snapshot at or before ``n``."""
+    if point is not None and point.n_tokens == n and point.recurrent is not None:
+        try:
+            return PromptSnapshot.of_point(tokens, point, n_layer, recurrent_rows)
+        except CorruptState as exc:
+            log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
+    return shelf.nearest(tokens, n)
 
 
 def recurrent_part(ctx, seq: int) -> np.ndarray | None:

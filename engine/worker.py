@@ -1251,7 +1251,7 @@ class EngineWorker:
 
         The head may hold more than the conversation (Regenerate cut the answer, an Edit
         put an earlier turn's end in the cache): the chain is restored and the tail
-        trimmed; a memory with a recurrent part goes back to the last file's nearest turn
+        trimmed; a memory with a recurrent part goes back to the chain's nearest turn
         end (a point: engine.checkpoints.points) or a snapshot, and a memory that cannot trim
         otherwise (sliding-window layers) takes the deepest file of the chain that is wholly
         a prefix instead.  Nothing is restored where none of that beats the cache.
