@@ -57,6 +57,7 @@ from engine.errors import CheckpointError, SaveFailed
 from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base
+from engine.snapshots import PromptSnapshot, point_state
 from native.context import ContextSettings
 
 log = logging.getLogger("engine")
@@ -128,6 +129,8 @@ class SavingRuntime(Protocol):
              cut: int | None = ..., points: Sequence[Point] = ...) -> SaveInfo: ...
 
     def recurrent_part(self) -> np.ndarray | None: ...
+
+    def snapshot_at(self, n: int) -> PromptSnapshot | None: ...
 
 
 def _is_anchor(conv: Conversation, info: SaveInfo) -> bool:
@@ -359,7 +362,8 @@ class LineWriter:
                 cut = (idx, self.chain[idx].n_tokens - 1)
             else:
                 idx = below
-        points: list[Point] = []
+        points = self._mark_points(conv, self.chain[idx].n_tokens if idx is not None else 0) \
+            if kind == KIND_AUTOSAVE and cut is None else []
         if cut is None and idx is not None and kind != KIND_AUTOSAVE:
             if self._ends_turn_with_cells(conv, idx):
                 idx, points = self._absorbed_by_head(idx, conv)
@@ -468,6 +472,26 @@ class LineWriter:
         """Whether the head about to go on ``self.chain[idx]`` ends a turn (a finished answer,
         not a pause) with cells of its own (not a rename, nor a fork's metadata)."""
         return not conv.paused and len(self.runtime.kv_tokens) > self.chain[idx].n_tokens
+
+    def _mark_points(self, conv: Conversation, parent_n: int) -> list[Point]:
+        """For a thinking model's mark file (engine.generation.mark_wants_file: an autosave
+        where the user's turn ends in the prompt, which the next turn parts from), the state
+        where the user's message starts, the prompt's mark before it, as a *point* after the
+        messages before it (engine.checkpoints.points): an Edit of that message, a fork or
+        ``--from-turn`` there, in this process or a new one, restores the file and goes
+        back to it (engine.branches.turn_end) instead of reading the conversation again —
+        its template drops the answers' thinking, so no file ends at that history.  Only
+        for a memory with a recurrent part whose prefill kept a snapshot there (it is
+        exact: decoding cut at the marks gives the same state); [] otherwise."""
+        answer, shape = conv.answer, self.runtime.shape
+        n = len(self.runtime.kv_tokens)
+        if (answer is None or len(answer.marks) < 2 or answer.marks[-1] != n or answer.n_generated
+                or not (shape.has_recurrent and shape.holds_points)
+                or not conv.messages or conv.messages[-1][0] != "user"):
+            return []
+        start = answer.marks[-2]
+        snapshot = self.runtime.snapshot_at(start) if parent_n <= start else None
+        return [] if snapshot is None else [Point(start, len(conv.messages) - 1, point_state(snapshot))]
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of

@@ -115,9 +115,14 @@ def recurrent_part(ctx, seq: int) -> np.ndarray | None:
     """The recurrent part of ``seq``'s state now, naming sequence 0 as a file holds it (a
     point's: engine.checkpoints.points); None when llama.cpp cannot give it."""
     snapshot = PromptSnapshot.take(ctx, seq, (), None, recurrent_only=True)
-    if snapshot is None:
-        return None
-    state = snapshot.state   # a fresh array of its own
+    return None if snapshot is None else point_state(snapshot)
+
+
+def point_state(snapshot: PromptSnapshot) -> np.ndarray:
+    """A snapshot's recurrent part as a point carries it (engine.checkpoints.points): a copy
+    naming sequence 0.  A hybrid's snapshot is that part already; a recurrent memory's whole
+    state is the same bytes (llama.cpp's recurrent memory writes no other part)."""
+    state = np.array(snapshot.state, copy=True)
     state[4:8] = np.frombuffer((0).to_bytes(4, "little"), dtype=np.uint8)   # llama.cpp ignores it
     return state
 

@@ -622,9 +622,12 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
 def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
     """The window's engine on a thinking hybrid: four turns (each next turn parts from the
     mark where the user's message ended, its template dropping the thinking), then an Edit
-    of turn 2 answers what a conversation that said the same from the start answers; the
-    conversation is one full file and deltas (a head that absorbed a thinking answer's mark
-    would leave the next turn no file to build on: a full file a turn)."""
+    of turn 2 answers what a conversation that said the same from the start answers, and
+    reads only the new message: turn 2's mark file carries the state where its message
+    started as a point (LineWriter._mark_points; no file ends at that history), where it
+    read the conversation again from the start before.  The conversation is one full file
+    and deltas (a head that absorbed a thinking answer's mark would leave the next turn no
+    file to build on: a full file a turn)."""
     from enginekit import Recorder
 
     from engine.checkpoints.graph import Graph
@@ -656,6 +659,9 @@ def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
         reference = rec.wait("finished", 7)[-1][1]
         assert not rec.of("error"), rec.of("error")
         assert edited.text == reference.text and edited.n_prompt_tokens == reference.n_prompt_tokens
+        # the reference read turn 1's answer again (its thinking dropped); the edit reads less
+        read, reference_read = (s.n_prompt_tokens - s.n_reused_tokens for s in (edited, reference))
+        assert 0 < read < reference_read, (edited.n_reused_tokens, reference.n_reused_tokens)
     finally:
         w.shutdown()
         assert w.join(60)

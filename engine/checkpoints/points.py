@@ -17,6 +17,12 @@ On disk (engine.checkpoints.format, flag ``POINT_STATES``) those recurrent parts
 llama.cpp's state in the file's state section, in the order of the metadata's points,
 each entry saying its length as ``recurrent_len``.  This module is the one reader and
 writer of that metadata.
+
+A thinking model's mark file (engine.generation.mark_wants_file) has one point too: where
+the user's message starts in its prompt, after the messages before it (its template drops
+the answers' thinking, so no file ends at that history; engine.history.LineWriter._mark_points).
+Its tokens also hold the template's opening of that user message, which a new message
+there starts with too.
 """
 
 from __future__ import annotations
