@@ -619,7 +619,8 @@ def test_a_thinking_hybrids_next_turn_in_a_new_process_reads_from_its_turns_file
     assert (second["n_reused_tokens"], second["n_generated"]) == (turn_1, 8)
 
 
-def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(arch, tiny_model_path, tmp_path):
     """The window's engine on a thinking hybrid: four turns (each next turn parts from the
     mark where the user's message ended, its template dropping the thinking), then an Edit
     of turn 2 answers what a conversation that said the same from the start answers, and
@@ -627,7 +628,8 @@ def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
     started as a point (LineWriter._mark_points; no file ends at that history), where it
     read the conversation again from the start before.  The conversation is one full file
     and deltas (a head that absorbed a thinking answer's mark would leave the next turn no
-    file to build on: a full file a turn)."""
+    file to build on: a full file a turn).  The same on a recurrent memory (mamba2 with
+    Qwen3.5's template), whose snapshots are its whole state."""
     from enginekit import Recorder
 
     from engine.checkpoints.graph import Graph
@@ -639,7 +641,8 @@ def test_a_thinking_hybrids_turns_in_the_window_edit_exactly(thinker, tmp_path):
     w = EngineWorker(rec, store)
     w.start()
     try:
-        w.load_model(ModelOptions(thinker, n_ctx=2048, n_threads=2, sequences=2))
+        w.load_model(ModelOptions(tiny_model_path(arch, chat_template=QWEN35), n_ctx=2048, n_threads=2,
+                                  sequences=2))
         rec.wait("loaded")
         sampler = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
         a = w.new_conversation(sampler=sampler, system_prompt=("Answer briefly and exactly. " * 6).strip())
