@@ -2,10 +2,13 @@
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
-                                         [--against TREE] [--model smollm|lfm2-wide] [--json out.json]
+                                         [--against TREE] [--model smollm|lfm2-wide|llama-8b-kv]
+                                         [--json out.json]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
-attention widths, random weights, its files in a folder of their own: :data:`MODELS`) with
+attention widths, random weights; ``--model llama-8b-kv``: an attention model at
+Llama-3-8B's KV widths, 68 KiB a token; each with its files in a folder of their own:
+:data:`MODELS`) with
 the app's context settings (q8_0 K and V, flash attention, a unified cache with a scratch
 sequence), the context just large enough for the largest size.  For each size a long prose
 prompt is prefilled and answered, and saved at the same token: as
@@ -273,11 +276,16 @@ MODELS = {
     "smollm": "SmolLM2-135M-Instruct",
     "lfm2-wide": "a random-weight LFM2 (tests/tinymodels.py) of 16 layers, 8 of them attention with "
                  "LFM2-2.6B's 8 KV heads of 64 (its KV bytes per token), 8 short convolutions of 1024",
+    "llama-8b-kv": "a random-weight llama (tests/tinymodels.py) with Llama-3-8B's KV widths: 32 layers "
+                   "of 8 KV heads of 128 (its KV bytes per token), narrow elsewhere",
 }
 #: the hybrid's widths: LFM2-2.6B's attention (8 KV heads of 64, 16 query heads); the layer
 #: pattern alternates convolution and attention, so 16 layers hold its 8 attention layers;
 #: its trained context LFM2's 32k (llama-server caps a slot's context at it)
 WIDE_LFM2 = {"n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head": 64, "n_ctx_train": 32768}
+#: Llama-3-8B's KV widths (32 layers, 8 KV heads of 128; 8 query heads, not 32) on a narrow
+#: residual stream and feed-forward, so that long prompts prefill in minutes on two cores
+LLAMA_8B_KV = {"n_embd": 1024, "n_ff": 128, "n_head": 8, "n_head_kv": 8, "head": 128, "n_ctx_train": 32768}
 
 
 def model_file(key: str, folder: Path) -> Path | None:
@@ -287,6 +295,8 @@ def model_file(key: str, folder: Path) -> Path | None:
     if str(ROOT / "tests") not in sys.path:
         sys.path.insert(0, str(ROOT / "tests"))
     import tinymodels
+    if key == "llama-8b-kv":
+        return tinymodels.cached("llama", folder, n_layer=32, shape=tinymodels.Shape(**LLAMA_8B_KV))
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 
