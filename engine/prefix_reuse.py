@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from engine.checkpoints.chain import common_prefix, load_chain
 from engine.checkpoints.graph import default_line
+from engine.checkpoints.points import nearest_point
 from engine.checkpoints.prefix_index import PrefixIndex
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
@@ -48,7 +49,9 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
     (``llama_memory_seq_rm`` fails: some sliding-window or recurrent models) only takes
     checkpoints that are entirely a prefix of the prompt; if none exists, the prompt is
     decoded in full; a recurrent or hybrid memory (which goes back only to its snapshots)
-    looks at those alone: a shared prefix (engine.shared_prefix) is one; a sliding window
+    looks at those alone, and at the points of a conversation's head that carry their
+    recurrent states (its earlier turn ends: a request that sends another conversation's
+    first turns again): a shared prefix (engine.shared_prefix) is one; a sliding window
     tries them first.  Compares against what the cache already holds first.
     """
     in_cache = common_prefix(runtime.kv_tokens, tokens)
@@ -56,7 +59,7 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
     for match in _candidates(runtime, folder, tokens):
         if match.n_common <= in_cache:
             continue
-        if not match.exact and not can_trim:
+        if not (match.exact or match.at_point) and not can_trim:
             continue
         try:
             chain = load_chain(match.path, crc_later=True)   # settled by the restore
@@ -67,7 +70,10 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
             # left the sequence empty
             in_cache = common_prefix(runtime.kv_tokens, tokens)
             continue
-        kept = runtime.trim(match.n_common)
+        # a point (another conversation's earlier turn end, with its recurrent state): the
+        # memory goes back there (engine.checkpoints.points)
+        point = nearest_point(chain, match.n_common) if match.at_point else None
+        kept = runtime.trim(match.n_common, point)
         if kept == match.n_common:
             return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path,
                                tuple(chain))

@@ -411,3 +411,33 @@ def test_regenerate_after_a_restart_reads_nothing_of_a_long_last_message(tiny_mo
         again = rec.wait("finished")[-1][1]
         assert again.n_reused_tokens == again.n_prompt_tokens == last.n_prompt_tokens
         assert again.text == last.text   # greedy: the same answer, from the same state
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "qwen35", "mamba2"])
+def test_a_prompt_on_another_conversations_first_turns_goes_back_to_its_point(arch, tiny_model_path, tmp_path):
+    """The prefix index offers a head's points too (engine.checkpoints.prefix_index): a prompt
+    that repeats another conversation's first turns (a client sending a history again,
+    ``run --reuse-prefix``) restores that head and goes back to the turn's end, reading only
+    what follows, where it read everything after the system prompt before; the state is the
+    one continuing that turn's own file gives (the file-per-turn layout), byte for byte."""
+    from engine.prefix_reuse import reuse_stored_prefix
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        store = Store(tmp_path / "store")
+        _conv, heads = _chat(rt, store, turns=5)
+        _conv, own_files = _chat(rt, Store(tmp_path / "per-turn"), ChainPolicy(merge_turns=False), turns=5)
+        head = load_chain(heads[-1].path)[-1]
+        end = heads[3].n_tokens   # turn 4's end, a point of the last head (the index hashes blocks of 64)
+        assert end in [p.n_tokens for p in points_of(head)] and end >= 64
+        tokens = [int(t) for t in head.tokens[:end]] + rt.model.tokenize(" And a lake?", add_special=False)
+        rt.trim(0)
+        reuse = reuse_stored_prefix(rt, store.folder, tokens)
+        assert (reuse.how, reuse.n_tokens, reuse.source) == ("restored", end, head.path), reuse.describe()
+        assert rt.prefill(tokens).n_decoded == len(tokens) - end
+        reused = _state(rt.ctx)
+        rt.trim(0)
+        rt.restore_chain(load_chain(own_files[3].path))   # turn 4's own file
+        assert rt.prefill(tokens).n_decoded == len(tokens) - end
+        assert _state(rt.ctx) == reused
+    finally:
+        rt.close()

@@ -92,22 +92,43 @@ def points_of(data) -> list[Point]:
     before its own end) is ignored: metadata is untrusted.  A file of a memory with a
     recurrent part whose points carry no recurrent state (written before they did) has
     none that can be used."""
-    raw = data.meta.get("points")
     header = data.header
     tail = getattr(data, "point_states", None)
     lengths = recurrent_lengths(data.meta) if tail is not None and len(tail) else None
     needs_state = header.has_recurrent
     out, offset = [], 0
-    for i, point in enumerate(raw if isinstance(raw, list) else ()):
+    for i, point in enumerate(_entries(data.meta)):
         recurrent = None
         if lengths is not None and tail is not None:
             recurrent = tail[offset:offset + lengths[i]]
             offset += lengths[i]
-        if not isinstance(point, dict) or (needs_state and recurrent is None):
-            continue
-        n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
-        if (type(n_tokens) is int and type(n_messages) is int
-                and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens
-                and n_messages >= 0):
-            out.append(Point(n_tokens, n_messages, recurrent if needs_state else None))
+        counts = _counts(point, header)
+        if counts is not None and not (needs_state and recurrent is None):
+            out.append(Point(*counts, recurrent if needs_state else None))
     return out
+
+
+def point_positions(header, meta: dict[str, Any]) -> list[int]:
+    """The token counts of the points :func:`points_of` gives for a file with this header and
+    metadata, read without its state (engine.checkpoints.prefix_index): a memory with a
+    recurrent part has them only where the file carries their states (POINT_STATES)."""
+    if header.has_recurrent and not (header.has_point_states and recurrent_lengths(meta) is not None):
+        return []
+    return [counts[0] for point in _entries(meta) if (counts := _counts(point, header)) is not None]
+
+
+def _entries(meta: dict[str, Any]) -> list:
+    raw = meta.get("points")
+    return raw if isinstance(raw, list) else []
+
+
+def _counts(point, header) -> tuple[int, int] | None:
+    """``(n_tokens, n_messages)`` of a metadata entry, None where it is not two counts within
+    the file's own cells (from its parent's end, before its own end)."""
+    if not isinstance(point, dict):
+        return None
+    n_tokens, n_messages = point.get("n_tokens"), point.get("n_messages")
+    if (type(n_tokens) is int and type(n_messages) is int
+            and 0 < n_tokens < header.n_tokens and n_tokens >= header.parent_n_tokens and n_messages >= 0):
+        return n_tokens, n_messages
+    return None

@@ -2,11 +2,12 @@
 
 Beside the store lies ``.prefix-index.json``: for every checkpoint, the model fingerprint,
 the context settings that shape its KV cache, and a chain of hashes of its decoded tokens
-in blocks of 64 (hash i covers tokens 0..64(i+1)-1).  A new prompt is hashed the same
-way; the entries with the most leading hashes in common are the candidates, and their
-token arrays give the exact common prefix.  The index is refreshed from file size and
-mtime, so it never trusts a stale entry, and it is only a hint: the chosen checkpoint is
-verified in full when it is restored.
+in blocks of 64 (hash i covers tokens 0..64(i+1)-1), and the points it holds before its
+end (engine.checkpoints.points: for a memory with a recurrent part, where it can go back
+to).  A new prompt is hashed the same way; the entries with the most leading hashes in
+common are the candidates, and their token arrays give the exact common prefix.  The
+index is refreshed from file size and mtime, so it never trusts a stale entry, and it is
+only a hint: the chosen checkpoint is verified in full when it is restored.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import numpy as np
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import Header, read_tokens
+from engine.checkpoints.format import Header, read_metadata, read_tokens
+from engine.checkpoints.points import point_positions
 from engine.errors import CheckpointError
 
 log = logging.getLogger("engine")
@@ -41,7 +43,8 @@ def block_hashes(tokens: Sequence[int] | np.ndarray) -> list[str]:
     return out
 
 
-INDEX_VERSION = 4   # 3: keys are engine.checkpoints.compat.Target.key (every compared field); 4: with memory kinds
+INDEX_VERSION = 5   # 3: keys are engine.checkpoints.compat.Target.key (every compared field); 4: with memory
+#                     kinds; 5: with points
 
 
 def context_key(header: Header) -> str:
@@ -54,6 +57,9 @@ class Match:
     path: Path
     n_common: int        # tokens the prompt shares with the checkpoint's cache
     n_tokens: int        # tokens in the checkpoint's cache
+    #: ``n_common`` is one of the checkpoint's points (a memory with a recurrent part goes
+    #: back there: engine.checkpoints.points), not its end
+    at_point: bool = False
 
     @property
     def exact(self) -> bool:
@@ -94,11 +100,12 @@ class PrefixIndex:
                 continue
             try:
                 header, tokens = read_tokens(path)
+                points = point_positions(header, read_metadata(path)[1]) if header.has_point_states else []
             except (CheckpointError, OSError):
                 continue
             new[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
                               "key": context_key(header), "n_tokens": header.n_tokens,
-                              "hashes": block_hashes(tokens[:header.n_tokens])}
+                              "hashes": block_hashes(tokens[:header.n_tokens]), "points": points}
             changed = True
         if changed or set(new) != set(old):
             try:
@@ -110,20 +117,24 @@ class PrefixIndex:
 
     def matches(self, tokens: Sequence[int], key: str, limit: int = 4, *, whole: bool = False) -> list[Match]:
         """The checkpoints sharing the longest prefixes with ``tokens``, best first;
-        ``whole``: only those that may be a prefix of ``tokens`` entire (for a memory that
-        cannot drop a tail: the longer ones would crowd them out of ``limit``)."""
+        ``whole``: only where the checkpoint, or its part up to one of its points, is a
+        prefix of ``tokens`` entire (for a memory that cannot drop a tail, which goes back
+        only to a point: the longer ones would crowd them out of ``limit``)."""
         wanted = block_hashes(tokens)
+        entries = self.refresh()
         scored = []
-        for name, entry in self.refresh().items():
+        for name, entry in entries.items():
             if entry.get("key") != key:
                 continue
             hashes = entry.get("hashes", [])
             blocks = 0
             while blocks < min(len(hashes), len(wanted)) and hashes[blocks] == wanted[blocks]:
                 blocks += 1
-            if whole and (blocks < len(hashes) or not 0 < entry.get("n_tokens", 0) <= len(tokens)):
-                continue
-            if blocks:
+            if whole:   # the most of it that may be a prefix: its end, or a point
+                ends = [n for n in _ends(entry) if n <= len(tokens) and n // BLOCK <= blocks]
+                if ends and blocks:
+                    scored.append((max(ends), name))
+            elif blocks:
                 scored.append((blocks, name))
         out: list[Match] = []
         for _, name in sorted(scored, reverse=True):
@@ -134,7 +145,17 @@ class PrefixIndex:
             except (CheckpointError, OSError):
                 continue
             n = common_prefix(list(stored[:header.n_tokens]), list(tokens))
-            if whole and n < header.n_tokens:
-                continue
-            out.append(Match(self.folder / name, n, header.n_tokens))
+            if whole:   # (the file read may have changed since the index: its end still counts)
+                ends = [end for end in {*_ends(entries[name]), header.n_tokens} if end <= min(n, header.n_tokens)]
+                if not ends:
+                    continue
+                n = max(ends)
+            out.append(Match(self.folder / name, n, header.n_tokens, at_point=n < header.n_tokens and whole))
         return sorted(out, key=lambda m: (m.n_common, m.exact), reverse=True)
+
+
+def _ends(entry: dict) -> list[int]:
+    """Where a checkpoint of the index may be cut for a memory that cannot drop a tail: its
+    end and its points (positive token counts)."""
+    raw = [entry.get("n_tokens"), *(entry.get("points") or [])]
+    return [n for n in raw if type(n) is int and n > 0]
