@@ -18,7 +18,7 @@ deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app
 as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
 file per turn (each a delta on the last, a finished answer's file: no logits; the layout
 before 2026-12-04), and ``merged``, as it writes them now (the head absorbs the turns
-before it, up to 32 MiB: one file); and ``shared``, the deduplicated layout of a
+before it, up to 32 MiB, then in tiers: one file, O(log n) beyond); and ``shared``, the deduplicated layout of a
 conversation on a long system prompt another one stored (a shared prefix of 1,500 tokens,
 at most 3/4 of them, then the head absorbing the turns above it: two files).  Then,
 for each file and each repeat, a NEW PROCESS loads the model and times one restore, with
@@ -312,8 +312,8 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
 
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
-    # messages once in the metadata): files made before are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-heads-absorb.json"
+    # messages once in the metadata, turns absorbed in tiers): files made before are made again
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-tiers.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
@@ -366,7 +366,7 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, m
 def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool, prefix: int = 0) -> list[Path]:
     """The same tokens as a conversation of ``turns`` turns, written by the app's writer
     (:func:`write_turns`).  ``merge``: as the app writes them now, the turns before a head
-    absorbed by it (ChainPolicy.merge_turns: files of up to 32 MiB); else a file per turn, as before
+    absorbed by it (ChainPolicy.merge_turns: up to 32 MiB, then in tiers); else a file per turn, as before
     2026-12-04.  ``prefix``: the first tokens are a shared prefix (a long system prompt
     another conversation stored: engine.shared_prefix), the turns follow on it.  Returns
     the last head's chain, base first."""

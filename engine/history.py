@@ -10,8 +10,8 @@ of it:
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
-  so a conversation restores from one file up to 32 MiB
-  (:meth:`LineWriter._absorbed_by_head`; a recurrent or hybrid memory's points carry
+  so a conversation restores from one file up to 32 MiB, beyond that from files whose
+  sizes double downwards (tiers: O(log n) files) (:meth:`LineWriter._absorbed_by_head`; a recurrent or hybrid memory's points carry
   their recurrent states; an attention memory's pause may merge its parent so instead,
   :meth:`LineWriter._merge_below`); when the cache was trimmed
   (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
@@ -88,6 +88,11 @@ class ChainPolicy:
     #: the most a head or a merge absorbs (LineWriter._absorbed): the save after an answer stays
     #: bounded, and a file this large costs its restore little beyond its copy
     merge_max_bytes: int = 32 << 20
+    #: beyond ``merge_max_bytes`` a head that ends a turn still absorbs a file that holds no
+    #: more tokens of its own than the head will above it (tiers: O(log n) files, each cell
+    #: rewritten O(log n) times), rewriting at most this much: a model whose turn is larger
+    #: than ``merge_max_bytes`` (Llama-3-8B: 68 KiB a token) would keep a file per turn
+    tier_max_bytes: int = 1 << 30
 
 
 def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
@@ -140,6 +145,11 @@ def _is_anchor(conv: Conversation, info: SaveInfo) -> bool:
     answer = conv.answer
     return (answer is not None and info.turn_messages is None
             and info.n_tokens in (answer.n_prompt_tokens, *answer.marks))
+
+
+def _own_tokens(info: SaveInfo) -> int:
+    """The tokens whose cells a file holds itself (a delta's above its parent's)."""
+    return info.n_tokens - (info.parent_n_tokens if info.delta else 0)
 
 
 def _states_kept(info: SaveInfo) -> bool:
@@ -540,7 +550,7 @@ class LineWriter:
         if not (self.policy.merge_turns and self.runtime.shape.holds_points):
             return idx, []
         held = self._held_by_other_lines()
-        j, points = self._absorbed(idx, conv, 0, held)
+        j, points = self._absorbed(idx, conv, 0, held, tiers=True)
         return (j if j >= 0 else None), points
 
     def _merge_below(self, idx: int, conv: Conversation) -> int:
@@ -591,7 +601,7 @@ class LineWriter:
         return j + 1
 
     def _absorbed(self, top: int, conv: Conversation, rewritten: int,
-                  held: set[str]) -> tuple[int, list[Point]]:
+                  held: set[str], *, tiers: bool = False) -> tuple[int, list[Point]]:
         """``(j, points)``: the files ``chain[j+1..top]`` that a file written now absorbs (a
         head, _absorbed_by_head; a merged previous turn's end of ``rewritten`` bytes,
         _merge_below), and their turn ends; ``j`` is -1 where it absorbs the chain's base too
@@ -601,7 +611,8 @@ class LineWriter:
         ``merge_max_bytes``: below that size a file costs a restore more than its bytes do
         (about 0.6 ms each, the copy of a few MB: benchmarks.restore_profile), so a
         conversation of up to that size restores from its head alone (and a shared prefix
-        below it), and a longer one from files of about that size.  Only a file this
+        below it), and a longer one from files of about that size (a pause's merge) or in
+        tiers (a head: ``tiers``, below).  Only a file this
         writer wrote on its own line (a delta on the whole file below it, or the line's
         own full base) that no other line's file builds on (a fork keeps what it was
         forked from; the previous turn's end itself included), and for a memory with a
@@ -610,13 +621,23 @@ class LineWriter:
         mark file (:func:`_is_anchor`), are not absorbed, nor what lies below them: the
         prompt file's logits let Regenerate read nothing in a new process, and a thinking
         model's next turn parts from its mark (its template drops the thinking), so it goes
-        on that file; a later head absorbs them once they lie below a turn's end."""
+        on that file; a later head absorbs them once they lie below a turn's end.
+
+        ``tiers`` (a head that ends a turn): past ``merge_max_bytes``, a file is still absorbed
+        while it holds no more tokens of its own than the file being written will above it,
+        within ``tier_max_bytes``: the files' sizes then double downwards, so a conversation
+        restores from O(log n) files and each cell is written O(log n) times, where a model
+        whose turn alone exceeds ``merge_max_bytes`` would keep a file per turn (measured at
+        Llama-3-8B's widths, benchmarks.restore_profile --model llama-8b-kv)."""
         points: list[Point] = []
         below_a_turn_end = False
+        n_now = len(self.runtime.kv_tokens)
         i = top
         while i >= 0:
             info, below = self.chain[i], self.chain[i - 1] if i else None
-            if (rewritten + info.size > self.policy.merge_max_bytes or info.path.name in held
+            size = rewritten + info.size
+            tier = tiers and size <= self.policy.tier_max_bytes and _own_tokens(info) <= n_now - info.n_tokens
+            if ((size > self.policy.merge_max_bytes and not tier) or info.path.name in held
                     or not self._absorbable(info, below, conv)):
                 break
             ended = info.turn_messages

@@ -232,18 +232,49 @@ def test_editing_the_last_message_after_merges_stores_only_its_own_turn(smollm_r
 
 
 def test_past_the_bound_a_head_absorbs_no_more(smollm_runtime, tmp_path):
-    """With ``merge_max_bytes`` of a few turns, the turns go on in files that hold at most
-    that much of earlier turns, and their own, still with every turn's end in the chain."""
+    """With ``merge_max_bytes`` of a few turns (and no tiers beyond it), the turns go on in
+    files that hold at most that much of earlier turns, and their own, still with every
+    turn's end in the chain."""
     rt = smollm_runtime
     _conv, _, first = _chat(rt, Store(tmp_path / "probe"), 1)
     bound = 3 * first[0].size
-    _conv, _, heads = _chat(rt, Store(tmp_path / "store"), 12, ChainPolicy(merge_max_bytes=bound))
+    _conv, _, heads = _chat(rt, Store(tmp_path / "store"), 12,
+                            ChainPolicy(merge_max_bytes=bound, tier_max_bytes=bound))
     chain = load_chain(heads[-1].path)
     sizes = [d.path.stat().st_size for d in chain]
     assert max(sizes) <= bound + first[0].size, sizes   # (a turn's own file: first[0])
     assert 3 <= len(chain) < 12, sizes
     ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
     assert ends == [h.n_tokens for h in heads]
+
+
+def test_past_the_bound_turns_go_on_in_tiers(smollm_runtime, tmp_path):
+    """A model whose turn alone exceeds ``merge_max_bytes`` (Llama-3-8B's: 68 KiB a token)
+    kept a file per turn.  Now a head absorbs a file that holds no more tokens of its own
+    than the head will above it: after every turn the chain holds O(log n) files, every
+    turn's end is in it (a file's end or a point) and restores to its tokens, and all the
+    saves together wrote each cell O(log n) times."""
+    import math
+    rt = smollm_runtime
+    _conv, _, first = _chat(rt, Store(tmp_path / "probe"), 1)
+    policy = ChainPolicy(merge_max_bytes=first[0].size // 2)   # (no turn fits the plain bound)
+    store = Store(tmp_path / "store")
+    rt.trim(0)
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    writer = LineWriter(rt, store, "line", policy=policy)
+    heads = []
+    for turn in range(1, 13):
+        heads.append(_turn(rt, conv, writer, turn - 1))
+        chain = load_chain(heads[-1].path)
+        assert len(chain) <= math.floor(math.log2(turn)) + 1, (turn, [d.header.n_tokens for d in chain])
+    ends = sorted({d.header.n_tokens for d in chain} | {p.n_tokens for d in chain for p in points_of(d)})
+    assert ends == [h.n_tokens for h in heads]
+    held = sum(d.path.stat().st_size for d in chain)
+    assert writer.bytes_written <= (math.log2(12) + 2) * held, (writer.bytes_written, held)
+    for k in (3, 7):
+        depth, n, point = turn_end(chain, conv.messages[:2 * k])
+        rt.restore_chain(chain[:depth])
+        assert rt.trim(n, point) == n == heads[k - 1].n_tokens and rt.kv_tokens == conv.tokens[:n]
 
 
 def test_a_shared_prefix_is_never_absorbed(smollm_runtime, tmp_path):
