@@ -11,8 +11,8 @@ of it:
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
   so a conversation restores from one file up to 32 MiB, beyond that from files whose
-  sizes double downwards (tiers: O(log n) files) (:meth:`LineWriter._absorbed_by_head`; a recurrent or hybrid memory's points carry
-  their recurrent states; an attention memory's pause may merge its parent so instead,
+  sizes double downwards (tiers: O(log n) files) (:meth:`LineWriter._absorbed_by_head`;
+  a recurrent or hybrid memory's points carry their recurrent states; an attention memory's pause may merge its parent so instead,
   :meth:`LineWriter._merge_below`); when the cache was trimmed
   (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
   was decoded (a pause before the first token, a rename) the delta holds no cells at all;
