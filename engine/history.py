@@ -12,8 +12,9 @@ of it:
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
   so a conversation restores from one file up to 32 MiB, beyond that from files whose
   sizes double downwards (tiers: O(log n) files) (:meth:`LineWriter._absorbed_by_head`;
-  a recurrent or hybrid memory's points carry their recurrent states; an attention memory's pause may merge its parent so instead,
-  :meth:`LineWriter._merge_below`); when the cache was trimmed
+  a recurrent or hybrid memory's points carry their recurrent states; an attention
+  memory's pause may merge its parent so instead, :meth:`LineWriter._merge_below`); when
+  the cache was trimmed
   (Regenerate), the delta goes on the file before the trimmed part, and when nothing new
   was decoded (a pause before the first token, a rename) the delta holds no cells at all;
 * a **full file** (a new chain) when nothing on disk is a prefix, when the chain holds
