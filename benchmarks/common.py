@@ -258,7 +258,7 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 # -- two layouts of the same work, side by side ---------------------------------------------
 #: (key, label, flag): one way of writing the same thing, as a benchmark's table names it
-Layout = tuple[str, str, bool]
+Layout = tuple[str, str, Any]   # (key, label, what one_run is given)
 
 
 def interleaved_layouts(settings, repeats: int, layouts: Sequence[Layout], one_run,

@@ -1,16 +1,17 @@
 """What a conversation of many turns costs its saves and saves its restore, when each
-turn's head goes on a file absorbing the turns before it (up to 32 MiB: two files) vs a
-file per turn.
+turn's head goes on a file absorbing the turns before it (up to 32 MiB, then in tiers) vs
+a file per turn.
 
     python -m benchmarks.merged_turns [--tokens 2000] [--turns 12] [--repeats 3]
-                                      [--model smollm|lfm2-wide] [--folder DIR]
+                                      [--model smollm|lfm2-wide|llama-8b-kv] [--folder DIR]
 
-SmolLM2 (``--model lfm2-wide``: benchmarks.restore_profile's hybrid, built into
-``--folder`` once) with the app's context settings.  ``--tokens`` tokens of prose are cut into
+SmolLM2 (``--model lfm2-wide``, ``llama-8b-kv``: benchmarks.restore_profile's models,
+built into ``--folder`` once) with the app's context settings.  ``--tokens`` tokens of prose are cut into
 ``--turns`` turns; each turn is decoded and its head written by the app's writer
 (engine.history.LineWriter, a finished answer's head) on a line in a fresh store, in two
 layouts, interleaved run by run: a file per turn (``ChainPolicy(merge_turns=False)``,
-before 2026-12-04) and merged (now).  For each: the files the last head's chain holds, the
+before 2026-12-04), merged up to 32 MiB only (``tier_max_bytes=0``, before 2026-12-05's
+fourteenth session) and merged, then in tiers (now).  For each: the files the last head's chain holds, the
 bytes all the head saves wrote and the most one wrote (a merged file and the head), the
 slowest head save (writes, fsyncs, retiring what was absorbed), the store's bytes after the last turn, and
 the restore of the last head's chain (``load_chain`` + ``Runtime.restore_chain``, every
@@ -32,17 +33,20 @@ if __package__ in (None, ""):
 
 from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
 
-LAYOUTS = (("each", "a file per turn (before)", False), ("merged", "turns merged (now)", True))
+#: (key, label, ChainPolicy's fields)
+LAYOUTS = (("each", "a file per turn", {"merge_turns": False}),
+           ("capped", "merged up to 32 MiB (before)", {"tier_max_bytes": 0}),
+           ("merged", "merged, then in tiers (now)", {}))
 
 
-def one_run(rt, reader, tokens: list[int], turns: int, merge: bool, folder: Path) -> dict:
+def one_run(rt, reader, tokens: list[int], turns: int, policy: dict, folder: Path) -> dict:
     from benchmarks.common import warm_restores
     from benchmarks.restore_profile import write_turns
     from engine.checkpoints.store import Store
     from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
-    writer = LineWriter(rt, Store(folder), uuid.uuid4().hex, policy=ChainPolicy(merge_turns=merge))
+    writer = LineWriter(rt, Store(folder), uuid.uuid4().hex, policy=ChainPolicy(**policy))
     saves, sizes = [], []
 
     def timed(save):
@@ -65,9 +69,9 @@ def measure(args) -> Table:
     from benchmarks.common import context_settings, interleaved_layouts, prompt_tokens
     tokens: list[int] = []
 
-    def run(rt, reader, merge: bool, folder: Path) -> dict:
+    def run(rt, reader, policy: dict, folder: Path) -> dict:
         tokens[:] = tokens or prompt_tokens(rt.model, args.tokens)   # tokenized once, by the first run
-        return one_run(rt, reader, tokens, args.turns, merge, folder)
+        return one_run(rt, reader, tokens, args.turns, policy, folder)
     from benchmarks.restore_profile import model_file
     model = model_file(args.model, Path(args.folder))
     runs = interleaved_layouts(context_settings(ctx_size_for(args.tokens), args.threads), args.repeats,
@@ -92,9 +96,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     for flag, default in (("--tokens", 2000), ("--turns", 12), ("--repeats", 3), ("--threads", 2)):
         parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--model", choices=("smollm", "lfm2-wide"), default="smollm")
+    parser.add_argument("--model", choices=("smollm", "lfm2-wide", "llama-8b-kv"), default="smollm")
     parser.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "checkpoint-chat-bench-models"),
-                        help="where --model lfm2-wide is built (once)")
+                        help="where --model lfm2-wide or llama-8b-kv is built (once)")
     return parser.parse_args(argv)
 
 
