@@ -91,9 +91,11 @@ class ChainPolicy:
     merge_max_bytes: int = 32 << 20
     #: beyond ``merge_max_bytes`` a head that ends a turn still absorbs a file that holds no
     #: more tokens of its own than the head will above it (tiers: O(log n) files, each cell
-    #: rewritten O(log n) times), rewriting at most this much: a model whose turn is larger
-    #: than ``merge_max_bytes`` (Llama-3-8B: 68 KiB a token) would keep a file per turn
-    tier_max_bytes: int = 1 << 30
+    #: rewritten O(log n) times), rewriting at most this much, which bounds the slowest save
+    #: after an answer; a file this large costs its restore ~1 ms beyond a ~25 ms copy.  A
+    #: model whose turn is larger than ``merge_max_bytes`` (Llama-3-8B: 68 KiB a token)
+    #: kept a file per turn without it
+    tier_max_bytes: int = 256 << 20
 
 
 def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
