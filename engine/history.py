@@ -57,7 +57,7 @@ from engine.conversation import Conversation
 from engine.errors import CheckpointError, SaveFailed
 from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
-from engine.shared_prefix import shared_base
+from engine.shared_prefix import shared_base, system_prompt_end
 from engine.snapshots import PromptSnapshot, point_state
 from native.context import ContextSettings
 
@@ -91,7 +91,8 @@ class ChainPolicy:
     merge_max_bytes: int = 32 << 20
     #: beyond ``merge_max_bytes`` a head that ends a turn still absorbs a file that holds no
     #: more tokens of its own than the head will above it (tiers: O(log n) files, each cell
-    #: rewritten O(log n) times), rewriting at most this much, which bounds the slowest save
+    #: rewritten O(log n) times; an attention memory: a recurrent one's states are kept only
+    #: within ``merge_max_bytes``, _let_go_of_states), rewriting at most this much, which bounds the slowest save
     #: after an answer; a file this large costs its restore ~1 ms beyond a ~25 ms copy.  A
     #: model whose turn is larger than ``merge_max_bytes`` (Llama-3-8B: 68 KiB a token)
     #: kept a file per turn without it
@@ -495,16 +496,20 @@ class LineWriter:
         back to it (engine.branches.turn_end) instead of reading the conversation again —
         its template drops the answers' thinking, so no file ends at that history.  Only
         for a memory with a recurrent part whose prefill kept a snapshot there (it is
-        exact: decoding cut at the marks gives the same state); [] otherwise."""
+        exact: decoding cut at the marks gives the same state); [] otherwise, and where the
+        mark before is the system prompt's end (engine.generation.system_mark: the message's
+        start was no boundary of its tokens) while messages came before it."""
         answer, shape = conv.answer, self.runtime.shape
         n = len(self.runtime.kv_tokens)
         if (answer is None or len(answer.marks) < 2 or answer.marks[-1] != n or answer.n_generated
                 or not (shape.has_recurrent and shape.holds_points)
                 or not conv.messages or conv.messages[-1][0] != "user"):
             return []
-        start = answer.marks[-2]
-        snapshot = self.runtime.snapshot_at(start) if parent_n <= start else None
-        return [] if snapshot is None else [Point(start, len(conv.messages) - 1, point_state(snapshot))]
+        start, before = answer.marks[-2], len(conv.messages) - 1
+        if start < parent_n or (before and start <= system_prompt_end(self.runtime, conv)):
+            return []
+        snapshot = self.runtime.snapshot_at(start)
+        return [] if snapshot is None else [Point(start, before, point_state(snapshot))]
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of
@@ -519,8 +524,9 @@ class LineWriter:
     def _let_go_of_states(self) -> None:
         """Drop the recurrent states kept for points (SaveInfo.point_state, points) of the
         files no later head can absorb: those below the newest files that together hold
-        more than ``merge_max_bytes`` (a head absorbs from the top of the chain down, within
-        that bound).  The memory they take stays bounded however long the conversation."""
+        more than ``merge_max_bytes`` (a head absorbs from the top of the chain down; past
+        that bound, in tiers, only an attention memory, which needs no states).  The memory
+        they take stays bounded however long the conversation."""
         total = self._chain[-1].size if self._chain else 0   # (the newest stays as it is: its landing is
         for i in range(len(self._chain) - 2, -1, -1):       # known by identity)
             info = self._chain[i]

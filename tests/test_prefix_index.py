@@ -71,3 +71,17 @@ def test_memory_that_cannot_trim_falls_back_to_an_exact_prefix(smollm_runtime, a
     rt.kv_tokens = []
     (folder / "exact.kvckpt").unlink()
     assert reuse_stored_prefix(rt, folder, target.tokens).how == "recompute"
+
+
+def test_a_point_is_offered_only_before_the_prompts_end_and_bad_points_are_ignored():
+    """A recurrent memory takes a file where its end or one of its points is a prefix of the
+    prompt; a point carries no logits, so one at the prompt's very end is not offered (the
+    last token would be decoded again, which a recurrent memory cannot do from there), and
+    an index entry whose points are not a list of counts offers its end alone."""
+    from engine.checkpoints.prefix_index import _ends
+    entry = {"n_tokens": 150, "points": [50, 100, "x", -3, True]}
+    assert sorted(_ends(entry, 100)) == [50]
+    assert sorted(_ends(entry, 101)) == [50, 100]
+    assert sorted(_ends(entry, 150)) == [50, 100, 150]
+    assert _ends({"n_tokens": 150, "points": 7}, 200) == [150]
+    assert _ends({"n_tokens": "150", "points": None}, 200) == []

@@ -37,8 +37,10 @@ import numpy as np
 @dataclass(frozen=True)
 class Point:
     """The state after a conversation's first ``n_messages`` messages, every answer
-    finished, is a file's first ``n_tokens`` tokens; ``recurrent``: the recurrent part of that
-    state (None for an attention memory, which trims exactly without it)."""
+    finished, is a file's first ``n_tokens`` tokens (a thinking model's mark file's point
+    also holds the template's opening of the next user message: the module docstring);
+    ``recurrent``: the recurrent part of that state (None for an attention memory, which
+    trims exactly without it)."""
     n_tokens: int
     n_messages: int
     recurrent: np.ndarray | None = None

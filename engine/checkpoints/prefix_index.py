@@ -131,7 +131,7 @@ class PrefixIndex:
             while blocks < min(len(hashes), len(wanted)) and hashes[blocks] == wanted[blocks]:
                 blocks += 1
             if whole:   # the most of it that may be a prefix: its end, or a point
-                ends = [n for n in _ends(entry) if n <= len(tokens) and n // BLOCK <= blocks]
+                ends = [n for n in _ends(entry, len(tokens)) if n // BLOCK <= blocks]
                 if ends and blocks:
                     scored.append((max(ends), name))
             elif blocks:
@@ -146,7 +146,8 @@ class PrefixIndex:
                 continue
             n = common_prefix(list(stored[:header.n_tokens]), list(tokens))
             if whole:   # (the file read may have changed since the index: its end still counts)
-                ends = [end for end in {*_ends(entries[name]), header.n_tokens} if end <= min(n, header.n_tokens)]
+                ends = [end for end in {*_ends(entries[name], len(tokens)), header.n_tokens}
+                        if end <= min(n, header.n_tokens)]
                 if not ends:
                     continue
                 n = max(ends)
@@ -154,8 +155,11 @@ class PrefixIndex:
         return sorted(out, key=lambda m: (m.n_common, m.exact), reverse=True)
 
 
-def _ends(entry: dict) -> list[int]:
-    """Where a checkpoint of the index may be cut for a memory that cannot drop a tail: its
-    end and its points (positive token counts)."""
-    raw = [entry.get("n_tokens"), *(entry.get("points") or [])]
-    return [n for n in raw if type(n) is int and n > 0]
+def _ends(entry: dict, n_prompt: int) -> list[int]:
+    """Where a checkpoint of the index may be cut for a memory that cannot drop a tail, for
+    a prompt of ``n_prompt`` tokens: its end, and its points before the prompt's end (a
+    point carries no logits: at the prompt's end its last token would be decoded again,
+    which a recurrent memory cannot do from there)."""
+    n_tokens, points = entry.get("n_tokens"), entry.get("points")
+    ends = [n_tokens] if type(n_tokens) is int and 0 < n_tokens <= n_prompt else []
+    return ends + [n for n in (points if isinstance(points, list) else []) if type(n) is int and 0 < n < n_prompt]
