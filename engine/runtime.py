@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import APP_VERSION
 from engine.checkpoints.atomic import atomic_write
-from engine.checkpoints.chain import ParentRef, common_prefix, tokens_digest
+from engine.checkpoints.chain import ParentRef, common_prefix, prepare_to_load, tokens_digest
 from engine.checkpoints.compat import ContextShape, ModelIdentity, Target
 from engine.checkpoints.fingerprint import model_fingerprint
 from engine.checkpoints.format import (
@@ -143,6 +143,7 @@ class Runtime:
         self._state_buffer: np.ndarray | None = None  # reused by every save (_state_bytes)
         #: seconds the last restore_chain took (structure checks + setting the state)
         self.last_restore_s = 0.0
+        prepare_to_load()
 
     def close(self) -> None:
         self._state_buffer = None

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, ChecksumWorker, Header, read_checkpoint
+from engine.checkpoints import crc_helper, mapped
+from engine.checkpoints.crc_helper import ChecksumWorker
+from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, Header, read_checkpoint
 from engine.errors import BrokenChain, CheckpointError
 
 MAX_CHAIN = 1024
@@ -76,24 +78,28 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     """``path`` and its ancestors, base first, every file verified and linked.
 
     ``crc_later``: the large states' checksums are still being computed when this returns
-    (read_checkpoint), one after another on one helper thread (ChecksumWorker); whoever
+    (read_checkpoint), one after another on the helper thread (engine.checkpoints.crc_helper); whoever
     uses the chain calls :func:`settle` before keeping anything of it
     (engine.restore.restore_into does).  A damaged file is still reported as such,
     whatever else the unsettled files made go wrong here.
     """
     path = Path(path)
     worker = ChecksumWorker() if crc_later else None
+    chain = [read_checkpoint(path, progress=progress, crc_later=worker)]
     try:
-        chain = [read_checkpoint(path, progress=progress, crc_later=worker)]
-        try:
-            _load_ancestors(path, chain, progress, worker)
-        except CheckpointError:
-            settle(chain)   # damage is the reason, when a file's checksum says so
-            raise
-    finally:
-        if worker is not None:
-            worker.close()   # the checksums queued are still computed
+        _load_ancestors(path, chain, progress, worker)
+    except CheckpointError:
+        settle(chain)   # damage is the reason, when a file's checksum says so
+        raise
     return chain
+
+
+def prepare_to_load() -> None:
+    """Do before a first restore what it would otherwise pay for (a runtime calls this once
+    its model is loaded): start the checksum helper thread (engine.checkpoints.crc_helper)
+    and ask how files can be mapped (engine.checkpoints.mapped)."""
+    crc_helper.start()
+    mapped.prepare()
 
 
 def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: ChecksumWorker | None) -> None:

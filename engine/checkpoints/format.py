@@ -143,7 +143,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
 import re
 import struct
 import threading
@@ -158,6 +157,7 @@ import numpy as np
 from engine.checkpoints import mapped
 from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import crc32
+from engine.checkpoints.crc_helper import ChecksumWorker, QueuedCrc
 from engine.checkpoints.points import recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
@@ -576,7 +576,7 @@ class CheckpointData:
     #: engine.checkpoints.chain.facts_of's answer, kept: a chain's links are checked twice.
     #: Typed loosely because the chain module sits above this one (imports point one way).
     link_facts: object = field(default=None, repr=False, compare=False)
-    pending_crc: _QueuedCrc | None = field(default=None, repr=False, compare=False)
+    pending_crc: QueuedCrc | None = field(default=None, repr=False, compare=False)
     #: POINT_STATES: the recurrent states of the metadata's points, after ``state`` in the
     #: file (engine.checkpoints.points); empty otherwise, and when the state was not loaded
     point_states: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), repr=False,
@@ -645,64 +645,6 @@ class _CrcThread:
         """Stop early (a failed write) and wait, so the caller may reuse its buffers."""
         self._stop.set()
         self._thread.join()
-
-
-class _QueuedCrc:
-    """The CRC32 of one buffer, computed in turn by a :class:`ChecksumWorker`."""
-
-    def __init__(self, view: memoryview, initial: int) -> None:
-        self._view = view
-        self._initial = initial   # the CRC of the bytes before these (crc32's running value)
-        self._done = threading.Event()
-        self._value: int | None = None
-        self._error: BaseException | None = None
-
-    def compute(self) -> None:
-        try:
-            self._value = crc32(self._view, self._initial)
-        except BaseException as exc:  # handed to the waiting thread by result()
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def result(self) -> int:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
-
-
-class ChecksumWorker:
-    """One helper thread that checksums the large states of a chain, one after another,
-    while the restoring thread goes on reading and llama.cpp copies (read_checkpoint's
-    ``crc_later``; engine.checkpoints.chain.load_chain makes one per chain).
-
-    One thread per chain, not one per file: a conversation of three 30 MB files started
-    three threads that checksummed at once beside the copy, measured here (SmolLM2, 7,500
-    tokens, a warm process) as 15 ms of ``set_data`` instead of 10 ms for the same bytes
-    with the checksums done, and a thread start can wait ms for a core.  :meth:`close`
-    lets the thread end once the queued checksums are done; queued ones are still computed.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_QueuedCrc | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, view: memoryview, initial: int) -> _QueuedCrc:
-        job = _QueuedCrc(view, initial)
-        self._jobs.put(job)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="checkpoint-crc", daemon=True)
-            self._thread.start()
-        return job
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job.compute()
 
 
 #: What a state arrives as: llama.cpp's bytes, or a numpy array read from a file.
