@@ -78,10 +78,10 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     """``path`` and its ancestors, base first, every file verified and linked.
 
     ``crc_later``: the large states' checksums are still being computed when this returns
-    (read_checkpoint), one after another on the helper thread (engine.checkpoints.crc_helper); whoever
-    uses the chain calls :func:`settle` before keeping anything of it
-    (engine.restore.restore_into does).  A damaged file is still reported as such,
-    whatever else the unsettled files made go wrong here.
+    (read_checkpoint), one after another on the process's helper thread
+    (engine.checkpoints.crc_helper); whoever uses the chain calls :func:`settle` before
+    keeping anything of it (engine.restore.restore_into does).  A damaged file is still
+    reported as such, whatever else the unsettled files made go wrong here.
     """
     path = Path(path)
     worker = ChecksumWorker() if crc_later else None
