@@ -8,6 +8,8 @@ is lowered so that small states take that path, on the mapped reader and the cop
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -143,6 +145,31 @@ def test_every_chains_checksums_run_in_turn_on_one_thread_no_restore_starts(rt, 
     with pytest.raises(BrokenChain, match="the parent checkpoint mid.kvckpt is damaged: payload checksum"):
         rt.restore_chain(load_chain(last.path, crc_later=True))
     assert rt.ctx.pos_max(0) == -1
+
+
+def test_a_runtime_starts_the_checksum_thread_and_asks_the_mapping_questions_as_it_loads(smollm_path):
+    """In a new process, the helper thread and the mapping probes are there once a model is
+    loaded, before any restore (engine.checkpoints.chain.prepare_to_load): a first restore
+    does not pay for them."""
+    import subprocess
+    import sys
+    script = (
+        "import sys, threading\n"
+        "from engine.checkpoints import mapped\n"
+        "from engine.runtime import Runtime\n"
+        "from native.context import ContextSettings\n"
+        "names = lambda: sorted(t.name for t in threading.enumerate())\n"
+        "print(names(), mapped.supported.cache_info().currsize, mapped._syscall.cache_info().currsize)\n"
+        "rt = Runtime(sys.argv[1], ContextSettings(n_ctx=256, n_threads=1))\n"
+        "print(names(), mapped.supported.cache_info().currsize, mapped._syscall.cache_info().currsize)\n"
+        "rt.close()\n")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script, str(smollm_path)], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = done.stdout.strip().splitlines()[-2:]
+    assert "checkpoint-crc" not in before and before.endswith("0 0")
+    assert "'checkpoint-crc'" in after and after.endswith("1 1")
 
 
 def test_another_conversation_in_the_cache_keeps_its_state(smollm_path, tmp_path, later_always):

@@ -734,8 +734,8 @@ PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was
 #: queued to the helper thread; smaller ones cost less inline than the hand-over.  Measured
 #: here (a warm process, SmolLM2, 12 files of a conversation, medians of 25, when each chain
 #: still started its own thread): 2.0 MB files 8.21 ms queued from 1 MiB vs 7.70 ms inline;
-#: 7.7 MB files 18.84 ms queued from 4 MiB vs 20.95 ms on a thread each.  zlib's CRC, 8× slower, is worth handing over from 1 MiB.
-#: Read at call time: benchmarks and tests set it.
+#: 7.7 MB files 18.84 ms queued from 4 MiB vs 20.95 ms on a thread each.  zlib's CRC, 8×
+#: slower, is worth handing over from 1 MiB.  Read at call time: benchmarks and tests set it.
 CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
