@@ -58,7 +58,7 @@ from engine.model_shape import MEMORY_ATTENTION, MEMORY_RECURRENT
 from engine.restore import peak_tokens, restore_into
 from engine.runtime import Runtime, SaveInfo, copy_prefix, logits_rule, relabel_as
 from engine.sequences import Placement, SequenceTable
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part, state_sizes
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
 from native.errors import StateError
@@ -599,6 +599,11 @@ class SequenceView:
         """As Runtime.recurrent_part, of this sequence."""
         seq = self.seq
         return recurrent_part(self.ctx, seq) if seq is not None and self.shape.has_recurrent else None
+
+    def state_sizes(self) -> tuple[int, int]:
+        """As Runtime.state_sizes, of this sequence."""
+        seq = self.seq
+        return state_sizes(self.ctx, seq, self.shape.has_recurrent) if seq is not None else (0, 0)
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         prt, ctx = self._prt, self._prt.ctx

@@ -46,7 +46,7 @@ from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
 from engine.model_shape import ModelShape, read_model_shape
 from engine.restore import restore_into
-from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part
+from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part, state_sizes
 from native.context import DECODE_ABORTED, Context, ContextSettings
 from native.errors import StateError
 from native.library import loaded_library
@@ -226,6 +226,10 @@ class Runtime:
         """The recurrent part of the cache's state now, as a point carries it
         (engine.checkpoints.points); None where the memory has none or llama.cpp cannot give it."""
         return recurrent_part(self.ctx, 0) if self.shape.has_recurrent else None
+
+    def state_sizes(self) -> tuple[int, int]:
+        """Bytes of the cache's state now, and of its recurrent part (engine.snapshots.state_sizes)."""
+        return state_sizes(self.ctx, 0, self.shape.has_recurrent)
 
     def prefill(self, tokens: Sequence[int], *, should_stop: Callable[[], bool] = lambda: False,
                 on_progress: Callable[[int, int], None] | None = None, marks: Sequence[int] = (),

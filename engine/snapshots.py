@@ -118,6 +118,13 @@ def recurrent_part(ctx, seq: int) -> np.ndarray | None:
     return None if snapshot is None else point_state(snapshot)
 
 
+def state_sizes(ctx, seq: int, has_recurrent: bool) -> tuple[int, int]:
+    """Bytes of ``seq``'s state now, and of its recurrent part (0 without one): what a file
+    of it holds (no copy is made: llama.cpp only counts)."""
+    total = ctx.state_size(seq)
+    return total, (ctx.state_size(seq, STATE_RECURRENT_ONLY) if has_recurrent else 0)
+
+
 def point_state(snapshot: PromptSnapshot) -> np.ndarray:
     """A snapshot's recurrent part as a point carries it (engine.checkpoints.points): a copy
     naming sequence 0.  A hybrid's snapshot is that part already; a recurrent memory's whole

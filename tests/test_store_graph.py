@@ -280,7 +280,8 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     from engine.history import ChainPolicy, LineWriter
     from engine.runtime import SaveInfo
     kv = list(range(100))
-    runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True))
+    runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True),
+                              shape=SimpleNamespace(has_recurrent=False))
 
     def info(n, kind, name):
         return SaveInfo(tmp_path / name, 1, 0.0, n, checkpoint_id=name, tokens_digest=tokens_digest(kv[:n]),
@@ -310,6 +311,40 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     # but never the files it started from: a restored autosave stays (its user may name it again)
     writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
     assert writer._parent_index(writer._tip_index(), head=True) == 4
+
+
+
+@pytest.mark.parametrize("cells_per_token,recurrent,folds", [
+    (1, 1000, True),        # a recurrent state far larger than the cells: the tail is mostly dead
+    (1000, 1000, False),    # wide attention, a small recurrent part: each autosave on the last
+    (0, 1000, True),        # a pure recurrent memory: no cells at all
+])
+def test_a_recurrent_memorys_autosave_goes_on_the_anchor_while_its_tail_is_mostly_dead(
+        tmp_path, cells_per_token, recurrent, folds):
+    """Every autosave of a memory with a recurrent part holds the whole recurrent state,
+    which the next leaves dead (LineWriter._tail_mostly_dead): the next autosave goes on
+    the last anchor, retiring the tail, while the tail's attention cells weigh no more than
+    the rest of its bytes; an attention memory's goes on its newest autosave."""
+    from types import SimpleNamespace
+
+    from engine.checkpoints.chain import tokens_digest
+    from engine.history import ChainPolicy, LineWriter
+    from engine.runtime import SaveInfo
+    kv = list(range(100))
+    total = recurrent + cells_per_token * len(kv)
+    runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True),
+                              shape=SimpleNamespace(has_recurrent=True), state_sizes=lambda: (total, recurrent))
+    # the anchor (5 tokens), then autosaves of 10 more tokens each: a recurrent state and 10 cells
+    chain = [SaveInfo(tmp_path / "base", 10_000, 0.0, 5, checkpoint_id="base", tokens_digest=tokens_digest(kv[:5]),
+                      kind=KIND_MANUAL)]
+    chain += [SaveInfo(tmp_path / f"a{k}", recurrent + 10 * cells_per_token, 0.0, 5 + 10 * k,
+                       checkpoint_id=f"a{k}", tokens_digest=tokens_digest(kv[:5 + 10 * k]), kind=KIND_AUTOSAVE)
+              for k in range(1, 4)]
+    writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=16))
+    writer._written.update(i.checkpoint_id for i in chain)
+    assert writer._parent_index(writer._tip_index()) == (0 if folds else 3)
+    runtime.shape.has_recurrent = False   # the same sizes, an attention memory: never
+    assert writer._parent_index(writer._tip_index()) == 3
 
 
 def test_the_record_of_deleted_files_reads_its_old_form_and_survives_damage(tmp_path):
