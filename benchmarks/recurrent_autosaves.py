@@ -12,7 +12,8 @@ and each on the last anchor while the autosaves since hold mostly dead recurrent
 qwen35 (tests/tinymodels.py) with Qwen3-Next's gated delta-net widths (16 key heads and 32
 value heads of 128: 2 MB of recurrent state in each of its 6 delta-net layers), narrow
 elsewhere; ``lfm2-wide``: benchmarks.restore_profile's hybrid (LFM2-2.6B's attention, a
-small convolution state), where the rule keeps the autosaves on the newest one.  A
+small convolution state), where the rule keeps the autosaves on the newest one; ``qwen35``:
+the tests' tiny one.  A
 ~190-token prompt, then ``--tokens`` tokens with an autosave every ``--every``.  For each:
 the files and bytes a crash just before the answer's end leaves, the bytes the autosaves
 wrote, the restore of the newest autosave's chain (``load_chain`` + ``restore_chain``,
@@ -44,6 +45,11 @@ PROMPT = "Write a long story about a lighthouse keeper. " * 20
 
 def model_for(key: str, folder: Path) -> Path:
     from benchmarks.restore_profile import ROOT, model_file
+    if key == "qwen35":   # the tests' tiny one (a smoke test's)
+        if str(ROOT / "tests") not in sys.path:
+            sys.path.insert(0, str(ROOT / "tests"))
+        import tinymodels
+        return tinymodels.cached("qwen35", folder)
     if key == "lfm2-wide":
         path = model_file(key, folder)
         assert path is not None
@@ -73,11 +79,12 @@ def one_run(rt, reader, args, policy: dict, folder: Path) -> dict:
     newest = writer.head
     assert newest is not None
     crash_files = sorted(folder.glob("*.kvckpt"))   # what a crash now would leave (landed: .head settles)
+    crash_mb = sum(p.stat().st_size for p in crash_files) / 1e6
     restore_s, files = warm_restores(reader, newest.path, rt.kv_tokens[:newest.n_tokens])
     written = writer.bytes_written
     writer.save_head(conv, KIND_MANUAL)
     writer.close()
-    return {"crash_files": len(crash_files), "crash_mb": sum(p.stat().st_size for p in crash_files) / 1e6,
+    return {"crash_files": len(crash_files), "crash_mb": crash_mb,
             "chain": files, "written_mb": written / 1e6, "restore_ms": restore_s * 1e3, "answer_s": answer_s,
             "store_mb": sum(p.stat().st_size for p in folder.glob("*.kvckpt")) / 1e6,
             "state_mb": rt.ctx.state_size(0) / 1e6}
@@ -110,7 +117,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     for flag, default in (("--tokens", 128), ("--every", 16), ("--repeats", 1), ("--threads", 2)):
         parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--model", choices=("qwen35-gdn", "lfm2-wide"), default="qwen35-gdn")
+    parser.add_argument("--model", choices=("qwen35-gdn", "lfm2-wide", "qwen35"), default="qwen35-gdn")
     parser.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "checkpoint-chat-bench-models"),
                         help="where the model is built (once)")
     return parser.parse_args(argv)

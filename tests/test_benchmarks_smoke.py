@@ -100,6 +100,18 @@ def test_merged_turns_keep_fewer_files_than_a_file_per_turn(smollm_path):
     assert now["store_MB"] <= before["store_MB"] * 1.05 and now["restore_ms"] > 0
 
 
+def test_recurrent_autosaves_leave_one_file_on_the_anchor_instead_of_one_each(tmp_path):
+    """benchmarks.recurrent_autosaves at its smallest (the tiny qwen35): what a crash in the
+    middle of an answer leaves, each autosave on the newest one vs on the anchor."""
+    from benchmarks.recurrent_autosaves import measure, parse
+    before, now = measure(parse(["--model", "qwen35", "--tokens", "24", "--every", "4",
+                                 "--folder", str(tmp_path)])).rows
+    assert before["chain_files"] >= 5 and now["chain_files"] == 2
+    assert now["crash_files"] == 2 and now["crash_MB"] < before["crash_MB"]
+    assert now["restore_ms"] > 0 and now["store_after_head_MB"] == pytest.approx(before["store_after_head_MB"],
+                                                                                  rel=0.05)
+
+
 def test_the_copy_runs_benchmark_prints_each_layout_and_piece(capsys):
     """benchmarks.copy_runs at its smallest: the same bytes as one, three and twelve files'
     runs, and in pieces of each size, every figure measured."""
