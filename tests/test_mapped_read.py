@@ -8,7 +8,6 @@ from faultkit import synthetic
 
 from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
-from engine.checkpoints.crc_helper import ChecksumWorker
 from engine.errors import CheckpointError, ChecksumMismatch, TruncatedCheckpoint
 
 pytestmark = pytest.mark.skipif(not mapped.supported(), reason="no MADV_POPULATE_READ here")
@@ -98,7 +97,7 @@ def test_copying_reader_gives_the_same_and_read_only(tmp_path, monkeypatch):
 @pytest.mark.parametrize("later", [False, True], ids=["now", "later"])
 def test_every_reader_refuses_a_flip_in_every_section(tmp_path, monkeypatch, reader, section, later):
     """Either reader, its checksum computed at once or on a chain's helper thread
-    (crc_later: crc_helper.ChecksumWorker)."""
+    (crc_later: engine.checkpoints.crc_helper)."""
     if reader == "mapped" and not mapped.supported():
         pytest.skip("no MADV_POPULATE_READ here")
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if reader == "mapped" else 1 << 62)
@@ -110,11 +109,10 @@ def test_every_reader_refuses_a_flip_in_every_section(tmp_path, monkeypatch, rea
     damaged[start + 1] ^= 0x08
     path.write_bytes(bytes(damaged))
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
-    worker = ChecksumWorker() if later else None
     with pytest.raises(CheckpointError):
-        fmt.read_checkpoint(path, crc_later=worker).settle()
+        fmt.read_checkpoint(path, crc_later=later).settle()
     path.write_bytes(data)
-    intact = fmt.read_checkpoint(path, crc_later=worker)
+    intact = fmt.read_checkpoint(path, crc_later=later)
     intact.settle()
     assert intact.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
 
@@ -170,8 +168,7 @@ def test_a_cached_state_the_helper_checksums_is_not_populated(tmp_path, monkeypa
     if not _cached_now(path):
         pytest.skip("this kernel cannot say what the page cache holds (cachestat, Linux 6.5)")
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
-    worker = ChecksumWorker()
-    got = fmt.read_checkpoint(path, crc_later=worker)
+    got = fmt.read_checkpoint(path, crc_later=True)
     got.settle()
     assert always_mapped and not populated
     assert got.state.tobytes() == data[h.state_offset:h.state_offset + h.state_len]
@@ -190,8 +187,7 @@ def test_a_state_not_wholly_cached_is_populated_before_it_is_read(tmp_path, monk
         pytest.skip("the file system keeps its files in memory (tmpfs)")
     assert not _cached_now(path)
     monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
-    worker = ChecksumWorker()
-    got = fmt.read_checkpoint(path, crc_later=worker)
+    got = fmt.read_checkpoint(path, crc_later=True)
     got.settle()
     assert always_mapped
     assert sum(n for _, n in populated) == h.state_len, "not every page of the state was populated"

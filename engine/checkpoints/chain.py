@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoints import crc_helper, mapped
-from engine.checkpoints.crc_helper import ChecksumWorker
 from engine.checkpoints.format import MEMORY_ATTENTION, CheckpointData, Header, read_checkpoint
 from engine.errors import BrokenChain, CheckpointError
 
@@ -84,10 +83,9 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     reported as such, whatever else the unsettled files made go wrong here.
     """
     path = Path(path)
-    worker = ChecksumWorker() if crc_later else None
-    chain = [read_checkpoint(path, progress=progress, crc_later=worker)]
+    chain = [read_checkpoint(path, progress=progress, crc_later=crc_later)]
     try:
-        _load_ancestors(path, chain, progress, worker)
+        _load_ancestors(path, chain, progress, crc_later)
     except CheckpointError:
         settle(chain)   # damage is the reason, when a file's checksum says so
         raise
@@ -102,7 +100,7 @@ def prepare_to_load() -> None:
     mapped.prepare()
 
 
-def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: ChecksumWorker | None) -> None:
+def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later: bool) -> None:
     # every parent is a plain name in the folder of ``path`` (parent_ref): names find a loop
     seen = {os.path.normcase(path.name)}
     first = path                   # the file chain[0] was read from

@@ -1,9 +1,9 @@
 """The checksums a restore leaves for later, computed on one long-lived helper thread.
 
 A chain read with ``crc_later`` (engine.checkpoints.chain.load_chain) hands its large
-states' checksums to a :class:`ChecksumWorker`, so that llama.cpp copies a state while
-its CRC32 is computed on the other core (engine.restore settles them before anything is
-kept).  Every worker's checksums run on one thread of the process, started once
+states' checksums to :func:`queue_crc`, so that llama.cpp copies a state while its CRC32
+is computed on the other core (engine.restore settles them before anything is kept).
+They all run on one thread of the process, started once
 (:func:`start`, which a runtime calls when its model is loaded) and then idle between
 restores:
 
@@ -73,13 +73,11 @@ def _run() -> None:
         _jobs.get().compute()
 
 
-class ChecksumWorker:
-    """A chain's checksums, handed to the helper thread as its files are read
-    (read_checkpoint's ``crc_later``); the reader waits for each with
-    :meth:`QueuedCrc.result` (CheckpointData.settle)."""
-
-    def submit(self, view: memoryview, initial: int) -> QueuedCrc:
-        job = QueuedCrc(view, initial)
-        start()
-        _jobs.put(job)
-        return job
+def queue_crc(view: memoryview, initial: int) -> QueuedCrc:
+    """Hand the CRC32 of ``view`` (going on from ``initial``) to the helper thread
+    (read_checkpoint's ``crc_later``); the reader waits for it with :meth:`QueuedCrc.result`
+    (CheckpointData.settle)."""
+    job = QueuedCrc(view, initial)
+    start()
+    _jobs.put(job)
+    return job

@@ -157,7 +157,7 @@ import numpy as np
 from engine.checkpoints import mapped
 from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import crc32
-from engine.checkpoints.crc_helper import ChecksumWorker, QueuedCrc
+from engine.checkpoints.crc_helper import QueuedCrc, queue_crc
 from engine.checkpoints.points import recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
@@ -740,7 +740,7 @@ CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
-                    progress=None, crc_later: ChecksumWorker | None = None) -> CheckpointData:
+                    progress=None, crc_later: bool = False) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
@@ -748,8 +748,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     called while the state streams in.  The state is a read-only array: on Linux the
     file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
 
-    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed by this
-    :class:`ChecksumWorker`, on its helper thread, so that llama.cpp can copy it meanwhile
+    ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on the
+    process's helper thread (engine.checkpoints.crc_helper), so that llama.cpp can copy it meanwhile
     (engine.restore); the caller must :meth:`CheckpointData.settle` before it keeps
     anything of the file.
     """
@@ -757,7 +757,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
-        later = crc_later is not None and load_state and header.state_len >= CRC_LATER_MIN_BYTES
+        later = crc_later and load_state and header.state_len >= CRC_LATER_MIN_BYTES
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
@@ -793,7 +793,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
     # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
     # to take the GIL back between chunks would wait for the restoring thread's Python code
-    job = crc_later.submit(byte_view(state), crc) if later and crc_later is not None else None
+    job = queue_crc(byte_view(state), crc) if later else None
     if job is None and stored_crc != crc:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
