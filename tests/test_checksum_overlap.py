@@ -139,7 +139,7 @@ def test_every_chains_checksums_run_in_turn_on_one_thread_no_restore_starts(rt, 
         rt.restore_chain(chain)
         assert rt.ctx.pos_max(0) == last.n_tokens - 1
     assert not started, "a restore started a thread"
-    assert ran_on == ["checkpoint-crc"] * 6
+    assert ran_on == ["checkpoint-restore-crc"] * 6
     _damaged_copy(mid.path, tmp_path / "mid.kvckpt")
     rt.trim(0)
     with pytest.raises(BrokenChain, match="the parent checkpoint mid.kvckpt is damaged: payload checksum"):
@@ -168,8 +168,8 @@ def test_a_runtime_starts_the_checksum_thread_and_asks_the_mapping_questions_as_
                           timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     before, after = done.stdout.strip().splitlines()[-2:]
-    assert "checkpoint-crc" not in before and before.endswith("0 0")
-    assert "'checkpoint-crc'" in after and after.endswith("1 1")
+    assert "checkpoint-restore-crc" not in before and before.endswith("0 0")
+    assert "'checkpoint-restore-crc'" in after and after.endswith("1 1")
 
 
 def test_another_conversation_in_the_cache_keeps_its_state(smollm_path, tmp_path, later_always):

@@ -64,7 +64,7 @@ def start() -> None:
     global _thread
     with _started:
         if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_run, name="checkpoint-crc", daemon=True)
+            _thread = threading.Thread(target=_run, name="checkpoint-restore-crc", daemon=True)
             _thread.start()
 
 
