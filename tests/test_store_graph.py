@@ -145,6 +145,46 @@ def test_deleting_never_brings_a_deleted_conversation_back(tmp_path, how):
     assert not store.deleted()                           # nothing of a or b is left
 
 
+@pytest.mark.parametrize("how", ["conversation", "node"])
+def test_an_import_brings_back_what_it_imports_of_a_deleted_conversation(tmp_path, how):
+    """Found by the composition soak (a fork cut from a conversation's head, that conversation
+    deleted, its exported head imported again): the head stayed in the store for the fork's
+    sake, so the import found it there, and the record of the deletion went on hiding it:
+    the conversation just imported had no head, and was gone after a restart.  An import
+    brings back what it imports, and only that: another branch of it the store kept for
+    another conversation stays deleted."""
+    import shutil
+    store = Store(tmp_path / "store")
+    a, b, c = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    branch_1 = _chain(store, a, [100], kind_last=M)[0]
+    branch_2 = _chain(store, a, [90], kind_last=M, line="branch-2")[0]
+    synthetic.write_node(store.new_path("b"), b, 120, parent=branch_1, cut_at=80, kind=M)
+    synthetic.write_node(store.new_path("c"), c, 110, parent=branch_2, cut_at=60, kind=M)
+    assert sorted(h.conversation_id for h in Graph.scan(store).heads) == sorted([a, a, b, c])
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    shutil.copy2(branch_1.path, exported / branch_1.path.name)
+    if how == "conversation":
+        graph.delete_conversation(store, a)
+    else:
+        graph.delete_node(store, branch_1.path)
+        graph.delete_node(store, branch_2.path)
+    assert branch_1.path.exists() and branch_2.path.exists()       # b and c need them
+    assert sorted(h.conversation_id for h in Graph.scan(store).heads) == sorted([b, c])
+    (result,) = transfer.import_files([exported / branch_1.path.name], store)
+    assert result.ok and result.already and result.imported == branch_1.path
+    g = Graph.scan(store)
+    assert branch_1.path in [h.path for h in g.heads_of(a)], "the import did not bring it back"
+    assert [h.path for h in g.heads_of(a)] == [branch_1.path], "the import brought back more than itself"
+    assert sorted(h.conversation_id for h in g.heads) == sorted([a, b, c])
+    # and it stays: deleting the conversations it was kept for keeps it, and the other
+    # branch, in no chain now, goes with them
+    graph.delete_conversation(store, b)
+    graph.delete_conversation(store, c)
+    assert [h.path for h in Graph.scan(store).heads] == [branch_1.path]
+    assert not branch_2.path.exists()
+
+
 def test_a_conversation_without_a_head_is_not_taken_for_a_deleted_one(tmp_path):
     """A store written before a fork stopped building on the original's newest file whole
     (or an import linking to a live tip) holds a live conversation whose head is in another

@@ -140,8 +140,9 @@ class Written:
 
 def write_node(path: Path, conv_id: uuid.UUID, n_tokens: int, *, parent: Written | None = None,
                kind: int = fmt.KIND_AUTOSAVE, line: str | None = None, title: str = "synthetic",
-               created_ns: int | None = None, seq: int | None = None) -> Written:
-    """A full checkpoint, or a delta on ``parent``, laid out as the app writes them.
+               created_ns: int | None = None, seq: int | None = None, cut_at: int | None = None) -> Written:
+    """A full checkpoint, or a delta on ``parent`` (on its first ``cut_at`` tokens: a cut),
+    laid out as the app writes them.
 
     The token ids depend only on the position, so any two nodes of a conversation share
     their prefixes, as a real history does.
@@ -156,10 +157,11 @@ def write_node(path: Path, conv_id: uuid.UUID, n_tokens: int, *, parent: Written
     if seq is not None:
         meta["seq"] = seq
     if parent is not None:
-        h = fmt.replace(h, flags=fmt.FLAG_DELTA, parent_n_tokens=parent.n_tokens)
+        start = parent.n_tokens if cut_at is None else cut_at
+        h = fmt.replace(h, flags=fmt.FLAG_DELTA, parent_n_tokens=start)
         meta["parent"] = {"file": parent.path.name, "checkpoint_id": parent.checkpoint_id,
                           "payload_crc": parent.payload_crc, "n_tokens": parent.n_tokens}
-        state = delta_state_blob(parent.n_tokens, n_tokens, seed=n_tokens)
+        state = delta_state_blob(start, n_tokens, seed=n_tokens)
     else:
         state = state_blob(n_tokens, seed=n_tokens)
     tokens = np.arange(n_tokens, dtype=np.int32) % N_VOCAB
