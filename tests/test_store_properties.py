@@ -58,7 +58,7 @@ def checker(smollm_path):
 @example(actions=[("answer", 0, 24), ("pause", 1, 2), ("delete", 0, 0), ("pause", 1, 5)])
 # found by this test (a soak of 60): a fork cut from conversation 0's head, conversation 0
 # deleted and its export imported again: the import found the head still in the store (kept
-# for the fork) and the record of the deletion hid it (engine.checkpoints.transfer._bring_back)
+# for the fork) and the record of the deletion hid it (engine.checkpoints.graph.bring_back)
 @example(actions=[("answer", 0, 7), ("fork", 0, 0), ("pause", 2, 2), ("reimport", 0, 0)])
 def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, checker,
                                                         tmp_path_factory):

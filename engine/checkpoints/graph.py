@@ -45,6 +45,9 @@ file this module ever deletes on its own:
 * :func:`delete_node` deletes a head the user chose with what of its chain no other head
   needs; a head another line was cut from stays, recorded as deleted (Store.deleted).
 
+The record of what was deleted (Store.deleted) lets go of what an import brings back
+(:func:`bring_back`): a deleted head the store kept, imported again, is a head again.
+
 Never deleted automatically: a head or anything in a head's chain; a node newer than
 its line's head (a chain being written, or one whose parent went missing: the user may
 restore the parent); a file whose header cannot be read.  Before a line's superseded
@@ -669,6 +672,34 @@ def delete_conversation(store: Store, conversation_id: uuid.UUID) -> PruneReport
         _drop_unused_shared(store, Graph.scan(store), report)
         _record_deleted(store, Deleted(frozenset(deleted | {conversation_id}), record.checkpoints))
     return report
+
+
+def bring_back(store: Store, names: set[str]) -> None:
+    """An import brings back what it imports, and only that (engine.checkpoints.transfer
+    calls this with the store's names of the files it imported or found there).
+
+    A file the user deleted (or whose conversation they deleted) stays in the store while
+    another line was cut from it, recorded as deleted so that it is no head (Store.deleted).
+    Imported again, it is found there ("already in the store"), and the record would go on
+    hiding it: the conversation just imported would have no head, and be gone from the
+    list after a restart (found by the composition soak: a fork, its source deleted, its
+    export imported again).  The record lets go of the imported files; a conversation's
+    other tips the store kept stay deleted, by name."""
+    if not names:
+        return
+    with store.lock():
+        record = store.deleted()
+        if not record:
+            return
+        graph = Graph.scan(store)
+        brought = {graph.nodes[n].conversation_id for n in names if n in graph.nodes}
+        conversations = brought & record.conversations
+        if not conversations and not names & record.checkpoints:
+            return
+        still_gone = {tip.name for tip in graph.tip_of_line.values()
+                      if tip.conversation_id in conversations and tip.name not in names}
+        _record_deleted(store, Deleted(record.conversations - conversations,
+                                       frozenset((record.checkpoints | still_gone) - names)))
 
 
 def _recorded_deleted(node: Node, deleted: Deleted) -> bool:

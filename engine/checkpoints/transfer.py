@@ -47,9 +47,9 @@ from engine.checkpoints.format import (
     read_checkpoint,
     write_sections,
 )
-from engine.checkpoints.graph import Graph, is_shared_line, line_of
+from engine.checkpoints.graph import Graph, bring_back, is_shared_line, line_of
 from engine.checkpoints.kvstate import check_point_states, check_state_for
-from engine.checkpoints.store import Deleted, Store
+from engine.checkpoints.store import Store
 from engine.errors import CheckpointError, NotACheckpoint
 
 VALID, INCOMPATIBLE, CORRUPT, NOT_CHECKPOINT, UNREADABLE, MISSING_PARENT = (
@@ -185,35 +185,8 @@ def import_files(paths: Iterable[Path], store: Store, target: Target | None = No
             first = by_key[item.key].result
             assert first is not None   # every original was imported by the loop above
             results[item.path] = replace(first, path=item.path, already=first.imported is not None)
-    _bring_back(store, {r.imported.name for r in results.values() if r.ok and r.imported is not None})
+    bring_back(store, {r.imported.name for r in results.values() if r.ok and r.imported is not None})
     return [results[p] for p in paths]
-
-
-def _bring_back(store: Store, names: set[str]) -> None:
-    """An import brings back what it imports, and only that.
-
-    A file the user deleted (or whose conversation they deleted) stays in the store while
-    another line was cut from it, recorded as deleted so that it is no head (Store.deleted,
-    engine.checkpoints.graph).  Imported again, it is found there ("already in the store"),
-    and the record would go on hiding it: the conversation just imported would have no head,
-    and be gone from the list after a restart (found by the composition soak: a fork, its
-    source deleted, its export imported again).  The record lets go of the imported files;
-    a conversation's other tips the store kept stay deleted, by name."""
-    if not names:
-        return
-    with store.lock():
-        record = store.deleted()
-        if not record:
-            return
-        graph = Graph.scan(store)
-        brought = {graph.nodes[n].conversation_id for n in names if n in graph.nodes}
-        conversations = brought & record.conversations
-        if not conversations and not names & record.checkpoints:
-            return
-        still_gone = {tip.name for tip in graph.tip_of_line.values()
-                      if tip.conversation_id in conversations and tip.name not in names}
-        store.record_deleted(Deleted(record.conversations - conversations,
-                                     frozenset((record.checkpoints | still_gone) - names)))
 
 
 def _parents_first(items: list[_Item], by_key: dict) -> list[_Item]:
