@@ -32,10 +32,10 @@ from engine.checkpoints.format import (
     KIND_EXIT,
     KIND_MANUAL,
     KIND_PAUSE,
-    TRAILER_LEN,
     CheckpointData,
     Header,
     encode_metadata,
+    stored_payload_crc,
     write_sections,
 )
 from engine.checkpoints.graph import default_line, line_of
@@ -741,11 +741,5 @@ def _name_still_free(path: Path) -> None:
 
 def _parent_still_there(parent: SaveInfo) -> None:
     """Cancel a delta's rename when its parent was deleted or replaced meanwhile."""
-    try:
-        with open(parent.path, "rb") as f:
-            f.seek(-TRAILER_LEN, os.SEEK_END)
-            crc = int.from_bytes(f.read(4), "little")
-    except OSError:
-        crc = None
-    if crc != parent.payload_crc:
+    if stored_payload_crc(parent.path) != parent.payload_crc:
         raise SaveFailed(f"the parent checkpoint {parent.path.name} is gone; nothing was saved")

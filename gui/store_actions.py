@@ -212,7 +212,8 @@ class StoreActions:
             self.save_progress.hide()
         refused = [r for r in results if r.imported is None]
         self.imports_finished.emit(results)
-        imported = [r.imported for r in results if r.imported is not None]
+        # what to resume: the file, or the head written on it (transfer's step 5)
+        imported = [r.head or r.imported for r in results if r.imported is not None]
         self.refresh_store()
         orphan = next((r for r in refused if r.status == MISSING_PARENT and r.chain_folder), None)
         if orphan is not None:

@@ -185,6 +185,76 @@ def test_an_import_brings_back_what_it_imports_of_a_deleted_conversation(tmp_pat
     assert not branch_2.path.exists()
 
 
+@pytest.mark.parametrize("case", ["kept for a fork", "an older state", "held whole"])
+def test_an_import_of_a_file_the_store_holds_as_no_head_makes_it_one(tmp_path, case):
+    """A backed-up file imported again may be in the store still, but as no head: an older
+    state of its conversation (found by the composition test: a backup, a killed run's
+    autosaves on it, the backup imported), a file kept only for a fork's sake after its
+    conversation was deleted, or a tip another line builds on whole.  The import said
+    "already in the store", yet nothing listed it, and deleting the conversation that held
+    it deleted it.  Now it gets a head: a delta of metadata only on it, on a line of its own."""
+    import shutil
+    store = Store(tmp_path / "store")
+    a, b = uuid.uuid4(), uuid.uuid4()
+    older, newer = _chain(store, a, [80, 100], kind_last=M)
+    if case == "held whole":
+        newer = synthetic.write_node(store.new_path("b"), b, 120, parent=older, kind=M)
+    else:
+        synthetic.write_node(store.new_path("b"), b, 120, parent=newer, cut_at=90, kind=M)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    shutil.copy2(older.path, backup / older.path.name)
+    if case == "kept for a fork":
+        graph.delete_conversation(store, a)
+        assert older.path.exists() and newer.path.exists()   # b's chain needs them
+    heads_before = {h.name for h in Graph.scan(store).heads}
+    assert older.path.name not in heads_before
+    (result,) = transfer.import_files([backup / older.path.name], store)
+    assert result.ok and result.already and result.imported == older.path
+    assert result.head is not None and "listed again as" in result.message()
+    g = Graph.scan(store)
+    head = g.nodes[result.head.name]
+    assert g.is_head(head) and head.conversation_id == a
+    assert [n.path for n in g.chain(head)] == [older.path, result.head]
+    assert head.tokens_digest == g.nodes[older.path.name].tokens_digest
+    assert head.header.parent_n_tokens == head.header.n_tokens == 80   # no cells of its own
+    assert {h.name for h in g.heads} == heads_before | {result.head.name}   # nothing else changed
+    loaded = load_chain(result.head)
+    assert list(loaded[-1].tokens) == list(loaded[0].tokens) and len(loaded[-1].state) == 0
+    # it stays while the user keeps it: the fork deleted, it is still there (and a's
+    # deleted head the fork was cut from goes with the fork)
+    graph.delete_conversation(store, b)
+    assert older.path.exists() and result.head.exists()
+    assert newer.path.exists() == (case == "an older state")
+    # imported again: its head is there, so nothing more is written
+    (again,) = transfer.import_files([backup / older.path.name], store)
+    assert again.ok and again.already and again.head == result.head
+    assert {h.name for h in Graph.scan(store).heads} == {h.name for h in g.heads if h.path.exists()}
+
+
+def test_an_import_of_files_that_are_heads_writes_no_head(tmp_path):
+    """A chain imported again whose tip is a head already, and the same chain into an empty
+    store (copies, on a line of their own): no file but the copies is written, and only the
+    tip of what was given is a head (its parents are no heads of their own)."""
+    import shutil
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    chain = _chain(store, conv, [40, 48, 56], kind_last=P)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    for w in chain:
+        shutil.copy2(w.path, backup / w.path.name)
+    files = sorted(backup.iterdir())
+    before = sorted(p.name for p in store.files())
+    results = transfer.import_files(files, store)
+    assert all(r.ok and r.already and r.head is None for r in results)
+    assert sorted(p.name for p in store.files()) == before
+    other = Store(tmp_path / "other")
+    results = transfer.import_files(files, other)
+    assert all(r.ok and not r.already and r.head is None for r in results)
+    assert [h.name for h in Graph.scan(other).heads] == [chain[-1].path.name]
+
+
 def test_a_conversation_without_a_head_is_not_taken_for_a_deleted_one(tmp_path):
     """A store written before a fork stopped building on the original's newest file whole
     (or an import linking to a live tip) holds a live conversation whose head is in another

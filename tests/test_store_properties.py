@@ -3,7 +3,8 @@
 Each example runs the app's engine thread (engine.worker) on a fresh store through a
 random sequence of: answer, autosave (every few tokens), pause, resume, regenerate,
 switch conversation (any action on another conversation), prune with a random budget,
-delete a conversation, export-delete-import a conversation's files, and a CLI child
+delete a conversation, export-delete-import a conversation's files, back a conversation's
+files up and import them again later (whatever became of them meanwhile), and a CLI child
 continuing a conversation killed with SIGKILL mid-answer (faultkit.compositions).
 After a clean exit:
 
@@ -13,7 +14,8 @@ After a clean exit:
   is not, so where its texts differ, its teacher-forced logits must agree within a
   tolerance far below what a wrong state moves them by;
 * no file is unreachable from a head (nothing left behind), none is unreadable;
-* every conversation the app still has keeps a head; deleted ones have none.
+* every conversation the app still has keeps a head; deleted ones have none; what an
+  import brings back is a head at once (before the app opens it).
 
 ``CHECKPOINT_CHAT_PROPERTY_EXAMPLES`` raises the number of examples for a soak; the
 reliability benchmark (benchmarks/reliability.py) reports the same invariants, counted.
@@ -31,6 +33,9 @@ from hypothesis import strategies as st
 pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("CHECKPOINT_CHAT_PROPERTY_EXAMPLES", "10"))
+
+#: found by the backup and restore actions: see the examples below
+BACKUP_OF_AN_OLDER_STATE = [("answer", 0, 6), ("backup", 0, 0), ("kill", 0, 2), ("restore", 0, 0)]
 
 action = st.one_of(*[
     st.tuples(st.just(kind), st.integers(0, 2),
@@ -60,6 +65,9 @@ def checker(smollm_path):
 # deleted and its export imported again: the import found the head still in the store (kept
 # for the fork) and the record of the deletion hid it (engine.checkpoints.graph.bring_back)
 @example(actions=[("answer", 0, 7), ("fork", 0, 0), ("pause", 2, 2), ("reimport", 0, 0)])
+# a backup of a head, a killed run's autosaves on it, the backup imported: the store held
+# it as an older state, "already there", and it was no head (engine.checkpoints.transfer)
+@example(actions=BACKUP_OF_AN_OLDER_STATE)
 def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, checker,
                                                         tmp_path_factory):
     driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("prop"), actions, checker)
@@ -162,6 +170,7 @@ TINY_EXAMPLES = max(1, EXAMPLES // 3)
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(actions=st.lists(action, min_size=4, max_size=10))
+@example(actions=BACKUP_OF_AN_OLDER_STATE)
 def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
                                             tmp_path_factory):
     model = tiny_model_path(arch)

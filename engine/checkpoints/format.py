@@ -918,3 +918,17 @@ def read_tokens(path: str | os.PathLike) -> tuple[Header, np.ndarray]:
         f.seek(HEADER_LEN + header.meta_len)
         data = _read_exact(f, header.tokens_len, "token array")
     return header, np.frombuffer(data, dtype="<i4").astype(np.int32)
+
+
+def stored_payload_crc(path: str | os.PathLike) -> int | None:
+    """The payload CRC a file's trailer states (not verified), or None when it cannot be
+    read: whether a file is still the version a writer linked to (a delta's parent)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < HEADER_LEN + TRAILER_LEN:
+                return None
+            f.seek(-TRAILER_LEN, os.SEEK_END)
+            trailer = f.read(TRAILER_LEN)
+    except OSError:
+        return None
+    return int.from_bytes(trailer[:4], "little") if trailer[4:] == TRAILER_MAGIC else None

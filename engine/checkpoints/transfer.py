@@ -23,6 +23,14 @@ all come here).  It never moves or alters a source file:
      original's newer files, nor a newer one the original (engine.checkpoints.graph);
    * a delta's parent reference names the parent's name and CRC in the store.
 
+5. what an import brings back is a head afterwards (listed, kept while the user keeps it):
+   the record of deletions lets go of it (engine.checkpoints.graph.bring_back), and a
+   file the store held already that is no head (an older state of a conversation, a file
+   kept only for another conversation's sake) gets one: a delta of metadata only on it, on
+   a line of its own (:func:`_write_head_on`), unless a head of that state on it exists
+   (an earlier import's).  Only the files no other file of the batch builds on are meant
+   as heads; a shared prefix is nobody's.
+
 Export of a single file is the caller's: a full checkpoint is copied as it is, a delta
 is compacted into one full file by the engine (engine.compaction), because only llama.cpp
 can merge KV states.
@@ -30,21 +38,26 @@ can merge KV states.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import ParentRef, facts_of, link_problem, load_chain, parent_ref
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import (
     EXTENSION,
+    FLAG_DELTA,
     KIND_AUTOSAVE,
     CheckpointData,
     Header,
     encode_metadata,
     read_checkpoint,
+    stored_payload_crc,
     write_sections,
 )
 from engine.checkpoints.graph import Graph, bring_back, is_shared_line, line_of
@@ -65,6 +78,7 @@ class FileCheck:
     header: Header | None = None
     imported: Path | None = None      # the store's copy (also when it was already there)
     already: bool = False             # the store held this checkpoint before
+    head: Path | None = None          # the head of ``imported``'s state, which is none itself (step 5)
     chain_folder: Path | None = None  # MISSING_PARENT: a folder that holds its parent
 
     @property
@@ -75,7 +89,8 @@ class FileCheck:
         name = self.path.name
         if self.imported is not None:
             if self.already:
-                return f"{name}: already in the store as {self.imported.name}"
+                listed = f", listed again as {self.head.name}" if self.head is not None else ""
+                return f"{name}: already in the store as {self.imported.name}{listed}"
             return f"{name}: imported as {self.imported.name}"
         if self.status == VALID:
             return f"{name}: valid"
@@ -186,7 +201,70 @@ def import_files(paths: Iterable[Path], store: Store, target: Target | None = No
             assert first is not None   # every original was imported by the loop above
             results[item.path] = replace(first, path=item.path, already=first.imported is not None)
     bring_back(store, {r.imported.name for r in results.values() if r.ok and r.imported is not None})
+    _heads_for(store, results)
     return [results[p] for p in paths]
+
+
+def _heads_for(store: Store, results: dict[Path, FileCheck]) -> None:
+    """Step 5: each file imported (or found in the store) that is not in the chain of another
+    one of the batch is a head afterwards; the result names the head of its state when
+    that is another file."""
+    names = {path: r.imported.name for path, r in results.items() if r.ok and r.imported is not None}
+    if not names:
+        return
+    graph = Graph.scan(store)
+    nodes = {path: graph.nodes.get(name) for path, name in names.items()}
+    below = {n.name for node in nodes.values() if node is not None for n in graph.chain(node)[:-1]}
+    written: dict[str, Path] = {}
+    for path, node in nodes.items():
+        if node is None or node.name in below or graph.is_head(node) or is_shared_line(node.line):
+            continue
+        result = results[path]
+        try:
+            head = written.get(node.name) or _listed_as(graph, node) or _write_head_on(store, node)
+        except (OSError, CheckpointError) as exc:
+            results[path] = replace(result, status=UNREADABLE, imported=None,
+                                    reason=f"it is in the store as {node.name}, which is no head, and a "
+                                           f"head could not be written on it: {exc}")
+            continue
+        written[node.name] = head
+        results[path] = replace(result, head=head)
+
+
+def _listed_as(graph: Graph, node) -> Path | None:
+    """A head of ``node``'s conversation that holds exactly its state, on it (the one an
+    earlier import wrote, say), or None."""
+    state = (node.header.n_tokens, node.header.n_tokens_total, node.tokens_digest)
+    return next((h.path for h in graph.heads_of(node.conversation_id)
+                 if (h.header.n_tokens, h.header.n_tokens_total, h.tokens_digest) == state
+                 and node in graph.chain(h)), None)
+
+
+def _write_head_on(store: Store, node) -> Path:
+    """A head for ``node`` (a graph Node): a delta of metadata only on it (no cells: the
+    cache its chain gives, its conversation, tokens and logits), on a new line; a full
+    file of no cells when it holds none.  Its rename waits under the store's lock for
+    ``node`` to be still there, unchanged (a delete or prune runs under the same lock)."""
+    data = read_checkpoint(node.path, load_state=False)
+    if data.payload_crc != node.payload_crc:
+        raise CheckpointError(f"{node.name} changed while it was being imported")
+    h = data.header
+    meta = {k: v for k, v in data.meta.items() if k not in ("parent", "points", "origin_crc")}
+    meta.update(checkpoint_id=uuid.uuid4().hex, line=uuid.uuid4().hex, seq=1)
+    header = replace(h, created_unix_ns=time.time_ns(), parent_n_tokens=0, flags=h.flags & ~FLAG_DELTA)
+    if h.n_tokens:
+        header = replace(header, flags=header.flags | FLAG_DELTA, parent_n_tokens=h.n_tokens)
+        meta["parent"] = ParentRef(node.name, node.checkpoint_id or "", node.payload_crc, h.n_tokens).to_json()
+    dest = (store.new_autosave_path(h.conversation_id) if h.kind == KIND_AUTOSAVE
+            else store.new_path(h.title or node.path.stem, suffix="-imported"))
+
+    def parent_unchanged() -> None:
+        if stored_payload_crc(node.path) != node.payload_crc:
+            raise CheckpointError(f"{node.name} was deleted or replaced meanwhile")
+
+    with atomic_write(dest, precondition=parent_unchanged) as out:
+        write_sections(out, header, encode_metadata(meta), data.tokens, data.logits, np.empty(0, np.uint8))
+    return dest
 
 
 def _parents_first(items: list[_Item], by_key: dict) -> list[_Item]:

@@ -334,7 +334,8 @@ class RunSession:
             print(f"note: {chain[-1].path.name} could not be linked into the store ({problem}); "
                   "its conversation is saved there in full", file=sys.stderr)
             return chain
-        return [read_checkpoint(path, load_state=False) for path in imported]
+        head = results[-1].head   # the loaded file is in the store already, and no head: one on it
+        return [read_checkpoint(path, load_state=False) for path in (*imported, *([head] if head else []))]
 
     def generate(self, conv):
         from engine.generation import generate

@@ -27,7 +27,7 @@ PROMPTS = ["Name three rivers.", "Write a line about snow.", "Count to five.", "
 #: action name -> the range of its integer argument
 ACTIONS = {"answer": (4, 24), "pause": (2, 12), "resume": (4, 16), "regenerate": (4, 16),
            "edit": (4, 16), "switch": (0, 3), "prune": (0, 3), "delete": (0, 0), "reimport": (0, 0),
-           "kill": (1, 3), "fork": (0, 3)}
+           "kill": (1, 3), "fork": (0, 3), "backup": (0, 0), "restore": (0, 0)}
 BUDGETS = [0, 1, 50_000, 10**9]
 
 
@@ -90,6 +90,10 @@ class Driver:
         self.answered: set[uuid.UUID] = set()   # conversations with a message: they have files
         self.convs: list[uuid.UUID | None] = [None, None, None]
         self.deleted: set[uuid.UUID] = set()
+        #: per slot, the last copy of its conversation's files taken out of the store
+        #: (do_backup): the conversation, the folder, the head's name
+        self.backups: dict[int, tuple[uuid.UUID, Path, str]] = {}
+        self.import_problems: list[str] = []   # what do_restore found (check reports it)
         self.model = model
 
     def wait(self, timeout: float = 300) -> None:
@@ -229,6 +233,43 @@ class Driver:
         assert all(r.ok for r in results), [r.message() for r in results]
         self.worker.open_checkpoint(self.store.folder / head.name)
 
+    def do_backup(self, slot, _n):
+        """Copy a conversation's head chain out of the store, as a user backs files up."""
+        from engine.checkpoints.graph import Graph
+        c = self._answered(slot)
+        g = Graph.scan(self.store)
+        heads = g.heads_of(c)
+        if not heads:
+            return
+        out = Path(tempfile.mkdtemp(dir=self.home))
+        for node in g.chain(heads[0]):
+            shutil.copy2(node.path, out / node.name)
+        self.backups[slot] = (c, out, heads[0].name)
+
+    def do_restore(self, slot, _n):
+        """Import the slot's last backup, however old (its files may be in the store still,
+        as heads, as older states, or kept for another conversation's sake; or gone), and
+        resume it as the window offers: its conversation is the slot's again."""
+        from engine.checkpoints import transfer
+        from engine.checkpoints.graph import Graph, read_node
+        if slot not in self.backups:
+            return
+        c, folder, head = self.backups[slot]
+        results = transfer.import_files(sorted(folder.iterdir()), self.store)
+        assert all(r.ok for r in results), [r.message() for r in results]
+        (mine,) = [r for r in results if r.path.name == head]
+        assert mine.imported is not None
+        # an import brings back what it imports: a head of that state, before the app
+        # opens it (the window asks "Resume now?", and the user may say Later)
+        digest = read_node(folder / head).tokens_digest
+        if not any(h.conversation_id == c and h.tokens_digest == digest for h in Graph.scan(self.store).heads):
+            self.import_problems.append(f"{head}, imported ({mine.message()}), is no head")
+        self.worker.open_checkpoint(mine.head or mine.imported)
+        self.wait()
+        self.convs[slot] = c
+        self.answered.add(c)
+        self.deleted.discard(c)
+
     def do_kill(self, slot, n_autosaves):
         """The CLI continues the conversation's head in a child, killed mid-answer."""
         from engine.checkpoints.graph import Graph
@@ -294,6 +335,7 @@ def check(driver: Driver, runtime) -> Outcome:
         out.problems.append("a deleted conversation came back")
     out.problems += [f"engine error: {a}: {m}" for a, m in driver.errors]
     out.problems += [f"announced as saved, not loadable: {u}" for u in driver.unloadable]
+    out.problems += driver.import_problems
     # the app's newest state of each conversation is in the store, restorable: a head, or
     # a file some head builds on (a CLI run may have continued it on a branch of its own)
     from engine.checkpoints.chain import tokens_digest
