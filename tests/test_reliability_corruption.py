@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import random
 import struct
+import uuid
 
+import numpy as np
 import pytest
 from faultkit import corrupt, synthetic
 from hypothesis import HealthCheck, given, settings
@@ -42,6 +44,31 @@ def test_intact_files_pass(tmp_path):
     """The baseline the damage tests start from is accepted (so a refusal means something)."""
     assert corrupt.verdict(BASE, tmp_path / "a.kvckpt") is None
     assert corrupt.verdict(BIG, tmp_path / "b.kvckpt") is None
+
+
+@pytest.mark.parametrize("values, refused", [
+    ([1.5, -np.inf, 0.0], False),       # a masked-out token (a grammar, a banned id)
+    ([-np.inf, -np.inf, -np.inf], False),
+    ([1.5, np.nan, 0.0], True), ([np.nan, -np.inf, 0.0], True),
+    ([1.5, np.inf, 0.0], True), ([-np.inf, np.inf, np.nan], True)])
+def test_stored_logits_with_nan_or_plus_infinity_are_refused(tmp_path, values, refused):
+    """Logits a writer's bug or a crafted file made NaN or +inf would sample garbage (a NaN
+    wins every comparison): refused with the reason, the CRC being right; -inf is a masked
+    token and loads."""
+    import io
+    logits = np.zeros(synthetic.N_VOCAB, np.float32)
+    logits[[3, 40, 77]] = values
+    h = synthetic.header(uuid.UUID(int=7), 8, fmt.KIND_PAUSE)
+    out = io.BytesIO()
+    fmt.write_sections(out, h, fmt.encode_metadata({"title": "t"}), np.arange(8, dtype=np.int32),
+                       logits, synthetic.state_blob(8, seed=1))
+    path = tmp_path / "logits.kvckpt"
+    path.write_bytes(out.getvalue())
+    if refused:
+        with pytest.raises(CorruptMetadata, match="NaN or infinite"):
+            fmt.read_checkpoint(path)
+    else:
+        assert np.array_equal(fmt.read_checkpoint(path).logits, logits)
 
 
 # -- case 2: truncation and bit flips ----------------------------------------------------------
