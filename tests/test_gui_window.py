@@ -319,6 +319,45 @@ def test_dropping_a_delta_without_its_parents_offers_its_chain(qtbot, make_windo
     assert graph.Graph.scan(w.store).heads[0].name == head.name
 
 
+def test_dropping_a_backup_of_an_older_state_lists_it_and_resumes_it(qtbot, make_window, tmp_path):
+    """A backed-up file the store still holds, but as no head (an older state: the
+    conversation went on, and a paused answer's files build on it), dropped again: "already
+    in the store", and a head of that state is written, which the resume offer opens
+    (engine.checkpoints.transfer, step 5).  It was never listed, and went with the
+    conversation when that was deleted."""
+    from engine.checkpoints import graph
+    w = make_window(n_predict=400, autosave_every=4, temperature=0.0)
+    run_to_end(qtbot, w, "Say hello.")
+    first = w.snapshots[w.current]
+    turn_end = Path(first.checkpoint)
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    shutil.copy2(turn_end, backup / turn_end.name)
+    # a second answer, paused: its autosaves build on the first turn's file
+    with qtbot.waitSignal(w.bridge.checkpoint_saved, timeout=60_000):
+        type_and_send(qtbot, w, "Count to one hundred, one number per line.")
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=30_000):
+        qtbot.mouseClick(w.pause_button, Qt.MouseButton.LeftButton)
+    wait_saved(qtbot, w)
+    g = graph.Graph.scan(w.store)
+    assert turn_end.name in g.nodes and not g.is_head(g.nodes[turn_end.name])
+
+    with qtbot.waitSignal(w.imports_finished, timeout=60_000) as done:
+        _drop(w, [backup / turn_end.name])
+    (result,) = done.args[0]
+    assert result.ok and result.already and result.head is not None, result.message()
+    g = graph.Graph.scan(w.store)
+    assert g.is_head(g.nodes[result.head.name])
+    assert [n.name for n in g.chain(g.nodes[result.head.name])][-2:] == [turn_end.name, result.head.name]
+    # "Resume": the window shows the conversation as the backup held it, from that head
+    assert w.resume_offer is not None and result.head.name in w.resume_offer.text()
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
+                          check_params_cb=lambda snap: snap.checkpoint == result.head):
+        w.resume_offer.buttons()[0].click()
+    shown = w.snapshots[first.id]
+    assert shown.transcript == first.transcript and shown.n_tokens == first.n_tokens
+
+
 def test_ctrl_c_in_the_terminal_closes_the_window_saving_the_answer(qtbot, make_window):
     import os
     import signal
