@@ -221,6 +221,35 @@ def test_an_export_keeps_the_points(layouts, tmp_path):
         == [(p.n_tokens, p.recurrent.tobytes()) for p in points_of(chain[0])]
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "mamba2", "qwen35", "llama"])
+def test_a_compacted_chain_keeps_its_turn_ends(arch, layouts, tiny_model_path, tmp_path):
+    """Compaction (``compact``, and Export of a chain) restores a chain and saves one full
+    file; the chain's turn ends stay in it as points, with the recurrent states a merged
+    head's points carry, byte for byte, so an Edit of an earlier turn of a compacted or
+    exported conversation goes back there: the same state and answer as the file of that
+    turn gives.  Before, a compacted file held none, and the Edit read the conversation
+    again from the start."""
+    from engine.compaction import compact_into
+    conv, chain, old_chain, _folder = layouts(arch)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        compacted = [read_checkpoint(compact_into(rt, old_chain, tmp_path / "compacted.kvckpt").path)]
+        points = points_of(compacted[0])
+        assert [(p.n_tokens, p.n_messages) for p in points] \
+            == [(d.header.n_tokens, 2 * (i + 1)) for i, d in enumerate(old_chain[:-1])]
+        if KIND[arch] == "attention":
+            assert all(p.recurrent is None for p in points)
+        else:
+            assert [p.recurrent.tobytes() for p in points] == [p.recurrent.tobytes() for p in points_of(chain[0])]
+        for turn in range(2, TURNS + 1):
+            messages = conv.messages[:2 * (turn - 1)]
+            k, n, point = turn_end(compacted, messages)
+            assert k == 1 and n == old_chain[turn - 2].header.n_tokens and point is not None
+            assert _edit(rt, compacted, n, point, messages) == _edit(rt, old_chain[:turn - 1], n, None, messages)
+    finally:
+        rt.close()
+
+
 def test_a_save_whose_point_state_does_not_walk_writes_nothing(tiny_model_path, tmp_path):
     rt = Runtime(tiny_model_path("mamba2"), memkit.SETTINGS)
     try:

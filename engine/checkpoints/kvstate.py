@@ -360,3 +360,22 @@ def check_point_states(data, recurrent_rows: tuple[int, ...] | None = None) -> N
     for point in points_of(data):
         if point.recurrent is not None:
             check_recurrent_part(point.recurrent, point.n_tokens, data.header.n_layer, recurrent_rows)
+
+
+def recurrent_part_of(state: StateBytes, layout: StateLayout) -> np.ndarray:
+    """The recurrent part of a checked state (``layout``: :func:`check_state`'s result for a
+    recurrent memory, or a hybrid's), as a point carries it (engine.checkpoints.points):
+    llama.cpp's ``PARTIAL_ONLY`` state of the sequence, the magic, sequence id 0 and the
+    recurrent block, which ends every such state (one cell: its header, then each layer's
+    R and S rows with their type and size).  A copy; :func:`check_recurrent_part` walks it."""
+    if layout.recurrent is None:
+        raise CorruptState("the state holds no recurrent part")
+    layers, r_row, s_row = layout.recurrent
+    block = 4 + 8 + 4 + 4 + layers * (_ROWS.size + r_row) + layers * (_ROWS.size + s_row)
+    data = byte_view(state)
+    if len(data) < 8 + block:
+        raise CorruptState("the state is shorter than its recurrent part")
+    part = np.empty(8 + block, dtype=np.uint8)
+    part[:8] = np.frombuffer(struct.pack("<Ii", STATE_MAGIC, 0), dtype=np.uint8)
+    part[8:] = np.frombuffer(data[len(data) - block:], dtype=np.uint8)
+    return part
