@@ -290,6 +290,28 @@ def test_from_turn_on_an_absorbed_turn_equals_continuing_that_turns_file(arch, l
     assert edited["n_reused_tokens"] >= old_chain[1].header.n_tokens
 
 
+@pytest.mark.parametrize("arch", ["lfm2", "rwkv7"])
+def test_from_turn_on_a_compacted_chain_reads_only_the_new_message(arch, layouts, tiny_model_path, tmp_path,
+                                                                    app_home):
+    """`compact` of a file-per-turn chain, then `run --from-turn 3` on the one file: the same
+    text as continuing the file of turn 2, its tokens restored (before, the compacted file
+    held no turn ends, and a recurrent memory read the conversation again)."""
+    _conv, _chain, old_chain, _folder = layouts(arch)
+    model = str(tiny_model_path(arch))
+    out = tmp_path / "compacted.kvckpt"
+    run_cli("compact", str(old_chain[-1].path), "-o", str(out), "--model", model, check=True)
+    common = ["-m", model, "-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos", "-t", "2", "--json"]
+
+    def run(*args):
+        done = run_cli("run", *common, *args, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    edited = run("--checkpoint-load", str(out), "--from-turn", "3", "-p", "A mountain, then?")
+    reference = run("--checkpoint-load", str(old_chain[1].path), "-p", "A mountain, then?")
+    assert edited["n_prompt_tokens"] == reference["n_prompt_tokens"] and edited["text"] == reference["text"]
+    assert edited["n_reused_tokens"] >= old_chain[1].header.n_tokens
+
+
 def test_validate_walks_the_point_states(layouts, tiny_model_path, tmp_path):
     """`validate` reads a point's recurrent state as it reads llama.cpp's part: damaged bytes
     under a matching checksum are named, not passed."""
