@@ -4,7 +4,8 @@ Each example runs the app's engine thread (engine.worker) on a fresh store throu
 random sequence of: answer, autosave (every few tokens), pause, resume, regenerate,
 switch conversation (any action on another conversation), prune with a random budget,
 delete a conversation, export-delete-import a conversation's files, back a conversation's
-files up and import them again later (whatever became of them meanwhile), and a CLI child
+files up and import them again later (whatever became of them meanwhile), export a head
+(a chain compacted into one file) and import it as a branch, and a CLI child
 continuing a conversation killed with SIGKILL mid-answer (faultkit.compositions).
 After a clean exit:
 

@@ -27,7 +27,8 @@ PROMPTS = ["Name three rivers.", "Write a line about snow.", "Count to five.", "
 #: action name -> the range of its integer argument
 ACTIONS = {"answer": (4, 24), "pause": (2, 12), "resume": (4, 16), "regenerate": (4, 16),
            "edit": (4, 16), "switch": (0, 3), "prune": (0, 3), "delete": (0, 0), "reimport": (0, 0),
-           "kill": (1, 3), "fork": (0, 3), "backup": (0, 0), "restore": (0, 0)}
+           "kill": (1, 3), "fork": (0, 3), "backup": (0, 0), "restore": (0, 0),
+           "export": (0, 0)}
 BUDGETS = [0, 1, 50_000, 10**9]
 
 
@@ -269,6 +270,24 @@ class Driver:
         self.convs[slot] = c
         self.answered.add(c)
         self.deleted.discard(c)
+
+    def do_export(self, slot, _n):
+        """Export a conversation's head (a chain is compacted into one file, its turn ends
+        kept as points) and import that file again, as from another machine: a branch of
+        its own, which restores and goes on like the head."""
+        from engine.checkpoints import transfer
+        from engine.checkpoints.graph import Graph
+        c = self._answered(slot)
+        heads = Graph.scan(self.store).heads_of(c)
+        if not heads:
+            return
+        out = Path(tempfile.mkdtemp(dir=self.home)) / "exported.kvckpt"
+        self.worker.export(heads[0].path, out)
+        self.wait()
+        if not out.exists():
+            return   # the engine said why (an error, which check reports)
+        (result,) = transfer.import_files([out], self.store)
+        assert result.ok, result.message()
 
     def do_kill(self, slot, n_autosaves):
         """The CLI continues the conversation's head in a child, killed mid-answer."""
