@@ -24,6 +24,7 @@ from engine.conversation import Conversation
 from engine.errors import CorruptState
 from engine.model_shape import ModelShape
 from engine.models import default_model_path
+from engine.restore import used_end
 from engine.runtime import Runtime, SaveInfo
 
 log = logging.getLogger("checkpoint")
@@ -61,12 +62,22 @@ def chain_points(chain: Sequence[CheckpointData]) -> list[Point]:
     of a compacted or exported conversation would read it again from the start
     (engine.branches.turn_end).  The newest ``LIMITS.max_points`` are kept."""
     end = chain[-1].header.n_tokens
+    final = _conversation_of(chain[-1])
+    if final is None:
+        return []
+
+    def ours(messages: list, upto: int, i: int) -> bool:
+        """Whether the first ``upto`` tokens of ``chain[i]``, after ``messages``, are the last
+        file's too: no later file was cut from below them (another conversation's file a
+        conversation on its document builds on, say), and its messages begin with those."""
+        return upto <= used_end(chain, i) and final.messages[:len(messages)] == messages
+
     found: dict[int, Point] = {}
-    for data in chain[:-1]:
+    for i, data in enumerate(chain[:-1]):
         h = data.header
         saved = _conversation_of(data)
         if saved is None or saved.paused or not saved.messages or not 0 < h.n_tokens < end \
-                or h.n_tokens != h.n_tokens_total:
+                or h.n_tokens != h.n_tokens_total or not ours(saved.messages, h.n_tokens, i):
             continue
         recurrent = None
         if h.has_recurrent:
@@ -77,10 +88,13 @@ def chain_points(chain: Sequence[CheckpointData]) -> list[Point]:
             if recurrent is None:
                 continue
         found[h.n_tokens] = Point(h.n_tokens, len(saved.messages), recurrent)
-    for data in chain:
+    for i, data in enumerate(chain):
+        saved = _conversation_of(data)
         for point in points_of(data):   # (copied: a mapped file's bytes are not kept)
-            found[point.n_tokens] = replace(point, recurrent=None if point.recurrent is None
-                                            else np.array(point.recurrent))
+            if saved is not None and len(saved.messages) >= point.n_messages \
+                    and ours(saved.messages[:point.n_messages], point.n_tokens, i):
+                found[point.n_tokens] = replace(point, recurrent=None if point.recurrent is None
+                                                else np.array(point.recurrent))
     return [found[n] for n in sorted(found) if n < end][-LIMITS.max_points:]
 
 

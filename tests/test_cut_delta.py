@@ -34,12 +34,12 @@ def _conversation(question: str) -> Conversation:
     return Conversation(system_prompt="", sampler=SamplerSettings(temperature=0.7, seed=3))
 
 
-def _ask(rt, store: Store, question: str, *, stop_after: int | None = None):
+def _ask(rt, store: Store, question: str, *, stop_after: int | None = None, n_predict: int = 16):
     """A new conversation on the document, started as the window starts one in a sequence
     of its own (from the store's longest stored prefix); (conversation, writer)."""
     rt.trim(0)
     conv = _conversation(question)
-    begin_answer(conv, rt, DOCUMENT + "\n\n" + question, n_predict=16)
+    begin_answer(conv, rt, DOCUMENT + "\n\n" + question, n_predict=n_predict)
     writer = start_from_stored_prefix(rt, store, conv)
     generate(rt, conv, autosave=writer, autosave_every=8, stop_after=stop_after)
     writer.save_head(conv, KIND_PAUSE if stop_after else KIND_MANUAL)
@@ -319,3 +319,31 @@ def test_room_is_made_for_the_parent_a_cut_drops_a_tail_of():
     assert peak_tokens(chain, keep=2) == 3100     # the parent is in the cache, trimmed
     assert used_end(chain, 1) == 3000 and used_end(chain, 0) == 300 and used_end(chain, 2) == 3100
     assert peak_tokens([file(300), file(500, 300)]) == 500
+
+
+@pytest.mark.slow
+def test_compacting_a_conversation_cut_from_another_keeps_none_of_the_others_turn_ends(smollm_runtime, tmp_path):
+    """A conversation on another's document starts its chain with the other conversation's
+    file, of which it holds only the document's tokens: that file's end (the other's turn
+    end) is no point of the compacted file, whose tokens differ past the cut
+    (engine.compaction.chain_points); the compacted file restores the conversation exactly."""
+    from engine.checkpoints.format import read_checkpoint
+    from engine.checkpoints.points import points_of
+    from engine.compaction import compact_into
+    rt, store = smollm_runtime, Store(tmp_path)
+    rt.trim(0)
+    first, _ = _ask(rt, store, QUESTIONS[0])
+    second, writer = _ask(rt, store, QUESTIONS[1], n_predict=64)   # (it ends past the other's end)
+    chain = load_chain(writer.head.path)
+    cut = next(i for i in range(1, len(chain)) if chain[i].header.parent_n_tokens < chain[i - 1].header.n_tokens)
+    other_end = chain[cut - 1].header.n_tokens
+    assert chain[cut - 1].header.conversation_id == first.id
+    assert chain[-1].header.n_tokens > other_end   # (else no point could lie there anyway)
+    expected = np.array(rt.prefix_state(len(rt.kv_tokens)), copy=True)
+    compacted = read_checkpoint(compact_into(rt, chain, tmp_path / "compacted.kvckpt").path)
+    assert all(p.n_tokens <= chain[cut].header.parent_n_tokens for p in points_of(compacted)), \
+        [p.n_tokens for p in points_of(compacted)]
+    assert other_end not in [p.n_tokens for p in points_of(compacted)]
+    rt.trim(0)
+    rt.restore_chain([compacted])
+    assert np.array_equal(rt.prefix_state(len(rt.kv_tokens)), expected)
