@@ -73,12 +73,18 @@ def chain_points(chain: Sequence[CheckpointData]) -> list[Point]:
         return upto <= used_end(chain, i) and final.messages[:len(messages)] == messages
 
     found: dict[int, Point] = {}
-    for i, data in enumerate(chain[:-1]):
-        h = data.header
-        saved = _conversation_of(data)
-        if saved is None or saved.paused or not saved.messages or not 0 < h.n_tokens < end \
-                or h.n_tokens != h.n_tokens_total or not ours(saved.messages, h.n_tokens, i):
+    for i, data in enumerate(chain):
+        saved = final if i == len(chain) - 1 else _conversation_of(data)
+        if saved is None:
             continue
+        for point in points_of(data):   # (copied: a mapped file's bytes are not kept)
+            if len(saved.messages) >= point.n_messages and ours(saved.messages[:point.n_messages], point.n_tokens, i):
+                found[point.n_tokens] = replace(point, recurrent=None if point.recurrent is None
+                                                else np.array(point.recurrent))
+        h = data.header
+        if saved.paused or not saved.messages or not 0 < h.n_tokens < end or h.n_tokens != h.n_tokens_total \
+                or not ours(saved.messages, h.n_tokens, i):
+            continue   # (the last file's own end is no earlier turn end: n_tokens == end)
         recurrent = None
         if h.has_recurrent:
             try:
@@ -88,13 +94,6 @@ def chain_points(chain: Sequence[CheckpointData]) -> list[Point]:
             if recurrent is None:
                 continue
         found[h.n_tokens] = Point(h.n_tokens, len(saved.messages), recurrent)
-    for i, data in enumerate(chain):
-        saved = _conversation_of(data)
-        for point in points_of(data):   # (copied: a mapped file's bytes are not kept)
-            if saved is not None and len(saved.messages) >= point.n_messages \
-                    and ours(saved.messages[:point.n_messages], point.n_tokens, i):
-                found[point.n_tokens] = replace(point, recurrent=None if point.recurrent is None
-                                                else np.array(point.recurrent))
     return [found[n] for n in sorted(found) if n < end][-LIMITS.max_points:]
 
 
