@@ -28,7 +28,14 @@ from PySide6.QtWidgets import QFileDialog, QInputDialog, QMessageBox
 from engine.checkpoints import graph
 from engine.checkpoints.compat import made_with
 from engine.checkpoints.format import read_header, read_metadata
-from engine.checkpoints.transfer import MISSING_PARENT, FileCheck, chain_paths, check_file, import_files
+from engine.checkpoints.transfer import (
+    MISSING_PARENT,
+    FileCheck,
+    chain_paths,
+    check_file,
+    import_files,
+    import_summary,
+)
 from engine.conversation import transcript_of
 from engine.errors import CheckpointError, IncompatibleModel
 from gui.browser import CheckpointBrowser, list_rows
@@ -221,7 +228,7 @@ class StoreActions:
         elif refused:
             self.show_error("Not imported", "\n".join(r.message() for r in refused))
         if imported:
-            self._offer_resume(imported[-1], len(imported))
+            self._offer_resume(imported[-1], import_summary(results))
 
     def _offer_chain_import(self, orphan: FileCheck, others: list[FileCheck]) -> None:
         """A delta came without its parents, which lie beside it: offer to bring them."""
@@ -239,10 +246,9 @@ class StoreActions:
     async def _import_chain(self, path: Path) -> None:
         await self._import_files(await in_thread(chain_paths, path))
 
-    def _offer_resume(self, path: Path, count: int) -> None:
+    def _offer_resume(self, path: Path, summary: str) -> None:
         box = QMessageBox(QMessageBox.Icon.Question, "Checkpoint imported",
-                          f"Imported {count} checkpoint{'s' if count > 1 else ''} into the store. "
-                          f"Resume “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
+                          f"{summary} Resume “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
         resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
         box.addButton("Later", QMessageBox.ButtonRole.RejectRole)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)

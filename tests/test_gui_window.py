@@ -162,6 +162,7 @@ def test_drop_valid_corrupt_and_foreign_checkpoints(qtbot, make_window, tmp_path
     assert set(w.store.files()) - files_before == new_files
     assert {p.name: p.read_bytes() for p in outside.iterdir()} == before  # sources untouched
     assert w.resume_offer is not None                                  # the user is offered to resume
+    assert w.resume_offer.text().startswith("The store already holds this checkpoint.")  # not "Imported 2"
 
     # the browser lists it, shows the status, and accepts drops as well
     browser = w.show_browser()
@@ -351,6 +352,7 @@ def test_dropping_a_backup_of_an_older_state_lists_it_and_resumes_it(qtbot, make
     assert [n.name for n in g.chain(g.nodes[result.head.name])][-2:] == [turn_end.name, result.head.name]
     # "Resume": the window shows the conversation as the backup held it, from that head
     assert w.resume_offer is not None and result.head.name in w.resume_offer.text()
+    assert "already holds" in w.resume_offer.text()
     with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
                           check_params_cb=lambda snap: snap.checkpoint == result.head):
         w.resume_offer.buttons()[0].click()

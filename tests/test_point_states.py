@@ -300,6 +300,13 @@ def test_from_turn_on_a_compacted_chain_reads_only_the_new_message(arch, layouts
     model = str(tiny_model_path(arch))
     out = tmp_path / "compacted.kvckpt"
     run_cli("compact", str(old_chain[-1].path), "-o", str(out), "--model", model, check=True)
+    # `inspect` names the turn ends the file holds, as a restore reads them
+    held = [(p.n_tokens, p.n_messages) for p in points_of(read_checkpoint(out))]
+    assert held and held[0][0] == old_chain[0].header.n_tokens
+    info = json.loads(run_cli("inspect", str(out), "--json", check=True).stdout)
+    assert [(e["n_tokens"], e["n_messages"]) for e in info["turn_ends"]] == held
+    shown = run_cli("inspect", str(out), check=True).stdout
+    assert f"after message {held[0][1]} ({held[0][0]} tokens)" in shown, shown
     common = ["-m", model, "-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos", "-t", "2", "--json"]
 
     def run(*args):

@@ -249,10 +249,19 @@ def test_an_import_of_files_that_are_heads_writes_no_head(tmp_path):
     results = transfer.import_files(files, store)
     assert all(r.ok and r.already and r.head is None for r in results)
     assert sorted(p.name for p in store.files()) == before
+    # what the window's resume offer says: nothing new (it once said "Imported 3")
+    assert transfer.import_summary(results) == "The store already holds these 3 checkpoints."
     other = Store(tmp_path / "other")
     results = transfer.import_files(files, other)
     assert all(r.ok and not r.already and r.head is None for r in results)
     assert [h.name for h in Graph.scan(other).heads] == [chain[-1].path.name]
+    assert transfer.import_summary(results) == "Imported 3 checkpoints into the store."
+    # the tip given twice and its parent new: counted once each
+    third = Store(tmp_path / "third")
+    base, tip = backup / chain[0].path.name, backup / chain[-1].path.name
+    transfer.import_files([base], third)
+    results = transfer.import_files([*files, tip], third)
+    assert transfer.import_summary(results) == "Imported 2 checkpoints into the store; 1 more was there already."
 
 
 def test_a_conversation_without_a_head_is_not_taken_for_a_deleted_one(tmp_path):

@@ -112,11 +112,17 @@ def points_of(data) -> list[Point]:
 
 def point_positions(header, meta: dict[str, Any]) -> list[int]:
     """The token counts of the points :func:`points_of` gives for a file with this header and
-    metadata, read without its state (engine.checkpoints.prefix_index): a memory with a
-    recurrent part has them only where the file carries their states (POINT_STATES)."""
+    metadata, read without its state (engine.checkpoints.prefix_index)."""
+    return [n_tokens for n_tokens, _n_messages in point_counts(header, meta)]
+
+
+def point_counts(header, meta: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(n_tokens, n_messages)`` of each point :func:`points_of` gives for a file with this
+    header and metadata, read without its state: a memory with a recurrent part has them
+    only where the file carries their states (POINT_STATES)."""
     if header.has_recurrent and not (header.has_point_states and recurrent_lengths(meta) is not None):
         return []
-    return [counts[0] for point in _entries(meta) if (counts := _counts(point, header)) is not None]
+    return [counts for point in _entries(meta) if (counts := _counts(point, header)) is not None]
 
 
 def _entries(meta: dict[str, Any]) -> list:

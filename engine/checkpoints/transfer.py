@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -101,6 +101,26 @@ class FileCheck:
         if self.status == MISSING_PARENT:
             return f"{name} was not imported: {self.reason}"
         return f"{name} is {self.status}: {self.reason}. Nothing was imported."
+
+
+def import_summary(results: Sequence[FileCheck]) -> str:
+    """One sentence on what an import brought: how many files are new in the store, and
+    how many it held already (a file given twice counts once)."""
+    new = {r.imported for r in results if r.imported is not None and not r.already}
+    held = {r.imported for r in results if r.imported is not None and r.already} - new
+    if new and held:
+        return (f"Imported {_checkpoints(len(new))} into the store; "
+                f"{len(held)} more {'was' if len(held) == 1 else 'were'} there already.")
+    if new:
+        return f"Imported {_checkpoints(len(new))} into the store."
+    if held:
+        return ("The store already holds this checkpoint." if len(held) == 1
+                else f"The store already holds these {len(held)} checkpoints.")
+    return "Nothing was imported."
+
+
+def _checkpoints(n: int) -> str:
+    return f"{n} checkpoint{'s' if n != 1 else ''}"
 
 
 def _status_of(exc: BaseException) -> tuple[str, str]:

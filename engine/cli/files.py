@@ -156,6 +156,7 @@ def print_tree(path: Path) -> None:
 
 def cmd_inspect(args) -> int:
     from engine.checkpoints import format as fmt
+    from engine.checkpoints.points import point_counts
     path = Path(args.path)
     if args.tree:
         print_tree(path)
@@ -168,6 +169,7 @@ def cmd_inspect(args) -> int:
         # "transcript": the conversation's messages as a chat shows them (the metadata holds
         # them once, in "conversation"; files written before 2026-12-04 hold both)
         print_json({"header": _header_json(header), "metadata": meta, "transcript": transcript_of(meta),
+                    "turn_ends": [{"n_tokens": n, "n_messages": m} for n, m in point_counts(header, meta)],
                     "graph": place}, indent=2)
         return EXIT_OK
     for key, value in _header_json(header).items():
@@ -177,6 +179,10 @@ def cmd_inspect(args) -> int:
     print(f"{'model':18} {model.get('name', '?')} ({model.get('path', '?')})")
     conv = _object_field(meta, "conversation")
     print(f"{'sampler':18} {json.dumps(conv.get('sampler', '?'), ensure_ascii=False)}")
+    # the earlier turn ends the file holds (engine.checkpoints.points): an Edit or --from-turn
+    # of one reads only from there
+    ends = point_counts(header, meta)
+    print(f"{'turn ends':18} " + (", ".join(f"after message {m} ({n} tokens)" for n, m in ends) or "none"))
     if place is not None:
         role = "head of its line" if place["head"] else (
             "part of a head's chain" if place["needed_by_head"] else "not needed by any head")
