@@ -911,13 +911,25 @@ def read_metadata(path: str | os.PathLike) -> tuple[Header, dict[str, Any]]:
 
 
 def read_tokens(path: str | os.PathLike) -> tuple[Header, np.ndarray]:
-    """Header and token array only (what a prefix index needs); no CRC check."""
+    """Header and token array only; no CRC check."""
+    header, _meta, tokens = read_index_facts(path, metadata=False)
+    return header, tokens
+
+
+def read_index_facts(path: str | os.PathLike, *,
+                     metadata: bool = True) -> tuple[Header, dict[str, Any] | None, np.ndarray]:
+    """Header, metadata (``metadata``: for a file whose points carry states, which a prefix
+    index lists; else None, not read) and token array, in one opening; no CRC check."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size)
-        f.seek(HEADER_LEN + header.meta_len)
+        meta = None
+        if metadata and header.has_point_states:
+            meta = decode_metadata(_read_exact(f, header.meta_len, "metadata"))
+        else:
+            f.seek(HEADER_LEN + header.meta_len)
         data = _read_exact(f, header.tokens_len, "token array")
-    return header, np.frombuffer(data, dtype="<i4").astype(np.int32)
+    return header, meta, np.frombuffer(data, dtype="<i4").astype(np.int32)
 
 
 def stored_payload_crc(path: str | os.PathLike) -> int | None:

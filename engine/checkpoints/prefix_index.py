@@ -24,7 +24,7 @@ import numpy as np
 from engine.checkpoints.atomic import atomic_write
 from engine.checkpoints.chain import common_prefix
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import Header, read_metadata, read_tokens
+from engine.checkpoints.format import Header, read_index_facts, read_tokens
 from engine.checkpoints.points import point_positions
 from engine.errors import CheckpointError
 
@@ -99,8 +99,8 @@ class PrefixIndex:
                 new[path.name] = entry
                 continue
             try:
-                header, tokens = read_tokens(path)
-                points = point_positions(header, read_metadata(path)[1]) if header.has_point_states else []
+                header, meta, tokens = read_index_facts(path)
+                points = point_positions(header, meta) if meta is not None else []
             except (CheckpointError, OSError):
                 continue
             new[path.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
