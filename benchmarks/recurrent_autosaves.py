@@ -37,9 +37,6 @@ from benchmarks.common import Table, clock, median, ratio  # noqa: E402
 #: (key, label, ChainPolicy's fields)
 LAYOUTS = (("newest", "each autosave on the newest (before)", {"fold_dead_tails": False}),
            ("anchor", "on the anchor while the tail is mostly dead (now)", {}))
-#: Qwen3-Next's gated delta-net widths on a narrow residual stream
-QWEN35_GDN = {"n_embd": 256, "gdn_state": 128, "gdn_k_heads": 16, "gdn_v_heads": 32,
-              "n_head": 4, "n_head_kv": 2, "head": 64}
 PROMPT = "Write a long story about a lighthouse keeper. " * 20
 
 
@@ -50,14 +47,9 @@ def model_for(key: str, folder: Path) -> Path:
             sys.path.insert(0, str(ROOT / "tests"))
         import tinymodels
         return tinymodels.cached("qwen35", folder)
-    if key == "lfm2-wide":
-        path = model_file(key, folder)
-        assert path is not None
-        return path
-    if str(ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(ROOT / "tests"))
-    import tinymodels
-    return tinymodels.cached("qwen35", folder, n_layer=8, shape=tinymodels.Shape(**QWEN35_GDN))
+    path = model_file(key, folder)   # lfm2-wide, qwen35-gdn
+    assert path is not None
+    return path
 
 
 def one_run(rt, reader, args, policy: dict, folder: Path) -> dict:

@@ -278,6 +278,9 @@ MODELS = {
                  "LFM2-2.6B's 8 KV heads of 64 (its KV bytes per token), 8 short convolutions of 1024",
     "llama-8b-kv": "a random-weight llama (tests/tinymodels.py) with Llama-3-8B's KV widths: 32 layers "
                    "of 8 KV heads of 128 (its KV bytes per token), narrow elsewhere",
+    "qwen35-gdn": "a random-weight qwen35 hybrid (tests/tinymodels.py) of 8 layers, 6 of them gated "
+                  "delta-nets at Qwen3-Next's widths (16 key heads, 32 value heads of 128: 12.6 MB of "
+                  "recurrent state), 2 attention layers of 2 KV heads of 64, a narrow residual stream",
 }
 #: the hybrid's widths: LFM2-2.6B's attention (8 KV heads of 64, 16 query heads); the layer
 #: pattern alternates convolution and attention, so 16 layers hold its 8 attention layers;
@@ -286,6 +289,9 @@ WIDE_LFM2 = {"n_embd": 1024, "n_head": 16, "n_head_kv": 8, "head": 64, "n_ctx_tr
 #: Llama-3-8B's KV widths (32 layers, 8 KV heads of 128; 8 query heads, not 32) on a narrow
 #: residual stream and feed-forward, so that long prompts prefill in minutes on two cores
 LLAMA_8B_KV = {"n_embd": 1024, "n_ff": 128, "n_head": 8, "n_head_kv": 8, "head": 128, "n_ctx_train": 32768}
+#: Qwen3-Next's gated delta-net widths on a narrow residual stream
+QWEN35_GDN = {"n_embd": 256, "gdn_state": 128, "gdn_k_heads": 16, "gdn_v_heads": 32,
+              "n_head": 4, "n_head_kv": 2, "head": 64}
 
 
 def model_file(key: str, folder: Path) -> Path | None:
@@ -297,6 +303,8 @@ def model_file(key: str, folder: Path) -> Path | None:
     import tinymodels
     if key == "llama-8b-kv":
         return tinymodels.cached("llama", folder, n_layer=32, shape=tinymodels.Shape(**LLAMA_8B_KV))
+    if key == "qwen35-gdn":
+        return tinymodels.cached("qwen35", folder, n_layer=8, shape=tinymodels.Shape(**QWEN35_GDN))
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 

@@ -553,3 +553,50 @@ def test_a_save_the_walk_refuses_writes_nothing(tiny_model_path, tmp_path, monke
         assert [p.name for p in tmp_path.iterdir()] == ["p.kvckpt"]
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_a_chains_earlier_recurrent_states_are_not_set(arch, tiny_model_path, tmp_path, monkeypatch):
+    """Only the last file's recurrent state survives a chain's restore, so an earlier file's
+    is not handed to llama.cpp: a recurrent memory's earlier files not at all, a hybrid's
+    attention part alone where its recurrent state is the larger part (engine.restore;
+    a chain of Qwen3-Next-width files restored 2.6x slower than llama-server's one file).
+    The state restored is byte for byte the one the last file's whole state gives."""
+    from engine.checkpoints.kvstate import recurrent_block_len
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer
+    from engine.sampling import SamplerSettings
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        # a short prompt: the hybrid's attention cells are then the smaller part, as at
+        # Qwen3-Next's widths at any length
+        conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=5, ignore_eos=True))
+        begin_answer(conv, rt, "Hello there.", n_predict=24)
+        generate(rt, conv, stop_after=4)
+        base = rt.save(tmp_path / "base.kvckpt", conv)
+        generate(rt, conv, stop_after=4)
+        middle = rt.save(tmp_path / "middle.kvckpt", conv, parent=base)
+        generate(rt, conv, stop_after=4)
+        last = rt.save(tmp_path / "last.kvckpt", conv, parent=middle)
+        expected = memkit.state_bytes(rt)
+        chain = load_chain(last.path)
+        assert [d.path.name for d in chain] == ["base.kvckpt", "middle.kvckpt", "last.kvckpt"]
+        handed = []
+        real = rt.ctx.state_set_from
+        monkeypatch.setattr(rt.ctx, "state_set_from", lambda *a, **k: (handed.append(a[1]), real(*a, **k))[1])
+        rt.trim(0)
+        rt.restore_chain(chain)
+        assert memkit.state_bytes(rt) == expected
+        assert rt.kv_tokens == list(chain[-1].tokens[:chain[-1].header.n_tokens])
+        layouts = [check_state_for(d.header, d.state) for d in chain]
+        recurrent = [recurrent_block_len(layout) for layout in layouts]
+        if arch == "mamba2":
+            assert handed == [len(chain[-1].state)]   # the last file's state alone
+        else:
+            assert len(chain[0].state) - recurrent[0] < recurrent[0] // 4, "the recurrent part is not the larger"
+            assert handed[-1] == len(chain[-1].state)
+            # the earlier files: their attention cells, and a recurrent block of no cell
+            assert [n for n in handed[:-1]] == [len(d.state) - r + 12 + 24 * layouts[i].recurrent[0]
+                                                 for i, (d, r) in enumerate(zip(chain[:-1], recurrent, strict=False))]
+    finally:
+        rt.close()

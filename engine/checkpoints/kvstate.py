@@ -368,14 +368,41 @@ def recurrent_part_of(state: StateBytes, layout: StateLayout) -> np.ndarray:
     llama.cpp's ``PARTIAL_ONLY`` state of the sequence, the magic, sequence id 0 and the
     recurrent block, which ends every such state (one cell: its header, then each layer's
     R and S rows with their type and size).  A copy; :func:`check_recurrent_part` walks it."""
-    if layout.recurrent is None:
-        raise CorruptState("the state holds no recurrent part")
-    layers, r_row, s_row = layout.recurrent
-    block = 4 + 8 + 4 + 4 + layers * (_ROWS.size + r_row) + layers * (_ROWS.size + s_row)
+    block = recurrent_block_len(layout)
     data = byte_view(state)
     if len(data) < 8 + block:
         raise CorruptState("the state is shorter than its recurrent part")
     part = np.empty(8 + block, dtype=np.uint8)
     part[:8] = np.frombuffer(struct.pack("<Ii", STATE_MAGIC, 0), dtype=np.uint8)
     part[8:] = np.frombuffer(data[len(data) - block:], dtype=np.uint8)
+    return part
+
+
+def recurrent_block_len(layout: StateLayout) -> int:
+    """Bytes of the recurrent block that ends a checked state of one cell (``layout``:
+    :func:`check_state`'s result for a recurrent memory, or a hybrid's)."""
+    if layout.recurrent is None:
+        raise CorruptState("the state holds no recurrent part")
+    layers, r_row, s_row = layout.recurrent
+    return 4 + 8 + 4 + 4 + layers * (_ROWS.size + r_row) + layers * (_ROWS.size + s_row)
+
+
+def attention_part_of(state: StateBytes, layout: StateLayout, n_layer: int) -> np.ndarray:
+    """A hybrid's checked state with its recurrent block emptied: the attention block(s) as
+    they are, then a recurrent block of no cell (its count 0, the layout flag and layer
+    count, each layer's type and row size without rows: what llama.cpp writes for a
+    sequence without a recurrent state).  Setting it sets the attention cells and leaves
+    the sequence without a recurrent state, which a later file of the chain sets
+    (engine.restore: only the last file's recurrent state survives a chain).  A copy."""
+    layers, r_row, s_row = layout.recurrent or (0, 0, 0)
+    block = recurrent_block_len(layout)
+    data = byte_view(state)
+    if len(data) < 8 + block:
+        raise CorruptState("the state is shorter than its recurrent part")
+    empty = (struct.pack("<III", 0, 0, n_layer) + _ROWS.pack(GGML_TYPE_F32, r_row) * layers
+             + _ROWS.pack(GGML_TYPE_F32, s_row) * layers)
+    keep = len(data) - block
+    part = np.empty(keep + len(empty), dtype=np.uint8)
+    part[:keep] = np.frombuffer(data[:keep], dtype=np.uint8)
+    part[keep:] = np.frombuffer(empty, dtype=np.uint8)
     return part
