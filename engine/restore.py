@@ -214,6 +214,9 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
     ctx, scratch_used = slot.ctx, False
     parked = _parks_base(chain, keep)
     direct = 1 if parked else 0   # the file set into the sequence itself; the others pass the scratch one
+    # whose recurrent state survives: the last file that has a state (a delta of metadata
+    # only may follow it: an import's head, a pause where an autosave had just been written)
+    last = max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
     try:
         for i, data in enumerate(chain):
             if i < keep:
@@ -223,7 +226,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 # first tokens only; its cells from there on go (a parked base's, where it waits)
                 ctx.seq_rm(slot.scratch if parked and i == 1 else slot.seq, data.header.parent_n_tokens, -1)
             state = data.state
-            if len(state) and i != len(chain) - 1 and i not in snapshots:
+            if len(state) and i != last and i not in snapshots:
                 state = _without_a_replaced_recurrent_state(data, layouts[i])
             if not len(state):
                 continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)

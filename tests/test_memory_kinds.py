@@ -581,6 +581,13 @@ def test_a_chains_earlier_recurrent_states_are_not_set(arch, tiny_model_path, tm
         expected = memkit.state_bytes(rt)
         chain = load_chain(last.path)
         assert [d.path.name for d in chain] == ["base.kvckpt", "middle.kvckpt", "last.kvckpt"]
+        # a delta of metadata only on the last (nothing new since): its parent's recurrent
+        # state is the one that survives, and is set
+        head = rt.save(tmp_path / "head.kvckpt", conv, parent=last)
+        assert not len(load_chain(head.path)[-1].state)
+        rt.trim(0)
+        rt.restore_chain(load_chain(head.path))
+        assert memkit.state_bytes(rt) == expected
         handed = []
         real = rt.ctx.state_set_from
         monkeypatch.setattr(rt.ctx, "state_set_from", lambda *a, **k: (handed.append(a[1]), real(*a, **k))[1])
