@@ -46,7 +46,7 @@ import numpy as np
 
 from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
+from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import StateLayout, attention_part_of, check_state_for, recurrent_block_len
 from engine.checkpoints.points import nearest_point
 from engine.conversation import Conversation
@@ -263,10 +263,9 @@ def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayou
     too, so where it is the larger part (a gated delta-net's: 12.6 MB at Qwen3-Next's
     widths, against ~0.5 KB a token of attention cells) only the attention part is set
     (kvstate.attention_part_of).  A file after which a snapshot is kept is set whole."""
-    memory = data.header.memory
-    if layout is None or layout.recurrent is None or memory == MEMORY_ATTENTION:
+    if layout is None or layout.recurrent is None:   # an attention memory's state
         return data.state
-    if memory == MEMORY_RECURRENT:
+    if data.header.memory == MEMORY_RECURRENT:
         return data.state[:0]
     block = recurrent_block_len(layout)
     if ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block:

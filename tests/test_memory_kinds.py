@@ -603,7 +603,7 @@ def test_a_chains_earlier_recurrent_states_are_not_set(arch, tiny_model_path, tm
             assert len(chain[0].state) - recurrent[0] < recurrent[0] // 4, "the recurrent part is not the larger"
             assert handed[-1] == len(chain[-1].state)
             # the earlier files: their attention cells, and a recurrent block of no cell
-            assert [n for n in handed[:-1]] == [len(d.state) - r + 12 + 24 * layouts[i].recurrent[0]
+            assert handed[:-1] == [len(d.state) - r + 12 + 24 * layouts[i].recurrent[0]
                                                  for i, (d, r) in enumerate(zip(chain[:-1], recurrent, strict=False))]
     finally:
         rt.close()

@@ -394,8 +394,8 @@ def attention_part_of(state: StateBytes, layout: StateLayout, n_layer: int) -> n
     sequence without a recurrent state).  Setting it sets the attention cells and leaves
     the sequence without a recurrent state, which a later file of the chain sets
     (engine.restore: only the last file's recurrent state survives a chain).  A copy."""
+    block = recurrent_block_len(layout)   # CorruptState without a recurrent part
     layers, r_row, s_row = layout.recurrent or (0, 0, 0)
-    block = recurrent_block_len(layout)
     data = byte_view(state)
     if len(data) < 8 + block:
         raise CorruptState("the state is shorter than its recurrent part")
