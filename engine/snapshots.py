@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.kvstate import check_recurrent_part
-from engine.checkpoints.points import Point
+from engine.checkpoints.points import Point, check_point_crc
 from engine.errors import CorruptState
 from native.context import STATE_RECURRENT_ONLY
 from native.errors import StateError
@@ -68,10 +68,12 @@ class PromptSnapshot:
     def of_point(cls, tokens: Sequence[int], point: Point, n_layer: int,
                  recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot:
         """A file's point (engine.checkpoints.points) as the snapshot to go back to in a
-        sequence that holds ``tokens``, the file restored; its recurrent state walked first
-        (CorruptState), as a file's state is before llama.cpp sees a byte."""
+        sequence that holds ``tokens``, the file restored; its recurrent state checked against
+        its own CRC (a restore does not read it) and walked first (CorruptState), as a file's
+        state is before llama.cpp sees a byte."""
         if point.recurrent is None:
             raise CorruptState("the point carries no recurrent state")
+        check_point_crc(point)
         check_recurrent_part(point.recurrent, point.n_tokens, n_layer, recurrent_rows)
         return cls(point.n_tokens, tokens_digest(tokens[:point.n_tokens]), point.recurrent, None,
                    recurrent_only=True)

@@ -22,6 +22,7 @@ from conftest import run_cli
 from tinymodels import ARCHS, KIND
 
 from engine.branches import turn_end
+from engine.checkpoints import format as ckpt_format
 from engine.checkpoints.chain import load_chain
 from engine.checkpoints.crc import crc32
 from engine.checkpoints.format import (
@@ -33,11 +34,11 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.graph import Graph
-from engine.checkpoints.points import Point, points_of
+from engine.checkpoints.points import Point, points_of, recurrent_crcs, recurrent_lengths
 from engine.checkpoints.store import Store
 from engine.checkpoints.transfer import export_copy
 from engine.conversation import Conversation
-from engine.errors import CorruptMetadata, SaveFailed
+from engine.errors import ChecksumMismatch, CorruptMetadata, SaveFailed
 from engine.generation import begin_answer, commit_answer, generate
 from engine.history import ChainPolicy, LineWriter
 from engine.parallel import ParallelRuntime
@@ -193,6 +194,68 @@ def _rewritten(data, meta: dict, path):
         crc = crc32(part, crc)
     path.write_bytes(pack_header(header) + b"".join(payload) + struct.pack("<I", crc) + TRAILER_MAGIC)
     return path
+
+
+def _damaged_copy(data, offset: int, path):
+    """``data``'s file at ``path`` with the byte ``offset`` into its state section flipped,
+    its trailer left as it was (damage after the write)."""
+    raw = bytearray(data.path.read_bytes())
+    raw[data.header.state_offset + offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["inline", "queued"])
+def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queued, layouts, tiny_model_path,
+                                                                            tmp_path, monkeypatch):
+    """A restore sets none of a file's point states (each as large as a whole recurrent state),
+    so it does not read them: the file's CRC is checked through the CRC each point's metadata
+    gives, and a point's state against its own when it is put back.  A point whose bytes were
+    damaged on disk (still walking) leaves the restore exact and is not put back; damage to
+    what the restore sets is refused as before, whether the checksum runs inline or on the
+    helper thread (``queued``)."""
+    if queued:
+        monkeypatch.setattr(ckpt_format, "CRC_LATER_MIN_BYTES", 0)
+    conv, chain, _old, _folder = layouts("qwen35")
+    data = chain[0]
+    points = points_of(data)
+    assert recurrent_crcs(data.meta) == [crc32(p.recurrent) for p in points]   # the writer gives each its CRC
+    _k, n, point = turn_end(chain, conv.messages[:2])
+    lengths = recurrent_lengths(data.meta)
+    i = [p.n_tokens for p in points].index(point.n_tokens)
+    # a byte of the point's last row of values, which still walks
+    path = _damaged_copy(data, len(data.state) + sum(lengths[:i + 1]) - 5, tmp_path / data.path.name)
+    with pytest.raises(ChecksumMismatch):
+        read_checkpoint(path)   # a whole read checks every byte
+    damaged = load_chain(path, crc_later=True)
+    assert damaged[0].unread_point_crcs
+    _k, n, point = turn_end(damaged, conv.messages[:2])
+    _k, n_other, other = turn_end(damaged, conv.messages[:4])
+    rt = Runtime(tiny_model_path("qwen35"), memkit.SETTINGS)
+    try:
+        rt.restore_chain(damaged)
+        assert rt.kv_tokens == conv.tokens and _state(rt.ctx) == _state_of_chain(rt, chain)
+        rt.restore_chain(damaged)
+        assert rt.trim(n, point) == 0 and rt.kv_tokens == []   # not put back: read again
+        rt.restore_chain(damaged)
+        assert other is not None and rt.trim(n_other, other) == n_other   # an intact one is
+        # damage to what the restore sets is refused
+        for offset in (len(data.state) - 5, 100):
+            with pytest.raises(ChecksumMismatch):
+                rt.restore_chain(load_chain(_damaged_copy(data, offset, tmp_path / f"bad-{offset}.kvckpt"),
+                                            crc_later=True))
+    finally:
+        rt.close()
+    # a file from before the points gave their CRCs is checked whole
+    old = _rewritten(data, {**data.meta, "points": [{k: v for k, v in p.items() if k != "crc32"}
+                                                    for p in data.meta["points"]]}, tmp_path / "old.kvckpt")
+    assert not load_chain(old, crc_later=True)[0].unread_point_crcs
+    assert not load_chain(data.path)[0].unread_point_crcs   # nor a read that is no restore's
+
+
+def _state_of_chain(rt, chain) -> bytes:
+    rt.restore_chain(chain)
+    return _state(rt.ctx)
 
 
 def test_point_states_the_metadata_does_not_account_for_are_refused(layouts, tmp_path):

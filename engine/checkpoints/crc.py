@@ -9,6 +9,8 @@ are the same either way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 #: crc32(data, value=0) -> int, zlib-compatible (chain it over consecutive buffers).
 #: FAST: True when the fast implementation is in use (a save then checksums inline: a
 #: helper thread costs more than the checksum itself)
@@ -19,4 +21,15 @@ except ImportError:   # pragma: no cover - every platform we ship has a wheel
     from zlib import crc32
     FAST = False
 
-__all__ = ["FAST", "crc32"]
+#: combine(crc_a, crc_b, len_b) -> the CRC32 of a's bytes followed by b's, from their CRCs
+#: alone (zlib's crc32_combine: python-isal has it, the standard zlib module does
+#: not): a reader checks a file's payload CRC without reading a part whose own CRC it holds
+#: (engine.checkpoints.format: a point's recurrent state).  None where it is missing: every
+#: byte is read then.
+combine: Callable[[int, int, int], int] | None
+try:
+    from isal.isal_zlib import crc32_combine as combine
+except ImportError:   # pragma: no cover
+    combine = None
+
+__all__ = ["FAST", "combine", "crc32"]

@@ -126,6 +126,15 @@ their sum.  A reader refuses a POINT_STATES file whose points do not say their l
 or whose lengths leave llama.cpp's part empty; the payload CRC covers the blobs as any
 other state byte.  A reader from before the flag refuses the file (an unknown flag).
 
+Each point also says ``"crc32": C``, the CRC32 of its blob (files written before
+2026-12-06 do not; a reader ignores the key where a point lacks it).  A restore sets no
+point's state, and a point's blob is as large as a whole recurrent state (12.6 MB at
+Qwen3-Next's widths, one per turn end), so a reader restoring a file whose points all say
+it (``read_checkpoint``'s ``crc_later``) neither reads nor checksums the blobs: the
+payload CRC is checked as the CRC of the bytes before them combined with theirs (zlib's
+``crc32_combine``), which the metadata, under that CRC, vouches for; a blob is then
+checked against its own CRC when it is used (engine.checkpoints.points.check_point_crc).
+
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
 (with a sliding window or a batch-decoded prompt the result depends on batch
@@ -156,9 +165,10 @@ import numpy as np
 
 from engine.checkpoints import mapped
 from engine.checkpoints.crc import FAST as CRC_FAST
+from engine.checkpoints.crc import combine as crc_combine
 from engine.checkpoints.crc import crc32
 from engine.checkpoints.crc_helper import QueuedCrc, queue_crc
-from engine.checkpoints.points import recurrent_lengths
+from engine.checkpoints.points import recurrent_crcs, recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
     CorruptHeader,
@@ -581,6 +591,9 @@ class CheckpointData:
     #: file (engine.checkpoints.points); empty otherwise, and when the state was not loaded
     point_states: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8), repr=False,
                                      compare=False)
+    #: ``(crc32, length)`` of each point state the read did not checksum (see Points): the
+    #: payload CRC is the CRC of the bytes before them combined with these
+    unread_point_crcs: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -588,9 +601,18 @@ class CheckpointData:
         job = self.pending_crc
         if job is None:
             return
-        if job.result() != self.payload_crc:
+        if _with_unread(job.result(), self.unread_point_crcs) != self.payload_crc:
             raise ChecksumMismatch(PAYLOAD_MISMATCH)
         self.pending_crc = None
+
+
+def _with_unread(crc: int, unread: Sequence[tuple[int, int]]) -> int:
+    """The CRC32 of the bytes ``crc`` is of followed by the unread parts whose CRCs and
+    lengths ``unread`` gives (engine.checkpoints.crc.combine, which the reader had)."""
+    for part_crc, length in unread:
+        assert crc_combine is not None
+        crc = crc_combine(crc, part_crc, length)
+    return crc
 
 
 #: Payloads at least this large have their CRC32 computed on a helper thread while the
@@ -762,6 +784,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
         tail = _point_states_len(header, meta, limits)
+        unread = _unread_point_crcs(meta) if crc_later and load_state and tail else ()
+        checked_len = header.state_len - (tail if unread else 0)   # what is checksummed now or later
         # tokens and logits in one read: the header's checks bound them by the file's length
         arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
         crc = crc32(arrays, crc)
@@ -771,8 +795,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         if mapping is not None:
             # a state the helper checksums is mapped in by its reading, on another core, where
             # no page of it needs the disk (engine.checkpoints.mapped)
-            populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, header.state_len))
-            state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate)
+            populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, checked_len))
+            state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate, checked_len)
             if state_crc is not None:   # None: left to the helper
                 crc = state_crc
             f.seek(size - TRAILER_LEN)
@@ -781,7 +805,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
             # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
             state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
             if load_state:
-                state_crc = _read_state_into(f, state, None if later else crc, progress)
+                state_crc = _read_state_into(f, state, None if later else crc, progress, checked_len)
                 if state_crc is not None:   # None: left to the helper
                     crc = state_crc
                 state.flags.writeable = False   # as a mapped state: nobody edits a checked state
@@ -793,11 +817,11 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch("the trailer is damaged (end marker missing)")
     # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
     # to take the GIL back between chunks would wait for the restoring thread's Python code
-    job = queue_crc(byte_view(state), crc) if later else None
-    if job is None and stored_crc != crc:
+    job = queue_crc(byte_view(state[:checked_len]), crc) if later else None
+    if job is None and stored_crc != _with_unread(crc, unread):
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
-                          path=path, payload_crc=stored_crc, pending_crc=job)
+                          path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread)
     if tail and load_state:   # split after the checksum was given the whole section
         data.state, data.point_states = state[:header.state_len - tail], state[header.state_len - tail:]
     try:
@@ -823,6 +847,16 @@ def _point_states_len(header: Header, meta: dict[str, Any], limits: Limits) -> i
     return total
 
 
+def _unread_point_crcs(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """``(crc32, length)`` of each point state of a POINT_STATES file, which a restore's read
+    leaves unread (see Points); () where a point gives no CRC or this build cannot combine
+    CRCs (engine.checkpoints.crc.combine): every byte is checksummed then."""
+    crcs, lengths = recurrent_crcs(meta), recurrent_lengths(meta)
+    if crc_combine is None or crcs is None or lengths is None or len(crcs) != len(lengths):
+        return ()
+    return tuple(zip(crcs, lengths, strict=True))
+
+
 def _token_arrays(header: Header, tokens_view: memoryview,
                   logits_view: memoryview) -> tuple[np.ndarray, np.ndarray | None]:
     """The token ids and the logits, checked: read-only arrays over the bytes read (copied
@@ -840,13 +874,15 @@ def _token_arrays(header: Header, tokens_view: memoryview,
     return tokens, logits
 
 
-def _map_state(mapping, header: Header, crc: int | None, progress, populate: bool,
+def _map_state(mapping, header: Header, crc: int | None, progress, populate: bool, checked_len: int,
                chunk: int = 8 << 20) -> tuple[np.ndarray, int | None]:
-    """The state section of a mapped file, each chunk mapped in first (``populate``; never a
-    fault to disk: see engine.checkpoints.mapped) and checksummed in turn (``crc`` None: not
-    checksummed); the array holds the mapping."""
-    start, total = header.state_offset, header.state_len
-    state = np.frombuffer(mapping, dtype=np.uint8, count=total, offset=start)
+    """The state section of a mapped file, its first ``checked_len`` bytes (the rest: point
+    states left unread, see Points) each chunk mapped in first (``populate``; never a fault to
+    disk: see engine.checkpoints.mapped) and checksummed in turn (``crc`` None: not
+    checksummed); the array holds the mapping, the whole section."""
+    start = header.state_offset
+    state = np.frombuffer(mapping, dtype=np.uint8, count=header.state_len, offset=start)
+    total = checked_len
     view = memoryview(mapping)[start:start + total]
     try:
         done = 0
@@ -864,8 +900,10 @@ def _map_state(mapping, header: Header, crc: int | None, progress, populate: boo
     return state, crc
 
 
-def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, progress,
+def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, progress, checked_len: int,
                      chunk: int = 8 << 20) -> int | None:
+    """Read the state section into ``state``, checksumming its first ``checked_len`` bytes
+    (``crc`` None: none of them)."""
     view = state.data.cast("B")
     done = 0
     total = len(state)
@@ -873,8 +911,8 @@ def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, p
         n = f.readinto(view[done:done + chunk])
         if not n:
             raise TruncatedCheckpoint("the file ends inside its KV state")
-        if crc is not None:
-            crc = crc32(view[done:done + n], crc)
+        if crc is not None and done < checked_len:
+            crc = crc32(view[done:min(done + n, checked_len)], crc)
         done += n
         if progress:
             progress(done, total)

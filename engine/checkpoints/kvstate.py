@@ -51,7 +51,7 @@ from engine.checkpoints.format import (
     StateBytes,
     byte_view,
 )
-from engine.checkpoints.points import points_of
+from engine.checkpoints.points import check_point_crc, points_of
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
@@ -355,10 +355,12 @@ def check_recurrent_part(state: StateBytes, n_tokens: int, n_layer: int,
 
 
 def check_point_states(data, recurrent_rows: tuple[int, ...] | None = None) -> None:
-    """Walk every recurrent state a file's points carry (CheckpointData: validation and
-    import read them as they read llama.cpp's part; a restore walks one before it is put back)."""
+    """Check and walk every recurrent state a file's points carry (CheckpointData: validation
+    and import read them as they read llama.cpp's part; a restore checks one before it is put
+    back): each against its own CRC where the metadata gives one, then its structure."""
     for point in points_of(data):
         if point.recurrent is not None:
+            check_point_crc(point)
             check_recurrent_part(point.recurrent, point.n_tokens, data.header.n_layer, recurrent_rows)
 
 

@@ -15,8 +15,11 @@ for the files).
 
 On disk (engine.checkpoints.format, flag ``POINT_STATES``) those recurrent parts follow
 llama.cpp's state in the file's state section, in the order of the metadata's points,
-each entry saying its length as ``recurrent_len``.  This module is the one reader and
-writer of that metadata.
+each entry saying its length as ``recurrent_len`` and its CRC32 as ``crc32`` (files from
+before 2026-12-06 have none).  A restore sets none of them, so it does not read them: the
+file's checksum is checked through theirs (engine.checkpoints.format), and a point's state
+against its own CRC when it is used (:func:`check_point_crc`).  This module is the one
+reader and writer of that metadata.
 
 A thinking model's mark file (engine.generation.mark_wants_file) has one point too: where
 the user's message starts in its prompt, after the messages before it (its template drops
@@ -33,6 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoints.crc import crc32
+from engine.errors import CorruptState
+
 
 @dataclass(frozen=True)
 class Point:
@@ -40,15 +46,19 @@ class Point:
     finished, is a file's first ``n_tokens`` tokens (a thinking model's mark file's point
     also holds the template's opening of the next user message: the module docstring);
     ``recurrent``: the recurrent part of that state (None for an attention memory, which
-    trims exactly without it)."""
+    trims exactly without it); ``crc32``: the CRC32 its file's metadata gives for
+    ``recurrent`` (None: a point made in memory, or read from a file that gives none), which
+    a file written of it keeps: bytes not yet checked against it stay checkable."""
     n_tokens: int
     n_messages: int
     recurrent: np.ndarray | None = None
+    crc32: int | None = None
 
     def to_json(self) -> dict[str, int]:
         entry = {"n_tokens": self.n_tokens, "n_messages": self.n_messages}
         if self.recurrent is not None:
             entry["recurrent_len"] = len(self.recurrent)
+            entry["crc32"] = crc32(self.recurrent) if self.crc32 is None else self.crc32
         return entry
 
 
@@ -80,6 +90,30 @@ def recurrent_lengths(meta: dict[str, Any]) -> list[int] | None:
     return out
 
 
+def recurrent_crcs(meta: dict[str, Any]) -> list[int] | None:
+    """The CRC32 of each recurrent part a file's metadata lists (:func:`recurrent_lengths`),
+    in order; None unless every point gives one (an unsigned 32-bit integer ``crc32``)."""
+    raw = meta.get("points")
+    if not isinstance(raw, list) or not raw:
+        return None
+    out = []
+    for point in raw:
+        value = point.get("crc32") if isinstance(point, dict) else None
+        if type(value) is not int or not 0 <= value <= 0xFFFFFFFF:
+            return None
+        out.append(value)
+    return out
+
+
+def check_point_crc(point: Point) -> None:
+    """CorruptState where a point's recurrent state is not the bytes its file's metadata gives
+    the CRC32 of (a file read without checking them: engine.checkpoints.format); every use of a
+    point's state checks it first (engine.snapshots.PromptSnapshot.of_point, validation)."""
+    if point.recurrent is not None and point.crc32 is not None and crc32(point.recurrent) != point.crc32:
+        raise CorruptState(f"the recurrent state of the turn end at token {point.n_tokens} was damaged "
+                           "after it was written (checksum mismatch)")
+
+
 def nearest_point(chain: Sequence, n: int) -> Point | None:
     """The point with the most tokens, at most ``n``, of the files of a chain (CheckpointData,
     base first: each file's points are prefixes of the chain's state); None: none."""
@@ -97,6 +131,7 @@ def points_of(data) -> list[Point]:
     header = data.header
     tail = getattr(data, "point_states", None)
     lengths = recurrent_lengths(data.meta) if tail is not None and len(tail) else None
+    crcs = recurrent_crcs(data.meta) if lengths is not None else None
     needs_state = header.has_recurrent
     out, offset = [], 0
     for i, point in enumerate(_entries(data.meta)):
@@ -106,7 +141,8 @@ def points_of(data) -> list[Point]:
             offset += lengths[i]
         counts = _counts(point, header)
         if counts is not None and not (needs_state and recurrent is None):
-            out.append(Point(*counts, recurrent if needs_state else None))
+            out.append(Point(*counts, recurrent if needs_state else None,
+                             crcs[i] if crcs is not None and needs_state else None))
     return out
 
 
