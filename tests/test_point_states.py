@@ -253,6 +253,48 @@ def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queue
     assert not load_chain(data.path)[0].unread_point_crcs   # nor a read that is no restore's
 
 
+def test_unread_point_states_are_mapped_in_only_where_the_disk_holds_them(layouts, tmp_path, monkeypatch):
+    """The point states a restore leaves unread are read through the mapping only if a point
+    is used: left as they are where the page cache holds them, mapped in at the read where a
+    page needs the disk (engine.checkpoints.mapped: a read error is then the reader's, never
+    SIGBUS; tests/test_mapped_read.py reads a file evicted from the page cache)."""
+    import os
+
+    from engine.checkpoints import mapped
+    if not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    data = layouts("qwen35")[1][0]
+    path = tmp_path / "head.kvckpt"
+    path.write_bytes(data.path.read_bytes())
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
+    calls: list[tuple[int, int]] = []
+    real = mapped.populate
+    monkeypatch.setattr(mapped, "populate", lambda m, start, n: (calls.append((start, n)), real(m, start, n))[1])
+    first, end = data.header.state_offset + len(data.state), data.header.state_offset + data.header.state_len
+
+    def populated_of_the_points() -> int:
+        return sum(max(0, min(start + n, end) - max(start, first)) for start, n in calls)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        cached = mapped.in_page_cache(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if not cached:
+        pytest.skip("this kernel cannot say what the page cache holds (cachestat, Linux 6.5)")
+    got = read_checkpoint(path, crc_later=True)
+    got.settle()
+    assert got.unread_point_crcs and populated_of_the_points() == 0
+    # a cold file: the kernel's read-ahead of the metadata brings in a file this small, so the
+    # page cache is made to say it holds none of it
+    monkeypatch.setattr(mapped, "in_page_cache", lambda *a: False)
+    calls.clear()
+    got = read_checkpoint(path, crc_later=True)
+    got.settle()
+    assert populated_of_the_points() == end - first
+    assert got.point_states.tobytes() == data.point_states.tobytes()
+
+
 def _state_of_chain(rt, chain) -> bytes:
     rt.restore_chain(chain)
     return _state(rt.ctx)

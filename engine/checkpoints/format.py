@@ -797,6 +797,11 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
             # no page of it needs the disk (engine.checkpoints.mapped)
             populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, checked_len))
             state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate, checked_len)
+            rest = header.state_offset + checked_len
+            if unread and not mapped.in_page_cache(f.fileno(), rest, header.state_len - checked_len):
+                # the point states are read only if one is used; where a page of them needs the
+                # disk, they are mapped in now: a read error is then the reader's, not a SIGBUS
+                mapped.populate(mapping, rest, header.state_len - checked_len)
             if state_crc is not None:   # None: left to the helper
                 crc = state_crc
             f.seek(size - TRAILER_LEN)

@@ -30,6 +30,9 @@ Why the mapping is safe to check and to hand to llama.cpp:
   still populated: faulting its pages in there as the checksum reads them cost more (12
   files of 2 MB: 10.3 ms populated, 11.8 ms not).  A state not wholly cached (a cold file,
   a file that shrank) is populated as before: the disk is read then anyway.
+* The points' recurrent states a restore leaves unread (engine.checkpoints.format, Points)
+  are read only where a point is used, as the helper reads a state: not populated where
+  they lie wholly in the page cache, populated at the read otherwise.
 * Where any of this is missing (Windows, where a mapped file could not be replaced
   until the mapping is gone; macOS; kernels before 5.14; a file system that cannot map),
   :func:`map_file` returns None and the reader reads the state into memory as before.
