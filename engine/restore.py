@@ -22,10 +22,13 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    sequence instead, and that file goes into the sequence directly (:func:`_parks_base`).
    A recurrent memory keeps a snapshot (engine.snapshots) after each file that is the
    nearest below a point its conversation goes back to (the answer's prompt end and its
-   marks: Regenerate, Edit, a thinking model's next turn), so those read only from there.
-   Only the last file's recurrent state survives, so an earlier file's is not set (unless a
-   snapshot is kept after it): a recurrent memory's earlier files are skipped, a hybrid's
-   give their attention cells alone where the recurrent state is the larger part
+   marks: Regenerate, Edit, a thinking model's next turn), so those read only from there;
+   where that snapshot is the recurrent part alone (a recurrent memory, a hybrid without a
+   sliding window) it is copied out of the file once the chain settled
+   (:func:`_snapshot_of_file`), not out of llama.cpp.  Only the last file's recurrent
+   state survives, so an earlier file's is not set (unless a snapshot is taken out of
+   llama.cpp after it): a recurrent memory's earlier files are skipped, a hybrid's give
+   their attention cells alone where the recurrent state is the larger part
    (:func:`_without_a_replaced_recurrent_state`).
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
@@ -44,10 +47,16 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
+from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle, tokens_digest
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
-from engine.checkpoints.kvstate import StateLayout, attention_part_of, check_state_for, recurrent_block_len
+from engine.checkpoints.format import MEMORY_HYBRID, MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
+from engine.checkpoints.kvstate import (
+    StateLayout,
+    attention_part_of,
+    check_state_for,
+    recurrent_block_len,
+    recurrent_part_of,
+)
 from engine.checkpoints.points import nearest_point
 from engine.conversation import Conversation
 from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, CorruptState, RestoreFailed
@@ -131,7 +140,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     kept of it, and the restore fails with the reason as it would have before the copy.
     """
     try:
-        restored = _restore(slot, chain, target)
+        restored, later = _restore(slot, chain, target)
     except Exception:   # (an interrupt stays an interrupt)
         settle(chain)   # a damaged file is the reason, whatever else it made go wrong
         raise
@@ -141,6 +150,8 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
         slot.empty()
         slot.forget_logits()
         raise
+    for data, layout in later:
+        slot.keep(_snapshot_of_file(data, layout))
     _keep_points(slot, chain, restored.conv, target)
     return restored
 
@@ -168,7 +179,30 @@ def _keep_points(slot: SequenceSlot, chain: Sequence[CheckpointData], conv: Conv
             log.warning("a turn end's recurrent state in %s is damaged (%s): not kept", last.path.name, exc)
 
 
-def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target) -> Restored:
+def _snapshot_of_file(data: CheckpointData, layout: StateLayout) -> PromptSnapshot:
+    """The snapshot to go back to after a file of a memory whose snapshots hold its recurrent
+    part alone (:func:`_snapshots_from_files`): that part, copied out of the file (settled:
+    checked), with the file's logits."""
+    n = data.header.n_tokens
+    return PromptSnapshot(n, tokens_digest(data.tokens[:n]), recurrent_part_of(data.state, layout),
+                          None if data.logits is None else np.array(data.logits, copy=True),
+                          recurrent_only=True)
+
+
+def _snapshots_from_files(header) -> bool:
+    """Whether the snapshot kept after a file (``SequenceSlot.passed``) is taken from the file
+    rather than out of llama.cpp: a memory whose snapshot is its recurrent part alone (a
+    recurrent memory, a hybrid without a sliding window: engine.model_shape's
+    ``prefix_from_snapshot``).  The file holds that part at its end; llama.cpp would copy it
+    in and a snapshot copy it out again (12.6 MB each way at Qwen3-Next's widths), and the
+    file's recurrent state need not be set at all where a later file replaces it."""
+    return header.memory == MEMORY_RECURRENT or (header.memory == MEMORY_HYBRID and not header.n_swa)
+
+
+def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
+             target: Target) -> tuple[Restored, list[tuple[CheckpointData, StateLayout]]]:
+    """The restore up to its checksums (:func:`restore_into`); and the files after which a
+    snapshot is to be kept from the file itself once they settled (:func:`_snapshot_of_file`)."""
     conv, layouts = _checked(chain, target)
     last = chain[-1]
     n = last.header.n_tokens
@@ -180,12 +214,15 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Target
     if not keep:
         slot.empty()
     slot.forget_logits()
-    _apply(slot, chain, keep, _files_to_go_back_to(chain, conv), layouts)
+    snapshots = _files_to_go_back_to(chain, conv)
+    later = [(i, chain[i], layout) for i in sorted(snapshots) if i >= keep and (layout := layouts[i]) is not None
+             and layout.recurrent is not None and _snapshots_from_files(chain[i].header)]
+    _apply(slot, chain, keep, snapshots - {i for i, _data, _layout in later}, layouts)
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()
         raise RestoreFailed("the restored state does not hold the promised tokens")
     slot.restored(last.tokens[:n].tolist(), last.logits)
-    return Restored(conv, n, n - kept)
+    return Restored(conv, n, n - kept), [(data, layout) for _i, data, layout in later]
 
 
 def _go_back_positions(conv: Conversation) -> tuple[int, ...]:

@@ -607,3 +607,50 @@ def test_a_chains_earlier_recurrent_states_are_not_set(arch, tiny_model_path, tm
                                                  for i, (d, r) in enumerate(zip(chain[:-1], recurrent, strict=False))]
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_the_prompt_ends_snapshot_comes_from_its_file(arch, tiny_model_path, tmp_path, monkeypatch):
+    """The snapshot a restore keeps at the answer's prompt end (Regenerate) is the recurrent
+    part of the prompt's file, copied out of the file once the chain settled, not set into
+    llama.cpp and copied back out of it (12.6 MB each way at Qwen3-Next's widths): the
+    prompt file gives its attention cells alone (a hybrid) or nothing (a recurrent memory),
+    and the snapshot is byte for byte the one llama.cpp gives after that file."""
+    from engine.checkpoints.format import KIND_AUTOSAVE
+    from engine.checkpoints.kvstate import recurrent_block_len
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer
+    from engine.sampling import SamplerSettings
+    from engine.snapshots import PromptSnapshot
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = Conversation(sampler=SamplerSettings(temperature=0.8, seed=5, ignore_eos=True))
+        begin_answer(conv, rt, "Hello there.", n_predict=24)   # short: the recurrent part is the larger
+        rt.prefill(conv.tokens)
+        prompt = rt.save(tmp_path / "prompt.kvckpt", conv, KIND_AUTOSAVE)
+        generate(rt, conv, stop_after=6)
+        answer = rt.save(tmp_path / "answer.kvckpt", conv, KIND_PAUSE, parent=prompt)
+        chain = load_chain(answer.path)
+        n_prompt = chain[0].header.n_tokens
+        assert conv.answer is not None and conv.answer.n_prompt_tokens == n_prompt
+        rt.trim(0)
+        rt.restore_chain(chain[:1])
+        expected = PromptSnapshot.take(rt.ctx, 0, rt.kv_tokens, None, recurrent_only=True)
+        assert expected is not None
+        handed = []
+        real = rt.ctx.state_set_from
+        monkeypatch.setattr(rt.ctx, "state_set_from", lambda *a, **k: (handed.append(a[1]), real(*a, **k))[1])
+        rt.trim(0)
+        rt.restore_chain(chain)
+        kept = rt._snapshots.at(rt.kv_tokens, n_prompt)
+        assert kept is not None and kept.recurrent_only
+        assert kept.state.tobytes() == expected.state.tobytes()
+        assert kept.logits is not None and np.array_equal(kept.logits, chain[0].logits)
+        layout = check_state_for(chain[0].header, chain[0].state)
+        block = recurrent_block_len(layout)
+        if arch == "mamba2":
+            assert handed == [len(chain[1].state)]   # the prompt file is not set at all
+        else:
+            assert handed == [len(chain[0].state) - block + 12 + 24 * layout.recurrent[0], len(chain[1].state)]
+    finally:
+        rt.close()
