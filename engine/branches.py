@@ -21,7 +21,7 @@ from pathlib import Path
 
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_PAUSE, read_metadata
 from engine.checkpoints.graph import Graph
-from engine.checkpoints.points import Point, points_of
+from engine.checkpoints.points import Point, point_at, point_counts
 from engine.checkpoints.store import Store
 from engine.conversation import transcript_of
 from engine.errors import CheckpointError
@@ -126,8 +126,9 @@ def turn_end(chain: Sequence, messages: Sequence[Message]) -> tuple[int, int, Po
         saved = Conversation.from_json(conv if isinstance(conv, dict) else {}, [])
         if saved.messages == wanted and not saved.paused:
             return k, data.header.n_tokens, None
-        for point in points_of(data):
-            if point.n_messages == len(wanted) and saved.messages[:point.n_messages] == wanted:
+        for n_tokens, n_messages in point_counts(data.header, data.meta):
+            if n_messages == len(wanted) and saved.messages[:n_messages] == wanted \
+                    and (point := point_at(data, n_tokens)) is not None:   # (its state read only now)
                 return k, point.n_tokens, point
     return 0, 0, None
 

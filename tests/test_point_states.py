@@ -34,7 +34,7 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.graph import Graph
-from engine.checkpoints.points import Point, points_of, recurrent_crcs, recurrent_lengths
+from engine.checkpoints.points import Point, point_at, points_of, recurrent_crcs, recurrent_lengths
 from engine.checkpoints.store import Store
 from engine.checkpoints.transfer import export_copy
 from engine.conversation import Conversation
@@ -205,17 +205,25 @@ def _damaged_copy(data, offset: int, path):
     return path
 
 
+@pytest.mark.parametrize("reader", ["mapped", "copying"])
 @pytest.mark.parametrize("queued", [False, True], ids=["inline", "queued"])
-def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queued, layouts, tiny_model_path,
+def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queued, reader, layouts, tiny_model_path,
                                                                             tmp_path, monkeypatch):
     """A restore sets none of a file's point states (each as large as a whole recurrent state),
     so it does not read them: the file's CRC is checked through the CRC each point's metadata
-    gives, and a point's state against its own when it is put back.  A point whose bytes were
-    damaged on disk (still walking) leaves the restore exact and is not put back; damage to
-    what the restore sets is refused as before, whether the checksum runs inline or on the
-    helper thread (``queued``)."""
+    gives, and a point's state against its own when it is put back (a copying reader's read
+    from the file only then).  A point whose bytes were damaged on disk (still walking) leaves
+    the restore exact and is not put back; damage to what the restore sets is refused as
+    before, whether the checksum runs inline or on the helper thread (``queued``)."""
+    from engine.checkpoints import mapped
     if queued:
         monkeypatch.setattr(ckpt_format, "CRC_LATER_MIN_BYTES", 0)
+    if reader == "copying":
+        monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 1 << 62)
+    elif not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    else:
+        monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
     conv, chain, _old, _folder = layouts("qwen35")
     data = chain[0]
     points = points_of(data)
@@ -228,7 +236,10 @@ def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queue
     with pytest.raises(ChecksumMismatch):
         read_checkpoint(path)   # a whole read checks every byte
     damaged = load_chain(path, crc_later=True)
-    assert damaged[0].unread_point_crcs
+    assert damaged[0].unread_point_crcs and damaged[0].state.tobytes() == data.state.tobytes()
+    # a copying reader leaves them in the file
+    assert (len(damaged[0].point_states), bool(damaged[0].point_states_at)) == \
+        ((0, True) if reader == "copying" else (len(data.point_states), False))
     _k, n, point = turn_end(damaged, conv.messages[:2])
     _k, n_other, other = turn_end(damaged, conv.messages[:4])
     rt = Runtime(tiny_model_path("qwen35"), memkit.SETTINGS)
@@ -246,6 +257,9 @@ def test_a_restore_leaves_the_point_states_unread_and_checks_one_when_used(queue
                                             crc_later=True))
     finally:
         rt.close()
+    if reader == "copying":   # a point whose file went has no state to give: none
+        path.unlink()
+        assert point_at(damaged[0], n_other) is None and points_of(damaged[0]) == []
     # a file from before the points gave their CRCs is checked whole
     old = _rewritten(data, {**data.meta, "points": [{k: v for k, v in p.items() if k != "crc32"}
                                                     for p in data.meta["points"]]}, tmp_path / "old.kvckpt")

@@ -594,6 +594,35 @@ class CheckpointData:
     #: ``(crc32, length)`` of each point state the read did not checksum (see Points): the
     #: payload CRC is the CRC of the bytes before them combined with these
     unread_point_crcs: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+    #: where in the file those point states begin when the read left them there (a copying
+    #: read: Windows, macOS); 0 where they are in ``point_states`` (a mapping's), or none
+    point_states_at: int = field(default=0, repr=False, compare=False)
+
+    def holds_point_states(self) -> bool:
+        """Whether the points' recurrent states can be had (:meth:`point_state`)."""
+        return bool(len(self.point_states) or self.point_states_at)
+
+    def point_state(self, start: int, length: int) -> np.ndarray | None:
+        """Bytes ``start..start+length`` of the points' recurrent states (within them: the
+        metadata's lengths bound them): a view of ``point_states``, or, where the read left
+        them in the file, read from it now, unchecked (a point's own CRC is checked when it is
+        used: engine.checkpoints.points.check_point_crc); None where the file no longer holds
+        them (gone, shorter)."""
+        if len(self.point_states):
+            return self.point_states[start:start + length]
+        if not self.point_states_at:
+            return None
+        out = np.empty(length, dtype=np.uint8)
+        view, done = out.data.cast("B"), 0
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.point_states_at + start)
+                while done < length and (n := f.readinto(view[done:])):
+                    done += n
+        except OSError:
+            return None
+        out.flags.writeable = False
+        return out if done == length else None
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -807,13 +836,15 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
             f.seek(size - TRAILER_LEN)
         else:
             # np.empty, not bytearray(n): zero-filling a large state holds the GIL (~55 ms per
-            # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway
-            state = np.empty(header.state_len if load_state else 0, dtype=np.uint8)
+            # 88 MB) and would freeze the UI thread; readinto overwrites every byte anyway.
+            # Point states left unread stay in the file: a copy costs what a mapping does not
+            state = np.empty(checked_len if load_state else 0, dtype=np.uint8)
             if load_state:
                 state_crc = _read_state_into(f, state, None if later else crc, progress, checked_len)
                 if state_crc is not None:   # None: left to the helper
                     crc = state_crc
                 state.flags.writeable = False   # as a mapped state: nobody edits a checked state
+                f.seek(size - TRAILER_LEN)
             else:
                 crc = _crc_of_rest(f, header.state_len, crc, progress)
         trailer = _read_exact(f, TRAILER_LEN, "trailer")
@@ -827,8 +858,10 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread)
-    if tail and load_state:   # split after the checksum was given the whole section
+    if tail and len(state) == header.state_len:   # split after the checksum was given the whole section
         data.state, data.point_states = state[:header.state_len - tail], state[header.state_len - tail:]
+    elif tail and load_state:   # left in the file (a copying read)
+        data.point_states_at = header.state_offset + checked_len
     try:
         data.tokens, data.logits = _token_arrays(header, tokens_view, logits_view)
     except CorruptMetadata:

@@ -116,9 +116,20 @@ def check_point_crc(point: Point) -> None:
 
 def nearest_point(chain: Sequence, n: int) -> Point | None:
     """The point with the most tokens, at most ``n``, of the files of a chain (CheckpointData,
-    base first: each file's points are prefixes of the chain's state); None: none."""
-    below = [p for data in chain for p in points_of(data) if p.n_tokens <= n]
-    return max(below, key=lambda p: p.n_tokens) if below else None
+    base first: each file's points are prefixes of the chain's state); None: none.  Only its
+    recurrent state is read (a restore's read may have left them in the file)."""
+    best = None
+    for data in chain:
+        for place in _places(data):
+            if place.n_tokens <= n and (best is None or place.n_tokens > best[1].n_tokens):
+                best = (data, place)
+    return None if best is None else _point(*best)
+
+
+def point_at(data, n_tokens: int) -> Point | None:
+    """The point of a file (CheckpointData) at ``n_tokens``, as :func:`points_of` gives it,
+    only its recurrent state read; None: none there."""
+    return next((_point(data, place) for place in _places(data) if place.n_tokens == n_tokens), None)
 
 
 def points_of(data) -> list[Point]:
@@ -127,23 +138,46 @@ def points_of(data) -> list[Point]:
     an entry that is not two counts within the file's own cells (from its parent's end,
     before its own end) is ignored: metadata is untrusted.  A file of a memory with a
     recurrent part whose points carry no recurrent state (written before they did) has
-    none that can be used."""
+    none that can be used; nor has a point whose state its file no longer holds (a
+    restore's read left it there, and the file went)."""
+    return [point for place in _places(data) if (point := _point(data, place)) is not None]
+
+
+@dataclass(frozen=True)
+class _Place:
+    """A point of a file as its metadata gives it: its counts, and where its recurrent state
+    lies among the file's point states (``length`` 0: none; ``crc32``: the CRC given)."""
+    n_tokens: int
+    n_messages: int
+    start: int = 0
+    length: int = 0
+    crc32: int | None = None
+
+
+def _places(data) -> list[_Place]:
     header = data.header
-    tail = getattr(data, "point_states", None)
-    lengths = recurrent_lengths(data.meta) if tail is not None and len(tail) else None
+    holds = getattr(data, "holds_point_states", None)
+    lengths = recurrent_lengths(data.meta) if holds is not None and holds() else None
     crcs = recurrent_crcs(data.meta) if lengths is not None else None
     needs_state = header.has_recurrent
     out, offset = [], 0
-    for i, point in enumerate(_entries(data.meta)):
-        recurrent = None
-        if lengths is not None and tail is not None:
-            recurrent = tail[offset:offset + lengths[i]]
-            offset += lengths[i]
-        counts = _counts(point, header)
-        if counts is not None and not (needs_state and recurrent is None):
-            out.append(Point(*counts, recurrent if needs_state else None,
-                             crcs[i] if crcs is not None and needs_state else None))
+    for i, entry in enumerate(_entries(data.meta)):
+        start, length = offset, (lengths[i] if lengths is not None else 0)
+        offset += length
+        counts = _counts(entry, header)
+        if counts is None or (needs_state and not length):
+            continue
+        out.append(_Place(*counts, start, length, crcs[i] if crcs is not None else None) if needs_state
+                   else _Place(*counts))
     return out
+
+
+def _point(data, place: _Place) -> Point | None:
+    """The point at ``place`` with its recurrent state; None where the file no longer holds it."""
+    if not place.length:
+        return Point(place.n_tokens, place.n_messages)
+    recurrent = data.point_state(place.start, place.length)
+    return None if recurrent is None else Point(place.n_tokens, place.n_messages, recurrent, place.crc32)
 
 
 def point_positions(header, meta: dict[str, Any]) -> list[int]:
