@@ -278,6 +278,20 @@ linux_cli run -p "$PROMPT" "${CLI_ARGS[@]}" > "$XOS/linux-full.txt" 2>>"$XOS/lin
 linux_cli run -p "$PROMPT" "${CLI_ARGS[@]}" --stop-after 10 --checkpoint-save "$XOS/linux.kvckpt" > "$XOS/linux-part.txt" 2>>"$XOS/linux.log"
 linux_cli run --checkpoint-load "$XOS/linux.kvckpt" -n 24 -t 1 > "$XOS/linux-resume.txt" 2>>"$XOS/linux.log"
 
+step "linux: a hybrid's two turns compacted into one head, the first turn's end a point (Windows goes back to it)"
+# a tiny random-weight qwen35 (tests/tinymodels.py); the head's point carries its recurrent
+# state at the end of the file, which a Windows restore (a copying reader) leaves there
+PTS="$XOS/points"; rm -rf "$PTS" "$WORK/points-home"; mkdir -p "$PTS"
+(cd "$ROOT/tests" && "$LINUX_PY" -c 'import sys, tinymodels; from pathlib import Path; tinymodels.build("qwen35", Path(sys.argv[1]))' \
+    "$PTS/tiny-qwen35.gguf")
+points_cli() { (cd "$ROOT" && env CHECKPOINT_CHAT_HOME="$WORK/points-home" PYTHONPATH="$ROOT" "$LINUX_PY" -m engine.cli "$@"); }
+newest_in_store() { ls -t "$WORK/points-home/data/checkpoints/"*.kvckpt | head -1; }
+POINT_ARGS=(-m "$PTS/tiny-qwen35.gguf" -n 8 --temp 0 --seed 3 --ignore-eos -t 1)
+points_cli run "${POINT_ARGS[@]}" -p "Name a river." > /dev/null 2>>"$XOS/linux.log"
+TURN1="$(newest_in_store)"; cp "$TURN1" "$PTS/turn1.kvckpt"
+points_cli run "${POINT_ARGS[@]}" --checkpoint-load "$TURN1" -p "And a hill?" > /dev/null 2>>"$XOS/linux.log"
+points_cli compact "$(newest_in_store)" -o "$PTS/head.kvckpt" >> "$XOS/linux.log" 2>&1
+
 step "windows: pause + save with the Windows CLI; Linux resumes that checkpoint"
 (cd "$ROOT" && WINENV+=(CHECKPOINT_CHAT_HOME="$(winpath "$WORK/win-home")") \
     && winpy -m engine.cli run -p "$PROMPT" "${CLI_ARGS[@]}" --stop-after 10 \

@@ -388,6 +388,24 @@ def test_a_checkpoint_written_on_windows_resumes_on_linux():
     assert text(needs(XOS / "linux-resumes-windows.txt")) == text(XOS / "linux-resume.txt")
 
 
+def test_a_hybrid_goes_back_to_a_turn_end_its_linux_head_holds():
+    """A Linux-written head of a hybrid's two turns (tests/tinymodels.py's qwen35) holds the
+    first turn's end as a point, its recurrent state at the end of the file, which a restore
+    on Windows (a copying reader) leaves there: ``--from-turn 2`` reads it only when it goes
+    back there, reuses the first turn's tokens and answers as continuing that turn's own
+    file does (installer/wine_tier.sh writes both)."""
+    points = needs(XOS / "points")
+    common = ["-m", str(points / "tiny-qwen35.gguf"), "-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos",
+              "-t", "1", "--json"]
+
+    def run(*args: str) -> dict:
+        return json.loads(cli("run", *common, *args).strip().splitlines()[-1])
+    edited = run("--checkpoint-load", str(points / "head.kvckpt"), "--from-turn", "2", "-p", "Instead: a lake?")
+    reference = run("--checkpoint-load", str(points / "turn1.kvckpt"), "-p", "Instead: a lake?")
+    assert edited["n_reused_tokens"] == reference["n_reused_tokens"] > 0, (edited, reference)
+    assert edited["text"] == reference["text"] and edited["n_prompt_tokens"] == reference["n_prompt_tokens"]
+
+
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
     part = XOS / "frozen-part.txt"
