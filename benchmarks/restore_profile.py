@@ -2,8 +2,8 @@
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
-                                         [--against TREE] [--model smollm|lfm2-wide|llama-8b-kv]
-                                         [--json out.json]
+                                         [--against TREE] [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn]
+                                         [--copying] [--json out.json]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
 attention widths, random weights; ``--model llama-8b-kv``: an attention model at
@@ -146,10 +146,18 @@ class _Probes:
                 setattr(owner, name, self.wrap(part, getattr(owner, name)))
 
 
+#: set (by ``--copying``) in the children's environment: their reader copies the state
+#: sections instead of mapping them, as on Windows and macOS (engine.checkpoints.mapped)
+COPYING_ENV = "CHECKPOINT_CHAT_BENCH_COPYING"
+
+
 def child(args) -> int:
     from benchmarks.common import context_settings, model_path
     from engine.checkpoints.chain import load_chain
     from engine.runtime import Runtime
+    if os.environ.get(COPYING_ENV):
+        from engine.checkpoints import mapped
+        mapped.MAP_MIN_BYTES = 1 << 62
     model = Path(args.model_file) if args.model_file else model_path("smollm")
     rt = Runtime(model, context_settings(args.n_ctx, args.threads))
     try:
@@ -627,6 +635,8 @@ def main(argv=None) -> int:
                         help=f"files of the turns' chain, one per turn (default {TURNS})")
     parser.add_argument("--against", metavar="TREE", type=Path,
                         help="another checkout: its restore of the same files, alternating with this one's")
+    parser.add_argument("--copying", action="store_true",
+                        help="the app's reader copies the states, as on Windows and macOS (no mapping)")
     parser.add_argument("--model", choices=tuple(MODELS), default="smollm",
                         help="smollm (default), or a hybrid at a real model's widths, built here")
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
@@ -642,10 +652,15 @@ def main(argv=None) -> int:
     if server and not Path(server).is_file():
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
+    if args.copying:
+        os.environ[COPYING_ENV] = "1"
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
                  echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns, against=args.against,
                  model_key=args.model)
     data = report["table"]
+    if args.copying:
+        data["notes"].append("--copying: the app's reader copied the states instead of mapping them "
+                             "(Windows, macOS)")
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
