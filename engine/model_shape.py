@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT
+from engine.checkpoints.format import MEMORY_ATTENTION, MEMORY_HYBRID, MEMORY_RECURRENT, recurrent_part_suffices
 from engine.gguf import read_metadata
 
 MEMORY_NAMES = {MEMORY_ATTENTION: "attention", MEMORY_RECURRENT: "recurrent", MEMORY_HYBRID: "hybrid"}
@@ -116,7 +116,7 @@ class ModelShape:
         whose state at a position exists only where it was taken; the attention cells
         before it (a hybrid's) are then read by position.  A shared prefix of such a model
         needs its prefill cut at the system prompt's end (engine.generation.turn_marks)."""
-        return self.memory == MEMORY_RECURRENT or self.snapshot_recurrent_only
+        return recurrent_part_suffices(self.memory, self.n_swa)
 
     @property
     def prefix_from_window(self) -> bool:

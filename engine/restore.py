@@ -49,7 +49,7 @@ import numpy as np
 
 from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle, tokens_digest
 from engine.checkpoints.compat import Target
-from engine.checkpoints.format import MEMORY_HYBRID, MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
+from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import (
     StateLayout,
     attention_part_of,
@@ -184,22 +184,12 @@ def _keep_points(slot: SequenceSlot, chain: Sequence[CheckpointData], conv: Conv
 
 def _snapshot_of_file(data: CheckpointData, layout: StateLayout) -> PromptSnapshot:
     """The snapshot to go back to after a file of a memory whose snapshots hold its recurrent
-    part alone (:func:`_snapshots_from_files`): that part, copied out of the file (settled:
+    part alone (Header.recurrent_part_suffices): that part, copied out of the file (settled:
     checked), with the file's logits."""
     n = data.header.n_tokens
     return PromptSnapshot(n, tokens_digest(data.tokens[:n]), recurrent_part_of(data.state, layout),
                           None if data.logits is None else np.array(data.logits, copy=True),
                           recurrent_only=True)
-
-
-def _snapshots_from_files(header) -> bool:
-    """Whether the snapshot kept after a file (``SequenceSlot.passed``) is taken from the file
-    rather than out of llama.cpp: a memory whose snapshot is its recurrent part alone (a
-    recurrent memory, a hybrid without a sliding window: engine.model_shape's
-    ``prefix_from_snapshot``).  The file holds that part at its end; llama.cpp would copy it
-    in and a snapshot copy it out again (12.6 MB each way at Qwen3-Next's widths), and the
-    file's recurrent state need not be set at all where a later file replaces it."""
-    return header.memory == MEMORY_RECURRENT or (header.memory == MEMORY_HYBRID and not header.n_swa)
 
 
 def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
@@ -218,8 +208,11 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
         slot.empty()
     slot.forget_logits()
     snapshots = _files_to_go_back_to(chain, conv)
+    # where the snapshot is the file's recurrent part alone (Header.recurrent_part_suffices), it is
+    # taken from the file: llama.cpp would copy that part in and the snapshot copy it out again
+    # (12.6 MB each way at Qwen3-Next's widths), and it need not be set where a later file replaces it
     later = [(i, chain[i], layout) for i in sorted(snapshots) if i >= keep and (layout := layouts[i]) is not None
-             and layout.recurrent is not None and _snapshots_from_files(chain[i].header)]
+             and layout.recurrent is not None and chain[i].header.recurrent_part_suffices]
     _apply(slot, chain, keep, snapshots - {i for i, _data, _layout in later}, layouts)
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()

@@ -127,7 +127,7 @@ or whose lengths leave llama.cpp's part empty; the payload CRC covers the blobs 
 other state byte.  A reader from before the flag refuses the file (an unknown flag).
 
 Each point also says ``"crc32": C``, the CRC32 of its blob (files written before
-2026-12-06 do not; a reader ignores the key where a point lacks it).  A restore sets no
+2026-12-06 do not: every byte of such a file is read and checksummed).  A restore sets no
 point's state, and a point's blob is as large as a whole recurrent state (12.6 MB at
 Qwen3-Next's widths, one per turn end), so a reader restoring a file whose points all say
 it (``read_checkpoint``'s ``crc_later``) neither reads nor checksums the blobs: the
@@ -276,6 +276,11 @@ class Header:
         return self.memory in (MEMORY_RECURRENT, MEMORY_HYBRID)
 
     @property
+    def recurrent_part_suffices(self) -> bool:
+        """:func:`recurrent_part_suffices` for this file's memory."""
+        return recurrent_part_suffices(self.memory, self.n_swa)
+
+    @property
     def is_delta(self) -> bool:
         return bool(self.flags & FLAG_DELTA)
 
@@ -312,6 +317,14 @@ class Header:
     @property
     def state_offset(self) -> int:
         return HEADER_LEN + self.meta_len + self.tokens_len + self.logits_len
+
+
+def recurrent_part_suffices(memory: int, n_swa: int) -> bool:
+    """Whether the state after a prefix of a sequence is its recurrent part at that position
+    with the attention cells past it dropped: a recurrent memory, or a hybrid without a
+    sliding window (whose cells past a position drop exactly).  Such a memory's points carry
+    their recurrent parts (Points), and its snapshots keep that part alone (engine.snapshots)."""
+    return memory == MEMORY_RECURRENT or (memory == MEMORY_HYBRID and not n_swa)
 
 
 def _fixed_text(text: str, size: int) -> bytes:
@@ -364,7 +377,7 @@ def unpack_header(raw: bytes, file_size: int | None = None, limits: Limits = LIM
     problems: list[str] = []
     if flags & ~KNOWN_FLAGS or (version == 1 and flags & V2_FLAGS):
         problems.append(f"unknown flags 0x{flags:04x}")
-    elif flags & FLAG_POINT_STATES and (memory not in (MEMORY_RECURRENT, MEMORY_HYBRID) or n_swa):
+    elif flags & FLAG_POINT_STATES and not recurrent_part_suffices(memory, n_swa):
         problems.append("point states without a recurrent memory, or with a sliding window")
     if version == 1:
         if memory or state_layout:
@@ -802,7 +815,9 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on the
     process's helper thread (engine.checkpoints.crc_helper), so that llama.cpp can copy it meanwhile
     (engine.restore); the caller must :meth:`CheckpointData.settle` before it keeps
-    anything of the file.
+    anything of the file.  With ``crc_later``, the points' recurrent states of a file whose
+    points give their own CRCs are not checksummed (see Points), and not copied: a copying
+    read leaves them in the file (``CheckpointData.point_state``).
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -840,7 +855,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
             # Point states left unread stay in the file: a copy costs what a mapping does not
             state = np.empty(checked_len if load_state else 0, dtype=np.uint8)
             if load_state:
-                state_crc = _read_state_into(f, state, None if later else crc, progress, checked_len)
+                state_crc = _read_state_into(f, state, None if later else crc, progress)
                 if state_crc is not None:   # None: left to the helper
                     crc = state_crc
                 state.flags.writeable = False   # as a mapped state: nobody edits a checked state
@@ -938,10 +953,10 @@ def _map_state(mapping, header: Header, crc: int | None, progress, populate: boo
     return state, crc
 
 
-def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, progress, checked_len: int,
+def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, progress,
                      chunk: int = 8 << 20) -> int | None:
-    """Read the state section into ``state``, checksumming its first ``checked_len`` bytes
-    (``crc`` None: none of them)."""
+    """Read ``len(state)`` bytes of the state section into ``state``, checksummed (``crc``
+    None: not)."""
     view = state.data.cast("B")
     done = 0
     total = len(state)
@@ -949,8 +964,8 @@ def _read_state_into(f: io.BufferedIOBase, state: np.ndarray, crc: int | None, p
         n = f.readinto(view[done:done + chunk])
         if not n:
             raise TruncatedCheckpoint("the file ends inside its KV state")
-        if crc is not None and done < checked_len:
-            crc = crc32(view[done:min(done + n, checked_len)], crc)
+        if crc is not None:
+            crc = crc32(view[done:done + n], crc)
         done += n
         if progress:
             progress(done, total)
