@@ -153,8 +153,8 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     for data, layout in later:
         try:
             slot.keep(_snapshot_of_file(data, layout))
-        except CorruptState as exc:   # (a walked state has its recurrent part: not expected)
-            log.warning("no snapshot of %s (%s): going back there reads it again", data.path.name, exc)
+        except (CorruptState, MemoryError) as exc:   # (a walked state has its recurrent part)
+            log.warning("no snapshot of %s (%r): going back there reads it again", data.path.name, exc)
     _keep_points(slot, chain, restored.conv, target)
     return restored
 

@@ -40,7 +40,7 @@ from engine.checkpoints.format import (
 )
 from engine.checkpoints.graph import default_line, line_of
 from engine.checkpoints.kvstate import check_recurrent_part, check_state, check_state_for, relabel_state
-from engine.checkpoints.points import Point, metadata_of, recurrent_parts
+from engine.checkpoints.points import Point, check_point_crc, metadata_of, recurrent_parts
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, SaveFailed
 from engine.gguf import GGUFError
@@ -692,14 +692,16 @@ def relabel_as(state: np.ndarray, rt, *, n_tokens: int, first_pos: int, source: 
 
 def points_to_write(shape: ModelShape, points: Sequence[Point], n_layer: int,
                     recurrent_rows: tuple[int, ...] | None) -> list[Point]:
-    """The points a file of this memory holds, their recurrent states walked (CorruptState):
-    a memory with a recurrent part reaches a point only through its recurrent state (one
-    without is left out), an attention memory's points carry none (engine.checkpoints.points)."""
+    """The points a file of this memory holds, their recurrent states checked against the CRC
+    they came with (a file's: it is written again) and walked (CorruptState): a memory with a
+    recurrent part reaches a point only through its recurrent state (one without is left
+    out), an attention memory's points carry none (engine.checkpoints.points)."""
     if not shape.has_recurrent:
         return [replace(p, recurrent=None) for p in points]
     kept = []
     for point in points:
         if point.recurrent is not None:
+            check_point_crc(point)
             check_recurrent_part(point.recurrent, point.n_tokens, n_layer, recurrent_rows)
             kept.append(point)
     return kept

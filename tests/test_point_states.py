@@ -382,6 +382,26 @@ def test_a_save_whose_point_state_does_not_walk_writes_nothing(tiny_model_path, 
         rt.close()
 
 
+def test_a_point_not_matching_the_crc_it_came_with_is_not_written_again(layouts, tiny_model_path, tmp_path):
+    """A point read from a file keeps the CRC its metadata gave (a restore did not check its
+    bytes): a save that would write it again checks them first, so damage is never given a
+    fresh CRC of its own (compaction, a fork from a point)."""
+    data = layouts("qwen35")[1][0]
+    point = points_of(data)[0]
+    assert point.crc32 == crc32(point.recurrent)
+    damaged = dataclasses.replace(point, crc32=point.crc32 ^ 1)
+    rt = Runtime(tiny_model_path("qwen35"), memkit.SETTINGS)
+    try:
+        rt.restore_chain([data])
+        with pytest.raises(SaveFailed, match="checksum"):
+            rt.save(tmp_path / "x.kvckpt", rt.restore_chain([data]), KIND_MANUAL, points=[damaged])
+        assert not (tmp_path / "x.kvckpt").exists()
+        rt.save(tmp_path / "y.kvckpt", rt.restore_chain([data]), KIND_MANUAL, points=[point])
+        assert recurrent_crcs(read_checkpoint(tmp_path / "y.kvckpt").meta) == [point.crc32]
+    finally:
+        rt.close()
+
+
 def test_header_only_readers_see_the_whole_section(layouts):
     """Listing and validation read lengths from the header: the state section is the file's."""
     _conv, chain, _old, _folder = layouts("falcon-h1")

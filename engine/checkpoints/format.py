@@ -130,10 +130,12 @@ Each point also says ``"crc32": C``, the CRC32 of its blob (files written before
 2026-12-06 do not: every byte of such a file is read and checksummed).  A restore sets no
 point's state, and a point's blob is as large as a whole recurrent state (12.6 MB at
 Qwen3-Next's widths, one per turn end), so a reader restoring a file whose points all say
-it (``read_checkpoint``'s ``crc_later``) neither reads nor checksums the blobs: the
-payload CRC is checked as the CRC of the bytes before them combined with theirs (zlib's
-``crc32_combine``), which the metadata, under that CRC, vouches for; a blob is then
-checked against its own CRC when it is used (engine.checkpoints.points.check_point_crc).
+it (``read_checkpoint``'s ``crc_later``) does not checksum the blobs, nor read them (a
+mapping maps them in only where they are not in the page cache: engine.checkpoints.mapped;
+a copying read leaves them in the file): the payload CRC is checked as the CRC of the
+bytes before them combined with theirs (zlib's ``crc32_combine``), which the metadata,
+under that CRC, vouches for; a blob is then checked against its own CRC when it is used
+(engine.checkpoints.points.check_point_crc).
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
@@ -324,7 +326,7 @@ def recurrent_part_suffices(memory: int, n_swa: int) -> bool:
     with the attention cells past it dropped: a recurrent memory, or a hybrid without a
     sliding window (whose cells past a position drop exactly).  Such a memory's points carry
     their recurrent parts (Points), and its snapshots keep that part alone (engine.snapshots)."""
-    return memory == MEMORY_RECURRENT or (memory == MEMORY_HYBRID and not n_swa)
+    return memory in (MEMORY_RECURRENT, MEMORY_HYBRID) and not n_swa
 
 
 def _fixed_text(text: str, size: int) -> bytes:

@@ -110,20 +110,18 @@ def check_point_crc(point: Point) -> None:
     the CRC32 of (a file read without checking them: engine.checkpoints.format); every use of a
     point's state checks it first (engine.snapshots.PromptSnapshot.of_point, validation)."""
     if point.recurrent is not None and point.crc32 is not None and crc32(point.recurrent) != point.crc32:
-        raise CorruptState(f"the recurrent state of the turn end at token {point.n_tokens} was damaged "
-                           "after it was written (checksum mismatch)")
+        raise CorruptState(f"the recurrent state of the turn end at token {point.n_tokens} does not match "
+                           "its checksum (the file was damaged, or replaced)")
 
 
 def nearest_point(chain: Sequence, n: int) -> Point | None:
     """The point with the most tokens, at most ``n``, of the files of a chain (CheckpointData,
     base first: each file's points are prefixes of the chain's state); None: none.  Only its
     recurrent state is read (a restore's read may have left them in the file)."""
-    best = None
-    for data in chain:
-        for place in _places(data):
-            if place.n_tokens <= n and (best is None or place.n_tokens > best[1].n_tokens):
-                best = (data, place)
-    return None if best is None else _point(*best)
+    below = sorted(((place.n_tokens, -i, data, place) for i, data in enumerate(chain) for place in _places(data)
+                    if place.n_tokens <= n), key=lambda found: found[:2], reverse=True)
+    # the nearest whose state can be had (a copying read's file may have gone since)
+    return next((point for *_order, data, place in below if (point := _point(data, place)) is not None), None)
 
 
 def point_at(data, n_tokens: int) -> Point | None:
