@@ -76,30 +76,27 @@ def recurrent_parts(points: Sequence[Point]) -> list[np.ndarray]:
 def recurrent_lengths(meta: dict[str, Any]) -> list[int] | None:
     """The lengths of the recurrent parts a file's metadata says its state section ends
     with, in order; None where the metadata's points do not say them well (not a list of
-    objects, each with a non-negative integer ``recurrent_len``).  The format's reader
+    objects, each with a positive integer ``recurrent_len``).  The format's reader
     refuses a file with ``POINT_STATES`` that gets None."""
-    raw = meta.get("points")
-    if not isinstance(raw, list) or not raw:
-        return None
-    out = []
-    for point in raw:
-        length = point.get("recurrent_len") if isinstance(point, dict) else None
-        if type(length) is not int or length <= 0:
-            return None
-        out.append(length)
-    return out
+    return _every_point(meta, "recurrent_len", 1, None)
 
 
 def recurrent_crcs(meta: dict[str, Any]) -> list[int] | None:
     """The CRC32 of each recurrent part a file's metadata lists (:func:`recurrent_lengths`),
     in order; None unless every point gives one (an unsigned 32-bit integer ``crc32``)."""
+    return _every_point(meta, "crc32", 0, 0xFFFFFFFF)
+
+
+def _every_point(meta: dict[str, Any], key: str, low: int, high: int | None) -> list[int] | None:
+    """Every metadata point's integer ``key`` (within ``low..high``), in order; None where the
+    points are not a non-empty list of objects that each give one."""
     raw = meta.get("points")
     if not isinstance(raw, list) or not raw:
         return None
     out = []
     for point in raw:
-        value = point.get("crc32") if isinstance(point, dict) else None
-        if type(value) is not int or not 0 <= value <= 0xFFFFFFFF:
+        value = point.get(key) if isinstance(point, dict) else None
+        if type(value) is not int or value < low or (high is not None and value > high):
             return None
         out.append(value)
     return out
