@@ -3,7 +3,7 @@
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
                                          [--against TREE] [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn]
-                                         [--copying] [--json out.json]
+                                         [--reader mapped|windows|copying] [--json out.json]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
 attention widths, random weights; ``--model llama-8b-kv``: an attention model at
@@ -146,18 +146,29 @@ class _Probes:
                 setattr(owner, name, self.wrap(part, getattr(owner, name)))
 
 
-#: set (by ``--copying``) in the children's environment: their reader copies the state
-#: sections instead of mapping them, as on Windows and macOS (engine.checkpoints.mapped)
-COPYING_ENV = "CHECKPOINT_CHAT_BENCH_COPYING"
+#: set (by ``--reader``) in the children's environment: ``copying``, their reader copies the
+#: state sections instead of mapping them, as on macOS (and on Windows before); ``windows``,
+#: it maps as on Windows: no MADV_POPULATE_READ (engine.checkpoints.mapped)
+READER_ENV = "CHECKPOINT_CHAT_BENCH_READER"
+READERS = ("mapped", "windows", "copying")
+
+
+def _reader_as(reader: str) -> None:
+    from engine.checkpoints import mapped
+    if reader == "copying":
+        mapped.MAP_MIN_BYTES = 1 << 62
+    elif reader == "windows":
+        mapped.PINS_FILES = True
+        mapped.populate = lambda *_a: None   # Windows' prefetch: a hint, nothing to read when warm
 
 
 def child(args) -> int:
     from benchmarks.common import context_settings, model_path
+    from engine.checkpoints import chain as chain_module
     from engine.checkpoints.chain import load_chain
     from engine.runtime import Runtime
-    if os.environ.get(COPYING_ENV):
-        from engine.checkpoints import mapped
-        mapped.MAP_MIN_BYTES = 1 << 62
+    release = getattr(chain_module, "release", lambda _chain: None)
+    _reader_as(os.environ.get(READER_ENV, "mapped"))
     model = Path(args.model_file) if args.model_file else model_path("smollm")
     rt = Runtime(model, context_settings(args.n_ctx, args.threads))
     try:
@@ -172,6 +183,7 @@ def child(args) -> int:
             started = clock()
             chain = load_chain(files[-1], crc_later=True)
             conv = rt.restore_chain(chain)
+            release(chain)   # as the app's restores do (an older tree: nothing)
             total = clock() - started
             if len(conv.tokens) < chain[-1].header.n_tokens:
                 raise SystemExit("the restore lost tokens")
@@ -635,8 +647,9 @@ def main(argv=None) -> int:
                         help=f"files of the turns' chain, one per turn (default {TURNS})")
     parser.add_argument("--against", metavar="TREE", type=Path,
                         help="another checkout: its restore of the same files, alternating with this one's")
-    parser.add_argument("--copying", action="store_true",
-                        help="the app's reader copies the states, as on Windows and macOS (no mapping)")
+    parser.add_argument("--reader", choices=READERS, default="mapped",
+                        help="the app's reader: mapped as on Linux (default); as on Windows (mapped, no "
+                             "MADV_POPULATE_READ); copying, as on macOS")
     parser.add_argument("--model", choices=tuple(MODELS), default="smollm",
                         help="smollm (default), or a hybrid at a real model's widths, built here")
     parser.add_argument("--model-file", help=argparse.SUPPRESS)
@@ -652,15 +665,16 @@ def main(argv=None) -> int:
     if server and not Path(server).is_file():
         print(f"note: no llama-server at {server}; it is not measured", file=sys.stderr)
         server = None
-    if args.copying:
-        os.environ[COPYING_ENV] = "1"
+    os.environ[READER_ENV] = args.reader
     report = run([int(s) for s in args.sizes.split(",") if s.strip()], args.repeats, args.threads, server,
                  echo=print, keep=args.folder, deltas=args.deltas, turns=args.turns, against=args.against,
                  model_key=args.model)
     data = report["table"]
-    if args.copying:
-        data["notes"].append("--copying: the app's reader copied the states instead of mapping them "
-                             "(Windows, macOS)")
+    if args.reader != "mapped":
+        data["notes"].append({"copying": "--reader copying: the app's reader copied the states instead of "
+                                         "mapping them (macOS; Windows before)",
+                              "windows": "--reader windows: the app's reader mapped the states as on Windows "
+                                         "(no MADV_POPULATE_READ), measured on Linux"}[args.reader])
     print(Table(data["title"], data["columns"], data["rows"], data["notes"]).render())
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.checkpoints.chain import common_prefix, load_chain
+from engine.checkpoints.chain import common_prefix, load_chain, release
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.points import nearest_point
 from engine.checkpoints.prefix_index import PrefixIndex
@@ -61,19 +61,23 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
             continue
         if not (match.exact or match.at_point) and not can_trim:
             continue
+        chain: list = []
         try:
-            chain = load_chain(match.path, crc_later=True)   # settled by the restore
-            runtime.restore_chain(chain)
-        except CheckpointError as exc:
-            log.info("prefix candidate %s skipped: %s", match.path.name, exc)
-            # a state refused after llama.cpp took it (its checksum, or llama.cpp itself)
-            # left the sequence empty
-            in_cache = common_prefix(runtime.kv_tokens, tokens)
-            continue
-        # a point (another conversation's earlier turn end, with its recurrent state): the
-        # memory goes back there (engine.checkpoints.points)
-        point = nearest_point(chain, match.n_common) if match.at_point else None
-        kept = runtime.trim(match.n_common, point)
+            try:
+                chain = load_chain(match.path, crc_later=True)   # settled by the restore
+                runtime.restore_chain(chain)
+            except CheckpointError as exc:
+                log.info("prefix candidate %s skipped: %s", match.path.name, exc)
+                # a state refused after llama.cpp took it (its checksum, or llama.cpp itself)
+                # left the sequence empty
+                in_cache = common_prefix(runtime.kv_tokens, tokens)
+                continue
+            # a point (another conversation's earlier turn end, with its recurrent state): the
+            # memory goes back there (engine.checkpoints.points); nothing keeps its view of the
+            # file past that
+            kept = runtime.trim(match.n_common, nearest_point(chain, match.n_common) if match.at_point else None)
+        finally:
+            release(chain)   # the files stay replaceable (Windows maps a restore's files)
         if kept == match.n_common:
             return PrefixReuse("restored-exact" if match.exact else "restored", kept, match.path,
                                tuple(chain))

@@ -361,6 +361,8 @@ def _checked(chain: Sequence[CheckpointData], target: Target) -> tuple[Conversat
         raise BrokenChain("no checkpoint to restore")
     if chain[0].header.is_delta:
         raise BrokenChain("the chain does not start with a full checkpoint")
+    if any(data.released for data in chain):   # a caller's mistake, not the file's
+        raise ValueError("a checkpoint released after its restore is restored again: read it again")
     rows = target.recurrent_rows
     layouts: list[StateLayout | None] = []
     for data in chain:

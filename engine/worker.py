@@ -1216,7 +1216,7 @@ class EngineWorker:
         holds more of its tokens than the sequence shares with it.  Whatever is still
         missing, the prefill decodes.  ``running``: an answer starts in it at once.
         """
-        from engine.checkpoints.chain import common_prefix, load_chain
+        from engine.checkpoints.chain import common_prefix, load_chain, release
         from engine.history import LineWriter
         rt = self._need_runtime()
         placement = rt.place(conv.id, running=running)
@@ -1237,7 +1237,10 @@ class EngineWorker:
             return placement   # the cache already holds all the head has (and the writer knows its files)
         try:
             chain = load_chain(head, crc_later=True)   # settled by the restore, or the writer
-            self._restore_prefix(chain, conv, in_cache)
+            try:
+                self._restore_prefix(chain, conv, in_cache)
+            finally:
+                release(chain)   # the files stay replaceable (Windows maps a restore's files)
             if writer is None:
                 self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
         except (CheckpointError, OSError) as exc:   # damaged, or gone (deleted by another program)

@@ -3,6 +3,8 @@ holds for it too, and it fails as a read would, never with SIGBUS."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from faultkit import synthetic
 
@@ -10,7 +12,8 @@ from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
 from engine.errors import CheckpointError, ChecksumMismatch, TruncatedCheckpoint
 
-pytestmark = pytest.mark.skipif(not mapped.supported(), reason="no MADV_POPULATE_READ here")
+pytestmark = pytest.mark.skipif(not mapped.supported() or sys.platform == "win32",
+                                reason="no MADV_POPULATE_READ here")
 
 
 @pytest.fixture

@@ -378,6 +378,57 @@ def test_pause_save_and_resume_in_a_new_process_match_linux(tmp_path):
     assert cli("run", "--checkpoint-load", str(ckpt), "-n", "24", "-t", "1") == text(XOS / "linux-resume.txt")
 
 
+def test_a_resume_saved_under_its_own_name(tmp_path):
+    """``--checkpoint-load X --checkpoint-save X``: the restore maps X (Windows maps a
+    restore's files) and lets it go once restored, so the end of the run can replace X; a
+    mapping kept would make every try fail with a sharing error for 8 s, then the save."""
+    ckpt = tmp_path / "answer.kvckpt"
+    assert cli("run", "-p", PROMPT, *ARGS, "--stop-after", "10", "--checkpoint-save", str(ckpt)) == \
+        text(needs(XOS / "linux-part.txt"))
+    before = ckpt.stat()
+    started = time.monotonic()
+    assert cli("run", "--checkpoint-load", str(ckpt), "--checkpoint-save", str(ckpt), "-n", "24", "-t", "1") == \
+        text(XOS / "linux-resume.txt")
+    assert time.monotonic() - started < 8   # no save waited out a sharing violation
+    from engine.checkpoints.format import read_checkpoint
+    assert ckpt.stat().st_mtime_ns != before.st_mtime_ns and read_checkpoint(ckpt).header.n_tokens > 10
+
+
+def test_a_restores_read_maps_the_file_and_release_lets_it_go(tmp_path):
+    """What engine.checkpoints.mapped says of Windows, on Windows' own file semantics: a
+    restore's read maps the state, the mapped file can be neither replaced nor deleted, and
+    released it can at once; any other read copies and holds nothing."""
+    path = tmp_path / "m.kvckpt"
+    shutil.copyfile(needs(XOS / "linux.kvckpt"), path)
+    (tmp_path / "other.kvckpt").write_bytes(path.read_bytes())
+    done = child(f"""
+        import json, os
+        from engine.checkpoints.format import read_checkpoint
+        path, other = {str(path)!r}, {str(tmp_path / "other.kvckpt")!r}
+        def replace():
+            try:
+                os.replace(other, path)
+                return "replaced"
+            except OSError as exc:
+                return exc.winerror
+        copied = read_checkpoint(path)
+        data = read_checkpoint(path, crc_later=True)
+        mapped, state_len = data.mapping is not None, len(data.state)
+        while_mapped = replace()
+        data.settle()
+        data.release()
+        after = replace()
+        os.unlink(path)
+        print(json.dumps({{"copied": copied.mapping is None, "mapped": mapped, "state_len": state_len,
+                          "while_mapped": while_mapped, "after": after, "gone": not os.path.exists(path)}}))
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"copied": True, "mapped": True, "state_len": got["state_len"], "while_mapped": 5,
+                   "after": "replaced", "gone": True}, got
+    assert got["state_len"] >= 128 << 10
+
+
 def test_a_checkpoint_written_on_linux_resumes_on_windows():
     resumed = cli("run", "--checkpoint-load", str(needs(XOS / "linux.kvckpt")), "-n", "24", "-t", "1")
     assert resumed == text(XOS / "linux-resume.txt")
@@ -391,9 +442,9 @@ def test_a_checkpoint_written_on_windows_resumes_on_linux():
 def test_a_hybrid_goes_back_to_a_turn_end_its_linux_head_holds():
     """A Linux-written head of a hybrid's two turns (tests/tinymodels.py's qwen35) holds the
     first turn's end as a point, its recurrent state at the end of the file, which a restore
-    on Windows (a copying reader) leaves there: ``--from-turn 2`` reads it only when it goes
-    back there, reuses the first turn's tokens and answers as continuing that turn's own
-    file does (installer/wine_tier.sh writes both)."""
+    on Windows leaves unread: ``--from-turn 2`` reads it only when it goes back there, reuses
+    the first turn's tokens and answers as continuing that turn's own file does
+    (installer/wine_tier.sh writes both)."""
     points = needs(XOS / "points")
     common = ["-m", str(points / "tiny-qwen35.gguf"), "-n", "8", "--temp", "0", "--seed", "3", "--ignore-eos",
               "-t", "1", "--json"]

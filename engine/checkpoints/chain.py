@@ -92,6 +92,14 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     return chain
 
 
+def release(chain: Sequence[CheckpointData]) -> None:
+    """Let a restore's files go once the restore is done with their states (their
+    points' included): a file mapped for it can otherwise be neither replaced nor deleted on
+    Windows (CheckpointData.release).  The chain's metadata stays usable."""
+    for data in chain:
+        data.release()
+
+
 def prepare_to_load() -> None:
     """Do before a first restore what it would otherwise pay for (a runtime calls this once
     its model is loaded): start the checksum helper thread (engine.checkpoints.crc_helper)

@@ -45,6 +45,10 @@ class QueuedCrc:
             self._view = memoryview(b"")   # the state's buffer is not held past its checksum
             self._done.set()
 
+    def wait(self) -> None:
+        """Wait until the buffer is no longer read (whatever the verdict)."""
+        self._done.wait()
+
     def result(self) -> int:
         self._done.wait()
         if self._error is not None:

@@ -153,6 +153,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import mmap
 import os
 import re
 import struct
@@ -179,6 +181,8 @@ from engine.errors import (
     TruncatedCheckpoint,
     UnsupportedVersion,
 )
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"\x89KVC\r\n\x1a\n"
 TRAILER_MAGIC = b"KVE1"
@@ -612,6 +616,12 @@ class CheckpointData:
     #: where in the file those point states begin when the read left them there (a copying
     #: read: Windows, macOS); 0 where they are in ``point_states`` (a mapping's), or none
     point_states_at: int = field(default=0, repr=False, compare=False)
+    #: the file's mapping where ``state`` lies in it (engine.checkpoints.mapped), until
+    #: :meth:`release`
+    mapping: mmap.mmap | None = field(default=None, repr=False, compare=False)
+    #: :meth:`release` let the file go: ``state`` is gone, and restoring the file again is a
+    #: caller's mistake (engine.restore refuses it)
+    released: bool = field(default=False, repr=False, compare=False)
 
     def holds_point_states(self) -> bool:
         """Whether the points' recurrent states can be had (:meth:`point_state`)."""
@@ -638,6 +648,30 @@ class CheckpointData:
             return None
         out.flags.writeable = False
         return out if done == length else None
+
+    def release(self) -> None:
+        """Let the file go, where the state lies in a mapping of it: on Windows a mapped
+        file can be neither replaced nor deleted (engine.checkpoints.mapped), so a restore's
+        reader releases its chain once it is done with the states
+        (engine.checkpoints.chain.release).  Waits for a checksum still reading the mapping
+        (its verdict stays :meth:`settle`'s).  The header, metadata, tokens and logits stay;
+        the state goes, and the points' recurrent states are read from the file when one is
+        used (checked against its own CRC then), as a copying read leaves them, where every
+        point gives a CRC; where they do not, the points are gone with the state.  Nothing
+        to do for a read that copied."""
+        mapping = self.mapping
+        if mapping is None:
+            return
+        if self.pending_crc is not None:
+            self.pending_crc.wait()
+        if len(self.point_states) and recurrent_crcs(self.meta) is not None:
+            self.point_states_at = self.header.state_offset + self.header.state_len - len(self.point_states)
+        self.state = self.point_states = np.empty(0, np.uint8)
+        self.mapping, self.released = None, True
+        try:
+            mapping.close()
+        except BufferError:   # a view of it is still held: unmapped when that goes
+            log.warning("%s stays mapped: a view of its state is still held", self.path.name)
 
     def settle(self) -> None:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
@@ -836,7 +870,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
         crc = crc32(arrays, crc)
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
-        mapping = mapped.map_file(f.fileno(), size, header.state_len) if load_state else None
+        # a restore's read (crc_later) releases its mapping when the restore is done (release)
+        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later) if load_state else None
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
             # a state the helper checksums is mapped in by its reading, on another core, where
@@ -874,7 +909,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     if job is None and stored_crc != _with_unread(crc, unread):
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
-                          path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread)
+                          path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
+                          mapping=mapping)
     if tail and len(state) == header.state_len:   # split after the checksum was given the whole section
         data.state, data.point_states = state[:header.state_len - tail], state[header.state_len - tail:]
     elif tail and load_state:   # left in the file (a copying read)

@@ -128,7 +128,7 @@ class RunSession:
 
     # -- the steps ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        from engine.checkpoints.chain import load_chain, settle
+        from engine.checkpoints.chain import load_chain, release, settle
         from engine.checkpoints.compat import ContextShape, Target
         from engine.runtime import Runtime
         from native.library import bindings, choose_library
@@ -166,7 +166,11 @@ class RunSession:
         # the request, for time to first token: now (model loaded) less the read above
         self.requested_at = time.perf_counter() - self.read_s
         try:
-            conv = self.conversation()
+            try:
+                conv = self.conversation()
+            finally:
+                if self.chain:   # the files stay replaceable (Windows maps a restore's files)
+                    release(self.chain)
             self.prepare_store(conv)
             result = self.generate(conv)
             checkpoint = self.save(conv, result)
