@@ -614,7 +614,8 @@ class CheckpointData:
     #: payload CRC is the CRC of the bytes before them combined with these
     unread_point_crcs: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
     #: where in the file those point states begin when the read left them there (a copying
-    #: read: Windows, macOS); 0 where they are in ``point_states`` (a mapping's), or none
+    #: read, macOS; a released mapping); 0 where they are in ``point_states`` (a mapping's),
+    #: or none
     point_states_at: int = field(default=0, repr=False, compare=False)
     #: the file's mapping where ``state`` lies in it (engine.checkpoints.mapped), until
     #: :meth:`release`
@@ -846,7 +847,9 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
     establishes that the file is intact and well-formed.  ``progress(done, total)`` is
     called while the state streams in.  The state is a read-only array: on Linux the
-    file's own pages, mapped (engine.checkpoints.mapped), elsewhere a copy.
+    file's own pages, mapped (engine.checkpoints.mapped); on Windows too for a restore's
+    read (``crc_later``: whoever restores releases it, :meth:`CheckpointData.release`);
+    elsewhere a copy.
 
     ``crc_later``: a state of :data:`CRC_LATER_MIN_BYTES` or more is checksummed on the
     process's helper thread (engine.checkpoints.crc_helper), so that llama.cpp can copy it meanwhile
