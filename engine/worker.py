@@ -709,11 +709,16 @@ class EngineWorker:
                            "has them open); they stay whole, and Delete can be tried again")
 
     def _do_open_checkpoint(self, path: Path) -> None:
-        from engine.checkpoints.chain import load_chain
+        from engine.checkpoints.chain import load_chain, restoring
+        rt = self._need_runtime()
+        # a delta brings its ancestors along, verified (the large states' checksums while
+        # llama.cpp copies them: settled by the restore)
+        with restoring(load_chain(path, crc_later=True)) as chain:
+            self._open_chain(rt, chain, path)
+
+    def _open_chain(self, rt, chain, path: Path) -> None:
         from engine.history import LineWriter
         from engine.restore import text_of_chain
-        rt = self._need_runtime()
-        chain = load_chain(path)             # a delta brings its ancestors along, verified
         data = chain[-1]
         try:
             rt.check_compatible(data.header, data.meta)  # refuse before evicting anything
@@ -925,10 +930,13 @@ class EngineWorker:
         self._generate(conv, skip_eog_once=skip_eog)
 
     def _do_switch_branch(self, conv_id: uuid.UUID, head: Path) -> None:
-        from engine.checkpoints.chain import load_chain
-        from engine.history import LineWriter
+        from engine.checkpoints.chain import load_chain, restoring
         rt = self._need_runtime()
-        chain = load_chain(head)
+        with restoring(load_chain(head, crc_later=True)) as chain:   # settled by the restore
+            self._switch_to(rt, conv_id, chain, head)
+
+    def _switch_to(self, rt, conv_id: uuid.UUID, chain, head: Path) -> None:
+        from engine.history import LineWriter
         data = chain[-1]
         if data.header.conversation_id != conv_id:
             raise AppError(f"{head.name} is not a branch of this conversation")

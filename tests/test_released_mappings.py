@@ -163,9 +163,49 @@ def test_the_window_engine_releases_a_restored_head(tiny_model_path, tmp_path, p
     with _window_engine(tiny_model_path("lfm2"), store) as (w, rec):   # a restart
         w.open_checkpoint(head.path)
         rec.wait("changed")
+        assert pinned and all(m.closed for m, _r in pinned), "the opened head stayed mapped"
         made = len(pinned)
         w.regenerate(a)
         again = rec.wait("finished")[-1][1]
         assert again.text == last.text
         assert len(pinned) > made, "the head was not restored through a mapping"
         assert all(m.closed for m, _r in pinned)
+
+
+def test_a_damaged_head_opened_in_the_window_is_refused_as_damaged(tiny_model_path, tmp_path, pinned, monkeypatch):
+    """Opening a file restores it with its checksum computed while llama.cpp copies the state
+    (then the file is let go): a byte flipped in the state is refused as damage, not used,
+    and the conversation it belongs to goes on from its own intact head."""
+    from enginekit import Recorder
+
+    from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+    monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)   # every state checksummed beside the copy
+    store = Store(tmp_path / "store")
+    rec = Recorder()
+    w = EngineWorker(rec, store)
+    w.start()
+    try:
+        w.load_model(ModelOptions(tiny_model_path("llama"), n_ctx=1024, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        a = w.new_conversation(sampler=SamplerSettings(seed=3, temperature=0.0, ignore_eos=True))
+        w.send(a, "Tell me about rivers.", n_predict=6)
+        rec.wait("finished", 1)
+        rec.head_saved(a)
+        head = Graph.scan(store.folder).heads_of(a)[0].path
+        h = fmt.read_checkpoint(head).header
+        damaged = tmp_path / "damaged.kvckpt"
+        raw = bytearray(head.read_bytes())
+        raw[h.state_offset + h.state_len // 2] ^= 0x40
+        damaged.write_bytes(bytes(raw))
+        w.open_checkpoint(damaged)
+        message = rec.wait("error")[-1][2]
+        assert "checksum" in message, message
+        w.send(a, "And lakes?", n_predict=6)
+        after = rec.wait("finished", 2)[-1][1]
+        assert after.n_reused_tokens > 0   # its own head, restored
+    finally:
+        w.shutdown()
+        assert w.join(60)

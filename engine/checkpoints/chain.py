@@ -13,9 +13,10 @@ its edges from headers and trailers without reading any state.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,20 @@ def release(chain: Sequence[CheckpointData]) -> None:
     Windows (CheckpointData.release).  The chain's metadata stays usable."""
     for data in chain:
         data.release()
+
+
+@contextlib.contextmanager
+def restoring(chain: Sequence[CheckpointData]) -> Iterator[Sequence[CheckpointData]]:
+    """Use a chain read with ``crc_later`` for a restore: whatever fails meanwhile, a damaged
+    file is the reason (:func:`settle` first); the files are let go at the end
+    (:func:`release`)."""
+    try:
+        yield chain
+    except Exception:   # (an interrupt stays an interrupt)
+        settle(chain)
+        raise
+    finally:
+        release(chain)
 
 
 def prepare_to_load() -> None:
