@@ -183,32 +183,6 @@ def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny
     assert outcome.orphans == [], "files no head needs were left behind"
 
 
-@pytest.mark.parametrize("arch", ["smollm", "qwen35"])
-@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
-@given(actions=st.lists(action, min_size=4, max_size=10))
-@example(actions=[("answer", 0, 6), ("pause", 1, 3), ("switch", 0, 0), ("resume", 1, 4), ("prune", 0, 0),
-                  ("regenerate", 0, 5)])
-def test_under_windows_file_rules_every_head_is_kept(arch, actions, smollm_path, checker, tiny_model_path,
-                                                    tiny_checkers, tmp_path_factory):
-    """The same compositions with Windows' rules for mapped files (faultkit.windows_files): a
-    restore maps its files and must let them go, or a later save fails after its retries
-    and pruning leaves files behind."""
-    from faultkit import windows_files
-    model, rt = (smollm_path, checker) if arch == "smollm" else (tiny_model_path(arch), tiny_checkers(arch))
-    with pytest.MonkeyPatch.context() as mp:
-        pins = windows_files.install(mp)
-        driver, outcome = run_sequence(model, tmp_path_factory.mktemp(f"win-{arch}"), actions, rt)
-        left = pins.live()
-    print(f"{arch}: {len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads, "
-          f"refused for a while: {pins.refused}: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
-    assert left == set(), "files still mapped after the app closed"
-
-
 @pytest.mark.parametrize("arch", ["falcon-h1", "mamba2"])
 def test_the_check_tells_a_wrong_state_from_a_recompute_on_a_recurrent_memory(arch, tiny_checkers, tmp_path):
     """A recurrent scan's bits depend on its batch shapes, so the check compares a restore
