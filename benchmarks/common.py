@@ -286,7 +286,7 @@ def warm_restores(reader, head_path: Path, tokens: Sequence[int], times: int = 5
     """(median seconds, files read): ``times`` restores of ``head_path``'s chain into
     ``reader``, emptied before each, every check included; SystemExit when the restore
     holds other tokens than ``tokens``."""
-    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.chain import load_chain, release
     took, files = [], 0
     for _ in range(times):
         reader.trim(0)
@@ -294,6 +294,7 @@ def warm_restores(reader, head_path: Path, tokens: Sequence[int], times: int = 5
         started = clock()
         chain = load_chain(head_path, crc_later=True)
         reader.restore_chain(chain)
+        release(chain)   # as the app's restores do
         took.append(clock() - started)
         files = len(chain)
     if list(reader.kv_tokens) != list(tokens):

@@ -150,8 +150,8 @@ def map_once(path: Path, dest: np.ndarray | None, hugepage: bool) -> tuple[float
 
 def run(sizes_mb: list[int], repeats: int, folder: Path | None = None, echo=print) -> dict:
     out = table()
-    if not mapped.supported():
-        out.notes.append("this platform does not map checkpoints (mapped.supported() is False): nothing measured")
+    if not mapped.supported() or not sys.platform.startswith("linux"):   # (/proc/self/smaps, MADV_*)
+        out.notes.append("measured on Linux only (its page cache and mapping calls): nothing measured")
         return {"table": out}
     with tempfile.TemporaryDirectory(prefix="page-cache-") as tmp:
         where = folder or Path(tmp)

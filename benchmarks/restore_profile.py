@@ -157,9 +157,11 @@ def _reader_as(reader: str) -> None:
     from engine.checkpoints import mapped
     if reader == "copying":
         mapped.MAP_MIN_BYTES = 1 << 62
-    elif reader == "windows":
+    elif reader == "windows":   # what Windows has of engine.checkpoints.mapped
         mapped.PINS_FILES = True
         mapped.populate = lambda *_a: None   # Windows' prefetch: a hint, nothing to read when warm
+        mapped.in_page_cache = lambda *_a: False   # no cachestat
+        mapped._ask_for_huge_pages = lambda *_a: None   # no MADV_HUGEPAGE
 
 
 def child(args) -> int:

@@ -280,7 +280,10 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
         slot.forget_logits()
         if scratch_used:
             ctx.seq_rm(slot.scratch, -1, -1)
-        raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc
+        # neither this frame nor the native call's, which the error's traceback keeps, may
+        # hold a view of the file's mapping while the caller lets the file go (CheckpointData.release)
+        state = data.state[:0]
+        raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc.with_traceback(None)
 
 
 #: a hybrid file's attention part is copied out to be set without its recurrent state only

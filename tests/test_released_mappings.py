@@ -33,8 +33,8 @@ def pinned(monkeypatch, caplog):
     made: list = []
     real = mapped.map_file
 
-    def map_file(fileno, size, state_len, releasable):
-        mapping = real(fileno, size, state_len, releasable)
+    def map_file(fileno, size, state_len, releasable, path):
+        mapping = real(fileno, size, state_len, releasable, path)
         if mapping is not None:
             made.append((mapping, releasable))
         return mapping

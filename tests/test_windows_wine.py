@@ -396,8 +396,9 @@ def test_a_resume_saved_under_its_own_name(tmp_path):
 
 def test_a_restores_read_maps_the_file_and_release_lets_it_go(tmp_path):
     """What engine.checkpoints.mapped says of Windows, on Windows' own file semantics: a
-    restore's read maps the state, the mapped file can be neither replaced nor deleted, and
-    released it can at once; any other read copies and holds nothing."""
+    restore's read maps the state (a file on a fixed disk; a network share is read), the
+    mapped file can be neither replaced nor deleted, and released it can at once; any other
+    read copies and holds nothing."""
     path = tmp_path / "m.kvckpt"
     shutil.copyfile(needs(XOS / "linux.kvckpt"), path)
     (tmp_path / "other.kvckpt").write_bytes(path.read_bytes())
@@ -411,6 +412,8 @@ def test_a_restores_read_maps_the_file_and_release_lets_it_go(tmp_path):
                 return "replaced"
             except OSError as exc:
                 return exc.winerror
+        from engine.checkpoints.mapped import on_a_fixed_disk
+        disks = [on_a_fixed_disk(path), on_a_fixed_disk(r"\\\\nowhere\\share\\m.kvckpt")]
         copied = read_checkpoint(path)
         data = read_checkpoint(path, crc_later=True)
         mapped, state_len = data.mapping is not None, len(data.state)
@@ -419,12 +422,13 @@ def test_a_restores_read_maps_the_file_and_release_lets_it_go(tmp_path):
         data.release()
         after = replace()
         os.unlink(path)
-        print(json.dumps({{"copied": copied.mapping is None, "mapped": mapped, "state_len": state_len,
+        print(json.dumps({{"disks": disks, "copied": copied.mapping is None, "mapped": mapped, "state_len": state_len,
                           "while_mapped": while_mapped, "after": after, "gone": not os.path.exists(path)}}))
     """)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {"copied": True, "mapped": True, "state_len": got["state_len"], "while_mapped": 5,
+    assert got == {"disks": [True, False], "copied": True, "mapped": True, "state_len": got["state_len"],
+                   "while_mapped": 5,
                    "after": "replaced", "gone": True}, got
     assert got["state_len"] >= 128 << 10
 

@@ -874,7 +874,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         crc = crc32(arrays, crc)
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
-        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later) if load_state else None
+        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
             # a state the helper checksums is mapped in by its reading, on another core, where

@@ -43,12 +43,15 @@ restore 1.97x llama-server's from one 24.7 MB file: the fresh pages it fills):
   compaction would fail on it), so a file is mapped only where the reader's caller lets it
   go as soon as the states are used (``releasable``: a restore's read; whoever restores
   calls engine.checkpoints.chain.release).  Every other read copies.
+* Only a file on a fixed local disk is mapped (:func:`on_a_fixed_disk`): a network share
+  or a removable drive is read.
 * Windows has no MADV_POPULATE_READ.  It needs none against a file that shrinks: a file
   with a mapped view cannot be truncated (SetEndOfFile fails with ERROR_USER_MAPPED_FILE),
   and a file shorter than the header says cannot be mapped (the read then copies and
-  fails as any short read).  What is left is a disk failing under a page that is not in
-  memory, which faults whoever reads it, as it does under llama.cpp's own mapping of the
-  model (the app loads every model mapped).  ``populate`` asks PrefetchVirtualMemory to
+  fails as any short read).  What is left is a local disk failing under a page that is not
+  in memory: that faults whoever reads it (the process ends; the copying read reported an
+  error), as it does under llama.cpp's own mapping of the model (the app loads every model
+  mapped).  ``populate`` asks PrefetchVirtualMemory to
   read such pages in large reads before the checksum and llama.cpp fault them in one by
   one (a hint: nothing fails if it does not).
 """
@@ -59,6 +62,7 @@ import ctypes
 import errno
 import functools
 import mmap
+import os
 import sys
 
 from engine.errors import TruncatedCheckpoint
@@ -98,12 +102,14 @@ def supported() -> bool:
     return True
 
 
-def map_file(fileno: int, size: int, state_len: int, releasable: bool) -> mmap.mmap | None:
-    """A read-only mapping of a whole file of ``size`` bytes (already checked against its
-    header), or None where the state is better read: too small, no support, or a mapping
-    would keep the file from being replaced (:data:`PINS_FILES`) and the caller does not
-    release it when done (``releasable``)."""
-    if state_len < MAP_MIN_BYTES or not supported() or (PINS_FILES and not releasable):
+def map_file(fileno: int, size: int, state_len: int, releasable: bool, path: str | os.PathLike) -> mmap.mmap | None:
+    """A read-only mapping of a whole file of ``size`` bytes at ``path`` (already checked
+    against its header), or None where the state is better read: too small, no support, a
+    mapping would keep the file from being replaced (:data:`PINS_FILES`) and the caller does
+    not release it when done (``releasable``), or the file is not on a fixed local disk
+    (Windows: :func:`on_a_fixed_disk`)."""
+    if state_len < MAP_MIN_BYTES or not supported() or (PINS_FILES and not releasable) \
+            or not on_a_fixed_disk(path):
         return None
     try:
         mapping = mmap.mmap(fileno, size, access=mmap.ACCESS_READ)
@@ -111,6 +117,31 @@ def map_file(fileno: int, size: int, state_len: int, releasable: bool) -> mmap.m
         return None
     _ask_for_huge_pages(mapping, size)
     return mapping
+
+
+def on_a_fixed_disk(path: str | os.PathLike) -> bool:
+    """Windows: whether ``path`` lies on a fixed local drive (GetDriveTypeW: DRIVE_FIXED).
+    A network share or a removable drive can fail under a mapping (unplugged, disconnected),
+    and there a page that cannot be read faults whoever reads it, where a copying read
+    reports an error: such files are read.  True elsewhere (Linux's populate reports it)."""
+    if sys.platform != "win32":
+        return True
+    drive = os.path.splitdrive(os.path.abspath(path))[0]
+    return bool(drive) and _drive_type(drive.rstrip("\\/") + "\\") == DRIVE_FIXED
+
+
+#: GetDriveTypeW's answer for a hard disk or SSD (not removable, remote, CD-ROM or RAM disk)
+DRIVE_FIXED = 3
+
+
+@functools.lru_cache(maxsize=64)
+def _drive_type(root: str) -> int:
+    if sys.platform != "win32":
+        return 0
+    kernel32 = ctypes.WinDLL("kernel32")
+    kernel32.GetDriveTypeW.argtypes = [ctypes.c_wchar_p]
+    kernel32.GetDriveTypeW.restype = ctypes.c_uint
+    return int(kernel32.GetDriveTypeW(root))
 
 
 #: Linux's MADV_HUGEPAGE (Python names it where the system headers do)
