@@ -902,10 +902,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
                 f.seek(size - TRAILER_LEN)
             else:
                 crc = _crc_of_rest(f, header.state_len, crc, progress)
-        trailer = _read_exact(f, TRAILER_LEN, "trailer")
-    stored_crc, end_magic = struct.unpack("<I4s", trailer)
-    if end_magic != TRAILER_MAGIC:
-        raise ChecksumMismatch("the trailer is damaged (end marker missing)")
+        stored_crc = _trailer_crc(_read_exact(f, TRAILER_LEN, "trailer"))
     # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
     # to take the GIL back between chunks would wait for the restoring thread's Python code
     job = queue_crc(byte_view(state[:checked_len]), crc) if later else None
@@ -914,16 +911,33 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
                           mapping=mapping)
-    if tail and len(state) == header.state_len:   # split after the checksum was given the whole section
-        data.state, data.point_states = state[:header.state_len - tail], state[header.state_len - tail:]
-    elif tail and load_state:   # left in the file (a copying read)
-        data.point_states_at = header.state_offset + checked_len
+    if tail and load_state:
+        _place_point_states(data, tail, checked_len)
     try:
         data.tokens, data.logits = _token_arrays(header, tokens_view, logits_view)
     except CorruptMetadata:
         data.settle()   # damage is the reason, when the checksum says so
         raise
     return data
+
+
+def _trailer_crc(trailer: bytes) -> int:
+    """The payload CRC the trailer stores; ChecksumMismatch where its end marker is damaged."""
+    stored_crc, end_magic = struct.unpack("<I4s", trailer)
+    if end_magic != TRAILER_MAGIC:
+        raise ChecksumMismatch("the trailer is damaged (end marker missing)")
+    return stored_crc
+
+
+def _place_point_states(data: CheckpointData, tail: int, checked_len: int) -> None:
+    """Where a loaded file's ``tail`` bytes of point states are: split off the state read
+    whole (after the checksum was given the whole section), or left in the file (a copying
+    read that did not read them)."""
+    h = data.header
+    if len(data.state) == h.state_len:
+        data.state, data.point_states = data.state[:h.state_len - tail], data.state[h.state_len - tail:]
+    else:
+        data.point_states_at = h.state_offset + checked_len
 
 
 def _point_states_len(header: Header, meta: dict[str, Any], limits: Limits) -> int:
