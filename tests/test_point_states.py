@@ -617,24 +617,31 @@ def test_a_prompt_on_another_conversations_first_turns_goes_back_to_its_point(ar
     ``run --reuse-prefix``) restores that head and goes back to the turn's end, reading only
     what follows, where it read everything after the system prompt before; the state is the
     one continuing that turn's own file gives (the file-per-turn layout), byte for byte."""
-    from engine.prefix_reuse import reuse_stored_prefix
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
-        store = Store(tmp_path / "store")
-        _conv, heads = _chat(rt, store, turns=5)
-        _conv, own_files = _chat(rt, Store(tmp_path / "per-turn"), ChainPolicy(merge_turns=False), turns=5)
-        head = load_chain(heads[-1].path)[-1]
-        end = heads[3].n_tokens   # turn 4's end, a point of the last head (the index hashes blocks of 64)
-        assert end in [p.n_tokens for p in points_of(head)] and end >= 64
-        tokens = [int(t) for t in head.tokens[:end]] + rt.model.tokenize(" And a lake?", add_special=False)
-        rt.trim(0)
-        reuse = reuse_stored_prefix(rt, store.folder, tokens)
-        assert (reuse.how, reuse.n_tokens, reuse.source) == ("restored", end, head.path), reuse.describe()
+        reuse, tokens, end, head, own_file = reuse_a_turn_end_of_another_head(rt, tmp_path)
+        assert (reuse.how, reuse.n_tokens, reuse.source) == ("restored", end, head), reuse.describe()
         assert rt.prefill(tokens).n_decoded == len(tokens) - end
         reused = _state(rt.ctx)
         rt.trim(0)
-        rt.restore_chain(load_chain(own_files[3].path))   # turn 4's own file
+        rt.restore_chain(load_chain(own_file))   # turn 4's own file
         assert rt.prefill(tokens).n_decoded == len(tokens) - end
         assert _state(rt.ctx) == reused
     finally:
         rt.close()
+
+
+def reuse_a_turn_end_of_another_head(rt, tmp_path):
+    """Five turns stored merged (one head, its turn ends points) and a file per turn; then a
+    prompt repeating the first four turns reuses the stored prefix: (the PrefixReuse, the
+    prompt, turn 4's end, the merged head's path, turn 4's own file)."""
+    from engine.prefix_reuse import reuse_stored_prefix
+    store = Store(tmp_path / "store")
+    _conv, heads = _chat(rt, store, turns=5)
+    _conv, own_files = _chat(rt, Store(tmp_path / "per-turn"), ChainPolicy(merge_turns=False), turns=5)
+    head = load_chain(heads[-1].path)[-1]
+    end = heads[3].n_tokens   # turn 4's end, a point of the last head (the index hashes blocks of 64)
+    assert end in [p.n_tokens for p in points_of(head)] and end >= 64
+    tokens = [int(t) for t in head.tokens[:end]] + rt.model.tokenize(" And a lake?", add_special=False)
+    rt.trim(0)
+    return reuse_stored_prefix(rt, store.folder, tokens), tokens, end, head.path, own_files[3].path

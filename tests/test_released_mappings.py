@@ -19,7 +19,6 @@ from faultkit import synthetic
 from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
 from engine.checkpoints.chain import load_chain, release
-from engine.checkpoints.points import points_of
 
 pytestmark = pytest.mark.skipif(not mapped.supported(), reason="this system does not map states")
 
@@ -112,31 +111,20 @@ def test_prefix_reuse_at_a_point_releases_its_files_and_stays_exact(arch, tiny_m
     """Another conversation's head restored to go back to one of its turn ends (a point whose
     recurrent state is read from the file after the release): the state is the one that
     turn's own file gives, byte for byte, and no file stays mapped."""
-    from test_point_states import _chat, _state
+    from test_point_states import _state, reuse_a_turn_end_of_another_head
 
-    from engine.checkpoints.store import Store
-    from engine.history import ChainPolicy
-    from engine.prefix_reuse import reuse_stored_prefix
     from engine.runtime import Runtime
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
-        store = Store(tmp_path / "store")
-        _conv, heads = _chat(rt, store, turns=5)
-        _conv, own_files = _chat(rt, Store(tmp_path / "per-turn"), ChainPolicy(merge_turns=False), turns=5)
-        head = load_chain(heads[-1].path)[-1]
-        end = heads[3].n_tokens
-        assert end in [p.n_tokens for p in points_of(head)]
-        tokens = [int(t) for t in head.tokens[:end]] + rt.model.tokenize(" And a lake?", add_special=False)
-        rt.trim(0)
         made = len(pinned)
-        reuse = reuse_stored_prefix(rt, store.folder, tokens)
+        reuse, tokens, end, _head, own_file = reuse_a_turn_end_of_another_head(rt, tmp_path)
         assert (reuse.how, reuse.n_tokens) == ("restored", end), reuse.describe()
         assert len(pinned) > made and all(m.closed for m, _r in pinned)   # mapped, and let go
         assert all(d.released for d in reuse.chain)
         assert rt.prefill(tokens).n_decoded == len(tokens) - end
         reused = _state(rt.ctx)
         rt.trim(0)
-        rt.restore_chain(load_chain(own_files[3].path))
+        rt.restore_chain(load_chain(own_file))
         rt.prefill(tokens)
         assert _state(rt.ctx) == reused
     finally:
