@@ -54,7 +54,7 @@ from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.points import Point
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
-from engine.errors import CheckpointError, SaveFailed
+from engine.errors import CheckpointError, CorruptState, SaveFailed
 from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base, system_prompt_end
@@ -538,7 +538,13 @@ class LineWriter:
         if start < parent_n or (before and start <= system_prompt_end(self.runtime, conv)):
             return []
         snapshot = self.runtime.snapshot_at(start)
-        return [] if snapshot is None else [Point(start, before, point_state(snapshot))]
+        if snapshot is None:
+            return []
+        try:
+            return [Point(start, before, point_state(snapshot))]
+        except CorruptState as exc:   # a restore's, left in a file that no longer holds it
+            log.warning("no turn end kept where the user's message starts: %s", exc)
+            return []
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of

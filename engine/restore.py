@@ -47,7 +47,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle, tokens_digest
+from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import (
@@ -55,9 +55,9 @@ from engine.checkpoints.kvstate import (
     attention_part_of,
     check_state_for,
     recurrent_block_len,
-    recurrent_part_of,
+    recurrent_part_in_file,
 )
-from engine.checkpoints.points import nearest_point
+from engine.checkpoints.points import Point, nearest_point, nearest_point_in_file
 from engine.conversation import Conversation
 from engine.errors import BrokenChain, CheckpointError, CorruptMetadata, CorruptState, RestoreFailed
 from engine.snapshots import PromptSnapshot
@@ -152,8 +152,8 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
         raise
     for data, layout in later:
         try:
-            slot.keep(_snapshot_of_file(data, layout))
-        except (CorruptState, MemoryError) as exc:   # (a walked state has its recurrent part)
+            slot.keep(_snapshot_of_file(data, layout, target))
+        except CorruptState as exc:   # (a walked state has its recurrent part)
             log.warning("no snapshot of %s (%r): going back there reads it again", data.path.name, exc)
     _keep_points(slot, chain, restored.conv, target)
     return restored
@@ -165,31 +165,35 @@ def _keep_points(slot: SequenceSlot, chain: Sequence[CheckpointData], conv: Conv
     engine.checkpoints.points), keep as snapshots the nearest at or before each position the
     restored conversation goes back to (its answer's prompt end: Regenerate; the prompt's
     marks: an Edit), as the files of a chain are kept (``_files_to_go_back_to``): a memory with
-    a recurrent part then goes back there without reading the turns again.  Copied out of
-    the file (checked, after the chain settled); a point whose state does not walk is left."""
+    a recurrent part then goes back there without reading the turns again.  Each stays in its
+    file until it is used (engine.checkpoints.file_bytes), checked against its own CRC then;
+    a file whose points give no CRC has it copied out now (checked, after the chain settled),
+    and a point whose state does not walk is left."""
     if not any(data.header.has_point_states for data in chain):
         return
-    chosen = {}
+    tokens, n_layer, rows = slot.tokens, chain[-1].header.n_layer, target.recurrent_rows
+    chosen: dict[int, PromptSnapshot | Point] = {}
     for goal in _go_back_positions(conv):
-        if (nearest := nearest_point(chain, goal)) is not None:
+        if (found := nearest_point_in_file(chain, goal)) is not None:
+            chosen[found[0]] = PromptSnapshot.in_file(tokens, found[0], found[1], None, n_layer, rows)
+        elif (nearest := nearest_point(chain, goal)) is not None:
             chosen[nearest.n_tokens] = nearest
-    tokens, last = slot.tokens, chain[-1]
-    for _n, point in sorted(chosen.items()):
+    for _n, kept in sorted(chosen.items()):
         try:
-            slot.keep(PromptSnapshot.of_point(tokens, replace(point, recurrent=np.array(point.recurrent)),
-                                              last.header.n_layer, target.recurrent_rows))
+            slot.keep(kept if isinstance(kept, PromptSnapshot) else
+                      PromptSnapshot.of_point(tokens, replace(kept, recurrent=np.array(kept.recurrent)), n_layer, rows))
         except CorruptState as exc:
-            log.warning("a turn end's recurrent state in %s is damaged (%s): not kept", last.path.name, exc)
+            log.warning("a turn end's recurrent state in %s is damaged (%s): not kept", chain[-1].path.name, exc)
 
 
-def _snapshot_of_file(data: CheckpointData, layout: StateLayout) -> PromptSnapshot:
+def _snapshot_of_file(data: CheckpointData, layout: StateLayout, target: Target) -> PromptSnapshot:
     """The snapshot to go back to after a file of a memory whose snapshots hold its recurrent
-    part alone (Header.recurrent_part_suffices): that part, copied out of the file (settled:
-    checked), with the file's logits."""
+    part alone (Header.recurrent_part_suffices): that part, left in the file (settled:
+    checked; read when used, engine.checkpoints.file_bytes), with the file's logits."""
     n = data.header.n_tokens
-    return PromptSnapshot(n, tokens_digest(data.tokens[:n]), recurrent_part_of(data.state, layout),
-                          None if data.logits is None else np.array(data.logits, copy=True),
-                          recurrent_only=True)
+    return PromptSnapshot.in_file(data.tokens, n, recurrent_part_in_file(data, layout),
+                                  None if data.logits is None else np.array(data.logits, copy=True),
+                                  data.header.n_layer, target.recurrent_rows)
 
 
 def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],

@@ -21,17 +21,23 @@ Decoding in pieces cut at the marks gives the same state, bit for bit, as decodi
 piece on the pinned llama.cpp's CPU kernels (measured for mamba2, rwkv7, lfm2, qwen35,
 granitehybrid and falcon-h1 at batch 32 and 512), so a snapshot only saves work: reading
 again from it gives what reading from the start would.
+
+A restore's snapshots (engine.restore) are recurrent states its files hold; each stays in
+its file until it is used (engine.checkpoints.file_bytes), then is read, checked against
+its CRC, walked, and kept in memory.  One that can no longer be had leaves the shelf
+(:meth:`Shelf.nearest_had`), and the next nearest is used.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.checkpoints.chain import tokens_digest
+from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.kvstate import check_recurrent_part
 from engine.checkpoints.points import Point, check_point_crc
 from engine.errors import CorruptState
@@ -41,13 +47,17 @@ from native.errors import StateError
 log = logging.getLogger("engine")
 
 
-@dataclass(frozen=True)
+@dataclass
 class PromptSnapshot:
     n_tokens: int
     digest: str            # of the tokens it holds (engine.checkpoints.chain.tokens_digest)
-    state: np.ndarray      # llama_state_seq_get_data(_ext) of the sequence
+    #: llama_state_seq_get_data(_ext) of the sequence; or, kept by a restore, where a file holds
+    #: its recurrent part (read when used: :meth:`state_now`)
+    state: np.ndarray | BytesInFile
     logits: np.ndarray | None   # the next-token logits after them (None at a mark: decoding goes on)
     recurrent_only: bool = False   # the state is a hybrid's recurrent part (STATE_RECURRENT_ONLY)
+    #: a state left in its file: ``(n_layer, recurrent_rows)`` of the model, to walk it with once read
+    walk_with: tuple[int, tuple[int, ...] | None] | None = field(default=None, repr=False)
 
     @classmethod
     def take(cls, ctx, seq: int, tokens: Sequence[int], logits: np.ndarray | None, *,
@@ -63,6 +73,14 @@ class PromptSnapshot:
             return None
         return cls(len(tokens), tokens_digest(tokens), buf[:written],
                    None if logits is None else np.array(logits, copy=True), recurrent_only)
+
+    @classmethod
+    def in_file(cls, tokens: Sequence[int] | np.ndarray, n_tokens: int, stored: BytesInFile, logits: np.ndarray | None,
+                n_layer: int, recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot:
+        """The snapshot after ``tokens[:n_tokens]`` whose recurrent part (as a point carries
+        it) a file holds, ``stored``: read, checked and walked when it is first used."""
+        return cls(n_tokens, tokens_digest(tokens[:n_tokens]), stored, logits, recurrent_only=True,
+                   walk_with=(n_layer, recurrent_rows))
 
     @classmethod
     def of_point(cls, tokens: Sequence[int], point: Point, n_layer: int,
@@ -82,19 +100,34 @@ class PromptSnapshot:
         """Whether this is the state after ``tokens[:n]``."""
         return n == self.n_tokens and len(tokens) >= n and tokens_digest(tokens[:n]) == self.digest
 
+    def state_now(self) -> np.ndarray:
+        """The state's bytes: one a file holds is read now, checked against its CRC and
+        walked (as a file's state is before llama.cpp sees a byte), then kept in memory;
+        CorruptState where it can no longer be had (engine.checkpoints.file_bytes)."""
+        if isinstance(self.state, BytesInFile):
+            state = self.state.read()
+            if self.walk_with is not None:
+                check_recurrent_part(state, self.n_tokens, *self.walk_with)
+            self.state = state
+        return self.state
+
     def put_back(self, ctx, seq: int) -> bool:
-        """Make ``seq`` hold the snapshot again; False (``seq`` emptied) if llama.cpp refuses."""
+        """Make ``seq`` hold the snapshot again; False (``seq`` emptied) if llama.cpp refuses,
+        or its state can no longer be had."""
         try:
+            state = self.state_now()
             if self.recurrent_only:
                 # the recurrent state back at the prompt's end; then the answer's attention
                 # cells are a tail like any other (the recurrent part has none left past it)
-                ctx.state_set_from(self.state, len(self.state), seq, STATE_RECURRENT_ONLY)
+                ctx.state_set_from(state, len(state), seq, STATE_RECURRENT_ONLY)
                 if not ctx.seq_rm(seq, self.n_tokens, -1):
                     raise StateError("the attention cells past the prompt could not be dropped")
             else:
                 ctx.seq_rm(seq, -1, -1)
-                ctx.state_set_from(self.state, len(self.state), seq)
-        except StateError:
+                ctx.state_set_from(state, len(state), seq)
+        except (StateError, CorruptState) as exc:
+            if isinstance(exc, CorruptState):
+                log.warning("the state kept at token %d cannot be had (%s)", self.n_tokens, exc)
             ctx.seq_rm(seq, -1, -1)
             return False
         return True
@@ -110,7 +143,7 @@ def point_or_nearest(shelf: Shelf, tokens: Sequence[int], n: int, point: Point |
             return PromptSnapshot.of_point(tokens, point, n_layer, recurrent_rows)
         except CorruptState as exc:
             log.warning("a turn end's recurrent state is damaged (%s): its prompt is read again", exc)
-    return shelf.nearest(tokens, n)
+    return shelf.nearest_had(tokens, n)
 
 
 def recurrent_part(ctx, seq: int) -> np.ndarray | None:
@@ -131,7 +164,7 @@ def point_state(snapshot: PromptSnapshot) -> np.ndarray:
     """A snapshot's recurrent part as a point carries it (engine.checkpoints.points): a copy
     naming sequence 0.  A hybrid's snapshot is that part already; a recurrent memory's whole
     state is the same bytes (llama.cpp's recurrent memory writes no other part)."""
-    state = np.array(snapshot.state, copy=True)
+    state = np.array(snapshot.state_now(), copy=True)
     state[4:8] = np.frombuffer((0).to_bytes(4, "little"), dtype=np.uint8)   # llama.cpp ignores it
     return state
 
@@ -174,6 +207,21 @@ class Shelf:
                 and step.holds(tokens, step.n_tokens):
             return step
         return found
+
+    def nearest_had(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
+        """:meth:`nearest`, its state in memory (PromptSnapshot.state_now): one whose file no
+        longer holds it leaves the shelf, with a warning, and the next nearest is tried."""
+        while (found := self.nearest(tokens, n)) is not None:
+            try:
+                found.state_now()
+                return found
+            except CorruptState as exc:
+                log.warning("the state kept at token %d cannot be had (%s): an earlier one is used",
+                            found.n_tokens, exc)
+                self._items = [s for s in self._items if s is not found]
+                if self._step is found:
+                    self._step = None
+        return None
 
     def at(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
         """The snapshot after exactly ``tokens[:n]``, or None."""

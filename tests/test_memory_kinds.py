@@ -644,7 +644,7 @@ def test_the_prompt_ends_snapshot_comes_from_its_file(arch, tiny_model_path, tmp
         rt.restore_chain(chain)
         kept = rt._snapshots.at(rt.kv_tokens, n_prompt)
         assert kept is not None and kept.recurrent_only
-        assert kept.state.tobytes() == expected.state.tobytes()
+        assert kept.state_now().tobytes() == expected.state_now().tobytes()
         assert kept.logits is not None and np.array_equal(kept.logits, chain[0].logits)
         layout = check_state_for(chain[0].header, chain[0].state)
         block = recurrent_block_len(layout)

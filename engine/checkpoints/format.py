@@ -172,6 +172,7 @@ from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import combine as crc_combine
 from engine.checkpoints.crc import crc32
 from engine.checkpoints.crc_helper import QueuedCrc, queue_crc
+from engine.checkpoints.file_bytes import read_at
 from engine.checkpoints.points import recurrent_crcs, recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
@@ -639,16 +640,19 @@ class CheckpointData:
         if not self.point_states_at:
             return None
         out = np.empty(length, dtype=np.uint8)
-        view, done = out.data.cast("B"), 0
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.point_states_at + start)
-                while done < length and (n := f.readinto(view[done:])):
-                    done += n
+            done = read_at(self.path, self.point_states_at + start, out.data.cast("B"))
         except OSError:
             return None
         out.flags.writeable = False
         return out if done == length else None
+
+    def point_states_offset(self) -> int | None:
+        """Where in the file the points' recurrent states begin (:meth:`point_state`'s
+        ``start`` counts from there); None where the read holds none of them."""
+        if len(self.point_states):
+            return self.header.state_offset + self.header.state_len - len(self.point_states)
+        return self.point_states_at or None
 
     def release(self) -> None:
         """Let the file go, where the state lies in a mapping of it: on Windows a mapped

@@ -43,6 +43,8 @@ from functools import partial
 
 import numpy as np
 
+from engine.checkpoints.crc import crc32
+from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.format import (
     LIMITS,
     MEMORY_ATTENTION,
@@ -55,6 +57,9 @@ from engine.checkpoints.points import check_point_crc, points_of
 from engine.errors import CorruptState
 
 STATE_MAGIC = 0xAF143CD8
+#: what a sequence's recurrent part (a point's state, recurrent_part_of) starts with: the
+#: magic and sequence id 0; the recurrent block follows
+RECURRENT_PART_HEAD = struct.pack("<Ii", STATE_MAGIC, 0)
 GGML_TYPE_F32 = 0
 
 
@@ -375,9 +380,21 @@ def recurrent_part_of(state: StateBytes, layout: StateLayout) -> np.ndarray:
     if len(data) < 8 + block:
         raise CorruptState("the state is shorter than its recurrent part")
     part = np.empty(8 + block, dtype=np.uint8)
-    part[:8] = np.frombuffer(struct.pack("<Ii", STATE_MAGIC, 0), dtype=np.uint8)
+    part[:8] = np.frombuffer(RECURRENT_PART_HEAD, dtype=np.uint8)
     part[8:] = np.frombuffer(data[len(data) - block:], dtype=np.uint8)
     return part
+
+
+def recurrent_part_in_file(data, layout: StateLayout) -> BytesInFile:
+    """Where the file of ``data`` (CheckpointData, its checksum settled) holds the recurrent
+    part of its state (``layout``: its walk), as :func:`recurrent_part_of` gives it, with
+    the CRC32 of those bytes: to be read when used (engine.checkpoints.file_bytes).  The
+    block ends llama.cpp's part of the state section (the points' states follow it)."""
+    block = recurrent_block_len(layout)
+    if len(data.state) < 8 + block:
+        raise CorruptState("the state is shorter than its recurrent part")
+    return BytesInFile(data.path, data.header.state_offset + len(data.state) - block, block,
+                       crc32(byte_view(data.state)[len(data.state) - block:]), RECURRENT_PART_HEAD)
 
 
 def recurrent_block_len(layout: StateLayout) -> int:

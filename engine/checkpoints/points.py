@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoints.crc import crc32
+from engine.checkpoints.file_bytes import BytesInFile
 from engine.errors import CorruptState
 
 
@@ -119,6 +120,22 @@ def nearest_point(chain: Sequence, n: int) -> Point | None:
                     if place.n_tokens <= n), key=lambda found: found[:2], reverse=True)
     # the nearest whose state can be had (a copying read's file may have gone since)
     return next((point for *_order, data, place in below if (point := _point(data, place)) is not None), None)
+
+
+def nearest_point_in_file(chain: Sequence, n: int) -> tuple[int, BytesInFile] | None:
+    """The point with the most tokens, at most ``n``, of the files of a chain (as
+    :func:`nearest_point`, base first), as its token count and where its file holds its
+    recurrent state (engine.checkpoints.file_bytes), read when it is used: None where there
+    is none, or its file gives no CRC for it, or the read holds none of them."""
+    below = [(place.n_tokens, -i, data, place) for i, data in enumerate(chain) for place in _places(data)
+             if place.n_tokens <= n]
+    if not below:
+        return None
+    *_order, data, place = max(below, key=lambda found: found[:2])
+    offset = data.point_states_offset()
+    if not place.length or place.crc32 is None or offset is None:
+        return None
+    return place.n_tokens, BytesInFile(data.path, offset + place.start, place.length, place.crc32)
 
 
 def point_at(data, n_tokens: int) -> Point | None:

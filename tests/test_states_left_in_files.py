@@ -1,0 +1,220 @@
+"""A restore leaves the recurrent states it may go back to in their files
+(engine.checkpoints.file_bytes): the answer's prompt end (Regenerate) and a turn end a head
+absorbed (an Edit).  Each is read when it is used, checked against its CRC and walked;
+a file that no longer holds it (deleted, replaced, damaged) is not used, and going back
+then reads the prompt again, exactly.
+
+Tiny random-weight models (tests/tinymodels.py); exactness is the regenerated answer's text
+(greedy) and the state's bytes against llama.cpp's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import memkit
+import numpy as np
+import pytest
+from test_point_states import _chat
+
+from engine.checkpoints.chain import load_chain, restoring, tokens_digest
+from engine.checkpoints.crc import crc32
+from engine.checkpoints.file_bytes import BytesInFile
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
+from engine.checkpoints.store import Store
+from engine.conversation import Conversation
+from engine.errors import CorruptState
+from engine.generation import begin_answer, discard_answer, generate
+from engine.runtime import Runtime
+from engine.sampling import SamplerSettings
+from engine.snapshots import PromptSnapshot, Shelf
+
+HOW = ["deleted", "replaced", "damaged", "shortened"]
+
+
+# -- BytesInFile ----------------------------------------------------------------------------
+def test_bytes_in_file_are_read_after_their_prefix_and_checked(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100 + bytes(range(200)) + b"y" * 50)
+    part = BytesInFile(path, 100, 200, crc32(bytes(range(200))), b"HEAD")
+    got = part.read()
+    assert got.tobytes() == b"HEAD" + bytes(range(200)) and not got.flags.writeable
+    for damage, says in ((lambda: path.write_bytes(b"x" * 120), "shorter"),
+                         (lambda: path.write_bytes(b"x" * 100 + bytes(199) + b"!" + b"y" * 50), "no longer holds"),
+                         (lambda: path.unlink(), "can no longer be read")):
+        damage()
+        with pytest.raises(CorruptState, match=says):
+            part.read()
+
+
+# -- the answer's prompt end -----------------------------------------------------------------
+def _prompt_then_answer(rt, folder):
+    """A prompt's file and its answer's on it (as an autosave at the prompt's end and a pause
+    make them); the answer's text, greedy."""
+    conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+    begin_answer(conv, rt, "Hello there.", n_predict=12)   # short: the recurrent part is the larger
+    rt.prefill(conv.tokens)
+    prompt = rt.save(folder / "prompt.kvckpt", conv, KIND_AUTOSAVE)
+    text = generate(rt, conv).text
+    answer = rt.save(folder / "answer.kvckpt", conv, KIND_PAUSE, parent=prompt)
+    return prompt.path, answer.path, conv.answer.n_prompt_tokens, text
+
+
+def _restored(rt, path):
+    """Restore ``path``'s chain as the app does (checksums beside the copy, the files let go)."""
+    chain = load_chain(path, crc_later=True)
+    with restoring(chain):
+        return rt.restore_chain(chain)
+
+
+def _regenerate(rt, conv):
+    discard_answer(conv)
+    return generate(rt, conv)
+
+
+@pytest.fixture(scope="module")
+def made(tiny_model_path, tmp_path_factory):
+    """Per arch: a prompt file, its answer's file, the prompt's length and the answer's text."""
+    cache = {}
+
+    def make(arch):
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(arch)
+            rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+            try:
+                cache[arch] = _prompt_then_answer(rt, folder)
+            finally:
+                rt.close()
+        return cache[arch]
+    return make
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_the_prompt_ends_state_stays_in_its_file_until_regenerate(arch, made, tiny_model_path, monkeypatch):
+    """Restored, the snapshot at the answer's prompt end is where the prompt's file holds it,
+    not a copy; Regenerate reads it (once: a second Regenerate has it in memory), and draws
+    the answer the first run drew, having read nothing of the prompt again."""
+    prompt, answer, n_prompt, text = made(arch)
+    reads = []
+    real = BytesInFile.read
+    monkeypatch.setattr(BytesInFile, "read", lambda self: (reads.append(self.path.name), real(self))[1])
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = _restored(rt, answer)
+        kept = rt._snapshots.at(rt.kv_tokens, n_prompt)
+        assert kept is not None and isinstance(kept.state, BytesInFile) and kept.state.path == prompt
+        assert reads == []
+        for _ in range(2):
+            again = _regenerate(rt, conv)
+            assert (again.text, again.n_reused_tokens) == (text, n_prompt)
+        assert reads == [prompt.name]
+        assert isinstance(kept.state, np.ndarray)
+    finally:
+        rt.close()
+
+
+def _spoil(path, stored: BytesInFile, how: str) -> None:
+    if how == "deleted":
+        path.unlink()
+    elif how == "replaced":   # another file under its name (os.replace: what a save does)
+        other, data = path.with_suffix(".other"), path.read_bytes()
+        other.write_bytes(data[:stored.offset] + bytes(stored.length) + data[stored.offset + stored.length:])
+        os.replace(other, path)
+    elif how == "damaged":
+        with open(path, "r+b") as f:
+            f.seek(stored.offset + stored.length // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(stored.offset + stored.length - 1)
+
+
+@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_a_prompt_state_its_file_no_longer_holds_is_not_used(arch, how, made, tiny_model_path, tmp_path, caplog):
+    """The prompt's file deleted, replaced, damaged or cut short after the restore: Regenerate
+    does not put back what it holds now; it says why and reads the prompt again, and the
+    answer is the first run's."""
+    prompt, answer, n_prompt, text = made(arch)
+    folder = tmp_path / "copy"
+    shutil.copytree(prompt.parent, folder)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        conv = _restored(rt, folder / answer.name)
+        kept = rt._snapshots.at(rt.kv_tokens, n_prompt)
+        assert kept is not None and isinstance(kept.state, BytesInFile)
+        _spoil(folder / prompt.name, kept.state, how)
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            again = _regenerate(rt, conv)
+        assert (again.text, again.n_reused_tokens) == (text, 0)
+        assert any("cannot be had" in r.getMessage() for r in caplog.records), caplog.text
+        assert rt._snapshots.at(rt.kv_tokens, n_prompt) is not kept   # it left the shelf
+    finally:
+        rt.close()
+
+
+# -- a turn end a head absorbed --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def merged(tiny_model_path, tmp_path_factory):
+    """lfm2: four turns whose head absorbed the turns before it (their ends: points)."""
+    folder = tmp_path_factory.mktemp("merged")
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        _conv, heads = _chat(rt, Store(folder / "store"))
+    finally:
+        rt.close()
+    return heads[-1].path
+
+
+@pytest.mark.parametrize("how", [None, "damaged", "deleted"])
+def test_a_turn_end_kept_by_a_restore_is_read_when_regenerate_goes_back(how, merged, tiny_model_path, tmp_path,
+                                                                        caplog):
+    """Regenerate of a merged head's last answer goes back to the turn end before it: the
+    restore keeps that point where the head holds it, and reads it then.  Intact, the answer
+    reads only the last question again; its file spoiled, the prompt is read again, and the
+    answer is the same."""
+    folder = tmp_path / "store"
+    shutil.copytree(merged.parent, folder)
+    head = folder / merged.name
+    expected = []
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        conv = _restored(rt, head)   # the reference: a restore of the intact head
+        previous = max(s.n_tokens for s in rt._snapshots._items)
+        expected = [_regenerate(rt, conv).text, previous]
+        rt.trim(0)
+        conv = _restored(rt, head)
+        kept = rt._snapshots.at(rt.kv_tokens, previous)
+        assert kept is not None and isinstance(kept.state, BytesInFile) and kept.state.path == head
+        if how is not None:
+            _spoil(head, kept.state, how)
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            again = _regenerate(rt, conv)
+        assert again.text == expected[0]
+        assert again.n_reused_tokens == (previous if how is None else 0)
+        assert ("cannot be had" in caplog.text) == (how is not None)
+    finally:
+        rt.close()
+
+
+def test_an_earlier_state_is_used_when_the_nearest_cannot_be_had(tmp_path, caplog):
+    """The shelf's nearest state gone, the next nearest is put back (PromptSnapshot.state_now
+    fails before the sequence is touched)."""
+    path = tmp_path / "gone.bin"
+    path.write_bytes(bytes(16))
+    tokens = list(range(10))
+    shelf = Shelf()
+    first = PromptSnapshot(4, tokens_digest(tokens[:4]), np.zeros(8, np.uint8), None, recurrent_only=True)
+    gone = PromptSnapshot.in_file(tokens, 8, BytesInFile(path, 0, 16, crc32(bytes(16))), None, 1, None)
+    shelf.add(first, tokens)
+    shelf.add(gone, tokens)
+    path.unlink()
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        assert shelf.nearest_had(tokens, 9) is first
+    assert len(shelf) == 1 and "cannot be had" in caplog.text
+
+
