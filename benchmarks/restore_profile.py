@@ -12,9 +12,11 @@ Llama-3-8B's KV widths, 68 KiB a token; each with its files in a folder of their
 the app's context settings (q8_0 K and V, flash attention, a unified cache with a scratch
 sequence), the context just large enough for the largest size.  For each size a long prose
 prompt is prefilled and answered, and saved at the same token: as
-one full checkpoint, as a chain written as an answer's line is (the prompt's file,
-then an autosave every 16 generated tokens and the pause that ends the answer: three
-deltas, ``--deltas`` more or fewer; the autosaves carry no logits, as in the app), and
+one full checkpoint, as the files an answer leaves when its process ends before it does
+(``chain``: a crash, a kill; the prompt's file, then ``--deltas`` autosaves, one every 16
+generated tokens, written by the app's writer: each on the one before for an attention
+memory, so four files, or each on the prompt's file replacing the one before where the
+recurrent state outweighs the cells, so two; a pause writes two files for every memory), and
 as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
 file per turn (each a delta on the last, a finished answer's file: no logits; the layout
 before 2026-12-04), and ``merged``, as it writes them now (the head absorbs the turns
@@ -343,7 +345,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
     # messages once in the metadata, turns absorbed in tiers): files made before are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-tiers.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-tiers-app-answer.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
@@ -354,9 +356,8 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
 
 def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, manifest: Path,
                      deltas: int, turns: int, model: Path | None) -> dict[int, dict[str, list[Path]]]:
-    from benchmarks.common import context_settings, greedy_conversation, model_path, prompt_tokens
-    from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE
-    from engine.generation import generate
+    from benchmarks.common import context_settings, model_path, prompt_tokens
+    from engine.checkpoints.format import KIND_PAUSE
     from engine.runtime import Runtime
     rt = Runtime(model or model_path("smollm"), context_settings(n_ctx, threads))
     files: dict[int, dict[str, list[Path]]] = {}
@@ -365,19 +366,7 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, m
             tokens = prompt_tokens(rt.model, n)
             rt.trim(0)
             rt.ctx.clear()
-            # as an answer's line is written: the prompt (its checkpoint keeps the prefill's
-            # logits), then an autosave every DELTA_TOKENS generated tokens (no logits: the
-            # last token was decoded alone), then the pause that ends it (with logits)
-            base_n = max(1, n - deltas * DELTA_TOKENS)
-            conv = greedy_conversation(tokens[:base_n])
-            generate(rt, conv, stop_after=0)
-            parent = rt.save(folder / f"chain{deltas}-{n}-0-ctx{n_ctx}.kvckpt", conv, KIND_AUTOSAVE)
-            chain = [parent.path]
-            for i in range(1, deltas + 1):
-                generate(rt, conv, stop_after=DELTA_TOKENS)
-                kind = KIND_PAUSE if i == deltas else KIND_AUTOSAVE
-                parent = rt.save(folder / f"chain{deltas}-{n}-{i}-ctx{n_ctx}.kvckpt", conv, kind, parent=parent)
-                chain.append(parent.path)
+            conv, chain = _answer_files(rt, folder, tokens[:max(1, n - deltas * DELTA_TOKENS)], deltas)
             full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
@@ -391,6 +380,30 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, m
     manifest.write_text(json.dumps({n: {**{k: [str(p) for p in v[k]] for k in (*LAYOUTS, "llama")},
                                         "tokens": v["tokens"]} for n, v in files.items()}))
     return files
+
+
+def _answer_files(rt, folder: Path, prompt: list[int], deltas: int):
+    """``prompt`` answered for ``deltas`` × DELTA_TOKENS tokens with an autosave every
+    DELTA_TOKENS, the prompt's checkpoint first (with the prefill's logits), by the app's
+    writer (engine.history.LineWriter), and no pause: what a crash leaves.  Returns the
+    conversation and the newest autosave's chain, base first."""
+    from benchmarks.common import greedy_conversation
+    from engine.checkpoints.chain import load_chain
+    from engine.checkpoints.store import Store
+    from engine.generation import generate
+    from engine.history import LineWriter
+    rt.trim(0)
+    rt.ctx.clear()
+    store = Store(folder / f"answer{deltas}-{len(prompt) + deltas * DELTA_TOKENS}")
+    writer = LineWriter(rt, store, uuid.uuid4().hex)
+    conv = greedy_conversation(prompt)
+    generate(rt, conv, stop_after=0)
+    newest = writer.autosave(conv)
+    for _ in range(deltas):
+        generate(rt, conv, stop_after=DELTA_TOKENS)
+        newest = writer.autosave(conv)
+    writer.close()
+    return conv, [data.path for data in load_chain(newest.path)]
 
 
 def _turn_files(rt, folder: Path, tokens: list[int], turns: int, merge: bool, prefix: int = 0) -> list[Path]:

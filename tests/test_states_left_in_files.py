@@ -49,6 +49,24 @@ def test_bytes_in_file_are_read_after_their_prefix_and_checked(tmp_path):
             part.read()
 
 
+@pytest.mark.parametrize("queued", [False, True], ids=["inline", "queued"])
+@pytest.mark.parametrize("later", [False, True], ids=["read", "restore's read"])
+def test_a_state_parts_crc_comes_from_the_reads_checksum(later, queued, made, merged, monkeypatch):
+    """CheckpointData.crc_of_state_tail, derived from the read's own checksum where it ended
+    at the state's end (the points' states left unread, or none), is the CRC of those bytes:
+    a prompt's file, and a head whose point states a plain read checksums too."""
+    from engine.checkpoints import format as fmt
+    if queued:
+        monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    for path in (made("qwen35")[0], merged):
+        data = fmt.read_checkpoint(path, crc_later=later)
+        data.settle()
+        state = data.state.tobytes()
+        assert (data.crc_through_state is not None) == (later or not data.header.has_point_states), path.name
+        for start in (0, 1, len(state) // 3, len(state) - 4096, len(state) - 1, len(state)):
+            assert data.crc_of_state_tail(start) == crc32(state[start:]), (path.name, start)
+
+
 # -- the answer's prompt end -----------------------------------------------------------------
 def _prompt_then_answer(rt, folder):
     """A prompt's file and its answer's on it (as an autosave at the prompt's end and a pause

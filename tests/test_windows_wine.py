@@ -461,6 +461,56 @@ def test_a_hybrid_goes_back_to_a_turn_end_its_linux_head_holds():
     assert edited["text"] == reference["text"] and edited["n_prompt_tokens"] == reference["n_prompt_tokens"]
 
 
+def test_a_turn_end_a_restore_left_in_its_file_is_read_when_the_conversation_goes_back(tmp_path):
+    """A restore keeps the turn end it may go back to where the Linux-written head holds it
+    (engine.checkpoints.file_bytes), holding no handle of the file: the head can be replaced
+    (an identical copy) at once; going back there then reads that state from the file, and
+    the sequence holds, byte for byte, what restoring that turn's own file gives."""
+    points = needs(XOS / "points")
+    for name in ("head.kvckpt", "turn1.kvckpt"):
+        shutil.copyfile(points / name, tmp_path / name)
+    done = child(f"""
+        import json, os, shutil
+        from types import SimpleNamespace
+        import numpy as np
+        from engine.checkpoints.chain import load_chain, restoring
+        from engine.checkpoints.file_bytes import BytesInFile
+        from engine.checkpoints.format import read_header
+        from engine.cli.options import context_settings
+        from engine.runtime import Runtime
+        head, turn1 = {str(tmp_path / "head.kvckpt")!r}, {str(tmp_path / "turn1.kvckpt")!r}
+        args = SimpleNamespace(ctx_size=None, batch_size=None, threads=1, flash_attn=None,
+                               cache_type_k=None, cache_type_v=None)
+        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, context_settings(args, read_header(head)))
+        def state():
+            size = rt.ctx.state_size(0)
+            buf = np.empty(size, dtype=np.uint8)
+            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)])
+        def restored(path):
+            chain = load_chain(path, crc_later=True)
+            with restoring(chain):
+                rt.restore_chain(chain)
+        n1 = read_header(turn1).n_tokens
+        restored(head)
+        kept = rt._snapshots.at(rt.kv_tokens, n1)
+        in_file = kept is not None and isinstance(kept.state, BytesInFile)
+        shutil.copyfile(head, head + ".copy")
+        os.replace(head + ".copy", head)
+        went_back = rt.trim(n1)
+        tokens, gone_back = list(rt.kv_tokens), state()
+        rt.trim(0)
+        restored(turn1)
+        print(json.dumps({{"in_file": in_file, "went_back": went_back, "n1": n1,
+                          "same_tokens": tokens == list(rt.kv_tokens), "same_state": gone_back == state()}}))
+        rt.close()
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"in_file": True, "went_back": got["n1"], "n1": got["n1"], "same_tokens": True,
+                   "same_state": True}, (got, done.stderr[-2000:])
+    assert got["n1"] > 0
+
+
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
     part = XOS / "frozen-part.txt"

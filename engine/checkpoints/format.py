@@ -624,6 +624,11 @@ class CheckpointData:
     #: :meth:`release` let the file go: ``state`` is gone, and restoring the file again is a
     #: caller's mistake (engine.restore refuses it)
     released: bool = field(default=False, repr=False, compare=False)
+    #: the payload's running CRC32 before ``state``, and through its end where the checksum
+    #: ended there and has been computed (None: not yet, or it went on over the point
+    #: states): :meth:`crc_of_state_tail` derives a part's CRC from them
+    crc_before_state: int = field(default=0, repr=False, compare=False)
+    crc_through_state: int | None = field(default=None, repr=False, compare=False)
 
     def holds_point_states(self) -> bool:
         """Whether the points' recurrent states can be had (:meth:`point_state`)."""
@@ -684,9 +689,24 @@ class CheckpointData:
         job = self.pending_crc
         if job is None:
             return
-        if _with_unread(job.result(), self.unread_point_crcs) != self.payload_crc:
+        through = job.result()
+        if _with_unread(through, self.unread_point_crcs) != self.payload_crc:
             raise ChecksumMismatch(PAYLOAD_MISMATCH)
         self.pending_crc = None
+        if not self.header.has_point_states or self.unread_point_crcs:   # (it ended at the state's end)
+            self.crc_through_state = through
+
+    def crc_of_state_tail(self, start: int) -> int:
+        """The CRC32 of ``state[start:]`` (settled: checked), from the checksum the read
+        computed where it ended at the state's end and the part before ``start`` is the
+        shorter (a gated delta-net's recurrent block after ~1 MB of attention cells: that
+        megabyte is read, not the 12.6 MB), else from the bytes themselves.  CRC32 is
+        linear: crc(B) = crc(P+A+B) xor combine(crc(P+A), 0, len(B))."""
+        view = byte_view(self.state)
+        through = self.crc_through_state
+        if crc_combine is None or through is None or start > len(view) - start:
+            return crc32(view[start:])
+        return through ^ crc_combine(crc32(view[:start], self.crc_before_state), 0, len(view) - start)
 
 
 def _with_unread(crc: int, unread: Sequence[tuple[int, int]]) -> int:
@@ -875,7 +895,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         checked_len = header.state_len - (tail if unread else 0)   # what is checksummed now or later
         # tokens and logits in one read: the header's checks bound them by the file's length
         arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
-        crc = crc32(arrays, crc)
+        crc = before_state = crc32(arrays, crc)
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
@@ -914,7 +934,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
-                          mapping=mapping)
+                          mapping=mapping, crc_before_state=before_state,
+                          crc_through_state=crc if load_state and job is None and (unread or not tail) else None)
     if tail and load_state:
         _place_point_states(data, tail, checked_len)
     try:

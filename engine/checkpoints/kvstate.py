@@ -43,7 +43,6 @@ from functools import partial
 
 import numpy as np
 
-from engine.checkpoints.crc import crc32
 from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.format import (
     LIMITS,
@@ -393,8 +392,9 @@ def recurrent_part_in_file(data, layout: StateLayout) -> BytesInFile:
     block = recurrent_block_len(layout)
     if len(data.state) < 8 + block:
         raise CorruptState("the state is shorter than its recurrent part")
-    return BytesInFile(data.path, data.header.state_offset + len(data.state) - block, block,
-                       crc32(byte_view(data.state)[len(data.state) - block:]), RECURRENT_PART_HEAD)
+    start = len(data.state) - block
+    return BytesInFile(data.path, data.header.state_offset + start, block, data.crc_of_state_tail(start),
+                       RECURRENT_PART_HEAD)
 
 
 def recurrent_block_len(layout: StateLayout) -> int:
