@@ -24,8 +24,9 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    nearest below a point its conversation goes back to (the answer's prompt end and its
    marks: Regenerate, Edit, a thinking model's next turn), so those read only from there;
    where that snapshot is the recurrent part alone (a recurrent memory, a hybrid without a
-   sliding window) it is copied out of the file once the chain settled
-   (:func:`_snapshot_of_file`), not out of llama.cpp.  Only the last file's recurrent
+   sliding window) it stays in its file, read (and checked against its CRC) only when it is
+   used (:func:`_snapshot_of_file`, engine.checkpoints.file_bytes), as do the turn ends a
+   head absorbed (:func:`_keep_points`), not copied out of llama.cpp.  Only the last file's recurrent
    state survives, so an earlier file's is not set (unless a snapshot is taken out of
    llama.cpp after it): a recurrent memory's earlier files are skipped, a hybrid's give
    their attention cells alone where the recurrent state is the larger part
