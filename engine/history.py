@@ -542,8 +542,8 @@ class LineWriter:
             return []
         try:
             return [Point(start, before, point_state(snapshot))]
-        except CorruptState as exc:   # a restore's, left in a file that no longer holds it
-            log.warning("no turn end kept where the user's message starts: %s", exc)
+        except (CorruptState, OSError, MemoryError) as exc:   # a restore's, left in its file
+            log.warning("no turn end kept where the user's message starts: %r", exc)
             return []
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:

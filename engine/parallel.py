@@ -294,7 +294,7 @@ class ParallelRuntime:
             return len(held.tokens)
         if self.shape.memory == MEMORY_ATTENTION and (cut := held.window.nearest_cut(n)) > 0:
             return cut
-        snapshot = held.snapshots.nearest(held.tokens, n)
+        snapshot = held.snapshots.nearest_had(held.tokens, n)   # (one whose file went: the next)
         return 0 if snapshot is None else snapshot.n_tokens
 
     def trim(self, seq: int, n: int, point: Point | None = None) -> int:
@@ -576,7 +576,7 @@ class SequenceView:
 
     def snapshot_at(self, n: int) -> PromptSnapshot | None:
         held = self._prt._held[self.seq]
-        return held.snapshots.at(held.tokens, n)
+        return held.snapshots.at_had(held.tokens, n)
 
     def window_whole_at(self, n: int) -> bool:
         return self._prt._held[self.seq].window.can_cut(n)

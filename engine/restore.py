@@ -154,7 +154,7 @@ def restore_into(slot: SequenceSlot, chain: Sequence[CheckpointData], target: Ta
     for data, layout in later:
         try:
             slot.keep(_snapshot_of_file(data, layout, target))
-        except CorruptState as exc:   # (a walked state has its recurrent part)
+        except (CorruptState, MemoryError) as exc:   # (a walked state has its recurrent part)
             log.warning("no snapshot of %s (%r): going back there reads it again", data.path.name, exc)
     _keep_points(slot, chain, restored.conv, target)
     return restored

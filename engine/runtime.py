@@ -483,8 +483,9 @@ class Runtime:
                 self.ctx.seq_rm(1, -1, -1)
 
     def snapshot_at(self, n: int) -> PromptSnapshot | None:
-        """The recurrent state after exactly the cache's first ``n`` tokens, if kept."""
-        return self._snapshots.at(self.kv_tokens, n)
+        """The recurrent state after exactly the cache's first ``n`` tokens, if kept and it
+        can be had (one a restore left in its file is read now: engine.snapshots)."""
+        return self._snapshots.at_had(self.kv_tokens, n)
 
     def window_whole_at(self, n: int) -> bool:
         """Whether a sliding window's cells before position ``n`` are all held (WindowCover)."""

@@ -24,8 +24,9 @@ again from it gives what reading from the start would.
 
 A restore's snapshots (engine.restore) are recurrent states its files hold; each stays in
 its file until it is used (engine.checkpoints.file_bytes), then is read, checked against
-its CRC, walked, and kept in memory.  One that can no longer be had leaves the shelf
-(:meth:`Shelf.nearest_had`), and the next nearest is used.
+its CRC, walked, and kept in memory.  Going back (Runtime.trim) or saving from a snapshot
+(a prefix, an autosave one token short) reads it through :meth:`Shelf.nearest_had`: one
+whose file no longer holds it leaves the shelf, and the next nearest is used.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ class PromptSnapshot:
 
     def state_now(self) -> np.ndarray:
         """The state's bytes: one a file holds is read now, checked against its CRC and
-        walked (as a file's state is before llama.cpp sees a byte), then kept in memory;
-        CorruptState where it can no longer be had (engine.checkpoints.file_bytes)."""
+        walked (as a file's state is before llama.cpp sees a byte), then kept in memory.
+        CorruptState where the file no longer holds it (engine.checkpoints.file_bytes: for
+        good); OSError or MemoryError where it cannot be had now (a file another program holds
+        open on Windows, no memory for the copy)."""
         if isinstance(self.state, BytesInFile):
             state = self.state.read()
             if self.walk_with is not None:
@@ -111,11 +114,19 @@ class PromptSnapshot:
             self.state = state
         return self.state
 
+    def still_in_file(self) -> bool:
+        """Whether the state is still where a restore left it, in its file (read when used)."""
+        return isinstance(self.state, BytesInFile)
+
     def put_back(self, ctx, seq: int) -> bool:
-        """Make ``seq`` hold the snapshot again; False (``seq`` emptied) if llama.cpp refuses,
-        or its state can no longer be had."""
+        """Make ``seq`` hold the snapshot again; False if llama.cpp refuses (``seq`` emptied),
+        or the state cannot be had (``seq`` as it was: :meth:`state_now`)."""
         try:
             state = self.state_now()
+        except (CorruptState, OSError, MemoryError) as exc:
+            log.warning("the state kept at token %d cannot be had (%s)", self.n_tokens, exc)
+            return False
+        try:
             if self.recurrent_only:
                 # the recurrent state back at the prompt's end; then the answer's attention
                 # cells are a tail like any other (the recurrent part has none left past it)
@@ -125,9 +136,7 @@ class PromptSnapshot:
             else:
                 ctx.seq_rm(seq, -1, -1)
                 ctx.state_set_from(state, len(state), seq)
-        except (StateError, CorruptState) as exc:
-            if isinstance(exc, CorruptState):
-                log.warning("the state kept at token %d cannot be had (%s)", self.n_tokens, exc)
+        except StateError:
             ctx.seq_rm(seq, -1, -1)
             return False
         return True
@@ -199,19 +208,26 @@ class Shelf:
         pushes a prompt's snapshots off the shelf."""
         self._step = snapshot
 
-    def nearest(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
-        """The snapshot of the most of ``tokens[:n]``, or None."""
-        found = next((s for s in reversed(self._items) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)), None)
-        step = self._step
-        if step is not None and step.n_tokens <= n and (found is None or step.n_tokens > found.n_tokens) \
-                and step.holds(tokens, step.n_tokens):
-            return step
+    def _candidates(self, tokens: Sequence[int], n: int) -> list[PromptSnapshot]:
+        """The snapshots of prefixes of ``tokens[:n]``, the most tokens first; at one
+        position a prompt's before the step, and one in memory before one still in its file."""
+        step = [self._step] if self._step is not None else []
+        found = [s for s in (*self._items, *step) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)]
+        found.sort(key=lambda s: (s.n_tokens, not s.still_in_file()), reverse=True)   # (stable: items first)
         return found
 
-    def nearest_had(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
-        """:meth:`nearest`, its state in memory (PromptSnapshot.state_now): one whose file no
-        longer holds it leaves the shelf, with a warning, and the next nearest is tried."""
-        while (found := self.nearest(tokens, n)) is not None:
+    def nearest(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
+        """The snapshot of the most of ``tokens[:n]``, or None (its state may still be in its
+        file: :meth:`nearest_had` reads it)."""
+        return next(iter(self._candidates(tokens, n)), None)
+
+    def nearest_had(self, tokens: Sequence[int], n: int, *, exactly: bool = False) -> PromptSnapshot | None:
+        """:meth:`nearest` (``exactly``: at ``n`` only), its state in memory
+        (PromptSnapshot.state_now): one whose file no longer holds it leaves the shelf, one
+        that cannot be had now stays, each with a warning, and the next nearest is tried."""
+        for found in self._candidates(tokens, n):
+            if exactly and found.n_tokens != n:
+                break
             try:
                 found.state_now()
                 return found
@@ -221,12 +237,19 @@ class Shelf:
                 self._items = [s for s in self._items if s is not found]
                 if self._step is found:
                     self._step = None
+            except (OSError, MemoryError) as exc:
+                log.warning("the state kept at token %d cannot be had now (%r): an earlier one is used",
+                            found.n_tokens, exc)
         return None
 
     def at(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
-        """The snapshot after exactly ``tokens[:n]``, or None."""
+        """The snapshot after exactly ``tokens[:n]``, or None (its state may still be in its file)."""
         found = self.nearest(tokens, n)
         return found if found is not None and found.n_tokens == n else None
+
+    def at_had(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
+        """:meth:`at`, its state in memory (:meth:`nearest_had`)."""
+        return self.nearest_had(tokens, n, exactly=True)
 
     def clear(self) -> None:
         self._items = []

@@ -49,22 +49,33 @@ def test_bytes_in_file_are_read_after_their_prefix_and_checked(tmp_path):
             part.read()
 
 
-@pytest.mark.parametrize("queued", [False, True], ids=["inline", "queued"])
-@pytest.mark.parametrize("later", [False, True], ids=["read", "restore's read"])
-def test_a_state_parts_crc_comes_from_the_reads_checksum(later, queued, made, merged, monkeypatch):
+@pytest.mark.parametrize("reader", ["mapped", "copying"])
+@pytest.mark.parametrize("how", ["read", "restore's read", "restore's read, queued"])
+def test_a_state_parts_crc_comes_from_the_reads_checksum(how, reader, made, merged, monkeypatch):
     """CheckpointData.crc_of_state_tail, derived from the read's own checksum where it ended
     at the state's end (the points' states left unread, or none), is the CRC of those bytes:
-    a prompt's file, and a head whose point states a plain read checksums too."""
+    a prompt's file, and a head whose point states a plain read checksums too; released, the
+    state's CRC is refused rather than made up."""
     from engine.checkpoints import format as fmt
-    if queued:
+    from engine.checkpoints import mapped
+    from engine.checkpoints.crc import combine
+    assert combine is not None, "python-isal's crc32_combine: every platform shipped has it"
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0 if reader == "mapped" else 1 << 62)
+    if how.endswith("queued"):
         monkeypatch.setattr(fmt, "CRC_LATER_MIN_BYTES", 0)
+    later = how != "read"
     for path in (made("qwen35")[0], merged):
         data = fmt.read_checkpoint(path, crc_later=later)
+        assert (data.mapping is not None) == (reader == "mapped" and mapped.supported())
         data.settle()
         state = data.state.tobytes()
         assert (data.crc_through_state is not None) == (later or not data.header.has_point_states), path.name
         for start in (0, 1, len(state) // 3, len(state) - 4096, len(state) - 1, len(state)):
             assert data.crc_of_state_tail(start) == crc32(state[start:]), (path.name, start)
+        if data.mapping is not None:
+            data.release()
+            with pytest.raises(ValueError, match="released"):
+                data.crc_of_state_tail(0)
 
 
 # -- the answer's prompt end -----------------------------------------------------------------
@@ -130,6 +141,44 @@ def test_the_prompt_ends_state_stays_in_its_file_until_regenerate(arch, made, ti
         assert reads == [prompt.name]
         assert isinstance(kept.state, np.ndarray)
     finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_a_sequence_of_the_windows_context_goes_back_to_a_state_in_its_file(arch, made, tiny_model_path, tmp_path):
+    """The window's context (a sequence of a ParallelRuntime, not sequence 0) keeps the
+    prompt end where its file holds it and goes back there as the single-sequence Runtime
+    does: the same state, byte for byte; its file gone, it says it can keep none."""
+    import dataclasses
+
+    from engine.parallel import ParallelRuntime
+    prompt, answer, n_prompt, _text = made(arch)
+    folder = tmp_path / "copy"
+    shutil.copytree(prompt.parent, folder)
+    prt = ParallelRuntime(tiny_model_path(arch), dataclasses.replace(memkit.SETTINGS, n_seq_max=3), sequences=2)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        prt.view_of("other").restore_chain(load_chain(answer))   # sequence 0 taken: the next is another
+        view = prt.view_of("regenerate")
+        chain = load_chain(folder / answer.name, crc_later=True)
+        with restoring(chain):
+            view.restore_chain(chain)
+        assert view.seq != 0
+        assert view.trim(n_prompt) == n_prompt
+        rt.restore_chain(load_chain(prompt))
+        size = prt.ctx.state_size(view.seq, 1)   # (STATE_RECURRENT_ONLY: the recurrent part)
+        ours = np.empty(size, np.uint8)
+        theirs = np.empty(rt.ctx.state_size(0, 1), np.uint8)
+        assert ours[8:prt.ctx.state_get_into(ours, size, view.seq, 1)].tobytes() \
+            == theirs[8:rt.ctx.state_get_into(theirs, len(theirs), 0, 1)].tobytes()   # (past magic and sequence id)
+        other = prt.view_of("gone")
+        chain = load_chain(folder / answer.name, crc_later=True)
+        with restoring(chain):
+            other.restore_chain(chain)
+        (folder / prompt.name).unlink()
+        assert other.can_keep(n_prompt) == 0
+    finally:
+        prt.close()
         rt.close()
 
 
@@ -219,6 +268,90 @@ def test_a_turn_end_kept_by_a_restore_is_read_when_regenerate_goes_back(how, mer
         rt.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_saving_from_a_state_its_file_no_longer_holds_uses_none(arch, made, tiny_model_path, tmp_path, caplog):
+    """What a save takes from a snapshot (Runtime.snapshot_at: a shared prefix, an autosave
+    written one token short) reads a restore's state from its file too: gone, it leaves the
+    shelf and nothing is taken from it; there, it is read and is llama.cpp's own state."""
+    from engine.runtime import can_save_prefix
+    prompt, answer, n_prompt, _text = made(arch)
+    for spoiled in (False, True):
+        folder = tmp_path / f"copy-{spoiled}"
+        shutil.copytree(prompt.parent, folder)
+        rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+        try:
+            _restored(rt, folder / answer.name)
+            assert rt._snapshots.at(rt.kv_tokens, n_prompt).still_in_file()
+            if spoiled:
+                (folder / prompt.name).unlink()
+            with caplog.at_level(logging.WARNING, logger="engine"):
+                kept = rt.snapshot_at(n_prompt)
+            assert (kept is None) == spoiled and can_save_prefix(rt, n_prompt) == (not spoiled)
+            assert rt._snapshots.at(rt.kv_tokens, n_prompt) is kept
+            if not spoiled:
+                rt.trim(n_prompt)   # llama.cpp's state there, after the prompt's own file
+                expected = PromptSnapshot.take(rt.ctx, 0, rt.kv_tokens, None, recurrent_only=True)
+                assert not kept.still_in_file() and kept.state_now().tobytes() == expected.state_now().tobytes()
+        finally:
+            rt.close()
+    assert "cannot be had" in caplog.text
+
+
+def _snapshot_in(path, tokens, n):
+    """A snapshot whose state is the 16 bytes of ``path`` (not a real state: nothing walks it)."""
+    return PromptSnapshot(n, tokens_digest(tokens[:n]), BytesInFile(path, 0, 16, crc32(bytes(16))), None,
+                          recurrent_only=True)
+
+
+@pytest.mark.parametrize("failure", [PermissionError(13, "held by another program"), MemoryError()])
+def test_a_state_that_cannot_be_had_now_stays_on_the_shelf(failure, tmp_path, monkeypatch, caplog):
+    """A read refused for the moment (Windows: another program holding the file open) or no
+    memory for the copy: the next nearest state is used, that one stays for the next time,
+    and putting it back leaves the sequence as it was."""
+    from engine.checkpoints import file_bytes
+    path = tmp_path / "held.bin"
+    path.write_bytes(bytes(16))
+    tokens = list(range(10))
+    first = PromptSnapshot(4, tokens_digest(tokens[:4]), np.zeros(8, np.uint8), None, recurrent_only=True)
+    held = _snapshot_in(path, tokens, 8)
+    shelf = Shelf()
+    shelf.add(first, tokens)
+    shelf.add(held, tokens)
+
+    def refused(*_args):
+        raise failure
+    monkeypatch.setattr(file_bytes, "read_at", refused)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        assert shelf.nearest_had(tokens, 9) is first
+        assert shelf.at_had(tokens, 8) is None
+
+    class Context:   # a context that must not be touched
+        def __getattr__(self, name):
+            raise AssertionError(f"the sequence was touched: {name}")
+    assert held.put_back(Context(), 0) is False
+    assert len(shelf) == 2 and held.still_in_file() and "cannot be had now" in caplog.text
+    monkeypatch.undo()
+    assert shelf.at_had(tokens, 8) is held and not held.still_in_file()
+
+
+def test_a_step_in_memory_is_preferred_to_a_state_still_in_its_file(tmp_path):
+    """At one position, the shelf gives the state in memory (the step an autosave is written
+    one token short from) before a restore's still in its file, which would cost a read."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(16))
+    tokens = list(range(10))
+    in_file = _snapshot_in(path, tokens, 8)
+    step = PromptSnapshot(8, tokens_digest(tokens[:8]), np.zeros(8, np.uint8), None, recurrent_only=True)
+    shelf = Shelf()
+    shelf.add(in_file, tokens)
+    shelf.keep_step(step)
+    assert shelf.at(tokens, 8) is step and shelf.nearest(tokens, 9) is step
+    assert in_file.still_in_file()
+    shelf.nearest_had(tokens, 8)   # (its state read: now both are in memory, and the prompt's is first)
+    in_file.state_now()
+    assert shelf.at(tokens, 8) is in_file
+
+
 def test_an_earlier_state_is_used_when_the_nearest_cannot_be_had(tmp_path, caplog):
     """The shelf's nearest state gone, the next nearest is put back (PromptSnapshot.state_now
     fails before the sequence is touched)."""
@@ -227,7 +360,7 @@ def test_an_earlier_state_is_used_when_the_nearest_cannot_be_had(tmp_path, caplo
     tokens = list(range(10))
     shelf = Shelf()
     first = PromptSnapshot(4, tokens_digest(tokens[:4]), np.zeros(8, np.uint8), None, recurrent_only=True)
-    gone = PromptSnapshot.in_file(tokens, 8, BytesInFile(path, 0, 16, crc32(bytes(16))), None, 1, None)
+    gone = _snapshot_in(path, tokens, 8)
     shelf.add(first, tokens)
     shelf.add(gone, tokens)
     path.unlink()

@@ -10,9 +10,10 @@ state does (12.6 MB at Qwen3-Next's widths: ~5 ms of fresh memory's page faults 
 file's metadata; a file's recurrent block computed once the file's own checksum
 settled), and :meth:`BytesInFile.read` reads them when they are used, checked against
 that CRC before anything else sees a byte.  A file replaced, damaged or gone meanwhile
-(the conversation deleted, the store's budget pruned it) is a
+(the conversation deleted, another program's doing) is a
 :class:`~engine.errors.CorruptState` naming the cause: going back then reads the prompt
-again, as it does where no snapshot was kept.
+again, as it does where no snapshot was kept.  A file that cannot be read for the moment
+(on Windows another program may hold it open) is an OSError: the state stays where it is.
 """
 
 from __future__ import annotations
@@ -50,17 +51,22 @@ class BytesInFile:
     crc32: int
     prefix: bytes = b""
 
+    def __post_init__(self) -> None:   # the file, whatever the working folder is when it is read
+        object.__setattr__(self, "path", Path(os.path.abspath(self.path)))
+
     def read(self) -> np.ndarray:
         """``prefix`` then the bytes, read now and checked against their CRC: a read-only
-        array; CorruptState where the file no longer holds them (gone, shorter, unreadable,
-        other bytes)."""
+        array; CorruptState where the file no longer holds them (gone, shorter, other
+        bytes); OSError where it cannot be read now."""
         out = np.empty(len(self.prefix) + self.length, dtype=np.uint8)
         out[:len(self.prefix)] = np.frombuffer(self.prefix, dtype=np.uint8)
         view = out.data.cast("B")[len(self.prefix):]
         try:
             got = read_at(self.path, self.offset, view)
-        except OSError as exc:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             raise CorruptState(f"{self.path.name} can no longer be read ({exc.strerror or exc})") from None
+        # (any other OSError is the caller's: the file may be readable again later — on
+        # Windows another program may hold it open for a moment)
         if got != self.length:
             raise CorruptState(f"{self.path.name} is shorter than when it was restored")
         if crc32(view) != self.crc32:

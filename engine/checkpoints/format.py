@@ -677,7 +677,7 @@ class CheckpointData:
         if len(self.point_states) and recurrent_crcs(self.meta) is not None:
             self.point_states_at = self.header.state_offset + self.header.state_len - len(self.point_states)
         self.state = self.point_states = np.empty(0, np.uint8)
-        self.mapping, self.released = None, True
+        self.mapping, self.released, self.crc_through_state = None, True, None
         try:
             mapping.close()
         except BufferError:   # a view of it is still held: unmapped when that goes
@@ -702,6 +702,8 @@ class CheckpointData:
         shorter (a gated delta-net's recurrent block after ~1 MB of attention cells: that
         megabyte is read, not the 12.6 MB), else from the bytes themselves.  CRC32 is
         linear: crc(B) = crc(P+A+B) xor combine(crc(P+A), 0, len(B))."""
+        if self.released:
+            raise ValueError(f"{self.path.name} was released: its state is gone")
         view = byte_view(self.state)
         through = self.crc_through_state
         if crc_combine is None or through is None or start > len(view) - start:
