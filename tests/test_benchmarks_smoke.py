@@ -123,3 +123,21 @@ def test_the_copy_runs_benchmark_prints_each_layout_and_piece(capsys):
     assert rows["one"][-1] == "1.00" and float(rows["three"][-1]) > 0 and float(rows["twelve"][-1]) > 0
     pieces = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and len(line.split()) == 2]
     assert len(pieces) == 7 and all(float(gbs) > 0 for _, gbs in pieces)   # pieces up to 4 MB
+
+
+def test_the_first_go_back_after_a_restore_is_timed(tiny_model_path, tmp_path):
+    """benchmarks.first_go_back at its smallest (the tiny qwen35): the answer's files as a
+    crash leaves them, restored, then going back to the prompt's end twice."""
+    from benchmarks.common import context_settings
+    from benchmarks.first_go_back import measure
+    from benchmarks.restore_profile import _answer_files
+    from engine.runtime import Runtime
+    model = tiny_model_path("qwen35")
+    rt = Runtime(model, context_settings(512, 2))
+    try:
+        _conv, chain = _answer_files(rt, tmp_path, list(range(40, 140)), 2)
+    finally:
+        rt.close()
+    assert len(chain) == 2   # the autosaves on the prompt's file (a recurrent state outweighs the cells)
+    got = measure(model, chain[-1], 1, 512, 2)
+    assert got["first_ms"] > 0 and got["again_ms"] > 0
