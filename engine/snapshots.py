@@ -32,7 +32,7 @@ whose file no longer holds it leaves the shelf, and the next nearest is used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -208,18 +208,19 @@ class Shelf:
         pushes a prompt's snapshots off the shelf."""
         self._step = snapshot
 
-    def _candidates(self, tokens: Sequence[int], n: int) -> list[PromptSnapshot]:
+    def _candidates(self, tokens: Sequence[int], n: int) -> Iterator[PromptSnapshot]:
         """The snapshots of prefixes of ``tokens[:n]``, the most tokens first; at one
-        position a prompt's before the step, and one in memory before one still in its file."""
+        position a prompt's before the step, and one in memory before one still in its file
+        (each prefix digested only when the ones before it did not hold)."""
         step = [self._step] if self._step is not None else []
-        found = [s for s in (*self._items, *step) if s.n_tokens <= n and s.holds(tokens, s.n_tokens)]
-        found.sort(key=lambda s: (s.n_tokens, not s.still_in_file()), reverse=True)   # (stable: items first)
-        return found
+        below = sorted((s for s in (*self._items, *step) if s.n_tokens <= n),
+                       key=lambda s: (s.n_tokens, not s.still_in_file()), reverse=True)   # (stable: items first)
+        return (s for s in below if s.holds(tokens, s.n_tokens))
 
     def nearest(self, tokens: Sequence[int], n: int) -> PromptSnapshot | None:
         """The snapshot of the most of ``tokens[:n]``, or None (its state may still be in its
         file: :meth:`nearest_had` reads it)."""
-        return next(iter(self._candidates(tokens, n)), None)
+        return next(self._candidates(tokens, n), None)
 
     def nearest_had(self, tokens: Sequence[int], n: int, *, exactly: bool = False) -> PromptSnapshot | None:
         """:meth:`nearest` (``exactly``: at ``n`` only), its state in memory
