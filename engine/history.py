@@ -54,7 +54,7 @@ from engine.checkpoints.graph import Graph, line_of
 from engine.checkpoints.points import Point
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
-from engine.errors import CheckpointError, CorruptState, SaveFailed
+from engine.errors import CheckpointError, SaveFailed
 from engine.model_shape import ModelShape
 from engine.runtime import SaveInfo
 from engine.shared_prefix import shared_base, system_prompt_end
@@ -537,14 +537,8 @@ class LineWriter:
         start, before = answer.marks[-2], len(conv.messages) - 1
         if start < parent_n or (before and start <= system_prompt_end(self.runtime, conv)):
             return []
-        snapshot = self.runtime.snapshot_at(start)
-        if snapshot is None:
-            return []
-        try:
-            return [Point(start, before, point_state(snapshot))]
-        except (CorruptState, OSError, MemoryError) as exc:   # a restore's, left in its file
-            log.warning("no turn end kept where the user's message starts: %r", exc)
-            return []
+        snapshot = self.runtime.snapshot_at(start)   # (its state read, where a restore left it in its file)
+        return [] if snapshot is None else [Point(start, before, point_state(snapshot))]
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of

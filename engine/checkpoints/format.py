@@ -675,7 +675,7 @@ class CheckpointData:
         if self.pending_crc is not None:
             self.pending_crc.wait()
         if len(self.point_states) and recurrent_crcs(self.meta) is not None:
-            self.point_states_at = self.header.state_offset + self.header.state_len - len(self.point_states)
+            self.point_states_at = self.point_states_offset() or 0
         self.state = self.point_states = np.empty(0, np.uint8)
         self.mapping, self.released, self.crc_through_state = None, True, None
         try:
