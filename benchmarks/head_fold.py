@@ -39,7 +39,7 @@ def one_run(rt, reader, tokens: list[int], args, fold: bool, folder: Path) -> di
     rt.trim(0)
     rt.ctx.clear()
     store = Store(folder)
-    writer = LineWriter.starting(rt, store, uuid.uuid4().hex, policy=ChainPolicy(fold_heads=fold))
+    writer = LineWriter.starting(rt, store, uuid.uuid4().hex, policy=ChainPolicy(fold_heads=fold, tier_autosaves=fold))
     conv = greedy_conversation(tokens)
     generate(rt, conv, stop_after=args.tokens, autosave=writer, autosave_every=args.every,
              checkpoint_prompt=writer.policy.prompt_checkpoint)

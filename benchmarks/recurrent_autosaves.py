@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 from benchmarks.common import Table, clock, median, ratio  # noqa: E402
 
 #: (key, label, ChainPolicy's fields)
-LAYOUTS = (("newest", "each autosave on the newest (before)", {"fold_dead_tails": False}),
+LAYOUTS = (("newest", "each autosave on the newest (before)", {"fold_dead_tails": False, "tier_autosaves": False}),
            ("anchor", "on the anchor while the tail is mostly dead (now)", {}))
 PROMPT = "Write a long story about a lighthouse keeper. " * 20
 

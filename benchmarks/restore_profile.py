@@ -14,9 +14,12 @@ sequence), the context just large enough for the largest size.  For each size a 
 prompt is prefilled and answered, and saved at the same token: as
 one full checkpoint, as the files an answer leaves when its process ends before it does
 (``chain``: a crash, a kill; the prompt's file, then ``--deltas`` autosaves, one every 16
-generated tokens, written by the app's writer: each on the one before for an attention
-memory, so four files, or each on the prompt's file replacing the one before where the
-recurrent state outweighs the cells, so two; a pause writes two files for every memory), and
+generated tokens, written by the app's writer: in tiers for an attention memory, each
+absorbing the newest ones that hold no more tokens of their own, so three files for three
+autosaves and at most log2(k) + 2 for k, or each on the prompt's file replacing the one
+before where the recurrent state outweighs the cells, so two; a pause writes two files for
+every memory; ``chain-each``: the same with each autosave on the one before, as the app
+wrote them before 2026-12-07, one file per autosave), and
 as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
 file per turn (each a delta on the last, a finished answer's file: no logits; the layout
 before 2026-12-04), and ``merged``, as it writes them now (the head absorbs the turns
@@ -332,7 +335,7 @@ def model_file(key: str, folder: Path) -> Path | None:
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 
-LAYOUTS = ("full", "chain", "turns", "merged", "shared")
+LAYOUTS = ("full", "chain", "chain-each", "turns", "merged", "shared")
 #: the shared layout's prefix: the issue's 1,500-token system prompt, at most 3/4 of the tokens
 SHARED_PREFIX = 1500
 
@@ -345,7 +348,7 @@ def make_files(folder: Path, sizes: list[int], n_ctx: int, threads: int,
     Files already in ``folder`` from an earlier run (``--folder``) are used again."""
     # the name changes with what the app writes (aligned writes, turns without logits, the
     # messages once in the metadata, turns absorbed in tiers): files made before are made again
-    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-tiers-app-answer.json"
+    manifest = folder / f"manifest-{n_ctx}-{deltas}-{turns}-tiers-app-answer-tiers.json"
     if manifest.is_file():
         known = {int(n): v for n, v in json.loads(manifest.read_text()).items()}
         if all(n in known and {"llama", *LAYOUTS} <= known[n].keys() for n in sizes):
@@ -366,11 +369,14 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, m
             tokens = prompt_tokens(rt.model, n)
             rt.trim(0)
             rt.ctx.clear()
-            conv, chain = _answer_files(rt, folder, tokens[:max(1, n - deltas * DELTA_TOKENS)], deltas)
+            prompt = tokens[:max(1, n - deltas * DELTA_TOKENS)]
+            chain_each = _answer_files(rt, folder, prompt, deltas, tiers=False)[1]
+            conv, chain = _answer_files(rt, folder, prompt, deltas)
             full = rt.save(folder / f"full-{n}-ctx{n_ctx}.kvckpt", conv, KIND_PAUSE).path
             llama_file = folder / f"llama-{n}-ctx{n_ctx}.seqstate"
             _save_llama_file(rt, llama_file, conv.tokens)
-            files[n] = {"full": [full], "chain": chain, "tokens": list(conv.tokens), "llama": [llama_file],
+            files[n] = {"full": [full], "chain": chain, "chain-each": chain_each, "tokens": list(conv.tokens),
+                        "llama": [llama_file],
                         "turns": _turn_files(rt, folder, list(conv.tokens), turns, merge=False),
                         "merged": _turn_files(rt, folder, list(conv.tokens), turns, merge=True),
                         "shared": _turn_files(rt, folder, list(conv.tokens), turns, merge=True,
@@ -382,20 +388,22 @@ def _make_files_anew(folder: Path, sizes: list[int], n_ctx: int, threads: int, m
     return files
 
 
-def _answer_files(rt, folder: Path, prompt: list[int], deltas: int):
+def _answer_files(rt, folder: Path, prompt: list[int], deltas: int, tiers: bool = True):
     """``prompt`` answered for ``deltas`` × DELTA_TOKENS tokens with an autosave every
     DELTA_TOKENS, the prompt's checkpoint first (with the prefill's logits), by the app's
-    writer (engine.history.LineWriter), and no pause: what a crash leaves.  Returns the
-    conversation and the newest autosave's chain, base first."""
+    writer (engine.history.LineWriter), and no pause: what a crash leaves.  ``tiers``: the
+    autosaves in tiers, as the app writes them now (ChainPolicy.tier_autosaves: popcount of
+    ``deltas`` files after the prompt's); else each on the one before, as before
+    2026-12-07.  Returns the conversation and the newest autosave's chain, base first."""
     from benchmarks.common import greedy_conversation
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.store import Store
     from engine.generation import generate
-    from engine.history import LineWriter
+    from engine.history import ChainPolicy, LineWriter
     rt.trim(0)
     rt.ctx.clear()
-    store = Store(folder / f"answer{deltas}-{len(prompt) + deltas * DELTA_TOKENS}")
-    writer = LineWriter(rt, store, uuid.uuid4().hex)
+    store = Store(folder / f"answer{deltas}-{len(prompt) + deltas * DELTA_TOKENS}{'' if tiers else '-each'}")
+    writer = LineWriter(rt, store, uuid.uuid4().hex, policy=ChainPolicy(tier_autosaves=tiers))
     conv = greedy_conversation(prompt)
     generate(rt, conv, stop_after=0)
     newest = writer.autosave(conv)

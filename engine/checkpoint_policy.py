@@ -9,9 +9,9 @@ moment                              kind                        what and where
 ==================================  ==========================  ====================================
 every ``autosave_every`` generated  autosave                    a delta on the newest file of the
 tokens (0: never), and once after                               line the cache still starts with
-a prefill of at least                                           (engine.history); with a named
-``ChainPolicy.prompt_checkpoint``                               file: on a line of its own in a
-tokens (a line in the store only)                               hidden folder beside it
+a prefill of at least                                           (engine.history: in tiers); with a
+``ChainPolicy.prompt_checkpoint``                               named file: on a line of its own
+tokens (a line in the store only)                               in a hidden folder beside it
                                                                 (:func:`beside_folder`)
 the answer stops: finished          manual                      the line's new head (a delta), or
                                                                 the named file, written whole; its

@@ -6,7 +6,9 @@ holds now.  Every save, autosave or head (pause, exit, a finished answer), goes 
 of it:
 
 * a **delta**: an autosave on the newest file of the live chain that is still a prefix
-  of the cache, so it costs the tokens since that file, not the whole context; a head on
+  of the cache, so it costs the tokens since that file, not the whole context (absorbing
+  the answer's autosaves that hold fewer tokens of their own: tiers, so a crash leaves
+  O(log n) of them, :meth:`LineWriter._tier_below`); a head on
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
@@ -101,6 +103,10 @@ class ChainPolicy:
     #: autosaves since hold mostly dead recurrent states (LineWriter._tail_mostly_dead;
     #: False: on the newest autosave, as before 2026-12-05; for benchmarks)
     fold_dead_tails: bool = True
+    #: an autosave absorbs the autosaves since the last anchor that hold no more tokens of
+    #: their own than it will (LineWriter._tier_below: O(log n) files after n autosaves;
+    #: False: on the newest autosave, as before 2026-12-07; for benchmarks)
+    tier_autosaves: bool = True
 
 
 def saved_infos(chain: Sequence[CheckpointData]) -> list[SaveInfo]:
@@ -311,8 +317,11 @@ class LineWriter:
         own checkpoint and its marks, where Regenerate and Edit go back to) and the files
         this writer did not write (a restored autosave a user may name again) — with
         autosaves between them.  An autosave goes on the newest file the cache still starts
-        with, so it costs only the tokens since then; when more than ``max_tail`` autosaves
-        follow the last anchor it goes on the anchor instead, folding them into one delta.
+        with, so it costs only the tokens since then, unless that file holds no more tokens
+        of its own than the autosave would: then it absorbs it, and so on down to the last
+        anchor (:meth:`_tier_below`: tiers, a crash leaves O(log n) autosaves); when more
+        than ``max_tail`` autosaves follow the last anchor it goes on the anchor instead,
+        folding them into one delta.
         A ``head`` always goes on the last anchor: the answer's autosaves are folded into it
         (and retired once it has landed), so a restore reads no file per autosave, and every
         turn's end stays in the chain, as a file or as a point of one (editing any turn
@@ -333,8 +342,24 @@ class LineWriter:
         last_anchor = max((i for i in range(tip + 1) if anchor(i)), default=tip)
         fold = head and self.policy.fold_heads
         parent = last_anchor if fold or tip - last_anchor >= self.policy.max_tail \
-            or self._tail_mostly_dead(last_anchor, tip) else tip
+            or self._tail_mostly_dead(last_anchor, tip) else self._tier_below(last_anchor, tip)
         return None if self.chain[parent].depth + 1 > self.policy.max_files else parent
+
+    def _tier_below(self, anchor: int, tip: int) -> int:
+        """The file of the tail ``chain[anchor+1..tip]`` an autosave goes on: the newest one
+        holding more tokens of its own than the autosave would above it, else the anchor.
+        The tail's files then hold sizes that double downwards, like a binary counter's
+        bits: after k autosaves of an answer a crash leaves at most log2(k) + 1 of them
+        where it left k (each costs a restore ~0.5 ms besides its bytes:
+        benchmarks.restore_profile), and each token's cells are written about log2(k) / 2
+        times more.  (False ``tier_autosaves``: on the tip, as before 2026-12-07.)"""
+        if not self.policy.tier_autosaves:
+            return tip
+        n_now = len(self.runtime.kv_tokens)
+        i = tip
+        while i > anchor and _own_tokens(self.chain[i]) <= n_now - self.chain[i].n_tokens:
+            i -= 1
+        return i
 
     def _tail_mostly_dead(self, anchor: int, tip: int) -> bool:
         """Whether an autosave goes on the last anchor rather than on the newest autosave

@@ -52,7 +52,8 @@ def test_the_restore_profile_times_llama_cpps_own_load_beside_ours(smollm_path, 
     from benchmarks.restore_profile import ROOT, run
     report = run([96], 1, 2, None, echo=lambda *a, **k: None, keep=str(tmp_path), turns=4, against=ROOT)
     rows = report["table"]["rows"]
-    assert [r["layout"] for r in rows] == ["full (1)", "chain (4)", "turns (4)", "merged (1)", "shared (2)"]
+    assert [r["layout"] for r in rows] == ["full (1)", "chain (3)", "chain-each (4)", "turns (4)",
+                                            "merged (1)", "shared (2)"]
     for row in rows:
         assert row["restore_ms"] > 0 and row["floor_ms"] > 0 and row["loadfile_ms"] > 0
         assert row["vs_loadfile"] > 0 and row["server_ms"] is None

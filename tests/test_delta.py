@@ -20,7 +20,7 @@ from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import BrokenChain
 from engine.generation import begin_answer, generate
-from engine.history import LineWriter
+from engine.history import ChainPolicy, LineWriter
 from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
 from native.context import ContextSettings
@@ -54,7 +54,10 @@ def test_chain_restores_exactly(model, request, tmp_path):
     settings = ContextSettings(n_ctx=2048, n_threads=2)
     first = Runtime(path, settings)
     try:
-        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=24)
+        # the prompt's file, then the autosaves after 8, 16 and 24 tokens, the 16th absorbing
+        # the 8th (it held no more tokens of its own: LineWriter._tier_below)
+        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=32)
+        assert [info.n_tokens - info.parent_n_tokens for info in saver.chain[1:]] == [16, 8]
         assert [info.delta for info in saver.chain] == [False, True, True]
         full_size = saver.chain[0].size
         assert all(info.size < full_size / 4 for info in saver.chain[1:]), "deltas are not small"
@@ -84,9 +87,9 @@ def test_a_pause_folds_its_answers_autosaves_into_one_file(model, request, tmp_p
     settings = ContextSettings(n_ctx=2048, n_threads=2)
     first = Runtime(path, settings)
     try:
-        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=28)
+        reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=32)
         autosaves = [info.path for info in saver.chain]
-        assert len(autosaves) == 3   # a full file (its base: an anchor), then 2 deltas
+        assert len(autosaves) == 3   # a full file (its base: an anchor), then 2 deltas (16 and 8 tokens)
         head = saver.save_head(conv, KIND_PAUSE)
         logits_at_pause = first.logits().copy()
         assert [info.path for info in saver.chain] == [autosaves[0], head.path]
@@ -111,7 +114,7 @@ def test_broken_chains_are_refused_with_reason(smollm_runtime, tmp_path):
     rt.trim(0)
     conv = _conversation(rt, "Tell me about owls.")
     saver = LineWriter(rt, Store(tmp_path), "line")
-    generate(rt, conv, autosave=saver, autosave_every=4, stop_after=12)
+    generate(rt, conv, autosave=saver, autosave_every=4, stop_after=16)
     base, middle, last = (info.path for info in saver.chain)
 
     middle_bytes = middle.read_bytes()
@@ -270,7 +273,8 @@ def test_autosaves_land_in_the_background_and_a_failed_landing_is_no_file_of_the
     rt.trim(0)
     conv = _conversation(rt, "Tell me about rivers.")
     store = Store(tmp_path / "store")
-    writer = LineWriter.starting(rt, store, "line")
+    # each autosave on the one before (no tiers), so the one whose parent goes is a delta on it
+    writer = LineWriter.starting(rt, store, "line", policy=ChainPolicy(tier_autosaves=False))
     writer._landing = held = _HeldLanding()
     saved = []
     generate(rt, conv, autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=8, stop_after=24)

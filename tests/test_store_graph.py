@@ -419,10 +419,11 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     assert writer._parent_index(writer._tip_index()) == 0
     # files up to the answer's prompt end are anchors too (Regenerate and Edit go back there)
     assert writer._parent_index(writer._tip_index(), prompt_end=20) == 2
-    runtime.kv_tokens = kv[:15] + [-1] * 85             # the cache left a2..a4 behind
+    runtime.kv_tokens = kv[:15] + [-1] * 4              # the cache left a2..a4 behind
     assert writer._tip_index() == 1 and writer._parent_index(1) == 1
     # a head folds the autosaves since the last anchor into itself, however few they are
-    runtime.kv_tokens = kv
+    # (an autosave goes on the newest, which holds more tokens of its own than it will)
+    runtime.kv_tokens = kv[:45]
     writer = writer_of(chain, max_tail=16)
     assert writer._parent_index(writer._tip_index()) == 4
     assert writer._parent_index(writer._tip_index(), head=True) == 0
@@ -431,6 +432,50 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=2))
     assert writer._parent_index(writer._tip_index(), head=True) == 4
 
+
+
+@pytest.mark.parametrize("tiers", [True, False])
+def test_an_answers_autosaves_lie_in_tiers_so_a_crash_leaves_a_few_files(tmp_path, tiers):
+    """An autosave absorbs the newest autosaves that hold no more tokens of their own than
+    it will (LineWriter._tier_below): after k autosaves of 16 tokens the chain holds the
+    prompt's file and popcount(k) autosaves whose sizes double downwards, as a binary
+    counter holds k; each token's cells are written about log2(k) / 2 times more.
+    Without tiers (as before 2026-12-07), one file per autosave, up to ``max_tail``."""
+    from types import SimpleNamespace
+
+    from engine.checkpoints.chain import tokens_digest
+    from engine.history import ChainPolicy, LineWriter
+    from engine.runtime import SaveInfo
+    kv = list(range(2000))
+    runtime = SimpleNamespace(kv_tokens=[], settings=SimpleNamespace(supports_deltas=True),
+                              shape=SimpleNamespace(has_recurrent=False))
+    prompt = 300
+    chain = [SaveInfo(tmp_path / "prompt", 1, 0.0, prompt, checkpoint_id="prompt", kind=KIND_AUTOSAVE,
+                      tokens_digest=tokens_digest(kv[:prompt]))]
+    writer = LineWriter(runtime, Store(tmp_path), "line", chain,
+                        policy=ChainPolicy(max_tail=16, tier_autosaves=tiers))
+    writer._written.add("prompt")
+    written = 0
+    for k in range(1, 40):
+        n = prompt + 16 * k
+        runtime.kv_tokens = kv[:n]
+        parent = writer._parent_index(writer._tip_index())
+        below = writer.chain[parent]
+        new = SaveInfo(tmp_path / f"a{k}", 1, 0.0, n, checkpoint_id=f"a{k}", tokens_digest=tokens_digest(kv[:n]),
+                       kind=KIND_AUTOSAVE, delta=True, parent_n_tokens=below.n_tokens, depth=below.depth + 1)
+        writer._chain = writer._chain[:parent + 1] + [new]
+        writer._written.add(new.checkpoint_id)
+        written += n - below.n_tokens
+        tail = [info.n_tokens - info.parent_n_tokens for info in writer.chain[1:]]
+        if tiers:
+            assert len(tail) == bin(k).count("1"), (k, tail)
+            assert tail == sorted(tail, reverse=True) and all(t // 16 == 1 << t.bit_length() - 5 for t in tail)
+        else:
+            assert len(tail) == (k - 1) % 16 + 1, (k, tail)
+    # 39 autosaves of 16 tokens: with tiers autosave k writes lowbit(k) of them (2.6 a token
+    # here); without, one each, and all since the prompt at the 17th and the 33rd (max_tail)
+    units = sum(k & -k for k in range(1, 40)) if tiers else 39 - 2 + 17 + 33
+    assert written == 16 * units
 
 
 @pytest.mark.parametrize("cells_per_token,recurrent,folds", [
@@ -449,7 +494,7 @@ def test_a_recurrent_memorys_autosave_goes_on_the_anchor_while_its_tail_is_mostl
     from engine.checkpoints.chain import tokens_digest
     from engine.history import ChainPolicy, LineWriter
     from engine.runtime import SaveInfo
-    kv = list(range(100))
+    kv = list(range(40))   # (5 tokens since the newest autosave: fewer than it holds, no tier)
     total = recurrent + cells_per_token * len(kv)
     runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True),
                               shape=SimpleNamespace(has_recurrent=True), state_sizes=lambda: (total, recurrent))
