@@ -101,6 +101,15 @@ def test_merged_turns_keep_fewer_files_than_a_file_per_turn(smollm_path):
     assert now["store_MB"] <= before["store_MB"] * 1.05 and now["restore_ms"] > 0
 
 
+def test_an_answers_autosaves_in_tiers_leave_a_crash_fewer_files_to_read(smollm_path):
+    """benchmarks.autosave_tiers at its smallest: six autosaves each on the one before and
+    in tiers, side by side (popcount(6) = 2 of them after the prompt's file)."""
+    from benchmarks.autosave_tiers import measure, parse
+    before, now = measure(parse(["--prompt", "300", "--tokens", "48", "--every", "8", "--repeats", "1"])).rows
+    assert before["files_read"] == 1 + 6 and now["files_read"] == 1 + 2
+    assert now["written_MB"] > before["written_MB"] and now["restore_ms"] > 0 and now["answer_s"] > 0
+
+
 def test_recurrent_autosaves_leave_one_file_on_the_anchor_instead_of_one_each(tmp_path):
     """benchmarks.recurrent_autosaves at its smallest (the tiny qwen35): what a crash in the
     middle of an answer leaves, each autosave on the newest one vs on the anchor."""
