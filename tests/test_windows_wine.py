@@ -511,6 +511,50 @@ def test_a_turn_end_a_restore_left_in_its_file_is_read_when_the_conversation_goe
     assert got["n1"] > 0
 
 
+def test_an_answers_autosaves_in_tiers_are_retired_and_a_crash_resumes_from_their_chain(tmp_path):
+    """On Windows' file semantics: an answer's autosaves in tiers (LineWriter._tier_below)
+    retire the ones each absorbs as it lands (deleted: no handle of them is held), so what
+    a crash leaves in the store is exactly the newest autosave's chain, fewer files than
+    autosaves; a new process resumes from it and the answer goes on as it would have."""
+    store = tmp_path / "störe"
+    done = child(f"""
+        import json, os
+        from engine.checkpoints.chain import load_chain
+        from engine.checkpoints.store import Store
+        from engine.conversation import Conversation
+        from engine.generation import begin_answer, generate
+        from engine.history import LineWriter
+        from engine.models import default_model_path
+        from engine.runtime import Runtime
+        from engine.sampling import SamplerSettings
+        from native.context import ContextSettings
+        rt = Runtime(default_model_path(), ContextSettings(n_ctx=1024, n_threads=1))
+        def conversation():
+            conv = Conversation(sampler=SamplerSettings(temperature=0.0, seed=7, ignore_eos=True))
+            begin_answer(conv, rt, {PROMPT!r}, n_predict=40)
+            return conv
+        reference = generate(rt, conversation()).text
+        rt.trim(0)
+        writer = LineWriter(rt, Store({str(store)!r}), "line")
+        saved = []
+        generate(rt, conversation(), autosave=lambda c: saved.append(writer.autosave(c)), autosave_every=4,
+                 stop_after=28)
+        writer.settle()
+        chain = [d.path.name for d in load_chain(saved[-1].path)]
+        files = sorted(p.name for p in os.scandir({str(store)!r}) if p.name.endswith(".kvckpt"))
+        print(json.dumps({{"reference": reference, "autosaves": len(saved), "chain": chain,
+                          "newest": str(saved[-1].path), "store": files}}), flush=True)
+        os._exit(0)   # a crash: no head, nothing closed
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["autosaves"] >= 6 and 2 <= len(got["chain"]) < got["autosaves"], got
+    assert got["store"] == sorted(got["chain"]), got   # every absorbed autosave retired
+    rest = json.loads(cli("run", "--checkpoint-load", got["newest"], "-t", "1", "--json").strip().splitlines()[-1])
+    assert rest["text"] and got["reference"].endswith(rest["text"]), (rest, got["reference"])
+    assert rest["n_reused_tokens"] >= rest["n_prompt_tokens"] - 1
+
+
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
     part = XOS / "frozen-part.txt"
