@@ -10,7 +10,7 @@ every ``--every`` (the window's default is 64) on a line in a fresh store, as th
 writes it (engine.history.LineWriter, the prompt's own checkpoint included), and not
 stopped: what a crash at the answer's end leaves (15 autosaves by default: the most files
 tiers leave below 16, popcount(15) = 4 after the prompt's).  Two layouts, interleaved run by run:
-each autosave on the one before (``ChainPolicy(tier_autosaves=False)``, before 2026-12-07)
+each autosave on the one before (``ChainPolicy(tier_autosaves=False)``, before 2026-12-06 (twenty-second session))
 and in tiers (now: each absorbs the newest autosaves that hold no more tokens of their own,
 LineWriter._tier_below).  For each: the answer's time (every autosave included), the time
 spent in the autosave calls on the generating thread (extracting the state, writing; the

@@ -19,7 +19,7 @@ absorbing the newest ones that hold no more tokens of their own, so three files 
 autosaves and at most log2(k) + 2 for k, or each on the prompt's file replacing the one
 before where the recurrent state outweighs the cells, so two; a pause writes two files for
 every memory; ``chain-each``: the same with each autosave on the one before, as the app
-wrote them before 2026-12-07, one file per autosave), and
+wrote them before 2026-12-06 (twenty-second session), one file per autosave), and
 as a conversation of ``--turns`` turns is written by the app's writer, twice: ``turns``, a
 file per turn (each a delta on the last, a finished answer's file: no logits; the layout
 before 2026-12-04), and ``merged``, as it writes them now (the head absorbs the turns
@@ -394,7 +394,7 @@ def _answer_files(rt, folder: Path, prompt: list[int], deltas: int, tiers: bool 
     writer (engine.history.LineWriter), and no pause: what a crash leaves.  ``tiers``: the
     autosaves in tiers, as the app writes them now (ChainPolicy.tier_autosaves: popcount of
     ``deltas`` files after the prompt's); else each on the one before, as before
-    2026-12-07.  Returns the conversation and the newest autosave's chain, base first."""
+    2026-12-06 (twenty-second session).  Returns the conversation and the newest autosave's chain, base first."""
     from benchmarks.common import greedy_conversation
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.store import Store

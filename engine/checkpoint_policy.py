@@ -7,9 +7,9 @@ writes it; engine.checkpoints.graph reads it).  What is written, and when:
 ==================================  ==========================  ====================================
 moment                              kind                        what and where
 ==================================  ==========================  ====================================
-every ``autosave_every`` generated  autosave                    a delta on the newest file of the
-tokens (0: never), and once after                               line the cache still starts with
-a prefill of at least                                           (engine.history: in tiers); with a
+every ``autosave_every`` generated  autosave                    a delta on the line's files the
+tokens (0: never), and once after                               cache still starts with, in tiers
+a prefill of at least                                           (engine.history); with a
 ``ChainPolicy.prompt_checkpoint``                               named file: on a line of its own
 tokens (a line in the store only)                               in a hidden folder beside it
                                                                 (:func:`beside_folder`)

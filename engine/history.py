@@ -5,10 +5,11 @@ chain*: the files on disk, base first, whose KV states are prefixes of what the 
 holds now.  Every save, autosave or head (pause, exit, a finished answer), goes on top
 of it:
 
-* a **delta**: an autosave on the newest file of the live chain that is still a prefix
-  of the cache, so it costs the tokens since that file, not the whole context (absorbing
-  the answer's autosaves that hold fewer tokens of their own: tiers, so a crash leaves
-  O(log n) of them, :meth:`LineWriter._tier_below`); a head on
+* a **delta**: an autosave on a file of the live chain that is still a prefix of the
+  cache, so it costs the tokens since that file, not the whole context: the newest one,
+  unless it absorbs the answer's newest autosaves, those that hold no more tokens of their
+  own than it will (tiers: a crash leaves O(log n) of them, :meth:`LineWriter._tier_below`);
+  a head on
   the last *anchor* (a head, the answer's prompt), folding the answer's autosaves into
   it, so every turn's end stays in the chain (see :meth:`LineWriter._parent_index`); a
   head that ends a turn absorbs the turns before it too, their ends recorded as points,
@@ -25,8 +26,9 @@ of it:
 
 Each file gets the next sequence number of its line, so the file just written is the
 line's newest node and so its head (engine.checkpoints.graph) whatever the clock says;
-what that supersedes (a chain replaced by a compaction, the tail cut by a trim, a
-crash's leftovers of the same line) is retired only after the new file is durable, so a
+what that supersedes (a chain replaced by a compaction, the autosaves an autosave or a
+head absorbed, the tail cut by a trim, a crash's leftovers of the same line) is retired
+only after the new file is durable, so a
 crash at any moment leaves a restorable head.
 
 One writer per line: a writer holds its line's lease (``Store.lease_line``) while it
@@ -72,7 +74,9 @@ MIN_CUT_GAIN = 64
 @dataclass(frozen=True)
 class ChainPolicy:
     """The shape of a line's chain: milestones, autosaves between them, and its length."""
-    #: autosaves after the last milestone before they are folded into one delta on it
+    #: files after the last milestone before the next autosave is folded onto it (with
+    #: ``tier_autosaves`` the tail holds popcount(k) files after k autosaves: reached only
+    #: past 65,535 autosaves)
     max_tail: int = 16
     #: files in one chain (each is read, verified and applied on restore); past this the
     #: next save is one full file (the turn ends before it are then gone)
@@ -105,7 +109,8 @@ class ChainPolicy:
     fold_dead_tails: bool = True
     #: an autosave absorbs the autosaves since the last anchor that hold no more tokens of
     #: their own than it will (LineWriter._tier_below: O(log n) files after n autosaves;
-    #: False: on the newest autosave, as before 2026-12-07; for benchmarks)
+    #: False: on the newest autosave, as before 2026-12-06's twenty-second session; for
+    #: benchmarks)
     tier_autosaves: bool = True
 
 
@@ -195,6 +200,9 @@ class LineWriter:
         #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
         self._landing = Landing()
         self._landing_info: SaveInfo | None = None
+        #: the live chain as it was before the save still landing: what it is again if that
+        #: save fails to land (the autosaves it absorbed were not retired, _tier_below)
+        self._chain_before_landing: list[SaveInfo] = []
         self._land_now = False   # after a failed landing, the next save is synchronous
         self._after_landing: list = []   # when_landed's steps, for the owner's thread
         self.saves = 0
@@ -283,6 +291,7 @@ class LineWriter:
             return
         failure = self._landing.settle()
         landed, self._landing_info = self._landing_info, None
+        before, self._chain_before_landing = self._chain_before_landing, []
         steps, self._after_landing = self._after_landing, []
         if failure is not None:
             # e.g. its parent was deleted meanwhile: the next save, made in the foreground,
@@ -290,7 +299,7 @@ class LineWriter:
             log.warning("an autosave could not be saved: %s", failure)
             self._land_now = True
             if self._chain and self._chain[-1] is landed:
-                self._chain.pop()
+                self._chain = before   # the autosaves it absorbed are still on disk, still live
         for step, failed in steps:
             try:
                 if failure is None:
@@ -319,9 +328,9 @@ class LineWriter:
         autosaves between them.  An autosave goes on the newest file the cache still starts
         with, so it costs only the tokens since then, unless that file holds no more tokens
         of its own than the autosave would: then it absorbs it, and so on down to the last
-        anchor (:meth:`_tier_below`: tiers, a crash leaves O(log n) autosaves); when more
-        than ``max_tail`` autosaves follow the last anchor it goes on the anchor instead,
-        folding them into one delta.
+        anchor (:meth:`_tier_below`: tiers, a crash leaves O(log n) autosaves); when
+        ``max_tail`` files follow the last anchor (without tiers) it goes on the anchor
+        instead, folding them into one delta.
         A ``head`` always goes on the last anchor: the answer's autosaves are folded into it
         (and retired once it has landed), so a restore reads no file per autosave, and every
         turn's end stays in the chain, as a file or as a point of one (editing any turn
@@ -349,10 +358,14 @@ class LineWriter:
         """The file of the tail ``chain[anchor+1..tip]`` an autosave goes on: the newest one
         holding more tokens of its own than the autosave would above it, else the anchor.
         The tail's files then hold sizes that double downwards, like a binary counter's
-        bits: after k autosaves of an answer a crash leaves at most log2(k) + 1 of them
-        where it left k (each costs a restore ~0.5 ms besides its bytes:
-        benchmarks.restore_profile), and each token's cells are written about log2(k) / 2
-        times more.  (False ``tier_autosaves``: on the tip, as before 2026-12-07.)"""
+        bits: after k autosaves of an answer a crash leaves popcount(k) of them (at most
+        log2(k) + 1) where it left k (each costs a restore ~0.5 ms besides its bytes:
+        benchmarks.restore_profile), and the autosaves write sum(lowbit(1..k)) / k times the
+        cells they did (between log2(k + 1) / 2 and log2(k) / 2 + 1: 2.1 for k = 15,
+        benchmarks.autosave_tiers).  A tail file another line builds on (a fork, a reused
+        prefix) is absorbed too: its cells are then on disk twice while it stays for that
+        line, where asking the graph for such files would cost every autosave a scan.
+        (False ``tier_autosaves``: on the tip, as before 2026-12-06's twenty-second session.)"""
         if not self.policy.tier_autosaves:
             return tip
         n_now = len(self.runtime.kv_tokens)
@@ -362,8 +375,8 @@ class LineWriter:
         return i
 
     def _tail_mostly_dead(self, anchor: int, tip: int) -> bool:
-        """Whether an autosave goes on the last anchor rather than on the newest autosave
-        (``tip``), retiring the autosaves after the anchor (the *tail*) once it lands: a
+        """Whether an autosave goes on the last anchor rather than on its tail (in tiers,
+        :meth:`_tier_below`), retiring the autosaves after the anchor once it lands: a
         memory with a recurrent part, whose every file holds the whole recurrent state (and
         the logits after it), which the next autosave leaves dead — only the newest is ever
         resumed from, and Regenerate and Edit go back to anchors.  It does while the tail's
@@ -372,7 +385,8 @@ class LineWriter:
         widths, 12.6 MB of recurrent state, 256 tokens with an autosave every 16): 16 files
         of 211 MB that a crash left and a restore read (53 ms), now one of 13 MB.  A model
         with little recurrent state and wide attention (LFM2: 98 KB against 8.7 KB a token)
-        goes on its tip as before; a pure recurrent one always folds (no cells)."""
+        goes on its tail in tiers as an attention memory does (:meth:`_tier_below`); a pure
+        recurrent one always folds (no cells)."""
         if not (self.policy.fold_dead_tails and self.runtime.shape.has_recurrent) or tip <= anchor:
             return False
         total, recurrent = self.runtime.state_sizes()
@@ -460,7 +474,7 @@ class LineWriter:
                            point_state=self._point_state(info))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
-            self._landing_info = info
+            self._landing_info, self._chain_before_landing = info, list(self._chain)
         else:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base

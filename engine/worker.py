@@ -1162,7 +1162,7 @@ class EngineWorker:
         self.listener.emit(CheckpointSaved(self.snapshot(conv), info.path, info.size, info.seconds, kind))
 
     def _autosave(self, conv: Conversation) -> None:
-        """Autosave: a delta holding only the cells since the newest file of the line."""
+        """Autosave: a delta on the line's live chain (engine.history.LineWriter.autosave)."""
         writer = self._writer(conv)
         try:
             info = writer.autosave(conv)

@@ -54,8 +54,8 @@ def test_chain_restores_exactly(model, request, tmp_path):
     settings = ContextSettings(n_ctx=2048, n_threads=2)
     first = Runtime(path, settings)
     try:
-        # the prompt's file, then the autosaves after 8, 16 and 24 tokens, the 16th absorbing
-        # the 8th (it held no more tokens of its own: LineWriter._tier_below)
+        # a full file after 8 tokens, then the autosaves after 16, 24 and 32, the 24th absorbing
+        # the 16th (it held no more tokens of its own: LineWriter._tier_below)
         reference, conv, saver, part = _autosaved_answer(first, tmp_path, stop_after=32)
         assert [info.n_tokens - info.parent_n_tokens for info in saver.chain[1:]] == [16, 8]
         assert [info.delta for info in saver.chain] == [False, True, True]
@@ -295,6 +295,48 @@ def test_autosaves_land_in_the_background_and_a_failed_landing_is_no_file_of_the
     head = Graph.scan(store).heads[0]
     assert head.path == saved[-1].path and head.header.kind == KIND_AUTOSAVE
     restored = rt.restore_chain(load_chain(head.path))
+    assert restored.tokens == conv.tokens
+
+
+def test_an_autosave_in_tiers_retires_what_it_absorbed_and_a_failed_one_gives_it_back(
+        smollm_runtime, tmp_path, monkeypatch):
+    """An answer's autosaves in tiers (LineWriter._tier_below): what each absorbs leaves the
+    store once it has landed, so the store holds the newest autosave's chain alone.  One
+    that fails to land (its fsync fails) absorbed nothing: the files it would have replaced
+    are the live chain again, and the next autosave absorbs and retires them."""
+    import errno
+
+    from engine.checkpoints import atomic
+    rt = smollm_runtime
+    rt.trim(0)
+    conv = _conversation(rt, "Tell me about rivers.")
+    store = Store(tmp_path / "store")
+    writer = LineWriter.starting(rt, store, "line")
+    writer._landing = held = _HeldLanding()
+
+    def autosave():
+        generate(rt, conv, stop_after=4)
+        return writer.autosave(conv)
+
+    def on_disk():
+        return sorted(store.folder.glob("*.kvckpt"))
+    saved = [autosave() for _ in range(4)]   # the first a full file, then 4, 4 (absorbing), 4 tokens
+    assert [i.n_tokens - i.parent_n_tokens for i in writer.chain[1:]] == [8, 4]
+    assert on_disk() == sorted(i.path for i in writer.chain)   # the absorbed one retired
+    before = list(writer.chain)
+
+    def fails(_fd):
+        raise OSError(errno.EIO, "the disk failed")
+    monkeypatch.setattr(atomic, "fsync", fails)
+    saved.append(autosave())   # absorbs both (4 <= 4, 8 <= 8): on the full file, in flight
+    assert held.in_flight and saved[-1].parent_n_tokens == before[0].n_tokens
+    writer.settle()
+    monkeypatch.undo()
+    assert writer.chain == before and on_disk() == sorted(i.path for i in before)
+    saved.append(autosave())   # in the foreground: absorbs them again, and retires them
+    assert not held.in_flight and [i.path for i in writer.chain] == [before[0].path, saved[-1].path]
+    assert on_disk() == sorted(i.path for i in writer.chain)
+    restored = rt.restore_chain(load_chain(saved[-1].path))
     assert restored.tokens == conv.tokens
 
 

@@ -402,10 +402,10 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     runtime = SimpleNamespace(kv_tokens=kv, settings=SimpleNamespace(supports_deltas=True),
                               shape=SimpleNamespace(has_recurrent=False))
 
-    def info(n, kind, name):
+    def info(n, kind, name, parent_n=None):   # an autosave: a delta on the file before it
         return SaveInfo(tmp_path / name, 1, 0.0, n, checkpoint_id=name, tokens_digest=tokens_digest(kv[:n]),
-                        kind=kind)
-    chain = [info(0, KIND_MANUAL, "base")] + [info(10 * k, KIND_AUTOSAVE, f"a{k}") for k in range(1, 5)]
+                        kind=kind, delta=parent_n is not None, parent_n_tokens=parent_n or 0)
+    chain = [info(0, KIND_MANUAL, "base")] + [info(10 * k, KIND_AUTOSAVE, f"a{k}", 10 * k - 10) for k in range(1, 5)]
 
     def writer_of(chain, max_tail=2):   # as if it had written the chain's autosaves itself
         writer = LineWriter(runtime, Store(tmp_path), "line", chain, policy=ChainPolicy(max_tail=max_tail))
@@ -415,11 +415,13 @@ def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_fil
     assert writer._parent_index(writer._tip_index()) == 4
     assert writer._parent_index(writer._tip_index(), head=True) == 4   # no anchor to fold onto
     chain[0] = info(5, KIND_MANUAL, "base")            # now an anchor: the tail folds onto it
+    chain[1] = info(10, KIND_AUTOSAVE, "a1", 5)
     writer = writer_of(chain)
     assert writer._parent_index(writer._tip_index()) == 0
     # files up to the answer's prompt end are anchors too (Regenerate and Edit go back there)
     assert writer._parent_index(writer._tip_index(), prompt_end=20) == 2
-    runtime.kv_tokens = kv[:15] + [-1] * 4              # the cache left a2..a4 behind
+    runtime.kv_tokens = kv[:12] + [-1] * 2              # the cache left a2..a4 behind (a1 holds 5
+    # tokens of its own, more than the 4 since: no tier)
     assert writer._tip_index() == 1 and writer._parent_index(1) == 1
     # a head folds the autosaves since the last anchor into itself, however few they are
     # (an autosave goes on the newest, which holds more tokens of its own than it will)
@@ -440,7 +442,7 @@ def test_an_answers_autosaves_lie_in_tiers_so_a_crash_leaves_a_few_files(tmp_pat
     it will (LineWriter._tier_below): after k autosaves of 16 tokens the chain holds the
     prompt's file and popcount(k) autosaves whose sizes double downwards, as a binary
     counter holds k; each token's cells are written about log2(k) / 2 times more.
-    Without tiers (as before 2026-12-07), one file per autosave, up to ``max_tail``."""
+    Without tiers (as before 2026-12-06 (twenty-second session)), one file per autosave, up to ``max_tail``."""
     from types import SimpleNamespace
 
     from engine.checkpoints.chain import tokens_digest
