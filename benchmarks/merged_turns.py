@@ -3,7 +3,7 @@ turn's head goes on a file absorbing the turns before it (up to 32 MiB, then in 
 a file per turn.
 
     python -m benchmarks.merged_turns [--tokens 2000] [--turns 12] [--repeats 3]
-                                      [--model smollm|lfm2-wide|llama-8b-kv] [--folder DIR]
+                                      [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn] [--folder DIR]
 
 SmolLM2 (``--model lfm2-wide``, ``llama-8b-kv``: benchmarks.restore_profile's models,
 built into ``--folder`` once) with the app's context settings.  ``--tokens`` tokens of prose are cut into
@@ -96,7 +96,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     for flag, default in (("--tokens", 2000), ("--turns", 12), ("--repeats", 3), ("--threads", 2)):
         parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--model", choices=("smollm", "lfm2-wide", "llama-8b-kv"), default="smollm")
+    parser.add_argument("--model", choices=("smollm", "lfm2-wide", "llama-8b-kv", "qwen35-gdn", "qwen35-4b-gdn"),
+                        default="smollm")
     parser.add_argument("--folder", default=str(Path(tempfile.gettempdir()) / "checkpoint-chat-bench-models"),
                         help="where --model lfm2-wide or llama-8b-kv is built (once)")
     return parser.parse_args(argv)

@@ -2,8 +2,8 @@
 
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
-                                         [--against TREE] [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn]
-                                         [--reader mapped|windows|copying] [--json out.json]
+                                         [--against TREE] [--reader mapped|windows|copying] [--json out.json]
+                                         [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
 attention widths, random weights; ``--model llama-8b-kv``: an attention model at
@@ -308,6 +308,8 @@ MODELS = {
     "qwen35-gdn": "a random-weight qwen35 hybrid (tests/tinymodels.py) of 8 layers, 6 of them gated "
                   "delta-nets at Qwen3-Next's widths (16 key heads, 32 value heads of 128: 12.6 MB of "
                   "recurrent state), 2 attention layers of 2 KV heads of 64, a narrow residual stream",
+    "qwen35-4b-gdn": "the same at Qwen3.5-4B's depth: 32 layers, 24 of them gated delta-nets (50 MB of "
+                     "recurrent state, as Qwen3.5-4B's and -9B's), 8 attention layers",
 }
 #: the hybrid's widths: LFM2-2.6B's attention (8 KV heads of 64, 16 query heads); the layer
 #: pattern alternates convolution and attention, so 16 layers hold its 8 attention layers;
@@ -330,8 +332,9 @@ def model_file(key: str, folder: Path) -> Path | None:
     import tinymodels
     if key == "llama-8b-kv":
         return tinymodels.cached("llama", folder, n_layer=32, shape=tinymodels.Shape(**LLAMA_8B_KV))
-    if key == "qwen35-gdn":
-        return tinymodels.cached("qwen35", folder, n_layer=8, shape=tinymodels.Shape(**QWEN35_GDN))
+    if key in ("qwen35-gdn", "qwen35-4b-gdn"):
+        return tinymodels.cached("qwen35", folder, n_layer=8 if key == "qwen35-gdn" else 32,
+                                 shape=tinymodels.Shape(**QWEN35_GDN))
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 
