@@ -33,7 +33,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+from benchmarks.common import Table, add_layout_rows, clock, ctx_size_for  # noqa: E402
 
 #: (key, label, ChainPolicy's fields)
 LAYOUTS = (("each", "each on the one before (before)", {"tier_autosaves": False}),
@@ -86,17 +86,10 @@ def measure(args) -> Table:
                   f"prompt, {args.tokens} tokens, autosave every {args.every}; medians of {args.repeats})",
                   ["layout", "answer_s", "autosave_ms", "slowest_ms", "written_MB", "largest_MB",
                    "files_read", "store_MB", "restore_ms", "restore_vs_before"])
-    before = median([r["restore_ms"] for r in runs["each"]])
-    for key, label, _ in LAYOUTS:
-        rs = runs[key]
-        restore = median([r["restore_ms"] for r in rs])
-        table.add(layout=label, answer_s=median([r["answer_s"] for r in rs]),
-                  autosave_ms=median([r["autosave_ms"] for r in rs]),
-                  slowest_ms=median([r["slowest_ms"] for r in rs]),
-                  written_MB=median([r["written_mb"] for r in rs]),
-                  largest_MB=median([r["largest_mb"] for r in rs]), files_read=rs[0]["files"],
-                  store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
-                  restore_vs_before=ratio(restore, before))
+    add_layout_rows(table, runs, LAYOUTS, "each",
+                    {"answer_s": "answer_s", "autosave_ms": "autosave_ms", "slowest_ms": "slowest_ms",
+                     "written_MB": "written_mb", "largest_MB": "largest_mb", "store_MB": "store_mb",
+                     "restore_ms": "restore_ms"}, {"files_read": "files"})
     return table
 
 

@@ -282,6 +282,20 @@ def interleaved_layouts(settings, repeats: int, layouts: Sequence[Layout], one_r
     return runs
 
 
+def add_layout_rows(table: Table, runs: dict[str, list[dict]], layouts: Sequence[Layout], before: str,
+                    medians: dict[str, str], firsts: dict[str, str] | None = None) -> None:
+    """One row of ``table`` per layout of :func:`interleaved_layouts`' ``runs``: each column of
+    ``medians`` the median of that key over the layout's runs, each of ``firsts`` the first
+    run's value (a count, the same in every run), and ``restore_vs_before`` the layout's
+    median ``restore_ms`` over that of the layout keyed ``before``."""
+    base = median([r["restore_ms"] for r in runs[before]])
+    for key, label, _ in layouts:
+        rs = runs[key]
+        row = {column: median([r[k] for r in rs]) for column, k in medians.items()}
+        row.update({column: rs[0][k] for column, k in (firsts or {}).items()})
+        table.add(layout=label, **row, restore_vs_before=ratio(median([r["restore_ms"] for r in rs]), base))
+
+
 def warm_restores(reader, head_path: Path, tokens: Sequence[int], times: int = 5) -> tuple[float, int]:
     """(median seconds, files read): ``times`` restores of ``head_path``'s chain into
     ``reader``, emptied before each, every check included; SystemExit when the restore

@@ -21,10 +21,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from statistics import median
-from time import perf_counter as clock
 
-from benchmarks.common import Table
+from benchmarks.common import Table, clock, median
 from benchmarks.restore_profile import MODELS, ROOT, make_files, model_file
 
 

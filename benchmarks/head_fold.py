@@ -24,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+from benchmarks.common import Table, add_layout_rows, clock, ctx_size_for  # noqa: E402
 
 LAYOUTS = (("newest", "head on the newest autosave (before)", False),
            ("folded", "head folded onto the last anchor (now)", True))
@@ -67,14 +67,9 @@ def measure(args) -> Table:
     table = Table(f"An answer's pause and its restore (SmolLM2, {args.prompt:,}-token prompt, {args.tokens} "
                   f"tokens, autosave every {args.every}; medians of {args.repeats})",
                   ["layout", "pause_ms", "head_MB", "files_read", "store_MB", "restore_ms", "restore_vs_before"])
-    before = median([r["restore_ms"] for r in runs["newest"]])
-    for key, label, _ in LAYOUTS:
-        rs = runs[key]
-        restore = median([r["restore_ms"] for r in rs])
-        table.add(layout=label, pause_ms=median([r["pause_ms"] for r in rs]),
-                  head_MB=median([r["head_mb"] for r in rs]), files_read=rs[0]["files"],
-                  store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
-                  restore_vs_before=ratio(restore, before))
+    add_layout_rows(table, runs, LAYOUTS, "newest",
+                    {"pause_ms": "pause_ms", "head_MB": "head_mb", "store_MB": "store_mb", "restore_ms": "restore_ms"},
+                    {"files_read": "files"})
     return table
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Table, clock, ctx_size_for, median, ratio  # noqa: E402
+from benchmarks.common import Table, add_layout_rows, clock, ctx_size_for  # noqa: E402
 
 #: (key, label, ChainPolicy's fields)
 LAYOUTS = (("each", "a file per turn", {"merge_turns": False}),
@@ -80,15 +80,10 @@ def measure(args) -> Table:
                   f"{args.repeats}; restore warm, in-process)",
                   ["layout", "files", "written_MB", "largest_save_MB", "slowest_save_ms", "store_MB",
                    "restore_ms", "restore_vs_before"])
-    before = median([r["restore_ms"] for r in runs["each"]])
-    for key, label, _ in LAYOUTS:
-        rs = runs[key]
-        restore = median([r["restore_ms"] for r in rs])
-        table.add(layout=label, files=rs[0]["files"], written_MB=median([r["written_mb"] for r in rs]),
-                  largest_save_MB=median([r["largest_mb"] for r in rs]),
-                  slowest_save_ms=median([r["slowest_save_ms"] for r in rs]),
-                  store_MB=median([r["store_mb"] for r in rs]), restore_ms=restore,
-                  restore_vs_before=ratio(restore, before))
+    add_layout_rows(table, runs, LAYOUTS, "each",
+                    {"written_MB": "written_mb", "largest_save_MB": "largest_mb",
+                     "slowest_save_ms": "slowest_save_ms", "store_MB": "store_mb", "restore_ms": "restore_ms"},
+                    {"files": "files"})
     return table
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Table, clock, median, ratio  # noqa: E402
+from benchmarks.common import Table, add_layout_rows, clock  # noqa: E402
 
 #: (key, label, ChainPolicy's fields)
 LAYOUTS = (("newest", "each autosave on the newest (before)", {"fold_dead_tails": False, "tier_autosaves": False}),
@@ -93,15 +93,10 @@ def measure(args) -> Table:
                   f"medians of {args.repeats}; restore warm, in-process)",
                   ["layout", "crash_files", "crash_MB", "chain_files", "written_MB", "restore_ms",
                    "restore_vs_before", "answer_s", "store_after_head_MB", "state_MB"])
-    before = median([r["restore_ms"] for r in runs["newest"]])
-    for key, label, _ in LAYOUTS:
-        rs = runs[key]
-        restore = median([r["restore_ms"] for r in rs])
-        table.add(layout=label, crash_files=rs[0]["crash_files"], crash_MB=median([r["crash_mb"] for r in rs]),
-                  chain_files=rs[0]["chain"], written_MB=median([r["written_mb"] for r in rs]),
-                  restore_ms=restore, restore_vs_before=ratio(restore, before),
-                  answer_s=median([r["answer_s"] for r in rs]),
-                  store_after_head_MB=median([r["store_mb"] for r in rs]), state_MB=rs[0]["state_mb"])
+    add_layout_rows(table, runs, LAYOUTS, "newest",
+                    {"crash_MB": "crash_mb", "written_MB": "written_mb", "restore_ms": "restore_ms",
+                     "answer_s": "answer_s", "store_after_head_MB": "store_mb"},
+                    {"crash_files": "crash_files", "chain_files": "chain", "state_MB": "state_mb"})
     return table
 
 

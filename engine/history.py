@@ -199,10 +199,10 @@ class LineWriter:
         #: autosaves land (fsync, rename, retiring what they supersede) on a helper
         #: thread: an answer does not wait for them (engine.checkpoints.atomic.Landing)
         self._landing = Landing()
-        self._landing_info: SaveInfo | None = None
-        #: the live chain as it was before the save still landing: what it is again if that
-        #: save fails to land (the autosaves it absorbed were not retired, _tier_below)
-        self._chain_before_landing: list[SaveInfo] = []
+        #: the save still landing, and the live chain as it was before it: what the chain is
+        #: again if that save fails to land (the autosaves it absorbed were not retired,
+        #: _tier_below)
+        self._landing_save: tuple[SaveInfo, list[SaveInfo]] | None = None
         self._land_now = False   # after a failed landing, the next save is synchronous
         self._after_landing: list = []   # when_landed's steps, for the owner's thread
         self.saves = 0
@@ -267,8 +267,8 @@ class LineWriter:
     def landing_path(self) -> Path | None:
         """The file of the save still landing, if any (its fsync and rename in flight, or
         done and not yet settled)."""
-        info = self._landing_info if self._landing.in_flight else None
-        return info.path if info is not None else None
+        save = self._landing_save if self._landing.in_flight else None
+        return save[0].path if save is not None else None
 
     def when_landed(self, step, wake=None, failed=None) -> None:
         """Run ``step`` once the newest save is on disk (at once when it is), on the thread
@@ -290,16 +290,15 @@ class LineWriter:
         if not self._landing.in_flight:
             return
         failure = self._landing.settle()
-        landed, self._landing_info = self._landing_info, None
-        before, self._chain_before_landing = self._chain_before_landing, []
+        save, self._landing_save = self._landing_save, None
         steps, self._after_landing = self._after_landing, []
         if failure is not None:
             # e.g. its parent was deleted meanwhile: the next save, made in the foreground,
             # finds that out and writes a full checkpoint instead
             log.warning("an autosave could not be saved: %s", failure)
             self._land_now = True
-            if self._chain and self._chain[-1] is landed:
-                self._chain = before   # the autosaves it absorbed are still on disk, still live
+            if save is not None and self._chain and self._chain[-1] is save[0]:
+                self._chain = save[1]   # the autosaves it absorbed are still on disk, still live
         for step, failed in steps:
             try:
                 if failure is None:
@@ -474,7 +473,7 @@ class LineWriter:
                            point_state=self._point_state(info))
         in_background = landing is not None and self._landing.in_flight
         if in_background:
-            self._landing_info, self._chain_before_landing = info, list(self._chain)
+            self._landing_save = (info, list(self._chain))
         else:
             self._land_now = False
         # after a cut, the file cut from holds more than the cache: the delta is the base
