@@ -30,7 +30,10 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    state survives, so an earlier file's is not set (unless a snapshot is taken out of
    llama.cpp after it): a recurrent memory's earlier files are skipped, a hybrid's give
    their attention cells alone where the recurrent state is the larger part
-   (:func:`_without_a_replaced_recurrent_state`).
+   (:func:`_without_a_replaced_recurrent_state`).  Nor is such a block checked where its
+   file's metadata gives its CRC (load_chain leaves the ancestors' unchecked: 50 MB each at
+   Qwen3.5-4B's widths): it is checked where it is set after all, or read to go back to
+   (engine.checkpoints.format, The file's own recurrent block).
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
 
@@ -268,6 +271,8 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 state = _without_a_replaced_recurrent_state(data, layouts[i])
             if not len(state):
                 continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)
+            if state is data.state:
+                data.check_recurrent_later()   # set with its recurrent block: checked (restore_into settles)
             scratch_used = scratch_used or i != direct
             ctx.state_set_from(state, len(state), slot.seq if i == direct else slot.scratch)
             if i and (i != direct or parked):
@@ -375,10 +380,28 @@ def _checked(chain: Sequence[CheckpointData], target: Target) -> tuple[Conversat
     layouts: list[StateLayout | None] = []
     for data in chain:
         target.check(data.header, data.meta)
-        layouts.append(check_state_for(data.header, data.state, rows) if data.header.n_tokens else None)
+        layouts.append(_walked(data, rows) if data.header.n_tokens else None)
     for prev, data in zip(chain, chain[1:], strict=False):   # each link with the one before
         check_link(prev, data)
     return _conversation_of(chain[-1]), layouts
+
+
+def _walked(data: CheckpointData, rows: tuple[int, ...] | None) -> StateLayout:
+    """The walk of a file's state (kvstate.check_state_for).  Where the read left the file's
+    recurrent block unchecked (CheckpointData.unread_recurrent), the walk has read its row
+    headers: a refusal then has the block checked, so that damage is named as the reason
+    (restore_into settles); and the block the metadata vouches for must be the one the state
+    ends with, or bytes set into llama.cpp would have gone unchecked."""
+    try:
+        layout = check_state_for(data.header, data.state, rows)
+    except CorruptState:
+        data.check_recurrent_later()
+        raise
+    unread = data.unread_recurrent
+    if unread is not None and (layout.recurrent is None or recurrent_block_len(layout) != unread[1]):
+        raise CorruptState(f"{data.path.name}: the recurrent block its metadata gives the checksum of "
+                           "is not the one its state ends with")
+    return layout
 
 
 def text_of_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:

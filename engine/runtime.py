@@ -35,11 +35,18 @@ from engine.checkpoints.format import (
     CheckpointData,
     Header,
     encode_metadata,
+    recurrent_block_metadata,
     stored_payload_crc,
     write_sections,
 )
 from engine.checkpoints.graph import default_line, line_of
-from engine.checkpoints.kvstate import check_recurrent_part, check_state, check_state_for, relabel_state
+from engine.checkpoints.kvstate import (
+    check_recurrent_part,
+    check_state,
+    check_state_for,
+    recurrent_block_len,
+    relabel_state,
+)
 from engine.checkpoints.points import Point, check_point_crc, metadata_of, recurrent_parts
 from engine.conversation import Conversation
 from engine.errors import CorruptState, GenerationError, SaveFailed
@@ -422,23 +429,29 @@ class Runtime:
             checks.append(functools.partial(_parent_still_there, parent))
         if fresh:
             checks.append(functools.partial(_name_still_free, path))
-        meta = encode_metadata(meta_json)
         # logits only where decoding the last token again would not give them exactly
         logits = (np.array(self.logits(), copy=True)
                   if upto is None and self.logits_worth_saving(kind, conv.paused) else None)
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
         try:   # the walk a restore makes, before a byte is written: never save what cannot load
-            if n:
-                check_state_for(header, state, self.target.recurrent_rows)
+            layout = check_state_for(header, state, self.target.recurrent_rows) if n else None
         except CorruptState as exc:
             raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
                              f"could not be loaded again ({exc}); nothing was saved") from exc
+        tail_crc = None
+        if layout is not None and layout.recurrent is not None and len(state):
+            # its CRC on its own: a restore that does not set it neither reads nor checks it
+            # (engine.checkpoints.format, The file's own recurrent block)
+            own = meta_json["recurrent_block"] = recurrent_block_metadata(state, recurrent_block_len(layout))
+            tail_crc = (own["crc32"], own["len"])
+        meta = encode_metadata(meta_json)
         precondition = (lambda: [check() for check in checks]) if checks else None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_write(path, precondition=precondition, landing=landing) as f:
                 _, crc = write_sections(f, header, meta, np.asarray(conv.tokens, dtype=np.int32),
-                                        logits, state, point_states=recurrent_parts(points))
+                                        logits, state, point_states=recurrent_parts(points),
+                                        state_tail_crc=tail_crc)
                 size = f.tell()
         except OSError as exc:
             reason = exc.strerror or str(exc)

@@ -81,7 +81,10 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     (read_checkpoint), one after another on the process's helper thread
     (engine.checkpoints.crc_helper); whoever uses the chain calls :func:`settle` before
     keeping anything of it (engine.restore.restore_into does).  A damaged file is still
-    reported as such, whatever else the unsettled files made go wrong here.
+    reported as such, whatever else the unsettled files made go wrong here.  With
+    ``crc_later``, the ancestors' own recurrent blocks, which a restore replaces with the
+    last file's, are left unchecked where their metadata gives their CRC (read_checkpoint's
+    ``recurrent_later``): checked where one is used after all.
     """
     path = Path(path)
     chain = [read_checkpoint(path, progress=progress, crc_later=crc_later)]
@@ -137,7 +140,8 @@ def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later
         if not parent_path.is_file():
             raise BrokenChain(f"the parent checkpoint {name} is missing from {path.parent}")
         try:
-            parent = read_checkpoint(parent_path, progress=progress, crc_later=crc_later)
+            parent = read_checkpoint(parent_path, progress=progress, crc_later=crc_later,
+                                     recurrent_later=crc_later)
         except CheckpointError as exc:
             raise BrokenChain(f"the parent checkpoint {name} is damaged: {exc}") from exc
         chain.insert(0, parent)

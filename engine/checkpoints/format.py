@@ -137,6 +137,21 @@ bytes before them combined with theirs (zlib's ``crc32_combine``), which the met
 under that CRC, vouches for; a blob is then checked against its own CRC when it is used
 (engine.checkpoints.points.check_point_crc).
 
+The file's own recurrent block
+------------------------------
+A file of a memory with a recurrent part (``memory`` 1 or 2, a state with cells) says in its
+metadata ``"recurrent_block": {"len": L, "crc32": C}``: its llama.cpp state ends with a
+recurrent block of L bytes (kvstate: one cell's R and S rows, 50 MB at Qwen3.5-4B's
+widths) whose CRC32 is C (files written before 2026-12-07 do not say it: every byte of
+such a file is checksummed).  A restore sets only the last file's recurrent state: an
+earlier file of its chain gives its attention cells alone (engine.restore), so a reader
+restoring such a file (``read_checkpoint``'s ``recurrent_later``, with a mapping) neither
+checksums the block nor maps it in: the payload CRC is checked as the CRC of the bytes
+before it combined with C (and with the points' blobs after it), and the block is checked
+against C where it is used (set after all, or kept in its file to go back to:
+:meth:`CheckpointData.check_recurrent_later`, :meth:`CheckpointData.crc_of_state_tail`).
+A reader checks L against the state's walk before it trusts it (engine.restore).
+
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
 (with a sliding window or a batch-decoded prompt the result depends on batch
@@ -629,6 +644,11 @@ class CheckpointData:
     #: states): :meth:`crc_of_state_tail` derives a part's CRC from them
     crc_before_state: int = field(default=0, repr=False, compare=False)
     crc_through_state: int | None = field(default=None, repr=False, compare=False)
+    #: ``(crc32, length)`` of the recurrent block that ends ``state``, where the read left it
+    #: unchecked (``recurrent_later``: see The file's own recurrent block); None once checked
+    unread_recurrent: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    #: that block's CRC32 being computed on the helper thread (:meth:`check_recurrent_later`)
+    recurrent_crc: QueuedCrc | None = field(default=None, repr=False, compare=False)
 
     def holds_point_states(self) -> bool:
         """Whether the points' recurrent states can be had (:meth:`point_state`)."""
@@ -672,8 +692,9 @@ class CheckpointData:
         mapping = self.mapping
         if mapping is None:
             return
-        if self.pending_crc is not None:
-            self.pending_crc.wait()
+        for job in (self.pending_crc, self.recurrent_crc):
+            if job is not None:
+                job.wait()
         if len(self.point_states) and recurrent_crcs(self.meta) is not None:
             self.point_states_at = self.point_states_offset() or 0
         self.state = self.point_states = np.empty(0, np.uint8)
@@ -687,24 +708,52 @@ class CheckpointData:
         """Wait for a checksum still being computed; ChecksumMismatch when the file was
         damaged (and again on every later call).  Returns at once for a checked file."""
         job = self.pending_crc
-        if job is None:
+        if job is not None:
+            through = job.result()
+            if _with_unread(through, self._unread_parts()) != self.payload_crc:
+                raise ChecksumMismatch(PAYLOAD_MISMATCH)
+            self.pending_crc = None
+            if self.unread_recurrent is None and (not self.header.has_point_states or self.unread_point_crcs):
+                self.crc_through_state = through   # (it ended at the state's end)
+        recurrent = self.recurrent_crc
+        if recurrent is not None and self.unread_recurrent is not None:
+            if recurrent.result() != self.unread_recurrent[0]:
+                raise ChecksumMismatch(PAYLOAD_MISMATCH)
+            self.recurrent_crc = self.unread_recurrent = None
+
+    def _unread_parts(self) -> tuple[tuple[int, int], ...]:
+        """``(crc32, length)`` of each part at the end of the state section the read did not
+        checksum, in the file's order: the recurrent block, the points' states."""
+        own = () if self.unread_recurrent is None else (self.unread_recurrent,)
+        return own + self.unread_point_crcs
+
+    def check_recurrent_later(self) -> None:
+        """Have the recurrent block the read left unchecked checksummed, on the helper thread
+        (:meth:`settle` gives the verdict): the block is about to be used after all (a restore
+        sets it).  Nothing to do where the read checked it."""
+        if self.unread_recurrent is None or self.recurrent_crc is not None:
             return
-        through = job.result()
-        if _with_unread(through, self.unread_point_crcs) != self.payload_crc:
-            raise ChecksumMismatch(PAYLOAD_MISMATCH)
-        self.pending_crc = None
-        if not self.header.has_point_states or self.unread_point_crcs:   # (it ended at the state's end)
-            self.crc_through_state = through
+        if self.released:
+            raise ValueError(f"{self.path.name} was released: its state is gone")
+        view = byte_view(self.state)
+        self.recurrent_crc = queue_crc(view[len(view) - self.unread_recurrent[1]:], 0)
 
     def crc_of_state_tail(self, start: int) -> int:
         """The CRC32 of ``state[start:]`` (settled: checked), from the checksum the read
         computed where it ended at the state's end and the part before ``start`` is the
         shorter (a gated delta-net's recurrent block after ~1 MB of attention cells: that
         megabyte is read, not the 12.6 MB), else from the bytes themselves.  CRC32 is
-        linear: crc(B) = crc(P+A+B) xor combine(crc(P+A), 0, len(B))."""
+        linear: crc(B) = crc(P+A+B) xor combine(crc(P+A), 0, len(B)).  The recurrent block
+        the read left unchecked: the metadata's CRC of it (under the payload CRC), for its
+        user to check the bytes against when it reads them."""
         if self.released:
             raise ValueError(f"{self.path.name} was released: its state is gone")
         view = byte_view(self.state)
+        if self.unread_recurrent is not None:
+            if start == len(view) - self.unread_recurrent[1]:
+                return self.unread_recurrent[0]
+            self.check_recurrent_later()   # other bytes with it: checked before their CRC is vouched for
+            self.settle()
         through = self.crc_through_state
         if crc_combine is None or through is None or start > len(view) - start:
             return crc32(view[start:])
@@ -785,10 +834,13 @@ def byte_view(data: StateBytes) -> memoryview:
 
 def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.ndarray,
                    logits: np.ndarray | None, state: StateBytes,
-                   chunk: int = 2 << 20, point_states: Sequence[StateBytes] = ()) -> tuple[Header, int]:
+                   chunk: int = 2 << 20, point_states: Sequence[StateBytes] = (),
+                   state_tail_crc: tuple[int, int] | None = None) -> tuple[Header, int]:
     """Write a whole checkpoint to ``out``; returns the header as written and the payload CRC.
     ``point_states``: the recurrent states of the metadata's points, after ``state``
-    (POINT_STATES, see the module docstring).
+    (POINT_STATES, see the module docstring).  ``state_tail_crc``: ``(crc32, length)`` of
+    the last bytes of ``state``, computed already (the metadata's ``recurrent_block``): not
+    computed again.
 
     The state is written in chunks straight from the caller's buffer (no second copy of
     it is made).  A payload of :data:`CRC_THREAD_MIN_BYTES` or more is checksummed on a
@@ -820,8 +872,13 @@ def write_sections(out: BinaryIO, header: Header, meta_bytes: bytes, tokens: np.
     else:
         _write_parts(out, parts, chunk, len(packed))
         crc = 0
-        for part in parts:
-            crc = crc32(part, crc)
+        tail_crc, tail_len = state_tail_crc if state_tail_crc and crc_combine is not None else (0, 0)
+        for i, part in enumerate(parts):
+            if i == 3 and tail_len:   # llama.cpp's state
+                assert crc_combine is not None
+                crc = crc_combine(crc32(part[:len(part) - tail_len], crc), tail_crc, tail_len)
+            else:
+                crc = crc32(part, crc)
     out.write(struct.pack("<I", crc) + TRAILER_MAGIC)
     return header, crc
 
@@ -867,7 +924,7 @@ CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
-                    progress=None, crc_later: bool = False) -> CheckpointData:
+                    progress=None, crc_later: bool = False, recurrent_later: bool = False) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
@@ -883,12 +940,16 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     anything of the file.  With ``crc_later``, the points' recurrent states of a file whose
     points give their own CRCs are not checksummed (see Points), and not copied: a copying
     read leaves them in the file (``CheckpointData.point_state``).
+
+    ``recurrent_later`` (with ``crc_later``): a file that gives its own recurrent block's
+    CRC (see The file's own recurrent block), read through a mapping, has that block neither
+    checksummed nor mapped in now (a restore sets it only for the chain's last file:
+    ``CheckpointData.check_recurrent_later`` where it is used after all).
     """
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = unpack_header(f.read(HEADER_LEN), size, limits)
-        later = crc_later and load_state and header.state_len >= CRC_LATER_MIN_BYTES
         meta_bytes = _read_exact(f, header.meta_len, "metadata")
         crc = crc32(meta_bytes)
         meta = decode_metadata(meta_bytes, limits)
@@ -901,6 +962,12 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
+        own = None
+        if mapping is not None and crc_later and recurrent_later and (unread or not tail):
+            # (the unread bytes then end the section: the block, the points' states)
+            own = _own_recurrent_crc(meta, checked_len)
+            checked_len -= own[1] if own else 0
+        later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
             # a state the helper checksums is mapped in by its reading, on another core, where
@@ -908,9 +975,10 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
             populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, checked_len))
             state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate, checked_len)
             rest = header.state_offset + checked_len
-            if unread and not mapped.in_page_cache(f.fileno(), rest, header.state_len - checked_len):
-                # the point states are read only if one is used; where a page of them needs the
-                # disk, they are mapped in now: a read error is then the reader's, not a SIGBUS
+            if (unread or own) and not mapped.in_page_cache(f.fileno(), rest, header.state_len - checked_len):
+                # the unread bytes are read only if they are used; where a page of them needs
+                # the disk, they are mapped in now (the walk reads the block's row headers):
+                # a read error is then the reader's, not a SIGBUS
                 mapped.populate(mapping, rest, header.state_len - checked_len)
             if state_crc is not None:   # None: left to the helper
                 crc = state_crc
@@ -932,14 +1000,15 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     # one call over the whole state: crc32 holds no GIL while it runs, and a thread that had
     # to take the GIL back between chunks would wait for the restoring thread's Python code
     job = queue_crc(byte_view(state[:checked_len]), crc) if later else None
-    if job is None and stored_crc != _with_unread(crc, unread):
+    if job is None and stored_crc != _with_unread(crc, ((own,) if own else ()) + unread):
         raise ChecksumMismatch(PAYLOAD_MISMATCH)
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
-                          mapping=mapping, crc_before_state=before_state,
-                          crc_through_state=crc if load_state and job is None and (unread or not tail) else None)
+                          mapping=mapping, crc_before_state=before_state, unread_recurrent=own,
+                          crc_through_state=crc if load_state and job is None and not own
+                          and (unread or not tail) else None)
     if tail and load_state:
-        _place_point_states(data, tail, checked_len)
+        _place_point_states(data, tail, checked_len + (own[1] if own else 0))
     try:
         data.tokens, data.logits = _token_arrays(header, tokens_view, logits_view)
     except CorruptMetadata:
@@ -990,6 +1059,28 @@ def _unread_point_crcs(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     if crc_combine is None or crcs is None or lengths is None or len(crcs) != len(lengths):
         return ()
     return tuple(zip(crcs, lengths, strict=True))
+
+
+def _own_recurrent_crc(meta: dict[str, Any], state_len: int) -> tuple[int, int] | None:
+    """``(crc32, length)`` of the recurrent block the metadata says ends the ``state_len``
+    bytes of llama.cpp's state (see The file's own recurrent block); None where it says none
+    that could be (missing, mistyped, longer than the state after its magic and sequence
+    id) or this build cannot combine CRCs: every byte is checksummed then."""
+    block = meta.get("recurrent_block")
+    if crc_combine is None or not isinstance(block, dict):
+        return None
+    length, crc = block.get("len"), block.get("crc32")
+    if type(length) is not int or type(crc) is not int or not 0 < length <= state_len - 8 \
+            or not 0 <= crc <= 0xFFFFFFFF:
+        return None
+    return crc, length
+
+
+def recurrent_block_metadata(state: StateBytes, length: int) -> dict[str, int]:
+    """The metadata ``recurrent_block`` of a file whose llama.cpp state ``state`` ends with a
+    recurrent block of ``length`` bytes (kvstate.recurrent_block_len of its walk)."""
+    view = byte_view(state)
+    return {"len": length, "crc32": crc32(view[len(view) - length:])}
 
 
 def _token_arrays(header: Header, tokens_view: memoryview,

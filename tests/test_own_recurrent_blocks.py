@@ -1,0 +1,235 @@
+"""A file's own recurrent block, which a restore replaces with a later file's, is neither
+read nor checksummed by it (engine.checkpoints.format, The file's own recurrent block):
+its metadata gives the block's CRC, the payload CRC is checked around it, and the block is
+checked where it is used after all (set as a chain's last state, or read to go back to).
+
+Tiny random-weight models of every memory with a recurrent part (tests/tinymodels.py);
+exactness is the restored sequence's state and logits against an undamaged chain's.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+
+import memkit
+import numpy as np
+import pytest
+from test_states_left_in_files import _prompt_then_answer
+
+from engine.checkpoints import mapped
+from engine.checkpoints.chain import load_chain, restoring
+from engine.checkpoints.crc import combine, crc32
+from engine.checkpoints.format import encode_metadata, read_checkpoint, write_sections
+from engine.checkpoints.kvstate import check_state_for, recurrent_block_len
+from engine.errors import BrokenChain, ChecksumMismatch, CorruptState
+from engine.restore import _without_a_replaced_recurrent_state
+from engine.runtime import Runtime
+
+ARCHS = ["qwen35", "mamba2", "lfm2", "granitehybrid"]
+
+
+@pytest.fixture(autouse=True)
+def _mapped(monkeypatch):
+    """The tiny models' states are small: mapped as a large one is (where this OS can)."""
+    monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
+    assert combine is not None, "python-isal's crc32_combine: every platform shipped has it"
+
+
+@pytest.fixture(scope="module")
+def made(tiny_model_path, tmp_path_factory):
+    """Per arch: the prompt's file, the answer's file on it, the prompt's length, the answer."""
+    cache = {}
+
+    def make(arch):
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(arch)
+            rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+            try:
+                cache[arch] = _prompt_then_answer(rt, folder)
+            finally:
+                rt.close()
+        return cache[arch]
+    return make
+
+
+def _copy(made, arch, tmp_path):
+    prompt, answer, *_rest = made(arch)
+    folder = tmp_path / "copy"
+    shutil.copytree(prompt.parent, folder)
+    return folder / prompt.name, folder / answer.name
+
+
+def _block_of(path) -> tuple[int, int]:
+    """Where the recurrent block ending a file's llama.cpp state lies: (file offset, length)."""
+    data = read_checkpoint(path)
+    block = recurrent_block_len(check_state_for(data.header, data.state))
+    return data.header.state_offset + len(data.state) - block, block
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _state_and_logits(rt) -> tuple[bytes, bytes]:
+    ctx = rt.ctx
+    size = ctx.state_size(0)
+    buf = np.empty(size, dtype=np.uint8)
+    return bytes(buf[:ctx.state_get_into(buf, size, 0)]), np.asarray(rt.logits()).tobytes()
+
+
+def _restore(rt, chain):
+    with restoring(chain):
+        rt.restore_chain(chain)
+    return _state_and_logits(rt)
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "llama"])
+def test_a_file_gives_its_own_recurrent_blocks_length_and_crc(arch, made):
+    """Every file with a recurrent state says where its block is and its CRC32; a plain
+    attention memory's say nothing."""
+    for path in made(arch)[:2]:
+        data = read_checkpoint(path)
+        layout = check_state_for(data.header, data.state)
+        if layout.recurrent is None:
+            assert "recurrent_block" not in data.meta, path.name
+            continue
+        block = recurrent_block_len(layout)
+        assert data.meta["recurrent_block"] == {"len": block, "crc32": crc32(data.state.tobytes()[-block:])}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_restore_neither_reads_nor_checks_an_ancestors_block_it_replaces(arch, made, tiny_model_path,
+                                                                        tmp_path, monkeypatch):
+    """A byte of the prompt's block damaged: restoring the answer's chain does not use that
+    block, so it gives exactly the undamaged chain's state and logits (before: refused as
+    damaged); the block's pages were never mapped in, nor its bytes checksummed.  Where the
+    restore sets the block after all (a memory whose attention cells are the larger part:
+    copying them out would cost more), it is checked, and the damage found."""
+    prompt, answer = _copy(made, arch, tmp_path)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        clean = _restore(rt, load_chain(answer, crc_later=True))
+        offset, length = _block_of(prompt)
+        _flip(prompt, offset + 33)   # a byte of the first R row (after the block's 20 bytes, its 12)
+        calls: list[tuple[object, int, int]] = []
+        real = mapped.populate
+        monkeypatch.setattr(mapped, "populate", lambda m, start, n: (calls.append((m, start, n)), real(m, start, n))[1])
+        monkeypatch.setattr(mapped, "in_page_cache", lambda *a: True)
+        chain = load_chain(answer, crc_later=True)
+        assert chain[0].unread_recurrent == (chain[0].meta["recurrent_block"]["crc32"], length)
+        assert chain[-1].unread_recurrent is None   # the last file's block is set: checked as ever
+        if chain[0].mapping is not None:
+            mine = [(start, n) for m, start, n in calls if m is chain[0].mapping]
+            assert mine and not any(start < offset + length and offset < start + n for start, n in mine), mine
+        rt.trim(0)
+        layout = check_state_for(chain[0].header, chain[0].state)
+        if _without_a_replaced_recurrent_state(chain[0], layout) is not chain[0].state:
+            assert _restore(rt, chain) == clean
+        else:
+            with pytest.raises(BrokenChain, match=f"{prompt.name} is damaged"):
+                _restore(rt, chain)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_block_left_unchecked_is_checked_where_it_is_set_after_all(arch, made, tiny_model_path, tmp_path):
+    """Restoring the chain up to the prompt's file (an Edit, ``--from-turn``: the prompt's
+    state set whole): its block is checked then — intact, the state is the prompt file's own;
+    damaged, the restore fails as damaged and the sequence is left empty."""
+    prompt, answer = _copy(made, arch, tmp_path)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        alone = _restore(rt, load_chain(prompt, crc_later=True))
+        rt.trim(0)
+        chain = load_chain(answer, crc_later=True)
+        assert chain[0].unread_recurrent is not None
+        assert _restore(rt, chain[:1]) == alone
+        offset, length = _block_of(prompt)
+        _flip(prompt, offset + 33)
+        chain = load_chain(answer, crc_later=True)
+        rt.trim(0)
+        with pytest.raises(ChecksumMismatch), restoring(chain[:1]):
+            rt.restore_chain(chain[:1])
+        assert rt.kv_tokens == []
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("where", ["row header", "before the block"])
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_damage_the_walk_or_the_payload_crc_finds_is_named_as_damage(arch, where, made, tiny_model_path, tmp_path):
+    """A damaged row header of the prompt's block stops the walk, which read those bytes
+    unchecked: the block is checked and the restore says the prompt's file is damaged; a
+    damaged byte before the block fails the payload CRC checked around it."""
+    prompt, answer = _copy(made, arch, tmp_path)
+    offset, _length = _block_of(prompt)
+    # the block: a cell count, one cell (pos, n_seq_id), s_trans, n_layer, then layer 0's type
+    _flip(prompt, offset + 20 if where == "row header" else read_checkpoint(prompt).header.state_offset + 2)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        chain = [] if where == "before the block" else load_chain(answer, crc_later=True)
+        with pytest.raises(BrokenChain, match=f"{prompt.name} is damaged"):
+            chain = chain or load_chain(answer, crc_later=True)
+            with restoring(chain):
+                rt.restore_chain(chain)
+    finally:
+        rt.close()
+
+
+def _rewritten(path, out, change) -> None:
+    """``path`` written again to ``out`` with its metadata changed by ``change(meta, state)``."""
+    data = read_checkpoint(path)
+    meta = dict(data.meta)
+    change(meta, data.state.tobytes())
+    buf = io.BytesIO()
+    write_sections(buf, data.header, encode_metadata(meta), data.tokens, data.logits, data.state,
+                   point_states=(data.point_states,) if len(data.point_states) else ())
+    out.write_bytes(buf.getvalue())
+
+
+def test_a_block_the_metadata_misplaces_is_refused_and_one_it_omits_is_checked(made, tiny_model_path, tmp_path):
+    """A file whose metadata claims a longer block than its state ends with (attention cells
+    would go unchecked into llama.cpp) is refused; a file without the key (written before
+    it) is checksummed whole, and restores."""
+    prompt, _answer, *_rest = made("qwen35")
+
+    def longer(meta, state):
+        n = meta["recurrent_block"]["len"] + 4
+        meta["recurrent_block"] = {"len": n, "crc32": crc32(state[-n:])}
+
+    liar, old = tmp_path / "liar.kvckpt", tmp_path / "old.kvckpt"
+    _rewritten(prompt, liar, longer)
+    _rewritten(prompt, old, lambda meta, _state: meta.pop("recurrent_block"))
+    rt = Runtime(tiny_model_path("qwen35"), memkit.SETTINGS)
+    try:
+        data = read_checkpoint(liar, crc_later=True, recurrent_later=True)
+        assert data.unread_recurrent is not None
+        with pytest.raises(CorruptState, match="is not the one its state ends with"), restoring([data]):
+            rt.restore_chain([data])
+        data = read_checkpoint(old, crc_later=True, recurrent_later=True)
+        assert data.unread_recurrent is None
+        with restoring([data]):
+            rt.restore_chain([data])
+        assert rt.kv_tokens == read_checkpoint(prompt).tokens.tolist()
+    finally:
+        rt.close()
+
+
+def test_a_known_state_tail_crc_gives_the_same_file(made):
+    """write_sections with the block's CRC given (a save computes it for the metadata) writes
+    the bytes it writes computing every CRC itself."""
+    data = read_checkpoint(made("qwen35")[0])
+    meta = encode_metadata(data.meta)
+    block = data.meta["recurrent_block"]
+    files = []
+    for tail in (None, (block["crc32"], block["len"])):
+        buf = io.BytesIO()
+        _header, crc = write_sections(buf, data.header, meta, data.tokens, data.logits, data.state, state_tail_crc=tail)
+        files.append((buf.getvalue(), crc))
+    assert files[0] == files[1] and files[0][1] == data.payload_crc
