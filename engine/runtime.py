@@ -433,17 +433,7 @@ class Runtime:
         logits = (np.array(self.logits(), copy=True)
                   if upto is None and self.logits_worth_saving(kind, conv.paused) else None)
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
-        try:   # the walk a restore makes, before a byte is written: never save what cannot load
-            layout = check_state_for(header, state, self.target.recurrent_rows) if n else None
-        except CorruptState as exc:
-            raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
-                             f"could not be loaded again ({exc}); nothing was saved") from exc
-        tail_crc = None
-        if layout is not None and layout.recurrent is not None and len(state):
-            # its CRC on its own: a restore that does not set it neither reads nor checks it
-            # (engine.checkpoints.format, The file's own recurrent block)
-            own = meta_json["recurrent_block"] = recurrent_block_metadata(state, recurrent_block_len(layout))
-            tail_crc = (own["crc32"], own["len"])
+        tail_crc = self._walked(header, state, meta_json) if n else None
         meta = encode_metadata(meta_json)
         precondition = (lambda: [check() for check in checks]) if checks else None
         try:
@@ -464,6 +454,21 @@ class Runtime:
                         line=line, kind=kind, depth=parent.depth + 1 if parent is not None else 1,
                         tokens=kv,
                         parent_n_tokens=p0 if parent is not None else 0, points=tuple(points))
+
+    def _walked(self, header: Header, state: np.ndarray, meta_json: dict) -> tuple[int, int] | None:
+        """Walk a state about to be saved as a restore will, before a byte is written: never
+        save what cannot load (SaveFailed).  Where it ends with a recurrent block, the block's
+        length and CRC32 go into the metadata (a restore that does not set it neither reads nor
+        checks it: engine.checkpoints.format, The file's own recurrent block); returns them."""
+        try:
+            layout = check_state_for(header, state, self.target.recurrent_rows)
+        except CorruptState as exc:
+            raise SaveFailed(f"this model's memory ({self.shape.memory_name}) gave a state that "
+                             f"could not be loaded again ({exc}); nothing was saved") from exc
+        if layout.recurrent is None or not len(state):
+            return None
+        own = meta_json["recurrent_block"] = recurrent_block_metadata(state, recurrent_block_len(layout))
+        return own["crc32"], own["len"]
 
     def _state_bytes(self, p0: int, upto: int | None = None) -> np.ndarray:
         """Sequence 0's state, or only its cells at positions p0..upto-1.

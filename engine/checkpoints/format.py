@@ -962,24 +962,15 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
-        own = None
-        if mapping is not None and crc_later and recurrent_later and (unread or not tail):
-            # (the unread bytes then end the section: the block, the points' states)
-            own = _own_recurrent_crc(meta, checked_len)
-            checked_len -= own[1] if own else 0
+        # (left unread where the unread bytes then end the section: the block, the points' states)
+        own = _own_recurrent_crc(meta, checked_len) if mapping is not None and crc_later and recurrent_later \
+            and (unread or not tail) else None
+        checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
         if mapping is not None:
-            # a state the helper checksums is mapped in by its reading, on another core, where
-            # no page of it needs the disk (engine.checkpoints.mapped)
-            populate = not (later and mapped.in_page_cache(f.fileno(), header.state_offset, checked_len))
-            state, state_crc = _map_state(mapping, header, None if later else crc, progress, populate, checked_len)
-            rest = header.state_offset + checked_len
-            if (unread or own) and not mapped.in_page_cache(f.fileno(), rest, header.state_len - checked_len):
-                # the unread bytes are read only if they are used; where a page of them needs
-                # the disk, they are mapped in now (the walk reads the block's row headers):
-                # a read error is then the reader's, not a SIGBUS
-                mapped.populate(mapping, rest, header.state_len - checked_len)
+            state, state_crc = _mapped_state(f.fileno(), mapping, header, None if later else crc, progress,
+                                             checked_len)
             if state_crc is not None:   # None: left to the helper
                 crc = state_crc
             f.seek(size - TRAILER_LEN)
@@ -1098,6 +1089,22 @@ def _token_arrays(header: Header, tokens_view: memoryview,
         if len(logits) and not logits.max() < np.inf:
             raise CorruptMetadata("the stored logits hold NaN or infinite values")
     return tokens, logits
+
+
+def _mapped_state(fileno: int, mapping, header: Header, crc: int | None, progress,
+                  checked_len: int) -> tuple[np.ndarray, int | None]:
+    """:func:`_map_state` of an open file, its first ``checked_len`` bytes checksummed now
+    (``crc`` None: left to the helper, which maps in a state by reading it, on another core,
+    where no page of it needs the disk: engine.checkpoints.mapped).  The bytes after them,
+    which the read leaves unchecked, are read only if they are used; where a page of them
+    needs the disk, they are mapped in now (the walk reads a recurrent block's row headers):
+    a read error is then the reader's, not a SIGBUS."""
+    populate = crc is not None or not mapped.in_page_cache(fileno, header.state_offset, checked_len)
+    state, state_crc = _map_state(mapping, header, crc, progress, populate, checked_len)
+    rest, left = header.state_offset + checked_len, header.state_len - checked_len
+    if left and not mapped.in_page_cache(fileno, rest, left):
+        mapped.populate(mapping, rest, left)
+    return state, state_crc
 
 
 def _map_state(mapping, header: Header, crc: int | None, progress, populate: bool, checked_len: int,
