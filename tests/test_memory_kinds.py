@@ -232,6 +232,23 @@ def test_a_corrupt_recurrent_state_is_refused_with_its_reason(arch, tiny_model_p
         assert layers > 0 and check_state_for(data.header, data.state, (r_row, s_row, layers)).recurrent[0] == layers
         with pytest.raises(CorruptState, match="recurrent layers"):
             check_state_for(data.header, data.state, (r_row, s_row, layers + 1))
+        # the model's rows known, the layers are compared as runs (kvstate._known_recurrent_layers):
+        # the same verdicts as the step-by-step walk, a fault in any layer named as it names it
+        rows = (r_row, s_row, layers)
+        assert check_state_for(data.header, data.state, rows) == check_state_for(data.header, data.state)
+        last_s = base + 20 + layers * (12 + r_row) + (layers - 1) * (12 + s_row)
+        for offset, patch in ((last_s, struct.pack("<i", 1)), (last_s + 4, struct.pack("<Q", s_row + 4)),
+                              (base + 24, struct.pack("<Q", r_row + 4))):
+            bad = data.state.copy()
+            bad[offset:offset + len(patch)] = np.frombuffer(patch, dtype=np.uint8)
+            said = []
+            for known in (rows, None):
+                with pytest.raises(CorruptState) as refused:
+                    check_state_for(data.header, bad, known)
+                said.append(str(refused.value))
+            assert said[0] == said[1], said
+        with pytest.raises(CorruptState, match="R rows hold"):
+            check_state_for(data.header, data.state, (r_row + 4, s_row, layers))
     finally:
         rt.close()
 
