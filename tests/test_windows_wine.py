@@ -555,6 +555,75 @@ def test_an_answers_autosaves_in_tiers_are_retired_and_a_crash_resumes_from_thei
     assert rest["n_reused_tokens"] >= rest["n_prompt_tokens"] - 1
 
 
+def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checked_where_set(tmp_path):
+    """On Windows (a restore maps its files and lets them go when done): a hybrid's chain
+    (tests/tinymodels.py's qwen35: a prompt's file, an answer's on it) is restored without
+    its first file's own recurrent block, which the last file's replaces: that block damaged,
+    the restore gives exactly the undamaged chain's state, and both files can be replaced at
+    once after; the first file restored as a chain's last (its block set), the damage is
+    found and the sequence left empty."""
+    points = needs(XOS / "points")
+    done = child(f"""
+        import json, os, shutil
+        import numpy as np
+        from engine.checkpoints import mapped
+        from engine.checkpoints.chain import load_chain, restoring
+        from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_checkpoint
+        from engine.checkpoints.kvstate import check_state_for, recurrent_block_len
+        from engine.conversation import Conversation
+        from engine.errors import ChecksumMismatch
+        from engine.generation import begin_answer, generate
+        from engine.runtime import Runtime
+        from engine.sampling import SamplerSettings
+        from native.context import ContextSettings
+        mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
+        folder = {str(tmp_path)!r}
+        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
+        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        begin_answer(conv, rt, "Hello there.", n_predict=12)
+        rt.prefill(conv.tokens)
+        prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
+        generate(rt, conv)
+        answer = rt.save(os.path.join(folder, "answer.kvckpt"), conv, KIND_PAUSE, parent=prompt)
+        def state():
+            size = rt.ctx.state_size(0)
+            buf = np.empty(size, dtype=np.uint8)
+            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)])
+        def restored(chain):
+            rt.trim(0)
+            with restoring(chain):
+                rt.restore_chain(chain)
+            return state()
+        clean = restored(load_chain(answer.path, crc_later=True))
+        data = read_checkpoint(prompt.path)
+        block = recurrent_block_len(check_state_for(data.header, data.state))
+        offset = data.header.state_offset + len(data.state) - block + 33   # a byte of its first row
+        del data
+        with open(prompt.path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+        chain = load_chain(answer.path, crc_later=True)
+        unread = chain[0].unread_recurrent is not None and chain[0].mapping is not None
+        same = restored(chain) == clean
+        for path in (prompt.path, answer.path):   # let go: replaceable at once
+            shutil.copyfile(path, str(path) + ".copy")
+            os.replace(str(path) + ".copy", path)
+        chain = load_chain(answer.path, crc_later=True)
+        try:
+            restored(chain[:1])
+            refused = False
+        except ChecksumMismatch:
+            refused = True
+        print(json.dumps({{"unread": unread, "same": same, "refused": refused, "empty": rt.kv_tokens == []}}))
+        rt.close()
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"unread": True, "same": True, "refused": True, "empty": True}, (got, done.stderr[-2000:])
+
+
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
     part = XOS / "frozen-part.txt"
