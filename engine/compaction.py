@@ -87,6 +87,8 @@ def chain_points(chain: Sequence[CheckpointData]) -> list[Point]:
             continue   # (the last file's own end is no earlier turn end: n_tokens == end)
         recurrent = None
         if h.has_recurrent:
+            # a turn end copied into the new file: never bytes a restore's read left unchecked
+            assert not data.holds_unchecked_bytes(), "compaction reads its chain whole"
             try:
                 recurrent = recurrent_part_of(data.state, check_state_for(h, data.state)) if len(data.state) else None
             except CorruptState as exc:   # (a restored chain walked: not expected)

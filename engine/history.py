@@ -226,7 +226,9 @@ class LineWriter:
         """A writer for a conversation restored from ``chain`` (files of ``store``, or not).
 
         Its files become parents of the next saves, so a chain read with ``crc_later``
-        must have been checked whole: CheckpointError otherwise."""
+        must have been settled: CheckpointError otherwise.  (The earlier files' own
+        recurrent blocks a restore left unread stay unchecked: no save copies them, and
+        whoever uses one later checks it then.)"""
         settle(chain)
         line = line_to_continue(store, chain) or uuid.uuid4().hex
         # a branch still builds on the files it came from, when they are in this store

@@ -233,3 +233,79 @@ def test_a_known_state_tail_crc_gives_the_same_file(made):
         _header, crc = write_sections(buf, data.header, meta, data.tokens, data.logits, data.state, state_tail_crc=tail)
         files.append((buf.getvalue(), crc))
     assert files[0] == files[1] and files[0][1] == data.payload_crc
+
+
+@pytest.mark.parametrize("prefetch_only", [False, True], ids=["linux", "windows"])
+def test_a_blocks_pages_are_mapped_in_only_where_the_disk_must_be_read_and_never_on_windows(
+        prefetch_only, made, tmp_path, monkeypatch):
+    """A cold file (the page cache said to hold none of it): Linux maps the block left unread
+    in at the read (a read error is then the reader's, not SIGBUS); Windows, where a page is
+    only prefetched and a file with a view cannot shrink, leaves it alone (a prefetch of a
+    cold file would read from the disk what is most likely never used)."""
+    if not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    prompt, answer = _copy(made, "qwen35", tmp_path)
+    offset, length = _block_of(prompt)
+    calls: list[tuple[object, int, int]] = []
+    real = mapped.populate
+    monkeypatch.setattr(mapped, "populate", lambda m, start, n: (calls.append((m, start, n)), real(m, start, n))[1])
+    monkeypatch.setattr(mapped, "in_page_cache", lambda *a: False)
+    monkeypatch.setattr(mapped, "PREFETCH_ONLY", prefetch_only)
+    chain = load_chain(answer, crc_later=True)
+    try:
+        assert chain[0].unread_recurrent is not None
+        mine = [(start, n) for m, start, n in calls if m is chain[0].mapping]
+        covered = sum(max(0, min(start + n, offset + length) - max(start, offset)) for start, n in mine)
+        assert covered == (0 if prefetch_only else length), (mine, offset, length)
+    finally:
+        chain[0].release()
+        chain[1].release()
+
+
+def test_a_block_checked_once_is_not_checked_again(made, tmp_path, monkeypatch):
+    """Once a block left unread has been checked (it was set), the file holds no unchecked
+    bytes, and the CRC a snapshot in its file is checked against is the metadata's, not
+    computed again over 50 MB on the restoring thread."""
+    prompt, answer = _copy(made, "qwen35", tmp_path)
+    chain = load_chain(answer, crc_later=True)
+    first = chain[0]
+    assert first.holds_unchecked_bytes()
+    first.check_recurrent_later()
+    first.settle()
+    assert not first.holds_unchecked_bytes()
+    from engine.checkpoints import format as fmt
+    _offset, length = _block_of(prompt)
+    monkeypatch.setattr(fmt, "crc32", lambda *a: pytest.fail("checksummed again"))
+    assert first.crc_of_state_tail(len(first.state) - length) == first.meta["recurrent_block"]["crc32"]
+    chain[0].release()
+    chain[1].release()
+
+
+@pytest.mark.parametrize("wrong", ["crc32", "len"])
+def test_validate_and_import_refuse_a_block_the_metadata_misstates(wrong, made, tiny_model_path, tmp_path, capsys):
+    """A file whose metadata gives its recurrent block a wrong CRC or length restores as the
+    last of a chain (every byte checked) but would be refused as an earlier one: `validate`
+    and import's check find it."""
+    from types import SimpleNamespace
+
+    from engine.checkpoints.kvstate import check_file_states
+    from engine.checkpoints.transfer import CORRUPT, check_file
+    from engine.cli.files import cmd_validate
+    prompt, *_rest = made("qwen35")
+
+    def misstate(meta, state):
+        block = dict(meta["recurrent_block"])
+        block[wrong] += 1 if wrong == "crc32" else 4
+        meta["recurrent_block"] = block
+
+    bad = tmp_path / "bad.kvckpt"
+    _rewritten(prompt, bad, misstate)
+    with pytest.raises(CorruptState, match="not the one its state ends with"):
+        check_file_states(read_checkpoint(bad))
+    assert check_file(bad, None).status == CORRUPT
+    assert cmd_validate(SimpleNamespace(path=str(bad), model=None)) != 0
+    assert "FAILED" in capsys.readouterr().err
+    good = tmp_path / "good.kvckpt"
+    _rewritten(prompt, good, lambda meta, state: None)
+    check_file_states(read_checkpoint(good))
+    assert cmd_validate(SimpleNamespace(path=str(good), model=None)) == 0

@@ -29,8 +29,9 @@ from engine.generation import begin_answer, generate
 from engine.sampling import SamplerSettings
 
 
-def reference_write(out, header, meta_bytes, tokens, logits, state, point_states=()):
-    """The checkpoint as the spec lays it out, written and checksummed in one pass."""
+def reference_write(out, header, meta_bytes, tokens, logits, state, point_states=(), state_tail_crc=None):
+    """The checkpoint as the spec lays it out, written and checksummed in one pass (every byte:
+    ``state_tail_crc``, a CRC the writer had already, is not used)."""
     tokens_bytes = np.asarray(tokens, dtype="<i4").tobytes()
     logits_bytes = b"" if logits is None else np.asarray(logits, dtype="<f4").tobytes()
     points_bytes = b"".join(bytes(memoryview(p).cast("B")) for p in point_states)

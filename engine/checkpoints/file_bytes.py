@@ -7,11 +7,11 @@ Copying one out of its file at the restore costs about what llama.cpp's own set 
 state does (12.6 MB at Qwen3-Next's widths: ~5 ms of fresh memory's page faults on a
 2-core VM, a third of such a restore), and most are never used.  So the restore keeps a
 :class:`BytesInFile` instead: where the bytes lie and their CRC32 (a point's from its
-file's metadata; a file's recurrent block computed once the file's own checksum
-settled), and :meth:`BytesInFile.read` reads them when they are used, checked against
-that CRC before anything else sees a byte.  A file replaced, damaged or gone meanwhile
-(the conversation deleted, another program's doing) is a
-:class:`~engine.errors.CorruptState` naming the cause: going back then reads the prompt
+file's metadata; a file's recurrent block from its metadata too, or computed once the
+file's own checksum settled in a file from before that), and :meth:`BytesInFile.read`
+reads them when they are used, checked against that CRC before anything else sees a byte.
+A file replaced, damaged or gone meanwhile (the conversation deleted, another program's
+doing) is a :class:`~engine.errors.CorruptState` naming the cause: going back then reads the prompt
 again, as it does where no snapshot was kept.  A file that cannot be read for the moment
 (on Windows another program may hold it open) is an OSError: the state stays where it is.
 """

@@ -610,6 +610,9 @@ class CheckpointData:
     computed on a helper thread (``pending_crc``): everything else was checked, and the
     state's structure can be walked, but nothing may be kept from the file before
     :meth:`settle` has returned (engine.restore does, after llama.cpp has copied the state).
+    Read with ``recurrent_later`` too, the recurrent block that ends the state stays
+    unchecked after that (:meth:`holds_unchecked_bytes`) until it is used
+    (:meth:`check_recurrent_later`).
     """
     header: Header
     meta: dict[str, Any]
@@ -644,10 +647,11 @@ class CheckpointData:
     #: states): :meth:`crc_of_state_tail` derives a part's CRC from them
     crc_before_state: int = field(default=0, repr=False, compare=False)
     crc_through_state: int | None = field(default=None, repr=False, compare=False)
-    #: ``(crc32, length)`` of the recurrent block that ends ``state``, where the read left it
-    #: unchecked (``recurrent_later``: see The file's own recurrent block); None once checked
+    #: ``(crc32, length)`` of the recurrent block that ends ``state``, as the metadata gives
+    #: them, where the read left the block unchecked (``recurrent_later``: see The file's own
+    #: recurrent block): its bytes are checked only once :meth:`check_recurrent_later` has
+    #: queued their CRC (``recurrent_crc``) and :meth:`settle` has compared it
     unread_recurrent: tuple[int, int] | None = field(default=None, repr=False, compare=False)
-    #: that block's CRC32 being computed on the helper thread (:meth:`check_recurrent_later`)
     recurrent_crc: QueuedCrc | None = field(default=None, repr=False, compare=False)
 
     def holds_point_states(self) -> bool:
@@ -716,10 +720,14 @@ class CheckpointData:
             if self.unread_recurrent is None and (not self.header.has_point_states or self.unread_point_crcs):
                 self.crc_through_state = through   # (it ended at the state's end)
         recurrent = self.recurrent_crc
-        if recurrent is not None and self.unread_recurrent is not None:
-            if recurrent.result() != self.unread_recurrent[0]:
-                raise ChecksumMismatch(PAYLOAD_MISMATCH)
-            self.recurrent_crc = self.unread_recurrent = None
+        if recurrent is not None and self.unread_recurrent is not None \
+                and recurrent.result() != self.unread_recurrent[0]:
+            raise ChecksumMismatch(PAYLOAD_MISMATCH)
+
+    def holds_unchecked_bytes(self) -> bool:
+        """Whether the end of ``state`` (its recurrent block) has not been checked, even once
+        settled: the read left it unread and nothing has used it since."""
+        return self.unread_recurrent is not None and self.recurrent_crc is None
 
     def _unread_parts(self) -> tuple[tuple[int, int], ...]:
         """``(crc32, length)`` of each part at the end of the state section the read did not
@@ -754,6 +762,7 @@ class CheckpointData:
                 return self.unread_recurrent[0]
             self.check_recurrent_later()   # other bytes with it: checked before their CRC is vouched for
             self.settle()
+            return crc32(view[start:])
         through = self.crc_through_state
         if crc_combine is None or through is None or start > len(view) - start:
             return crc32(view[start:])
@@ -939,12 +948,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     (engine.restore); the caller must :meth:`CheckpointData.settle` before it keeps
     anything of the file.  With ``crc_later``, the points' recurrent states of a file whose
     points give their own CRCs are not checksummed (see Points), and not copied: a copying
-    read leaves them in the file (``CheckpointData.point_state``).
-
-    ``recurrent_later`` (with ``crc_later``): a file that gives its own recurrent block's
-    CRC (see The file's own recurrent block), read through a mapping, has that block neither
-    checksummed nor mapped in now (a restore sets it only for the chain's last file:
-    ``CheckpointData.check_recurrent_later`` where it is used after all).
+    read leaves them in the file (``CheckpointData.point_state``).  ``recurrent_later`` (with
+    ``crc_later``, a mapping): the file's own recurrent block is left unread too (see above).
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -962,8 +967,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
-        # (left unread where the unread bytes then end the section: the block, the points' states)
-        own = _own_recurrent_crc(meta, checked_len) if mapping is not None and crc_later and recurrent_later \
+        # (where the unread bytes then end the section: the block, the points' states)
+        own = own_recurrent_crc(meta, checked_len) if crc_later and recurrent_later and mapping is not None \
             and (unread or not tail) else None
         checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
@@ -1052,7 +1057,7 @@ def _unread_point_crcs(meta: dict[str, Any]) -> tuple[tuple[int, int], ...]:
     return tuple(zip(crcs, lengths, strict=True))
 
 
-def _own_recurrent_crc(meta: dict[str, Any], state_len: int) -> tuple[int, int] | None:
+def own_recurrent_crc(meta: dict[str, Any], state_len: int) -> tuple[int, int] | None:
     """``(crc32, length)`` of the recurrent block the metadata says ends the ``state_len``
     bytes of llama.cpp's state (see The file's own recurrent block); None where it says none
     that could be (missing, mistyped, longer than the state after its magic and sequence
@@ -1096,14 +1101,11 @@ def _mapped_state(fileno: int, mapping, header: Header, crc: int | None, progres
     """:func:`_map_state` of an open file, its first ``checked_len`` bytes checksummed now
     (``crc`` None: left to the helper, which maps in a state by reading it, on another core,
     where no page of it needs the disk: engine.checkpoints.mapped).  The bytes after them,
-    which the read leaves unchecked, are read only if they are used; where a page of them
-    needs the disk, they are mapped in now (the walk reads a recurrent block's row headers):
-    a read error is then the reader's, not a SIGBUS."""
+    which the read leaves unchecked, are read only if they are used (the walk reads a
+    recurrent block's row headers): mapped.ready_to_read_later."""
     populate = crc is not None or not mapped.in_page_cache(fileno, header.state_offset, checked_len)
     state, state_crc = _map_state(mapping, header, crc, progress, populate, checked_len)
-    rest, left = header.state_offset + checked_len, header.state_len - checked_len
-    if left and not mapped.in_page_cache(fileno, rest, left):
-        mapped.populate(mapping, rest, left)
+    mapped.ready_to_read_later(mapping, fileno, header.state_offset + checked_len, header.state_len - checked_len)
     return state, state_crc
 
 

@@ -43,6 +43,7 @@ from functools import partial
 
 import numpy as np
 
+from engine.checkpoints.crc import crc32
 from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.format import (
     LIMITS,
@@ -51,6 +52,7 @@ from engine.checkpoints.format import (
     MEMORY_RECURRENT,
     StateBytes,
     byte_view,
+    own_recurrent_crc,
 )
 from engine.checkpoints.points import check_point_crc, points_of
 from engine.errors import CorruptState
@@ -388,6 +390,22 @@ def check_recurrent_part(state: StateBytes, n_tokens: int, n_layer: int,
     if r.i32("sequence id") != 0:
         raise CorruptState("a point's recurrent state is not for sequence 0")
     _recurrent_block(r, n_tokens, n_layer, recurrent_rows)
+
+
+def check_file_states(data, recurrent_rows: tuple[int, ...] | None = None) -> None:
+    """Walk every state a file read whole holds (CheckpointData: validation, import): llama.cpp's
+    part, what the metadata says of the recurrent block it ends with (a restore trusts its
+    length and CRC to leave the block unread: they must be the walk's and the bytes'), and
+    the points' recurrent states (:func:`check_point_states`)."""
+    if not data.header.n_tokens:
+        return
+    layout = check_state_for(data.header, data.state, recurrent_rows)
+    claim = own_recurrent_crc(data.meta, len(data.state))
+    if claim is not None and (layout.recurrent is None or claim[1] != recurrent_block_len(layout)
+                              or claim[0] != crc32(byte_view(data.state)[len(data.state) - claim[1]:])):
+        raise CorruptState("the recurrent block its metadata gives the length and checksum of is not "
+                           "the one its state ends with")
+    check_point_states(data, recurrent_rows)
 
 
 def check_point_states(data, recurrent_rows: tuple[int, ...] | None = None) -> None:

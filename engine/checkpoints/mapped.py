@@ -30,9 +30,11 @@ Why the mapping is safe to check and to hand to llama.cpp:
   still populated: faulting its pages in there as the checksum reads them cost more (12
   files of 2 MB: 10.3 ms populated, 11.8 ms not).  A state not wholly cached (a cold file,
   a file that shrank) is populated as before: the disk is read then anyway.
-* The points' recurrent states a restore leaves unread (engine.checkpoints.format, Points)
-  are read only where a point is used, as the helper reads a state: not populated where
-  they lie wholly in the page cache, populated at the read otherwise.
+* The bytes a restore leaves unread (engine.checkpoints.format: the points' recurrent
+  states, an earlier file's own recurrent block) are read only where they are used (and a
+  block's row headers by the walk), as the helper reads a state: not populated where they
+  lie wholly in the page cache, populated at the read otherwise
+  (:func:`ready_to_read_later`; on Windows never: see below).
 * Where any of this is missing (macOS; kernels before 5.14; a file system that cannot
   map), :func:`map_file` returns None and the reader reads the state into memory.
 
@@ -53,7 +55,10 @@ restore 1.97x llama-server's from one 24.7 MB file: the fresh pages it fills):
   error), as it does under llama.cpp's own mapping of the model (the app loads every model
   mapped).  ``populate`` asks PrefetchVirtualMemory to
   read such pages in large reads before the checksum and llama.cpp fault them in one by
-  one (a hint: nothing fails if it does not).
+  one (a hint: nothing fails if it does not).  Bytes a restore leaves unread are not
+  prefetched: Windows cannot say what the cache holds, and a prefetch of a cold file would
+  read from the disk what is most likely never used (50 MB of recurrent state per earlier
+  file at Qwen3.5-4B's widths).
 """
 
 from __future__ import annotations
@@ -84,6 +89,10 @@ MAP_MIN_BYTES = 128 << 10
 #: a mapped file can be neither replaced nor deleted while the mapping lasts (Windows): only a
 #: read whose caller releases it maps (see the module docstring).  Tests set it on Linux.
 PINS_FILES = sys.platform == "win32"
+
+#: populating a range only prefetches it, and no read of a mapped page can raise SIGBUS
+#: for a file that shrank (Windows: see the module docstring).  Tests set it on Linux.
+PREFETCH_ONLY = sys.platform == "win32"
 
 
 @functools.cache
@@ -217,6 +226,15 @@ def in_page_cache(fileno: int, start: int, length: int) -> bool:
     failed = call(ctypes.c_long(SYS_CACHESTAT), ctypes.c_long(fileno), ctypes.byref(span),
                   ctypes.byref(stat), ctypes.c_long(0))
     return failed == 0 and stat.nr_cache >= last - first + 1
+
+
+def ready_to_read_later(mapping: mmap.mmap, fileno: int, start: int, length: int) -> None:
+    """Make bytes ``[start, start + length)`` of a mapped file, which its reader leaves
+    unread for now, safe to read through the mapping later: on Linux, where a page of them
+    needs the disk, they are mapped in now (:func:`populate`: a read error is the reader's,
+    not a SIGBUS); on Windows nothing (see the module docstring)."""
+    if length > 0 and not PREFETCH_ONLY and not in_page_cache(fileno, start, length):
+        populate(mapping, start, length)
 
 
 def populate(mapping: mmap.mmap, start: int, length: int) -> None:

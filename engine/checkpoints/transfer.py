@@ -61,7 +61,7 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.graph import Graph, bring_back, is_shared_line, line_of
-from engine.checkpoints.kvstate import check_point_states, check_state_for
+from engine.checkpoints.kvstate import check_file_states
 from engine.checkpoints.store import Store
 from engine.errors import CheckpointError, NotACheckpoint
 
@@ -139,9 +139,7 @@ def check_file(path: Path, target: Target | None, progress=None) -> FileCheck:
         data = read_checkpoint(path, load_state=not _is_delta(path), progress=progress)
         chain = load_chain(path) if data.header.is_delta else [data]
         for item in chain:
-            if item.header.n_tokens and len(item.state):
-                check_state_for(item.header, item.state)
-                check_point_states(item)
+            check_file_states(item)
     except (CheckpointError, OSError) as exc:
         return FileCheck(path, *_status_of(exc))
     if target is not None:
@@ -269,7 +267,7 @@ def _write_head_on(store: Store, node) -> Path:
     if data.payload_crc != node.payload_crc:
         raise CheckpointError(f"{node.name} changed while it was being imported")
     h = data.header
-    meta = {k: v for k, v in data.meta.items() if k not in ("parent", "points", "origin_crc")}
+    meta = {k: v for k, v in data.meta.items() if k not in ("parent", "points", "origin_crc", "recurrent_block")}
     meta.update(checkpoint_id=uuid.uuid4().hex, line=uuid.uuid4().hex, seq=1)
     header = replace(h, created_unix_ns=time.time_ns(), parent_n_tokens=0, flags=h.flags & ~FLAG_DELTA)
     if h.n_tokens:

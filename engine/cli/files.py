@@ -20,7 +20,7 @@ def cmd_validate(args) -> int:
     from engine.checkpoints import format as fmt
     from engine.checkpoints.chain import load_chain
     from engine.checkpoints.compat import ModelIdentity, Target
-    from engine.checkpoints.kvstate import check_point_states, check_state_for
+    from engine.checkpoints.kvstate import check_file_states
 
     path = Path(args.path)
     try:
@@ -40,9 +40,7 @@ def cmd_validate(args) -> int:
                   f"{header.n_tokens} tokens again")
         else:
             for item in chain:
-                if item.header.n_tokens:
-                    check_state_for(item.header, item.state, rows)
-                    check_point_states(item, rows)
+                check_file_states(item, rows)
             print(f"KV state OK ({memory_name(header.memory, header.n_swa)} memory, "
                   f"llama.cpp state layout {header.state_layout})")
         if header.is_delta:
