@@ -15,7 +15,7 @@ import shutil
 import memkit
 import numpy as np
 import pytest
-from test_states_left_in_files import _prompt_then_answer
+import test_states_left_in_files
 
 from engine.checkpoints import mapped
 from engine.checkpoints.chain import load_chain, restoring
@@ -28,29 +28,15 @@ from engine.runtime import Runtime
 
 ARCHS = ["qwen35", "mamba2", "lfm2", "granitehybrid"]
 
+#: per arch: a prompt's file, the answer's file on it, the prompt's length, the answer
+made = test_states_left_in_files.made
+
 
 @pytest.fixture(autouse=True)
 def _mapped(monkeypatch):
     """The tiny models' states are small: mapped as a large one is (where this OS can)."""
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
     assert combine is not None, "python-isal's crc32_combine: every platform shipped has it"
-
-
-@pytest.fixture(scope="module")
-def made(tiny_model_path, tmp_path_factory):
-    """Per arch: the prompt's file, the answer's file on it, the prompt's length, the answer."""
-    cache = {}
-
-    def make(arch):
-        if arch not in cache:
-            folder = tmp_path_factory.mktemp(arch)
-            rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
-            try:
-                cache[arch] = _prompt_then_answer(rt, folder)
-            finally:
-                rt.close()
-        return cache[arch]
-    return make
 
 
 def _copy(made, arch, tmp_path):
