@@ -553,7 +553,7 @@ class SequenceView:
     header_for = Runtime.header_for
     metadata_for = Runtime.metadata_for
     _file_metadata = Runtime._file_metadata
-    _walked = Runtime._walked
+    _walk_before_saving = Runtime._walk_before_saving
 
     def __init__(self, prt: ParallelRuntime, seq: int) -> None:
         self._bind(prt)

@@ -57,6 +57,7 @@ from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, Checkpoint
 from engine.checkpoints.kvstate import (
     StateLayout,
     attention_part_of,
+    check_recurrent_claim,
     check_state_for,
     recurrent_block_len,
     recurrent_part_in_file,
@@ -397,10 +398,7 @@ def _walked(data: CheckpointData, rows: tuple[int, ...] | None) -> StateLayout:
     except CorruptState:
         data.check_recurrent_later()
         raise
-    unread = data.unread_recurrent
-    if unread is not None and (layout.recurrent is None or recurrent_block_len(layout) != unread[1]):
-        raise CorruptState(f"{data.path.name}: the recurrent block its metadata gives the checksum of "
-                           "is not the one its state ends with")
+    check_recurrent_claim(data.unread_recurrent, layout)
     return layout
 
 

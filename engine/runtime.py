@@ -433,7 +433,7 @@ class Runtime:
         logits = (np.array(self.logits(), copy=True)
                   if upto is None and self.logits_worth_saving(kind, conv.paused) else None)
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
-        tail_crc = self._walked(header, state, meta_json) if n else None
+        tail_crc = self._walk_before_saving(header, state, meta_json) if n else None
         meta = encode_metadata(meta_json)
         precondition = (lambda: [check() for check in checks]) if checks else None
         try:
@@ -455,7 +455,7 @@ class Runtime:
                         tokens=kv,
                         parent_n_tokens=p0 if parent is not None else 0, points=tuple(points))
 
-    def _walked(self, header: Header, state: np.ndarray, meta_json: dict) -> tuple[int, int] | None:
+    def _walk_before_saving(self, header: Header, state: np.ndarray, meta_json: dict) -> tuple[int, int] | None:
         """Walk a state about to be saved as a restore will, before a byte is written: never
         save what cannot load (SaveFailed).  Where it ends with a recurrent block, the block's
         length and CRC32 go into the metadata (a restore that does not set it neither reads nor

@@ -43,7 +43,6 @@ from functools import partial
 
 import numpy as np
 
-from engine.checkpoints.crc import crc32
 from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.format import (
     LIMITS,
@@ -53,6 +52,7 @@ from engine.checkpoints.format import (
     StateBytes,
     byte_view,
     own_recurrent_crc,
+    recurrent_block_metadata,
 )
 from engine.checkpoints.points import check_point_crc, points_of
 from engine.errors import CorruptState
@@ -228,23 +228,22 @@ def _known_recurrent_layers(r: _Reader, n_layer: int, cells: int,
             or max(rows[:2]) > LIMITS.max_recurrent_layer:
         return None
     start, (r_row, s_row, half) = r.pos, rows[:3]
-
-    def expect(row: int) -> Callable[[tuple[int, ...]], int]:
-        def check(header: tuple[int, ...]) -> int:
-            if header != (GGML_TYPE_F32, row):
-                raise CorruptState("another row")
-            return row
-        return check
     try:
-        r.layers(half, cells, _ROWS, expect(r_row), "recurrent")
-        r.layers(half, cells, _ROWS, expect(s_row), "recurrent")
+        r.layers(half, cells, _ROWS, partial(_float_rows_of, r_row), "recurrent")
+        r.layers(half, cells, _ROWS, partial(_float_rows_of, s_row), "recurrent")
+        if r.pos == len(r.data):
+            return half, r_row, s_row
     except CorruptState:
-        r.pos = start
-        return None
-    if r.pos != len(r.data):
-        r.pos = start
-        return None
-    return half, r_row, s_row
+        pass
+    r.pos = start
+    return None
+
+
+def _float_rows_of(row: int, header: tuple[int, ...]) -> int:
+    """``row``, where a recurrent layer's ``header`` says float32 rows of that size."""
+    if header != (GGML_TYPE_F32, row):
+        raise CorruptState("another row")
+    return row
 
 
 def _check_cell_table(r: _Reader, cells: int, n_tokens: int, first_pos: int, seq_id: int,
@@ -400,12 +399,23 @@ def check_file_states(data, recurrent_rows: tuple[int, ...] | None = None) -> No
     if not data.header.n_tokens:
         return
     layout = check_state_for(data.header, data.state, recurrent_rows)
-    claim = own_recurrent_crc(data.meta, len(data.state))
-    if claim is not None and (layout.recurrent is None or claim[1] != recurrent_block_len(layout)
-                              or claim[0] != crc32(byte_view(data.state)[len(data.state) - claim[1]:])):
+    check_recurrent_claim(own_recurrent_crc(data.meta, len(data.state)), layout, data.state)
+    check_point_states(data, recurrent_rows)
+
+
+def check_recurrent_claim(claim: tuple[int, int] | None, layout: StateLayout, state: StateBytes | None = None) -> None:
+    """CorruptState unless ``claim``, the ``(crc32, length)`` a file's metadata gives its own
+    recurrent block (engine.checkpoints.format.own_recurrent_crc; None: none), is that of the
+    block its walked state ends with (``layout``): its length, and with ``state`` its CRC too
+    (what a save writes, format.recurrent_block_metadata).  A restore checks the length before
+    it sets anything of a file whose block it left unread; validation and import check both."""
+    if claim is None:
+        return
+    crc, length = claim
+    if layout.recurrent is None or length != recurrent_block_len(layout) \
+            or (state is not None and recurrent_block_metadata(state, length)["crc32"] != crc):
         raise CorruptState("the recurrent block its metadata gives the length and checksum of is not "
                            "the one its state ends with")
-    check_point_states(data, recurrent_rows)
 
 
 def check_point_states(data, recurrent_rows: tuple[int, ...] | None = None) -> None:
