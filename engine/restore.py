@@ -33,7 +33,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    (:func:`_without_a_replaced_recurrent_state`).  Nor is such a block checked where its
    file's metadata gives its CRC (load_chain leaves the ancestors' unchecked: 50 MB each at
    Qwen3.5-4B's widths): it is checked where it is set after all, or read to go back to
-   (engine.checkpoints.format, The file's own recurrent block).
+   (engine.checkpoints.format, The file's own recurrent block).  Nor are an earlier file's
+   logits read, unless a snapshot after it keeps them (format, Logits an earlier file holds).
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
 
@@ -51,7 +52,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.checkpoints.chain import can_cut, check_link, common_prefix, settle
+from engine.checkpoints.chain import can_cut, check_link, common_prefix, read_logits, settle
 from engine.checkpoints.compat import Target
 from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import (
@@ -206,6 +207,11 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     """The restore up to its checksums (:func:`restore_into`); and the files after which a
     snapshot is to be kept from the file itself once they settled (:func:`_snapshot_of_file`)."""
     conv, layouts = _checked(chain, target)
+    snapshots = _files_to_go_back_to(chain, conv)
+    # the logits the restore keeps: the last file's, and a recurrent memory's snapshot's (an
+    # earlier file's were left unread, and a chain restored up to an earlier file ends with one)
+    for i in sorted((snapshots if chain[-1].header.has_recurrent else set()) | {len(chain) - 1}):
+        read_logits(chain, i)
     last = chain[-1]
     n = last.header.n_tokens
     keep = files_in_cache(slot.tokens, chain)
@@ -216,7 +222,6 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     if not keep:
         slot.empty()
     slot.forget_logits()
-    snapshots = _files_to_go_back_to(chain, conv)
     # where the snapshot is the file's recurrent part alone (Header.recurrent_part_suffices), it is
     # taken from the file: llama.cpp would copy that part in and the snapshot copy it out again
     # (12.6 MB each way at Qwen3-Next's widths), and it need not be set where a later file replaces it

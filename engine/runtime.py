@@ -35,6 +35,7 @@ from engine.checkpoints.format import (
     CheckpointData,
     Header,
     encode_metadata,
+    logits_crc,
     recurrent_block_metadata,
     stored_payload_crc,
     write_sections,
@@ -432,6 +433,8 @@ class Runtime:
         # logits only where decoding the last token again would not give them exactly
         logits = (np.array(self.logits(), copy=True)
                   if upto is None and self.logits_worth_saving(kind, conv.paused) else None)
+        if logits is not None:   # (a restore that does not use them reads them not)
+            meta_json["logits_crc32"] = logits_crc(logits)
         state = self._state_bytes(p0, upto) if n > p0 else np.empty(0, dtype=np.uint8)
         tail_crc = self._walk_before_saving(header, state, meta_json) if n else None
         meta = encode_metadata(meta_json)

@@ -194,11 +194,11 @@ def test_a_block_the_metadata_misplaces_is_refused_and_one_it_omits_is_checked(m
     _rewritten(prompt, old, lambda meta, _state: meta.pop("recurrent_block"))
     rt = Runtime(tiny_model_path("qwen35"), memkit.SETTINGS)
     try:
-        data = read_checkpoint(liar, crc_later=True, recurrent_later=True)
+        data = read_checkpoint(liar, crc_later=True, ancestor=True)
         assert data.unread_recurrent is not None
         with pytest.raises(CorruptState, match="is not the one its state ends with"), restoring([data]):
             rt.restore_chain([data])
-        data = read_checkpoint(old, crc_later=True, recurrent_later=True)
+        data = read_checkpoint(old, crc_later=True, ancestor=True)
         assert data.unread_recurrent is None
         with restoring([data]):
             rt.restore_chain([data])

@@ -83,8 +83,9 @@ def load_chain(path: str | os.PathLike, *, progress=None, crc_later: bool = Fals
     keeping anything of it (engine.restore.restore_into does).  A damaged file is still
     reported as such, whatever else the unsettled files made go wrong here.  With
     ``crc_later``, the ancestors' own recurrent blocks, which a restore replaces with the
-    last file's, are left unchecked where their metadata gives their CRC (read_checkpoint's
-    ``recurrent_later``): checked where one is used after all.
+    last file's, and their logits, which it does not sample from, are left unchecked where
+    their metadata gives their CRC (read_checkpoint's ``ancestor``): checked where one is
+    used after all.
     """
     path = Path(path)
     chain = [read_checkpoint(path, progress=progress, crc_later=crc_later)]
@@ -140,8 +141,7 @@ def _load_ancestors(path: Path, chain: list[CheckpointData], progress, crc_later
         if not parent_path.is_file():
             raise BrokenChain(f"the parent checkpoint {name} is missing from {path.parent}")
         try:
-            parent = read_checkpoint(parent_path, progress=progress, crc_later=crc_later,
-                                     recurrent_later=crc_later)
+            parent = read_checkpoint(parent_path, progress=progress, crc_later=crc_later, ancestor=crc_later)
         except CheckpointError as exc:
             raise BrokenChain(f"the parent checkpoint {name} is damaged: {exc}") from exc
         chain.insert(0, parent)
@@ -161,6 +161,18 @@ def settle(chain: Sequence[CheckpointData]) -> None:
             if data is chain[-1]:
                 raise
             raise BrokenChain(f"the parent checkpoint {data.path.name} is damaged: {exc}") from exc
+
+
+def read_logits(chain: Sequence[CheckpointData], i: int) -> None:
+    """Have ``chain[i]``'s logits read where :func:`load_chain` left an ancestor's in its file
+    (CheckpointData.read_logits): a restore keeps them with a snapshot after it.  Its damage
+    is a BrokenChain that names it, as :func:`settle` reports it."""
+    try:
+        chain[i].read_logits()
+    except CheckpointError as exc:
+        if i == len(chain) - 1:
+            raise
+        raise BrokenChain(f"the parent checkpoint {chain[i].path.name} is damaged: {exc}") from exc
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,9 @@ CRC identify a file; ``parent`` (deltas) names the parent as above; ``line`` (op
 at most 64 characters) is the line of history the file belongs to, by default its
 conversation's id in hex (see engine.checkpoints.graph; ``shared-`` and a digest: a
 shared prefix, engine.shared_prefix); ``origin_crc`` (optional) is the
-payload CRC a file had before an import rewrote its parent reference.  ``points``
+payload CRC a file had before an import rewrote its parent reference.  ``logits_crc32``
+(optional, files with logits) is the CRC32 of the logits section (see Logits an earlier
+file holds).  ``points``
 (optional) lists earlier turn ends a delta holds within its own cells, when a head absorbed
 the files that ended those turns (engine.history.LineWriter._absorbed; every memory but a
 sliding window, see Points below): each ``{"n_tokens": T, "n_messages": M}`` says that
@@ -145,12 +147,24 @@ recurrent block of L bytes (kvstate: one cell's R and S rows, 50 MB at Qwen3.5-4
 widths) whose CRC32 is C (files written before 2026-12-07 do not say it: every byte of
 such a file is checksummed).  A restore sets only the last file's recurrent state: an
 earlier file of its chain gives its attention cells alone (engine.restore), so a reader
-restoring such a file (``read_checkpoint``'s ``recurrent_later``, with a mapping) neither
+restoring such a file (``read_checkpoint``'s ``ancestor``, with a mapping) neither
 checksums the block nor maps it in: the payload CRC is checked as the CRC of the bytes
 before it combined with C (and with the points' blobs after it), and the block is checked
 against C where it is used (set after all, or kept in its file to go back to:
 :meth:`CheckpointData.check_recurrent_later`, :meth:`CheckpointData.crc_of_state_tail`).
 A reader checks L against the state's walk before it trusts it (engine.restore).
+
+Logits an earlier file holds
+----------------------------
+A file with logits says ``"logits_crc32": C`` in its metadata, the CRC32 of its logits
+section (files written before 2026-12-07 do not).  A restore samples from the last file's
+logits alone; an earlier file of its chain gives its cells, and its logits only where the
+restore keeps a snapshot after it (engine.restore).  So a reader restoring such a file
+(``read_checkpoint``'s ``ancestor``) neither reads nor checksums them (vocabulary x 4
+bytes: 1 MB at Gemma 3's or Qwen3.5's, in every file of a memory whose logits cannot be
+computed again): the payload CRC is checked through C (zlib's ``crc32_combine``, as
+for the recurrent blocks above), and the logits are read, checked against C, where they are used
+(:meth:`CheckpointData.read_logits`).
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
@@ -610,9 +624,10 @@ class CheckpointData:
     computed on a helper thread (``pending_crc``): everything else was checked, and the
     state's structure can be walked, but nothing may be kept from the file before
     :meth:`settle` has returned (engine.restore does, after llama.cpp has copied the state).
-    Read with ``recurrent_later`` too, the recurrent block that ends the state stays
+    Read with ``ancestor`` too, the recurrent block that ends the state stays
     unchecked after that (:meth:`holds_unchecked_bytes`) until it is used
-    (:meth:`check_recurrent_later`).
+    (:meth:`check_recurrent_later`), and the logits stay in the file (``logits`` None)
+    until :meth:`read_logits` reads them.
     """
     header: Header
     meta: dict[str, Any]
@@ -648,11 +663,31 @@ class CheckpointData:
     crc_before_state: int = field(default=0, repr=False, compare=False)
     crc_through_state: int | None = field(default=None, repr=False, compare=False)
     #: ``(crc32, length)`` of the recurrent block that ends ``state``, as the metadata gives
-    #: them, where the read left the block unchecked (``recurrent_later``: see The file's own
+    #: them, where the read left the block unchecked (``ancestor``: see The file's own
     #: recurrent block): its bytes are checked only once :meth:`check_recurrent_later` has
     #: queued their CRC (``recurrent_crc``) and :meth:`settle` has compared it
     unread_recurrent: tuple[int, int] | None = field(default=None, repr=False, compare=False)
     recurrent_crc: QueuedCrc | None = field(default=None, repr=False, compare=False)
+    #: ``(crc32, offset)`` of the logits section where the read left it in the file (an
+    #: earlier file of a restore's chain: see Logits an earlier file holds); ``logits`` is
+    #: None until :meth:`read_logits` has read and checked them
+    unread_logits: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+
+    def read_logits(self) -> np.ndarray | None:
+        """The file's logits (None: it holds none), read from the file where the read left
+        them there, and checked then: ChecksumMismatch where they are not the bytes the
+        metadata's CRC (under the payload CRC) vouches for, CorruptMetadata where they hold
+        NaN or +inf, as a read of the whole file would have said.  OSError where the file
+        cannot be read now."""
+        if self.unread_logits is None:
+            return self.logits
+        crc, offset = self.unread_logits
+        out = np.empty(self.header.n_vocab, dtype="<f4")
+        if read_at(self.path, offset, out.data.cast("B")) != self.header.logits_len or crc32(out) != crc:
+            raise ChecksumMismatch(PAYLOAD_MISMATCH)
+        self.logits, self.unread_logits = _checked_logits(out.astype(np.float32, copy=False)), None
+        self.logits.flags.writeable = False
+        return self.logits
 
     def holds_point_states(self) -> bool:
         """Whether the points' recurrent states can be had (:meth:`point_state`)."""
@@ -933,7 +968,7 @@ CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
-                    progress=None, crc_later: bool = False, recurrent_later: bool = False) -> CheckpointData:
+                    progress=None, crc_later: bool = False, ancestor: bool = False) -> CheckpointData:
     """Read a checkpoint and verify its header, lengths and payload CRC.
 
     Compatibility with a model is not checked here (see engine.checkpoints.compat); this only
@@ -948,8 +983,11 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     (engine.restore); the caller must :meth:`CheckpointData.settle` before it keeps
     anything of the file.  With ``crc_later``, the points' recurrent states of a file whose
     points give their own CRCs are not checksummed (see Points), and not copied: a copying
-    read leaves them in the file (``CheckpointData.point_state``).  ``recurrent_later`` (with
-    ``crc_later``, a mapping): the file's own recurrent block is left unread too (see above).
+    read leaves them in the file (``CheckpointData.point_state``).  ``ancestor`` (with
+    ``crc_later``): the file is an earlier one of a restore's chain, whose logits the restore
+    does not use (see Logits an earlier file holds) nor, with a mapping, its own recurrent
+    block (see The file's own recurrent block): where the metadata vouches for them, they are
+    left unread too.
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -961,14 +999,21 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         tail = _point_states_len(header, meta, limits)
         unread = _unread_point_crcs(meta) if crc_later and load_state and tail else ()
         checked_len = header.state_len - (tail if unread else 0)   # what is checksummed now or later
-        # tokens and logits in one read: the header's checks bound them by the file's length
-        arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
-        crc = before_state = crc32(arrays, crc)
-        tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
+        logits_left = logits_claim(meta, header) if crc_later and ancestor and load_state else None
+        if logits_left is None:
+            # tokens and logits in one read: the header's checks bound them by the file's length
+            arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
+            crc = before_state = crc32(arrays, crc)
+            tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
+        else:   # (the logits left in the file: CheckpointData.read_logits)
+            assert crc_combine is not None
+            tokens_view, logits_view = memoryview(_read_exact(f, header.tokens_len, "token array")), None
+            crc = before_state = crc_combine(crc32(tokens_view, crc), logits_left, header.logits_len)
+            f.seek(header.state_offset)
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
         # (where the unread bytes then end the section: the block, the points' states)
-        own = own_recurrent_crc(meta, checked_len) if crc_later and recurrent_later and mapping is not None \
+        own = own_recurrent_crc(meta, checked_len) if crc_later and ancestor and mapping is not None \
             and (unread or not tail) else None
         checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
@@ -1001,6 +1046,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
                           mapping=mapping, crc_before_state=before_state, unread_recurrent=own,
+                          unread_logits=None if logits_left is None else (
+                              logits_left, HEADER_LEN + header.meta_len + header.tokens_len),
                           crc_through_state=crc if load_state and job is None and not own
                           and (unread or not tail) else None)
     if tail and load_state:
@@ -1072,6 +1119,30 @@ def own_recurrent_crc(meta: dict[str, Any], state_len: int) -> tuple[int, int] |
     return crc, length
 
 
+def logits_claim(meta: dict[str, Any], header: Header) -> int | None:
+    """The CRC32 the metadata gives a file's logits section (see Logits an earlier file
+    holds); None where it gives none that could be (missing, mistyped), the file holds no
+    logits, or this build cannot combine CRCs: they are read and checksummed then."""
+    crc = meta.get("logits_crc32")
+    if crc_combine is None or not header.has_logits or type(crc) is not int or not 0 <= crc <= 0xFFFFFFFF:
+        return None
+    return crc
+
+
+def logits_crc(logits: np.ndarray) -> int:
+    """The metadata ``logits_crc32`` of a file that holds ``logits`` (as write_sections writes them)."""
+    return crc32(np.ascontiguousarray(logits, dtype="<f4"))
+
+
+def check_logits_claim(data: CheckpointData) -> None:
+    """CorruptMetadata unless the CRC32 the metadata gives the logits (where it gives one) is
+    that of the logits a file read whole holds: a restore that reads the file as an earlier
+    one of its chain trusts it (validation and import check it)."""
+    claim = logits_claim(data.meta, data.header)
+    if claim is not None and data.logits is not None and logits_crc(data.logits) != claim:
+        raise CorruptMetadata("the checksum its metadata gives the logits is not theirs")
+
+
 def recurrent_block_metadata(state: StateBytes, length: int) -> dict[str, int]:
     """The metadata ``recurrent_block`` of a file whose llama.cpp state ``state`` ends with a
     recurrent block of ``length`` bytes (kvstate.recurrent_block_len of its walk)."""
@@ -1080,20 +1151,26 @@ def recurrent_block_metadata(state: StateBytes, length: int) -> dict[str, int]:
 
 
 def _token_arrays(header: Header, tokens_view: memoryview,
-                  logits_view: memoryview) -> tuple[np.ndarray, np.ndarray | None]:
+                  logits_view: memoryview | None) -> tuple[np.ndarray, np.ndarray | None]:
     """The token ids and the logits, checked: read-only arrays over the bytes read (copied
-    only where the machine's byte order is not the file's)."""
+    only where the machine's byte order is not the file's); ``logits_view`` None: the read
+    left them in the file (no logits yet)."""
     tokens = np.frombuffer(tokens_view, dtype="<i4").astype(np.int32, copy=False)
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= header.n_vocab):
         raise CorruptMetadata("the token array holds ids outside the vocabulary")
     logits = None
-    if header.has_logits:
-        logits = np.frombuffer(logits_view, dtype="<f4").astype(np.float32, copy=False)
-        # -inf is a masked-out token (a grammar, a banned id); NaN and +inf are damage: the
-        # largest is NaN where one is, +inf where one is (one pass, no mask to allocate)
-        if len(logits) and not logits.max() < np.inf:
-            raise CorruptMetadata("the stored logits hold NaN or infinite values")
+    if header.has_logits and logits_view is not None:
+        logits = _checked_logits(np.frombuffer(logits_view, dtype="<f4").astype(np.float32, copy=False))
     return tokens, logits
+
+
+def _checked_logits(logits: np.ndarray) -> np.ndarray:
+    """``logits``, unless they hold NaN or +inf (CorruptMetadata)."""
+    # -inf is a masked-out token (a grammar, a banned id); NaN and +inf are damage: the
+    # largest is NaN where one is, +inf where one is (one pass, no mask to allocate)
+    if len(logits) and not logits.max() < np.inf:
+        raise CorruptMetadata("the stored logits hold NaN or infinite values")
+    return logits
 
 
 def _mapped_state(fileno: int, mapping, header: Header, crc: int | None, progress,

@@ -51,6 +51,7 @@ from engine.checkpoints.format import (
     MEMORY_RECURRENT,
     StateBytes,
     byte_view,
+    check_logits_claim,
     own_recurrent_crc,
     recurrent_block_metadata,
 )
@@ -395,7 +396,10 @@ def check_file_states(data, recurrent_rows: tuple[int, ...] | None = None) -> No
     """Walk every state a file read whole holds (CheckpointData: validation, import): llama.cpp's
     part, what the metadata says of the recurrent block it ends with (a restore trusts its
     length and CRC to leave the block unread: they must be the walk's and the bytes'), and
-    the points' recurrent states (:func:`check_point_states`)."""
+    the points' recurrent states (:func:`check_point_states`); and what it says of the
+    logits (engine.checkpoints.format.check_logits_claim: a restore leaves an earlier file's
+    unread too)."""
+    check_logits_claim(data)
     if not data.header.n_tokens:
         return
     layout = check_state_for(data.header, data.state, recurrent_rows)
