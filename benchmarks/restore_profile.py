@@ -3,7 +3,7 @@
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
                                          [--against TREE] [--reader mapped|windows|copying] [--json out.json]
-                                         [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn]
+                                         [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn|qwen35-4b-vocab]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
 attention widths, random weights; ``--model llama-8b-kv``: an attention model at
@@ -310,7 +310,11 @@ MODELS = {
                   "recurrent state), 2 attention layers of 2 KV heads of 64, a narrow residual stream",
     "qwen35-4b-gdn": "the same at Qwen3.5-4B's depth: 32 layers, 24 of them gated delta-nets (50 MB of "
                      "recurrent state, as Qwen3.5-4B's and -9B's), 8 attention layers",
+    "qwen35-4b-vocab": "the same with Qwen3.5's vocabulary (248,320 tokens, SmolLM2's padded with unused "
+                       "ones: 1 MB of logits, which every file of a hybrid carries)",
 }
+#: Qwen3.5's vocabulary
+QWEN35_VOCAB = 248_320
 #: the hybrid's widths: LFM2-2.6B's attention (8 KV heads of 64, 16 query heads); the layer
 #: pattern alternates convolution and attention, so 16 layers hold its 8 attention layers;
 #: its trained context LFM2's 32k (llama-server caps a slot's context at it)
@@ -332,9 +336,10 @@ def model_file(key: str, folder: Path) -> Path | None:
     import tinymodels
     if key == "llama-8b-kv":
         return tinymodels.cached("llama", folder, n_layer=32, shape=tinymodels.Shape(**LLAMA_8B_KV))
-    if key in ("qwen35-gdn", "qwen35-4b-gdn"):
+    if key.startswith("qwen35"):
+        vocab = QWEN35_VOCAB if key == "qwen35-4b-vocab" else 0
         return tinymodels.cached("qwen35", folder, n_layer=8 if key == "qwen35-gdn" else 32,
-                                 shape=tinymodels.Shape(**QWEN35_GDN))
+                                 shape=tinymodels.Shape(**QWEN35_GDN, n_vocab=vocab))
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 

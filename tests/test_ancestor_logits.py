@@ -87,8 +87,7 @@ def _copy(paths, tmp_path):
 
 
 def _logits_offset(path) -> int:
-    data = read_checkpoint(path, load_state=False)
-    return 256 + data.header.meta_len + data.header.tokens_len
+    return read_checkpoint(path, load_state=False).header.logits_offset
 
 
 def _flip(path, offset: int) -> None:

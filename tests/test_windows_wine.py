@@ -624,6 +624,82 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
     assert got == {"unread": True, "same": True, "refused": True, "empty": True}, (got, done.stderr[-2000:])
 
 
+def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_kept(tmp_path):
+    """On Windows: a hybrid's chain of two turns (a prompt's file, the first answer's, the
+    second's) is restored without reading the prompt file's logits (every file of a hybrid
+    carries them): damaged, the restore gives exactly the undamaged chain's state and logits,
+    and the files can be replaced at once after; restored as a chain's last file (the prompt
+    alone), the damage is found; the first answer's logits, which the restore keeps for
+    Regenerate, damaged, refuse the restore, naming that file."""
+    points = needs(XOS / "points")
+    done = child(f"""
+        import json, os, shutil
+        import numpy as np
+        from engine.checkpoints import mapped
+        from engine.checkpoints.chain import load_chain, restoring
+        from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE, read_checkpoint
+        from engine.conversation import Conversation
+        from engine.errors import BrokenChain, ChecksumMismatch
+        from engine.generation import begin_answer, commit_answer, generate
+        from engine.runtime import Runtime
+        from engine.sampling import SamplerSettings
+        from native.context import ContextSettings
+        mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
+        folder = {str(tmp_path)!r}
+        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
+        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        begin_answer(conv, rt, "Name a river.", n_predict=6)
+        rt.prefill(conv.tokens)
+        prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
+        generate(rt, conv)
+        commit_answer(conv)
+        first = rt.save(os.path.join(folder, "first.kvckpt"), conv, KIND_MANUAL, parent=prompt)
+        begin_answer(conv, rt, "And another?", n_predict=6)
+        generate(rt, conv)
+        second = rt.save(os.path.join(folder, "second.kvckpt"), conv, KIND_PAUSE, parent=first)
+        def now():
+            size = rt.ctx.state_size(0)
+            buf = np.empty(size, dtype=np.uint8)
+            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)]), np.asarray(rt.logits()).tobytes()
+        def restored(chain):
+            rt.trim(0)
+            with restoring(chain):
+                rt.restore_chain(chain)
+            return now()
+        def spoil(path):
+            h = read_checkpoint(path, load_state=False).header
+            with open(path, "r+b") as f:
+                f.seek(h.logits_offset + 4 * 17 + 2)
+                byte = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([byte[0] ^ 0x01]))
+        clean = restored(load_chain(second.path, crc_later=True))
+        spoil(prompt.path)
+        chain = load_chain(second.path, crc_later=True)
+        unread = chain[0].logits is None and chain[0].unread_logits is not None
+        same = restored(chain) == clean
+        for path in (prompt.path, first.path, second.path):   # let go: replaceable at once
+            shutil.copyfile(path, str(path) + ".copy")
+            os.replace(str(path) + ".copy", path)
+        refused = []
+        for spoiled, upto, error in ((None, 1, ChecksumMismatch), (first.path, 3, BrokenChain)):
+            if spoiled:
+                spoil(spoiled)
+            chain = load_chain(second.path, crc_later=True)
+            try:
+                restored(chain[:upto])
+                refused.append("restored")
+            except error as exc:
+                refused.append(type(exc).__name__ + (" first" if "first.kvckpt" in str(exc) else ""))
+        print(json.dumps({{"unread": unread, "same": same, "refused": refused}}))
+        rt.close()
+    """)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"unread": True, "same": True, "refused": ["ChecksumMismatch", "BrokenChain first"]}, \
+        (got, done.stderr[-2000:])
+
+
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
     """The PyInstaller build (installer/wine_tier.sh --frozen): pause + save, resume."""
     part = XOS / "frozen-part.txt"

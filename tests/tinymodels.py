@@ -86,6 +86,9 @@ class Shape:
     gdn_k_heads: int = 2
     gdn_v_heads: int = 2
     n_ctx_train: int = 4096   # llama-server caps its slots' context at it
+    #: the vocabulary: 0, SmolLM2's 49,152 tokens; more, those padded with unused tokens (a
+    #: real model's logits size: Qwen3.5's 248,320)
+    n_vocab: int = 0
 
     @property
     def ssm_inner(self) -> int:
@@ -199,6 +202,11 @@ class _Writer:
         for key, value, vtype, sub in _smollm2_tokenizer():
             if key == "tokenizer.chat_template" and self.chat_template is not None:
                 value = self.chat_template
+            pad = _n_vocab(self.shape) - _n_vocab()
+            if key == "tokenizer.ggml.tokens" and pad > 0:
+                value = [*value, *(f"<unused_{i}>" for i in range(pad))]
+            elif key == "tokenizer.ggml.token_type" and pad > 0:
+                value = [*value, *([UNUSED_TOKEN] * pad)]
             writer.add_key_value(key, value, vtype, sub)
         for name, data, qtype in self.tensors:
             writer.add_tensor(name, data, raw_dtype=qtype)
@@ -226,15 +234,20 @@ def _common(w: _Writer, n_layer: int, *, n_ff: int | None = None) -> None:
     w.u32("embedding_length", s.n_embd)
     w.u32("block_count", n_layer)
     w.u32("feed_forward_length", n_ff)
-    w.u32("vocab_size", _n_vocab())
+    w.u32("vocab_size", _n_vocab(s))
     w.f32("attention.layer_norm_rms_epsilon", RMS_EPS)
-    w.tensor("token_embd.weight", (s.n_embd, _n_vocab()), "embedding", q8=True)
+    w.tensor("token_embd.weight", (s.n_embd, _n_vocab(s)), "embedding", q8=True)
 
 
-def _n_vocab() -> int:
+#: llama.cpp's token type of a token that is never produced (LLAMA_TOKEN_TYPE_UNUSED)
+UNUSED_TOKEN = 5
+
+
+def _n_vocab(shape: Shape = TINY) -> int:
+    """The vocabulary's size: SmolLM2's, or ``shape.n_vocab`` where that is larger."""
     for key, value, _t, _s in _smollm2_tokenizer():
         if key == "tokenizer.ggml.tokens":
-            return len(value)
+            return max(len(value), shape.n_vocab)
     raise RuntimeError("SmolLM2's GGUF has no token list")
 
 
@@ -382,7 +395,7 @@ def _rwkv7(w: _Writer, n_layer: int) -> None:
     w.u32("embedding_length", s.n_embd)
     w.u32("block_count", n_layer)
     w.u32("feed_forward_length", s.rwkv_ff)
-    w.u32("vocab_size", _n_vocab())
+    w.u32("vocab_size", _n_vocab(w.shape))
     w.u32("attention.head_count", 0)
     w.f32("attention.layer_norm_epsilon", 1e-5)
     w.u32("wkv.head_size", RWKV_HEAD)
@@ -390,12 +403,12 @@ def _rwkv7(w: _Writer, n_layer: int) -> None:
         w.u32(f"attention.{key}", RWKV_LORA)
     w.u32("token_shift_count", 2)
     E, L = s.n_embd, RWKV_LORA
-    w.tensor("token_embd.weight", (E, _n_vocab()), "embedding", q8=True)
+    w.tensor("token_embd.weight", (E, _n_vocab(w.shape)), "embedding", q8=True)
     w.tensor("token_embd_norm.weight", (E,), 1.0)
     w.tensor("token_embd_norm.bias", (E,), 0.0)
     w.tensor("output_norm.weight", (E,), 1.0)
     w.tensor("output_norm.bias", (E,), 0.0)
-    w.tensor("output.weight", (E, _n_vocab()), "embedding", q8=True)
+    w.tensor("output.weight", (E, _n_vocab(w.shape)), "embedding", q8=True)
 
     def uniform(rng, shape):
         return rng.uniform(0.0, 1.0, shape)

@@ -162,9 +162,9 @@ logits alone; an earlier file of its chain gives its cells, and its logits only 
 restore keeps a snapshot after it (engine.restore).  So a reader restoring such a file
 (``read_checkpoint``'s ``ancestor``) neither reads nor checksums them (vocabulary x 4
 bytes: 1 MB at Gemma 3's or Qwen3.5's, in every file of a memory whose logits cannot be
-computed again): the payload CRC is checked through C (zlib's ``crc32_combine``, as
-for the recurrent blocks above), and the logits are read, checked against C, where they are used
-(:meth:`CheckpointData.read_logits`).
+computed again): the payload CRC is checked through C (zlib's ``crc32_combine``, as for
+the recurrent blocks above), and the logits are read, checked against C, where they are
+used (:meth:`CheckpointData.read_logits`).
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
@@ -351,8 +351,12 @@ class Header:
         return KIND_NAMES.get(self.kind, "unknown")
 
     @property
+    def logits_offset(self) -> int:
+        return HEADER_LEN + self.meta_len + self.tokens_len
+
+    @property
     def state_offset(self) -> int:
-        return HEADER_LEN + self.meta_len + self.tokens_len + self.logits_len
+        return self.logits_offset + self.logits_len
 
 
 def recurrent_part_suffices(memory: int, n_swa: int) -> bool:
@@ -984,10 +988,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     anything of the file.  With ``crc_later``, the points' recurrent states of a file whose
     points give their own CRCs are not checksummed (see Points), and not copied: a copying
     read leaves them in the file (``CheckpointData.point_state``).  ``ancestor`` (with
-    ``crc_later``): the file is an earlier one of a restore's chain, whose logits the restore
-    does not use (see Logits an earlier file holds) nor, with a mapping, its own recurrent
-    block (see The file's own recurrent block): where the metadata vouches for them, they are
-    left unread too.
+    ``crc_later``): an earlier file of a restore's chain, its logits and, mapped, its own
+    recurrent block left unread where the metadata vouches for them (see above).
     """
     path = Path(path)
     with open(path, "rb") as f:
@@ -1000,16 +1002,8 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         unread = _unread_point_crcs(meta) if crc_later and load_state and tail else ()
         checked_len = header.state_len - (tail if unread else 0)   # what is checksummed now or later
         logits_left = logits_claim(meta, header) if crc_later and ancestor and load_state else None
-        if logits_left is None:
-            # tokens and logits in one read: the header's checks bound them by the file's length
-            arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
-            crc = before_state = crc32(arrays, crc)
-            tokens_view, logits_view = arrays[:header.tokens_len], arrays[header.tokens_len:]
-        else:   # (the logits left in the file: CheckpointData.read_logits)
-            assert crc_combine is not None
-            tokens_view, logits_view = memoryview(_read_exact(f, header.tokens_len, "token array")), None
-            crc = before_state = crc_combine(crc32(tokens_view, crc), logits_left, header.logits_len)
-            f.seek(header.state_offset)
+        tokens_view, logits_view, crc = _read_arrays(f, header, crc, logits_left)
+        before_state = crc
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
         # (where the unread bytes then end the section: the block, the points' states)
@@ -1046,8 +1040,7 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
     data = CheckpointData(header=header, meta=meta, tokens=np.empty(0, np.int32), logits=None, state=state,
                           path=path, payload_crc=stored_crc, pending_crc=job, unread_point_crcs=unread,
                           mapping=mapping, crc_before_state=before_state, unread_recurrent=own,
-                          unread_logits=None if logits_left is None else (
-                              logits_left, HEADER_LEN + header.meta_len + header.tokens_len),
+                          unread_logits=None if logits_left is None else (logits_left, header.logits_offset),
                           crc_through_state=crc if load_state and job is None and not own
                           and (unread or not tail) else None)
     if tail and load_state:
@@ -1058,6 +1051,22 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         data.settle()   # damage is the reason, when the checksum says so
         raise
     return data
+
+
+def _read_arrays(f: BinaryIO, header: Header, crc: int,
+                 logits_left: int | None) -> tuple[memoryview, memoryview | None, int]:
+    """The token array and the logits, read after the metadata, and the payload's running
+    CRC32 ``crc`` through them.  ``logits_left``: the metadata's CRC of the logits, which the
+    read leaves in the file (see Logits an earlier file holds: CheckpointData.read_logits):
+    combined in, and None for their bytes."""
+    if logits_left is None:
+        # tokens and logits in one read: the header's checks bound them by the file's length
+        arrays = memoryview(_read_exact(f, header.tokens_len + header.logits_len, "token array and logits"))
+        return arrays[:header.tokens_len], arrays[header.tokens_len:], crc32(arrays, crc)
+    assert crc_combine is not None
+    tokens_view = memoryview(_read_exact(f, header.tokens_len, "token array"))
+    f.seek(header.state_offset)
+    return tokens_view, None, crc_combine(crc32(tokens_view, crc), logits_left, header.logits_len)
 
 
 def _trailer_crc(trailer: bytes) -> int:
