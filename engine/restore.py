@@ -208,6 +208,12 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     snapshot is to be kept from the file itself once they settled (:func:`_snapshot_of_file`)."""
     conv, layouts = _checked(chain, target)
     snapshots = _files_to_go_back_to(chain, conv)
+    # where the snapshot is the file's recurrent part alone (Header.recurrent_part_suffices), it is
+    # taken from the file: llama.cpp would copy that part in and the snapshot copy it out again
+    # (12.6 MB each way at Qwen3-Next's widths), and it need not be set where a later file replaces it
+    in_files = {i for i in snapshots if (layout := layouts[i]) is not None and layout.recurrent is not None
+                and chain[i].header.recurrent_part_suffices}
+    _walk_blocks_set(chain, snapshots - in_files, layouts, target.recurrent_rows)
     # the logits the restore keeps: the last file's, and a recurrent memory's snapshot's (an
     # earlier file's were left unread, and a chain restored up to an earlier file ends with one)
     for i in sorted((snapshots if chain[-1].header.has_recurrent else set()) | {len(chain) - 1}):
@@ -222,17 +228,13 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     if not keep:
         slot.empty()
     slot.forget_logits()
-    # where the snapshot is the file's recurrent part alone (Header.recurrent_part_suffices), it is
-    # taken from the file: llama.cpp would copy that part in and the snapshot copy it out again
-    # (12.6 MB each way at Qwen3-Next's widths), and it need not be set where a later file replaces it
-    later = [(i, chain[i], layout) for i in sorted(snapshots) if i >= keep and (layout := layouts[i]) is not None
-             and layout.recurrent is not None and chain[i].header.recurrent_part_suffices]
-    _apply(slot, chain, keep, snapshots - {i for i, _data, _layout in later}, layouts)
+    _apply(slot, chain, keep, snapshots - in_files, layouts)
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()
         raise RestoreFailed("the restored state does not hold the promised tokens")
     slot.restored(last.tokens[:n].tolist(), last.logits)
-    return Restored(conv, n, n - kept), [(data, layout) for _i, data, layout in later]
+    return Restored(conv, n, n - kept), [(chain[i], layout) for i in sorted(in_files)
+                                         if i >= keep and (layout := layouts[i]) is not None]
 
 
 def _go_back_positions(conv: Conversation) -> tuple[int, ...]:
@@ -261,9 +263,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
     ctx, scratch_used = slot.ctx, False
     parked = _parks_base(chain, keep)
     direct = 1 if parked else 0   # the file set into the sequence itself; the others pass the scratch one
-    # whose recurrent state survives: the last file that has a state (a delta of metadata
-    # only may follow it: an import's head, a pause where an autosave had just been written)
-    last = max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
+    last = _last_with_a_state(chain)
     try:
         for i, data in enumerate(chain):
             if i < keep:
@@ -273,7 +273,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 # first tokens only; its cells from there on go (a parked base's, where it waits)
                 ctx.seq_rm(slot.scratch if parked and i == 1 else slot.seq, data.header.parent_n_tokens, -1)
             state = data.state
-            if len(state) and i != last and i not in snapshots:
+            if len(state) and not _set_whole(data, i == last or i in snapshots, layouts[i]):
                 state = _without_a_replaced_recurrent_state(data, layouts[i])
             if not len(state):
                 continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)
@@ -309,20 +309,46 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
 ATTENTION_COPY_FACTOR = 4
 
 
-def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayout | None) -> np.ndarray:
-    """The bytes to set of a file that is not the chain's last: a recurrent memory's state is
-    replaced whole by the next file's (none: nothing to set), and a hybrid's recurrent part
-    too, so where it is the larger part (a gated delta-net's: 12.6 MB at Qwen3-Next's
-    widths, against ~0.5 KB a token of attention cells) only the attention part is set
-    (kvstate.attention_part_of).  A file after which a snapshot is kept is set whole."""
-    if layout is None or layout.recurrent is None:   # an attention memory's state
-        return data.state
+def _last_with_a_state(chain: Sequence[CheckpointData]) -> int:
+    """The file whose recurrent state survives the chain: the last that has a state (a delta
+    of metadata only may follow it: an import's head, a pause where an autosave had just been
+    written); -1: none."""
+    return max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
+
+
+def _set_whole(data: CheckpointData, survives: bool, layout: StateLayout | None) -> bool:
+    """Whether a file's state is set as it is, its recurrent block with it: where that state
+    ``survives`` (the chain's last, or a file after which a snapshot is kept), and where the
+    file has no recurrent block to leave out (an attention memory).  Any other recurrent state
+    is replaced whole by the next file's, so a recurrent memory's sets nothing, and a
+    hybrid's sets its attention part alone where the recurrent part is the larger (a gated
+    delta-net's: 12.6 MB at Qwen3-Next's widths, against ~0.5 KB a token of attention cells):
+    :func:`_without_a_replaced_recurrent_state`."""
+    if survives or layout is None or layout.recurrent is None:
+        return True
     if data.header.memory == MEMORY_RECURRENT:
-        return data.state[:0]
+        return False
     block = recurrent_block_len(layout)
-    if ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block:
-        return data.state
+    return ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block
+
+
+def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayout | None) -> np.ndarray:
+    """The bytes to set of a file that is not set whole (:func:`_set_whole`): none for a
+    recurrent memory, a hybrid's attention part (kvstate.attention_part_of)."""
+    if data.header.memory == MEMORY_RECURRENT or layout is None:
+        return data.state[:0]
     return attention_part_of(data.state, layout, data.header.n_layer)
+
+
+def _walk_blocks_set(chain: Sequence[CheckpointData], snapshots: set[int],
+                     layouts: list[StateLayout | None], rows: tuple[int, ...] | None) -> None:
+    """Walk, before anything is set, the recurrent block of each file that is set whole whose
+    walk left it unread (:func:`_walked`): llama.cpp sees no state whose structure is
+    unchecked."""
+    last = _last_with_a_state(chain)
+    for i, (data, layout) in enumerate(zip(chain, layouts, strict=True)):
+        if layout is not None and not layout.block_walked and _set_whole(data, i == last or i in snapshots, layout):
+            layouts[i] = _walked(data, rows, whole=True)
 
 
 def _parks_base(chain: Sequence[CheckpointData], keep: int) -> bool:
@@ -392,14 +418,17 @@ def _checked(chain: Sequence[CheckpointData], target: Target) -> tuple[Conversat
     return _conversation_of(chain[-1]), layouts
 
 
-def _walked(data: CheckpointData, rows: tuple[int, ...] | None) -> StateLayout:
+def _walked(data: CheckpointData, rows: tuple[int, ...] | None, whole: bool = False) -> StateLayout:
     """The walk of a file's state (kvstate.check_state_for).  Where the read left the file's
-    recurrent block unchecked (CheckpointData.unread_recurrent), the walk has read its row
-    headers: a refusal then has the block checked, so that damage is named as the reason
+    recurrent block unchecked (CheckpointData.unread_recurrent), the walk reads its head alone
+    where the model's rows give its length (an earlier file's block is not set: its rows are
+    walked only where it is, ``whole``: :func:`_walk_blocks_set`); a refusal of a walk that
+    read bytes of it has the block checked, so that damage is named as the reason
     (restore_into settles); and the block the metadata vouches for must be the one the state
     ends with, or bytes set into llama.cpp would have gone unchecked."""
+    unread = data.unread_recurrent[1] if data.unread_recurrent is not None and not whole else 0
     try:
-        layout = check_state_for(data.header, data.state, rows)
+        layout = check_state_for(data.header, data.state, rows, unread)
     except CorruptState:
         data.check_recurrent_later()
         raise

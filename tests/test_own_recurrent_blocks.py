@@ -23,7 +23,7 @@ from engine.checkpoints.crc import combine, crc32
 from engine.checkpoints.format import encode_metadata, read_checkpoint, write_sections
 from engine.checkpoints.kvstate import check_state_for, recurrent_block_len
 from engine.errors import BrokenChain, ChecksumMismatch, CorruptState
-from engine.restore import _without_a_replaced_recurrent_state
+from engine.restore import _set_whole
 from engine.runtime import Runtime
 
 ARCHS = ["qwen35", "mamba2", "lfm2", "granitehybrid"]
@@ -114,7 +114,7 @@ def test_a_restore_neither_reads_nor_checks_an_ancestors_block_it_replaces(arch,
             assert mine and not any(start < offset + length and offset < start + n for start, n in mine), mine
         rt.trim(0)
         layout = check_state_for(chain[0].header, chain[0].state)
-        if _without_a_replaced_recurrent_state(chain[0], layout) is not chain[0].state:
+        if not _set_whole(chain[0], False, layout):
             assert _restore(rt, chain) == clean
         else:
             with pytest.raises(BrokenChain, match=f"{prompt.name} is damaged"):
@@ -123,11 +123,15 @@ def test_a_restore_neither_reads_nor_checks_an_ancestors_block_it_replaces(arch,
         rt.close()
 
 
+@pytest.mark.parametrize("where", ["row", "row header"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_block_left_unchecked_is_checked_where_it_is_set_after_all(arch, made, tiny_model_path, tmp_path):
+def test_a_block_left_unchecked_is_checked_where_it_is_set_after_all(arch, where, made, tiny_model_path, tmp_path,
+                                                                     monkeypatch):
     """Restoring the chain up to the prompt's file (an Edit, ``--from-turn``: the prompt's
     state set whole): its block is checked then — intact, the state is the prompt file's own;
-    damaged, the restore fails as damaged and the sequence is left empty."""
+    damaged, the restore fails as damaged and the sequence is left empty; and walked, which
+    the walk of an earlier file left undone: a damaged row header refuses it before llama.cpp
+    sees a byte."""
     prompt, answer = _copy(made, arch, tmp_path)
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
@@ -137,33 +141,53 @@ def test_a_block_left_unchecked_is_checked_where_it_is_set_after_all(arch, made,
         assert chain[0].unread_recurrent is not None
         assert _restore(rt, chain[:1]) == alone
         offset, length = _block_of(prompt)
-        _flip(prompt, offset + 33)
+        _flip(prompt, offset + (33 if where == "row" else 20))
         chain = load_chain(answer, crc_later=True)
         rt.trim(0)
+        sets: list[object] = []
+        real = rt.ctx.state_set_from
+        monkeypatch.setattr(rt.ctx, "state_set_from", lambda *args: (sets.append(args), real(*args))[1])
         with pytest.raises(ChecksumMismatch), restoring(chain[:1]):
             rt.restore_chain(chain[:1])
-        assert rt.kv_tokens == []
+        assert rt.kv_tokens == [] and (sets == []) == (where == "row header")
     finally:
         rt.close()
 
 
-@pytest.mark.parametrize("where", ["row header", "before the block"])
-@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
-def test_damage_the_walk_or_the_payload_crc_finds_is_named_as_damage(arch, where, made, tiny_model_path, tmp_path):
-    """A damaged row header of the prompt's block stops the walk, which read those bytes
-    unchecked: the block is checked and the restore says the prompt's file is damaged; a
-    damaged byte before the block fails the payload CRC checked around it."""
+@pytest.mark.parametrize("where", ["head", "row header", "before the block"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_damage_the_walk_or_the_payload_crc_finds_is_named_as_damage(arch, where, made, tiny_model_path, tmp_path,
+                                                                     monkeypatch):
+    """The walk of an earlier file reads its unread block's head alone (its length is the
+    model's rows'): a damaged row header is neither read nor needed where the block is not
+    set (the restore is exactly the undamaged chain's), and stops the walk where it is (the
+    block is walked before it is set); a damaged head stops the walk, which read those bytes
+    unchecked.  Either way the block is checked and the restore says the prompt's file is
+    damaged, before llama.cpp sees a byte.  A damaged byte before the block fails the payload
+    CRC checked around it."""
     prompt, answer = _copy(made, arch, tmp_path)
     offset, _length = _block_of(prompt)
-    # the block: a cell count, one cell (pos, n_seq_id), s_trans, n_layer, then layer 0's type
-    _flip(prompt, offset + 20 if where == "row header" else read_checkpoint(prompt).header.state_offset + 2)
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
+        clean = _restore(rt, load_chain(answer, crc_later=True))
+        rt.trim(0)
+        chain = load_chain(answer, crc_later=True)
+        layout = check_state_for(chain[0].header, chain[0].state)
+        set_whole = _set_whole(chain[0], False, layout)
+        # the block: a cell count, one cell (pos, n_seq_id), s_trans, n_layer, then layer 0's type
+        _flip(prompt, {"head": offset + 8, "row header": offset + 20,
+                       "before the block": read_checkpoint(prompt).header.state_offset + 2}[where])
         chain = [] if where == "before the block" else load_chain(answer, crc_later=True)
+        if where == "row header" and not set_whole:
+            assert _restore(rt, chain) == clean
+            return
+        sets = []
+        monkeypatch.setattr(rt.ctx, "state_set_from", lambda *args: sets.append(args))
         with pytest.raises(BrokenChain, match=f"{prompt.name} is damaged"):
             chain = chain or load_chain(answer, crc_later=True)
             with restoring(chain):
                 rt.restore_chain(chain)
+        assert sets == []
     finally:
         rt.close()
 

@@ -76,6 +76,9 @@ class StateLayout:
     recurrent: tuple[int, int, int] | None = None
     #: int32 words per cell in the cell tables (3, or 6 with the M-RoPE extension)
     cell_words: int = 3
+    #: False: the walk left the recurrent block's rows unread (check_state's
+    #: ``recurrent_unread``): the block must be walked before it is set
+    block_walked: bool = True
 
 
 _U32, _I32, _U64 = struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q")
@@ -146,12 +149,18 @@ def check_state(state: StateBytes, *, n_tokens: int, n_ctx: int,
                 n_head_kv: int, n_embd_head_k: int, n_embd_head_v: int,
                 first_pos: int = 0, seq_id: int = 0, memory: int = MEMORY_ATTENTION,
                 n_swa: int = 0, recurrent_rows: tuple[int, ...] | None = None,
-                cell_ext: bool = False) -> StateLayout:
+                cell_ext: bool = False, recurrent_unread: int = 0) -> StateLayout:
     """Walk ``state`` and raise :class:`CorruptState` at the first inconsistency.
 
     A delta state holds positions ``first_pos..n_tokens-1`` of sequence ``seq_id`` (1).
     ``memory`` is the header's memory kind; ``recurrent_rows`` (R and S row bytes and the
     recurrent layer count, 0 where unknown) the model's, which the recurrent block must match.
+    ``recurrent_unread``: the length of the recurrent block that ends the state, where the
+    reader left it unread (a restore's earlier file, which gives its attention cells alone:
+    engine.restore): its head is checked, and its length against the model's rows, but its
+    rows (a header per layer, spread over 50 MB at Qwen3.5-4B's widths) are not read
+    (``StateLayout.block_walked``); where the rows are unknown or give another length, the
+    block is walked.
     """
     r = _Reader(byte_view(state))
     if r.u32("magic") != STATE_MAGIC:
@@ -168,14 +177,53 @@ def check_state(state: StateBytes, *, n_tokens: int, n_ctx: int,
         attention = _attention_blocks(r, 2 if n_swa else 1, n_tokens, n_ctx, n_layer, type_k, type_v,
                                       flash_attn, n_head_kv, n_embd_head_k, n_embd_head_v, first_pos,
                                       seq_id, cell_ext)
-    rec = _recurrent_block(r, n_tokens, n_layer, recurrent_rows)
+    start = r.pos
+    cells = _recurrent_head(r, n_tokens, n_layer)
+    rec = _unread_recurrent_layers(r, start, n_layer, recurrent_rows, recurrent_unread)
     return StateLayout(blocks=attention.blocks, v_trans=attention.v_trans,
-                       cell_tables=attention.cell_tables, recurrent=rec, cell_words=attention.cell_words)
+                       cell_tables=attention.cell_tables, cell_words=attention.cell_words,
+                       recurrent=rec or _recurrent_layers(r, n_layer, cells, recurrent_rows),
+                       block_walked=rec is None)
 
 
 def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
                      rows: tuple[int, ...] | None) -> tuple[int, int, int]:
     """Walk a recurrent block to the end of the blob: (layers, R row bytes, S row bytes)."""
+    return _recurrent_layers(r, n_layer, _recurrent_head(r, n_tokens, n_layer), rows)
+
+
+def _unread_recurrent_layers(r: _Reader, start: int, n_layer: int, rows: tuple[int, ...] | None,
+                             unread: int) -> tuple[int, int, int] | None:
+    """(layers, R row bytes, S row bytes) of a recurrent block from ``start`` to the end of
+    the blob that the reader left unread (``unread`` bytes: check_state's
+    ``recurrent_unread``), from the model's rows where they give exactly that length, the
+    reader moved to the end without reading them; None otherwise (the reader where it was)."""
+    if not unread or len(r.data) - start != unread or not _rows_known(rows, n_layer):
+        return None
+    assert rows is not None
+    r_row, s_row, half = rows[:3]
+    if _block_len(half, r_row, s_row) != unread:
+        return None
+    r.pos = len(r.data)
+    return half, r_row, s_row
+
+
+def _rows_known(rows: tuple[int, ...] | None, n_layer: int) -> bool:
+    """Whether the model's recurrent rows (R and S row bytes, recurrent layers) are known and
+    could be a state's."""
+    return rows is not None and len(rows) >= 3 and all(rows[:3]) and rows[2] <= n_layer \
+        and max(rows[:2]) <= LIMITS.max_recurrent_layer
+
+
+def _block_len(layers: int, r_row: int, s_row: int) -> int:
+    """Bytes of a recurrent block of one cell: its head (cell count, the cell's position and
+    sequence count, the layout flag, the layer count), then each layer's R rows, then S rows,
+    each with its type and row size."""
+    return 4 + 8 + 4 + 4 + layers * (_ROWS.size + r_row) + layers * (_ROWS.size + s_row)
+
+
+def _recurrent_head(r: _Reader, n_tokens: int, n_layer: int) -> int:
+    """Check a recurrent block's head (see :func:`_block_len`); its cell count."""
     cells = r.u32("recurrent cell count")
     if cells != 1:
         raise CorruptState(f"the recurrent state holds {cells} snapshots; a sequence has one")
@@ -188,6 +236,12 @@ def _recurrent_block(r: _Reader, n_tokens: int, n_layer: int,
         raise CorruptState("the recurrent state's layout flag is invalid")
     if r.u32("recurrent layer count") != n_layer:
         raise CorruptState("the recurrent state's layer count differs from its header")
+    return cells
+
+
+def _recurrent_layers(r: _Reader, n_layer: int, cells: int, rows: tuple[int, ...] | None) -> tuple[int, int, int]:
+    """Walk a recurrent block's rows, after its head, to the end of the blob: (layers, R row
+    bytes, S row bytes)."""
     if (known := _known_recurrent_layers(r, n_layer, cells, rows)) is not None:
         return known
     sizes: list[int] = []
@@ -225,9 +279,9 @@ def _known_recurrent_layers(r: _Reader, n_layer: int, cells: int,
     per layer: 24 layers at Qwen3.5-4B's depth, in every file of a chain): (layers, R row
     bytes, S row bytes) where the rest of the blob is exactly that, else None with the reader
     where it was (the step-by-step walk then names the fault)."""
-    if rows is None or len(rows) < 3 or not all(rows[:3]) or rows[2] > n_layer \
-            or max(rows[:2]) > LIMITS.max_recurrent_layer:
+    if not _rows_known(rows, n_layer):
         return None
+    assert rows is not None
     start, (r_row, s_row, half) = r.pos, rows[:3]
     try:
         r.layers(half, cells, _ROWS, partial(_float_rows_of, r_row), "recurrent")
@@ -359,10 +413,10 @@ def relabel_state(state: np.ndarray, layout: StateLayout, seq_id: int) -> None:
         table[:, -1] = seq_id
 
 
-def check_state_for(header, state: StateBytes,
-                    recurrent_rows: tuple[int, ...] | None = None) -> StateLayout:
+def check_state_for(header, state: StateBytes, recurrent_rows: tuple[int, ...] | None = None,
+                    recurrent_unread: int = 0) -> StateLayout:
     """:func:`check_state` with the shape taken from a checkpoint header (and the model's
-    recurrent row sizes, when known).
+    recurrent row sizes, when known; ``recurrent_unread``: check_state's).
 
     A delta that holds no cells (``parent_n_tokens == n_tokens``) has no state at all.
     """
@@ -376,7 +430,7 @@ def check_state_for(header, state: StateBytes,
                        n_embd_head_k=header.n_embd_head_k, n_embd_head_v=header.n_embd_head_v,
                        first_pos=header.parent_n_tokens, seq_id=1 if header.is_delta else 0,
                        memory=header.memory, n_swa=header.n_swa, recurrent_rows=recurrent_rows,
-                       cell_ext=header.cell_ext)
+                       cell_ext=header.cell_ext, recurrent_unread=recurrent_unread)
 
 
 def check_recurrent_part(state: StateBytes, n_tokens: int, n_layer: int,
@@ -466,8 +520,7 @@ def recurrent_block_len(layout: StateLayout) -> int:
     :func:`check_state`'s result for a recurrent memory, or a hybrid's)."""
     if layout.recurrent is None:
         raise CorruptState("the state holds no recurrent part")
-    layers, r_row, s_row = layout.recurrent
-    return 4 + 8 + 4 + 4 + layers * (_ROWS.size + r_row) + layers * (_ROWS.size + s_row)
+    return _block_len(*layout.recurrent)
 
 
 def attention_part_of(state: StateBytes, layout: StateLayout, n_layer: int) -> np.ndarray:
