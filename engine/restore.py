@@ -6,9 +6,13 @@ A chain is a full checkpoint followed by zero or more deltas on it (engine.check
 of an :class:`engine.parallel.ParallelRuntime` (its own scratch sequence) alike; each
 supplies a :class:`SequenceSlot`: what the sequence holds and how to change that.
 
-1. **Check** every file before llama.cpp sees a byte (:func:`checked_chain`): each
-   file's compatibility with the target and its state's structure, the links between
-   them, the last file's conversation.  A refused chain leaves the sequence as it was.
+1. **Check** every file before llama.cpp sees a byte (:func:`_checked`): each
+   file's compatibility with the target and its state's structure (an earlier file's
+   recurrent block the read left unread: its head, and its length against the model's
+   rows; its rows only where it is set after all, :func:`_walk_blocks_set`), the links
+   between them, the last file's conversation, and the logits it keeps (the last file's, a
+   snapshot's: an earlier file's were left unread).  A refused chain leaves the sequence as
+   it was.
    (A large state's checksum may still be running then, on another core: see
    :func:`restore_into`.)
 2. **Keep** the files the sequence holds already (:func:`files_in_cache`): switching
@@ -214,16 +218,14 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     in_files = {i for i in snapshots if (layout := layouts[i]) is not None and layout.recurrent is not None
                 and chain[i].header.recurrent_part_suffices}
     _walk_blocks_set(chain, snapshots - in_files, layouts, target.recurrent_rows)
-    # the logits the restore keeps: the last file's, and a recurrent memory's snapshot's (an
-    # earlier file's were left unread, and a chain restored up to an earlier file ends with one)
-    for i in sorted((snapshots if chain[-1].header.has_recurrent else set()) | {len(chain) - 1}):
-        read_logits(chain, i)
     last = chain[-1]
     n = last.header.n_tokens
     keep = files_in_cache(slot.tokens, chain)
+    _read_logits_kept(chain, snapshots, keep)
     kept = used_end(chain, keep - 1) if keep else 0
     if keep and slot.trim(kept) != kept:
         keep, kept = 0, 0   # the memory cannot drop a tail (sliding window): restore it all
+        _read_logits_kept(chain, snapshots, 0)
     slot.make_room(peak_tokens(chain, keep))
     if not keep:
         slot.empty()
@@ -235,6 +237,17 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     slot.restored(last.tokens[:n].tolist(), last.logits)
     return Restored(conv, n, n - kept), [(chain[i], layout) for i in sorted(in_files)
                                          if i >= keep and (layout := layouts[i]) is not None]
+
+
+def _read_logits_kept(chain: Sequence[CheckpointData], snapshots: set[int], keep: int) -> None:
+    """Read the logits the restore keeps where the read left them in their files (an earlier
+    file's: engine.checkpoints.format, Logits an earlier file holds): the last file's (a chain
+    restored up to an earlier file ends with one) and, for a memory with a recurrent part (the
+    only one that keeps snapshots: Runtime.keep_snapshot), those of the files after which it
+    keeps one, of the files it applies (``chain[keep:]``)."""
+    kept = snapshots if chain[-1].header.has_recurrent else set()
+    for i in sorted({i for i in kept if i >= keep} | {len(chain) - 1}):
+        read_logits(chain, i)
 
 
 def _go_back_positions(conv: Conversation) -> tuple[int, ...]:
@@ -393,15 +406,13 @@ def used_end(chain: Sequence[CheckpointData], i: int) -> int:
     return min(held, chain[i + 1].header.parent_n_tokens) if i + 1 < len(chain) else held
 
 
-def checked_chain(chain: Sequence[CheckpointData], target: Target) -> Conversation:
-    """Check a chain (a full checkpoint, then deltas on it) before llama.cpp sees a byte:
-    every file's compatibility with ``target`` and state structure, the links between them,
-    the last file's conversation.  Returns that conversation, or raises with the reason."""
-    return _checked(chain, target)[0]
-
-
 def _checked(chain: Sequence[CheckpointData], target: Target) -> tuple[Conversation, list[StateLayout | None]]:
-    """:func:`checked_chain`, and each file's walk (None: a file of no tokens)."""
+    """Check a chain (a full checkpoint, then deltas on it) before llama.cpp sees a byte:
+    every file's compatibility with ``target`` and state structure (:func:`_walked`: an
+    earlier file's unread recurrent block is walked whole only where it is set,
+    :func:`_walk_blocks_set`), the links between them, the last file's conversation.
+    Returns that conversation and each file's walk (None: a file of no tokens), or raises
+    with the reason."""
     if not chain:
         raise BrokenChain("no checkpoint to restore")
     if chain[0].header.is_delta:

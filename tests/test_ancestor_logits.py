@@ -16,6 +16,7 @@ import memkit
 import numpy as np
 import pytest
 
+from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
 from engine.checkpoints.chain import load_chain, restoring
 from engine.checkpoints.crc import combine, crc32
@@ -28,6 +29,8 @@ from engine.checkpoints.format import (
     write_sections,
 )
 from engine.checkpoints.kvstate import check_file_states
+from engine.checkpoints.store import Store
+from engine.checkpoints.transfer import import_files
 from engine.conversation import Conversation
 from engine.errors import BrokenChain, ChecksumMismatch, CorruptMetadata
 from engine.generation import begin_answer, commit_answer, generate
@@ -140,18 +143,18 @@ def test_a_restore_reads_no_logits_of_an_earlier_file_it_does_not_keep(model, ma
     try:
         whole = _restore(rt, load_chain(second))
         rt.trim(0)
-        from engine.checkpoints import format as fmt
-        real_read_at, reads = fmt.read_at, []
-        monkeypatch.setattr(fmt, "read_at", lambda path, offset, into: (reads.append((path.name, offset)),
-                                                                       real_read_at(path, offset, into))[1])
+        reads = []
+        real = fmt.CheckpointData.read_logits
+        monkeypatch.setattr(fmt.CheckpointData, "read_logits",
+                            lambda self: (reads.append(self.path.name) if self.unread_logits else None, real(self))[1])
         chain = load_chain(second, crc_later=True)
         assert chain[0].logits is None and chain[0].unread_logits == (chain[0].meta["logits_crc32"],
                                                                        _logits_offset(prompt))
         assert chain[-1].logits is not None and chain[-1].unread_logits is None   # the last file's: read
         assert _restore(rt, chain) == whole
-        assert chain[0].logits is None and (prompt.name, _logits_offset(prompt)) not in reads
+        assert chain[0].logits is None and chain[0].unread_logits is not None
         if model == "qwen35":
-            assert chain[1].logits is not None and reads == [(first.name, _logits_offset(first))]
+            assert reads == [first.name] and np.array_equal(chain[1].logits, read_checkpoint(first).logits)
         else:
             assert reads == [] and "logits_crc32" not in chain[1].meta
     finally:
@@ -180,20 +183,27 @@ def test_damaged_logits_of_an_earlier_file_are_not_needed_and_validation_finds_t
 
 
 def test_damaged_logits_a_restore_keeps_refuse_it_before_anything_is_set(made, reader, smollm_path,
-                                                                         tiny_model_path, tmp_path):
+                                                                         tiny_model_path, tmp_path, monkeypatch):
     """The hybrid's first answer is where its Regenerate goes back to: the restore keeps that
-    file's logits, so their damage refuses it, naming the file, with the sequence as it was;
-    restoring the chain up to that file (an Edit, ``--from-turn``) reads them as the last
-    file's and refuses it too."""
+    file's logits, so their damage refuses it, naming the file, before llama.cpp sees a byte
+    and with the sequence as it was (the prompt's file, restored before); restoring the chain
+    up to that file (an Edit, ``--from-turn``) reads them as the last file's and refuses it
+    too."""
     paths = _copy(made("qwen35"), tmp_path)
     rt = _runtime("qwen35", smollm_path, tiny_model_path)
     try:
         _flip(paths[1], _logits_offset(paths[1]) + 4 * 5 + 1)
-        before = list(rt.kv_tokens)
+        _restore(rt, load_chain(paths[0], crc_later=True))
+        for token in (rt.kv_tokens[-1], rt.kv_tokens[-2]):   # the cache goes on past the prompt's file
+            rt.decode_token(token)
+        before, tokens = _state_and_logits(rt), list(rt.kv_tokens)
+        sets: list[object] = []
+        real = rt.ctx.state_set_from
+        monkeypatch.setattr(rt.ctx, "state_set_from", lambda *args: (sets.append(args), real(*args))[1])
         chain = load_chain(paths[2], crc_later=True)
         with pytest.raises(BrokenChain, match=f"{paths[1].name} is damaged"), restoring(chain):
             rt.restore_chain(chain)
-        assert list(rt.kv_tokens) == before and rt.ctx.pos_max(0) == len(before) - 1
+        assert sets == [] and list(rt.kv_tokens) == tokens and _state_and_logits(rt) == before
         chain = load_chain(paths[2], crc_later=True)
         with pytest.raises(ChecksumMismatch), restoring(chain):
             rt.restore_chain(chain[:2])
@@ -241,6 +251,8 @@ def test_a_wrong_logits_crc_is_refused_and_a_file_without_one_is_read_whole(mode
     data = read_checkpoint(liar)
     with pytest.raises(CorruptMetadata, match="logits"):
         check_file_states(data)
+    (imported,) = import_files([liar], Store(tmp_path / "store"))
+    assert not imported.ok and "logits" in imported.reason
     with pytest.raises(ChecksumMismatch):
         read_checkpoint(liar, crc_later=True, ancestor=True).settle()
     data = read_checkpoint(old, crc_later=True, ancestor=True)

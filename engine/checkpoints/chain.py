@@ -165,8 +165,9 @@ def settle(chain: Sequence[CheckpointData]) -> None:
 
 def read_logits(chain: Sequence[CheckpointData], i: int) -> None:
     """Have ``chain[i]``'s logits read where :func:`load_chain` left an ancestor's in its file
-    (CheckpointData.read_logits): a restore keeps them with a snapshot after it.  Its damage
-    is a BrokenChain that names it, as :func:`settle` reports it."""
+    (CheckpointData.read_logits): a restore keeps them (with a snapshot after it, or as the
+    last file's of a chain restored up to it).  An ancestor's damage is a BrokenChain that
+    names it, as :func:`settle` reports it."""
     try:
         chain[i].read_logits()
     except CheckpointError as exc:

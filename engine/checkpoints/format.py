@@ -682,12 +682,19 @@ class CheckpointData:
         them there, and checked then: ChecksumMismatch where they are not the bytes the
         metadata's CRC (under the payload CRC) vouches for, CorruptMetadata where they hold
         NaN or +inf, as a read of the whole file would have said.  OSError where the file
-        cannot be read now."""
+        cannot be read now (a copying read, which holds no mapping of the file)."""
         if self.unread_logits is None:
             return self.logits
         crc, offset = self.unread_logits
         out = np.empty(self.header.n_vocab, dtype="<f4")
-        if read_at(self.path, offset, out.data.cast("B")) != self.header.logits_len or crc32(out) != crc:
+        into = out.data.cast("B")
+        if self.mapping is not None:   # the file as it was read, whatever replaced it since
+            mapped.populate(self.mapping, offset, len(into))   # (a read error an error, not a fault)
+            with memoryview(self.mapping) as view:
+                into[:] = view[offset:offset + len(into)]
+        elif read_at(self.path, offset, into) != len(into):
+            raise TruncatedCheckpoint(f"{self.path.name} no longer holds its logits (replaced, or shortened)")
+        if crc32(out) != crc:
             raise ChecksumMismatch(PAYLOAD_MISMATCH)
         self.logits, self.unread_logits = _checked_logits(out.astype(np.float32, copy=False)), None
         self.logits.flags.writeable = False
@@ -727,7 +734,8 @@ class CheckpointData:
         file can be neither replaced nor deleted (engine.checkpoints.mapped), so a restore's
         reader releases its chain once it is done with the states
         (engine.checkpoints.chain.release).  Waits for a checksum still reading the mapping
-        (its verdict stays :meth:`settle`'s).  The header, metadata, tokens and logits stay;
+        (its verdict stays :meth:`settle`'s).  The header, metadata, tokens and logits stay
+        (logits the read left in the file: read from it by :meth:`read_logits`, checked);
         the state goes, and the points' recurrent states are read from the file when one is
         used (checked against its own CRC then), as a copying read leaves them, where every
         point gives a CRC; where they do not, the points are gone with the state.  Nothing

@@ -387,6 +387,7 @@ def _write_copy(src: Path, dest: Path, data: CheckpointData, new_ref: ParentRef 
     full = read_checkpoint(src)   # the state too, verified again
     if full.payload_crc != data.payload_crc:
         raise CheckpointError(f"{src} changed while it was being imported")
+    check_file_states(full)   # (and what its metadata says of them, which a restore trusts)
     meta = dict(full.meta)
     meta["line"] = line
     meta.setdefault("origin_crc", full.payload_crc)

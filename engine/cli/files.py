@@ -38,6 +38,8 @@ def cmd_validate(args) -> int:
             print(f"KV state not read: it was written in llama.cpp state layout {header.state_layout} "
                   f"(this build reads layout {fmt.STATE_LAYOUT}); opening it reads its "
                   f"{header.n_tokens} tokens again")
+            for item in chain:   # (what its metadata says of its logits holds whatever the layout)
+                fmt.check_logits_claim(item)
         else:
             for item in chain:
                 check_file_states(item, rows)
