@@ -399,7 +399,8 @@ def test_the_window_engine_regenerates_edits_and_switches(arch, tiny_model_path,
         w.load_model(ModelOptions(tiny_model_path(arch), n_ctx=1024, n_threads=2, sequences=2))
         rec.wait("loaded")
         w.autosave_every = 4
-        a = w.new_conversation(sampler=SamplerSettings(seed=3, temperature=0.8))
+        # (ignore_eos: Regenerate draws with a new random seed, which may end the answer early)
+        a = w.new_conversation(sampler=SamplerSettings(seed=3, temperature=0.8, ignore_eos=True))
         w.send(a, "Tell me about rivers.", n_predict=12)
         first = rec.wait("finished")[-1][1]
         w.regenerate(a)
