@@ -15,6 +15,7 @@ import shutil
 import memkit
 import numpy as np
 import pytest
+from test_own_recurrent_blocks import _flip, _state_and_logits
 
 from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
@@ -91,20 +92,6 @@ def _copy(paths, tmp_path):
 
 def _logits_offset(path) -> int:
     return read_checkpoint(path, load_state=False).header.logits_offset
-
-
-def _flip(path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def _state_and_logits(rt) -> tuple[bytes, bytes]:
-    size = rt.ctx.state_size(0)
-    buf = np.empty(size, dtype=np.uint8)
-    return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)]), np.asarray(rt.logits()).tobytes()
 
 
 def _restore(rt, chain):

@@ -555,6 +555,21 @@ def test_an_answers_autosaves_in_tiers_are_retired_and_a_crash_resumes_from_thei
     assert rest["n_reused_tokens"] >= rest["n_prompt_tokens"] - 1
 
 
+def _tiny_qwen35_child(tmp_path, points) -> str:
+    """The lines a child starts with that restores a tiny qwen35's chains (see child):
+    ``folder`` (for its files), ``rt`` (a Runtime, its states mapped as a large model's are)
+    and ``conv`` (greedy, never ending early)."""
+    return textwrap.indent(textwrap.dedent(f"""\
+        from engine.conversation import Conversation
+        from engine.runtime import Runtime
+        from engine.sampling import SamplerSettings
+        from native.context import ContextSettings
+        mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
+        folder = {str(tmp_path)!r}
+        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
+        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))"""), " " * 8).lstrip()
+
+
 def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checked_where_set(tmp_path):
     """On Windows (a restore maps its files and lets them go when done): a hybrid's chain
     (tests/tinymodels.py's qwen35: a prompt's file, an answer's on it) is restored without
@@ -570,16 +585,9 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
         from engine.checkpoints.chain import load_chain, restoring
         from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_checkpoint
         from engine.checkpoints.kvstate import check_state_for, recurrent_block_len
-        from engine.conversation import Conversation
         from engine.errors import ChecksumMismatch
         from engine.generation import begin_answer, generate
-        from engine.runtime import Runtime
-        from engine.sampling import SamplerSettings
-        from native.context import ContextSettings
-        mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
-        folder = {str(tmp_path)!r}
-        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
-        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        {_tiny_qwen35_child(tmp_path, points)}
         begin_answer(conv, rt, "Hello there.", n_predict=12)
         rt.prefill(conv.tokens)
         prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
@@ -638,16 +646,9 @@ def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_k
         from engine.checkpoints import mapped
         from engine.checkpoints.chain import load_chain, restoring
         from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE, read_checkpoint
-        from engine.conversation import Conversation
         from engine.errors import BrokenChain, ChecksumMismatch
         from engine.generation import begin_answer, commit_answer, generate
-        from engine.runtime import Runtime
-        from engine.sampling import SamplerSettings
-        from native.context import ContextSettings
-        mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
-        folder = {str(tmp_path)!r}
-        rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
-        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        {_tiny_qwen35_child(tmp_path, points)}
         begin_answer(conv, rt, "Name a river.", n_predict=6)
         rt.prefill(conv.tokens)
         prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
