@@ -217,7 +217,8 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     # (12.6 MB each way at Qwen3-Next's widths), and it need not be set where a later file replaces it
     in_files = {i for i in snapshots if (layout := layouts[i]) is not None and layout.recurrent is not None
                 and chain[i].header.recurrent_part_suffices}
-    _walk_blocks_set(chain, snapshots - in_files, layouts, target.recurrent_rows)
+    whole = _set_whole(chain, snapshots - in_files, layouts)
+    _walk_blocks_set(chain, whole, layouts, target.recurrent_rows)
     last = chain[-1]
     n = last.header.n_tokens
     keep = files_in_cache(slot.tokens, chain)
@@ -230,7 +231,7 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     if not keep:
         slot.empty()
     slot.forget_logits()
-    _apply(slot, chain, keep, snapshots - in_files, layouts)
+    _apply(slot, chain, keep, snapshots - in_files, whole, layouts)
     if n and slot.ctx.pos_max(slot.seq) != n - 1:
         slot.empty()
         raise RestoreFailed("the restored state does not hold the promised tokens")
@@ -269,14 +270,14 @@ def _files_to_go_back_to(chain: Sequence[CheckpointData], conv: Conversation) ->
 
 
 def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snapshots: set[int],
-           layouts: Sequence[StateLayout | None]) -> None:
-    """Set the states of ``chain[keep:]`` into the slot's sequence; after each file of
+           whole: set[int], layouts: Sequence[StateLayout | None]) -> None:
+    """Set the states of ``chain[keep:]`` into the slot's sequence, those of ``whole`` as they
+    are, the others without their recurrent state (:func:`_set_whole`); after each file of
     ``snapshots``, the slot keeps a snapshot (SequenceSlot.passed).  ``layouts``: each
     file's walk (:func:`_checked`)."""
     ctx, scratch_used = slot.ctx, False
     parked = _parks_base(chain, keep)
     direct = 1 if parked else 0   # the file set into the sequence itself; the others pass the scratch one
-    last = _last_with_a_state(chain)
     try:
         for i, data in enumerate(chain):
             if i < keep:
@@ -285,9 +286,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 # a cut (engine.checkpoints.chain.can_cut): the delta builds on the parent's
                 # first tokens only; its cells from there on go (a parked base's, where it waits)
                 ctx.seq_rm(slot.scratch if parked and i == 1 else slot.seq, data.header.parent_n_tokens, -1)
-            state = data.state
-            if len(state) and not _set_whole(data, i == last or i in snapshots, layouts[i]):
-                state = _without_a_replaced_recurrent_state(data, layouts[i])
+            state = data.state if i in whole else _without_a_replaced_recurrent_state(data, layouts[i])
             if not len(state):
                 continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)
             if state is data.state:
@@ -322,46 +321,44 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
 ATTENTION_COPY_FACTOR = 4
 
 
-def _last_with_a_state(chain: Sequence[CheckpointData]) -> int:
-    """The file whose recurrent state survives the chain: the last that has a state (a delta
-    of metadata only may follow it: an import's head, a pause where an autosave had just been
-    written); -1: none."""
-    return max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
-
-
-def _set_whole(data: CheckpointData, survives: bool, layout: StateLayout | None) -> bool:
-    """Whether a file's state is set as it is, its recurrent block with it: where that state
-    ``survives`` (the chain's last, or a file after which a snapshot is kept), and where the
-    file has no recurrent block to leave out (an attention memory).  Any other recurrent state
-    is replaced whole by the next file's, so a recurrent memory's sets nothing, and a
-    hybrid's sets its attention part alone where the recurrent part is the larger (a gated
-    delta-net's: 12.6 MB at Qwen3-Next's widths, against ~0.5 KB a token of attention cells):
-    :func:`_without_a_replaced_recurrent_state`."""
-    if survives or layout is None or layout.recurrent is None:
-        return True
-    if data.header.memory == MEMORY_RECURRENT:
-        return False
-    block = recurrent_block_len(layout)
-    return ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block
+def _set_whole(chain: Sequence[CheckpointData], snapshots: set[int],
+               layouts: Sequence[StateLayout | None]) -> set[int]:
+    """The files whose state is set as it is, its recurrent block with it: the one whose
+    recurrent state survives the chain (the last that has a state: a delta of metadata only
+    may follow it, an import's head, a pause where an autosave had just been written), those
+    after which a snapshot is taken from llama.cpp (``snapshots``), and any without a
+    recurrent block to leave out (an attention memory's).  Any other recurrent state is
+    replaced whole by the next file's, so a recurrent memory's file sets nothing, and a
+    hybrid's its attention part alone where the recurrent part is the larger (a gated
+    delta-net's: 12.6 MB at Qwen3-Next's widths, against ~0.5 KB a token of attention
+    cells): :func:`_without_a_replaced_recurrent_state`."""
+    last = max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
+    whole = set()
+    for i, (data, layout) in enumerate(zip(chain, layouts, strict=True)):
+        if i == last or i in snapshots or layout is None or layout.recurrent is None:
+            whole.add(i)
+        elif data.header.memory != MEMORY_RECURRENT:
+            block = recurrent_block_len(layout)
+            if ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block:
+                whole.add(i)
+    return whole
 
 
 def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayout | None) -> np.ndarray:
     """The bytes to set of a file that is not set whole (:func:`_set_whole`): none for a
     recurrent memory, a hybrid's attention part (kvstate.attention_part_of)."""
-    if data.header.memory == MEMORY_RECURRENT or layout is None:
+    if data.header.memory == MEMORY_RECURRENT or layout is None:   # (None: a file of no cells)
         return data.state[:0]
     return attention_part_of(data.state, layout, data.header.n_layer)
 
 
-def _walk_blocks_set(chain: Sequence[CheckpointData], snapshots: set[int],
+def _walk_blocks_set(chain: Sequence[CheckpointData], whole: set[int],
                      layouts: list[StateLayout | None], rows: tuple[int, ...] | None) -> None:
-    """Walk, before anything is set, the recurrent block of each file that is set whole whose
-    walk left it unread (:func:`_walked`): llama.cpp sees no state whose structure is
-    unchecked."""
-    last = _last_with_a_state(chain)
-    for i, (data, layout) in enumerate(zip(chain, layouts, strict=True)):
-        if layout is not None and not layout.block_walked and _set_whole(data, i == last or i in snapshots, layout):
-            layouts[i] = _walked(data, rows, whole=True)
+    """Walk, before anything is set, the recurrent block of each file set whole whose walk
+    left it unread (:func:`_walked`): llama.cpp sees no state whose structure is unchecked."""
+    for i in whole:
+        if (layout := layouts[i]) is not None and not layout.block_walked:
+            layouts[i] = _walked(chain[i], rows, whole=True)
 
 
 def _parks_base(chain: Sequence[CheckpointData], keep: int) -> bool:

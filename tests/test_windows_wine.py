@@ -556,18 +556,33 @@ def test_an_answers_autosaves_in_tiers_are_retired_and_a_crash_resumes_from_thei
 
 
 def _tiny_qwen35_child(tmp_path, points) -> str:
-    """The lines a child starts with that restores a tiny qwen35's chains (see child):
-    ``folder`` (for its files), ``rt`` (a Runtime, its states mapped as a large model's are)
-    and ``conv`` (greedy, never ending early)."""
+    """The lines a child starts with that restores a tiny qwen35's chains (see child): its
+    imports, ``folder`` (for its files), ``rt`` (a Runtime, its states mapped as a large
+    model's are), ``conv`` (greedy, never ending early), and ``restored(chain)``: the chain
+    restored into an emptied sequence as the app restores, then its state and logits."""
     return textwrap.indent(textwrap.dedent(f"""\
+        import json, os, shutil
+        import numpy as np
+        from engine.checkpoints import mapped
+        from engine.checkpoints.chain import load_chain, restoring
+        from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE, read_checkpoint
         from engine.conversation import Conversation
+        from engine.generation import begin_answer, commit_answer, generate
         from engine.runtime import Runtime
         from engine.sampling import SamplerSettings
         from native.context import ContextSettings
         mapped.MAP_MIN_BYTES = 0   # a tiny model's states, mapped as a large one's are
         folder = {str(tmp_path)!r}
         rt = Runtime({str(points / "tiny-qwen35.gguf")!r}, ContextSettings(n_ctx=512, n_threads=1))
-        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))"""), " " * 8).lstrip()
+        conv = Conversation(sampler=SamplerSettings(temperature=0.0, ignore_eos=True))
+        def restored(chain):
+            rt.trim(0)
+            with restoring(chain):
+                rt.restore_chain(chain)
+            size = rt.ctx.state_size(0)
+            buf = np.empty(size, dtype=np.uint8)
+            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)]), np.asarray(rt.logits()).tobytes()"""),
+                           " " * 8).lstrip()
 
 
 def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checked_where_set(tmp_path):
@@ -579,29 +594,14 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
     found and the sequence left empty."""
     points = needs(XOS / "points")
     done = child(f"""
-        import json, os, shutil
-        import numpy as np
-        from engine.checkpoints import mapped
-        from engine.checkpoints.chain import load_chain, restoring
-        from engine.checkpoints.format import KIND_AUTOSAVE, KIND_PAUSE, read_checkpoint
+        {_tiny_qwen35_child(tmp_path, points)}
         from engine.checkpoints.kvstate import check_state_for, recurrent_block_len
         from engine.errors import ChecksumMismatch
-        from engine.generation import begin_answer, generate
-        {_tiny_qwen35_child(tmp_path, points)}
         begin_answer(conv, rt, "Hello there.", n_predict=12)
         rt.prefill(conv.tokens)
         prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
         generate(rt, conv)
         answer = rt.save(os.path.join(folder, "answer.kvckpt"), conv, KIND_PAUSE, parent=prompt)
-        def state():
-            size = rt.ctx.state_size(0)
-            buf = np.empty(size, dtype=np.uint8)
-            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)])
-        def restored(chain):
-            rt.trim(0)
-            with restoring(chain):
-                rt.restore_chain(chain)
-            return state()
         clean = restored(load_chain(answer.path, crc_later=True))
         data = read_checkpoint(prompt.path)
         block = recurrent_block_len(check_state_for(data.header, data.state))
@@ -641,14 +641,8 @@ def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_k
     Regenerate, damaged, refuse the restore, naming that file."""
     points = needs(XOS / "points")
     done = child(f"""
-        import json, os, shutil
-        import numpy as np
-        from engine.checkpoints import mapped
-        from engine.checkpoints.chain import load_chain, restoring
-        from engine.checkpoints.format import KIND_AUTOSAVE, KIND_MANUAL, KIND_PAUSE, read_checkpoint
-        from engine.errors import BrokenChain, ChecksumMismatch
-        from engine.generation import begin_answer, commit_answer, generate
         {_tiny_qwen35_child(tmp_path, points)}
+        from engine.errors import BrokenChain, ChecksumMismatch
         begin_answer(conv, rt, "Name a river.", n_predict=6)
         rt.prefill(conv.tokens)
         prompt = rt.save(os.path.join(folder, "prompt.kvckpt"), conv, KIND_AUTOSAVE)
@@ -658,15 +652,6 @@ def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_k
         begin_answer(conv, rt, "And another?", n_predict=6)
         generate(rt, conv)
         second = rt.save(os.path.join(folder, "second.kvckpt"), conv, KIND_PAUSE, parent=first)
-        def now():
-            size = rt.ctx.state_size(0)
-            buf = np.empty(size, dtype=np.uint8)
-            return bytes(buf[:rt.ctx.state_get_into(buf, size, 0)]), np.asarray(rt.logits()).tobytes()
-        def restored(chain):
-            rt.trim(0)
-            with restoring(chain):
-                rt.restore_chain(chain)
-            return now()
         def spoil(path):
             h = read_checkpoint(path, load_state=False).header
             with open(path, "r+b") as f:
