@@ -33,7 +33,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    head absorbed (:func:`_keep_points`), not copied out of llama.cpp.  Only the last file's recurrent
    state survives, so an earlier file's is not set (unless a snapshot is taken out of
    llama.cpp after it): a recurrent memory's earlier files are skipped, a hybrid's give
-   their attention cells alone where the recurrent state is the larger part
+   their attention cells alone, set from the file's own mapping with an empty recurrent
+   block written over the start of theirs in its private pages, put back after
    (:func:`_without_a_replaced_recurrent_state`).  Nor is such a block checked where its
    file's metadata gives its CRC (load_chain leaves the ancestors' unchecked: 50 MB each at
    Qwen3.5-4B's widths): it is checked where it is set after all, or read to go back to
@@ -64,6 +65,7 @@ from engine.checkpoints.kvstate import (
     attention_part_of,
     check_recurrent_claim,
     check_state_for,
+    emptied_block,
     recurrent_block_len,
     recurrent_part_in_file,
 )
@@ -292,7 +294,10 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
             if state is data.state:
                 data.check_recurrent_later()   # set with its recurrent block: checked (restore_into settles)
             scratch_used = scratch_used or i != direct
-            ctx.state_set_from(state, len(state), slot.seq if i == direct else slot.scratch)
+            try:
+                ctx.state_set_from(state, len(state), slot.seq if i == direct else slot.scratch)
+            finally:
+                data.put_back_tail()   # (where the attention part was set in place)
             if i and (i != direct or parked):
                 # the scratch sequence's cells (this delta's, or the parked base's) join the
                 # sequence: it shares them (seq_cp) and lets go of them
@@ -314,10 +319,12 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
         raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc.with_traceback(None)
 
 
-#: a hybrid file's attention part is copied out to be set without its recurrent state only
-#: where that state is this many times larger: the copy lands in fresh memory, whose page
-#: faults cost about three times the copy itself (a 2-core VM: 9.5 ms against 2.3 ms for
-#: 17.7 MB), against llama.cpp's one copy of the recurrent state it no longer makes
+#: where a hybrid file's attention part cannot be set in place (CheckpointData.state_with_tail:
+#: a copying read, a file from before its metadata gave the block's CRC), it is copied out
+#: to be set without its recurrent state only where that state is this many times larger:
+#: the copy lands in fresh memory, whose page faults cost about three times the copy itself
+#: (a 2-core VM: 9.5 ms against 2.3 ms for 17.7 MB), against llama.cpp's one copy of the
+#: recurrent state it no longer makes
 ATTENTION_COPY_FACTOR = 4
 
 
@@ -329,15 +336,15 @@ def _set_whole(chain: Sequence[CheckpointData], snapshots: set[int],
     after which a snapshot is taken from llama.cpp (``snapshots``), and any without a
     recurrent block to leave out (an attention memory's).  Any other recurrent state is
     replaced whole by the next file's, so a recurrent memory's file sets nothing, and a
-    hybrid's its attention part alone where the recurrent part is the larger (a gated
-    delta-net's: 12.6 MB at Qwen3-Next's widths, against ~0.5 KB a token of attention
-    cells): :func:`_without_a_replaced_recurrent_state`."""
+    hybrid's its attention part alone (:func:`_without_a_replaced_recurrent_state`): in
+    place, or, where it must be copied, only where the recurrent part is the larger (a gated
+    delta-net's: 12.6 MB at Qwen3-Next's widths, against ~0.5 KB a token of attention cells)."""
     last = max((i for i, data in enumerate(chain) if len(data.state)), default=-1)
     whole = set()
     for i, (data, layout) in enumerate(zip(chain, layouts, strict=True)):
         if i == last or i in snapshots or layout is None or layout.recurrent is None:
             whole.add(i)
-        elif data.header.memory != MEMORY_RECURRENT:
+        elif data.header.memory != MEMORY_RECURRENT and not data.sets_tail_in_place():
             block = recurrent_block_len(layout)
             if ATTENTION_COPY_FACTOR * (len(data.state) - block) >= block:
                 whole.add(i)
@@ -346,10 +353,13 @@ def _set_whole(chain: Sequence[CheckpointData], snapshots: set[int],
 
 def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayout | None) -> np.ndarray:
     """The bytes to set of a file that is not set whole (:func:`_set_whole`): none for a
-    recurrent memory, a hybrid's attention part (kvstate.attention_part_of)."""
+    recurrent memory; a hybrid's attention part (kvstate.emptied_block), in place where it
+    can be (the caller puts the file's bytes back: CheckpointData.put_back_tail), else a copy."""
     if data.header.memory == MEMORY_RECURRENT or layout is None:   # (None: a file of no cells)
         return data.state[:0]
-    return attention_part_of(data.state, layout, data.header.n_layer)
+    cut, empty = emptied_block(len(data.state), layout, data.header.n_layer)
+    in_place = data.state_with_tail(cut, empty)
+    return in_place if in_place is not None else attention_part_of(data.state, layout, data.header.n_layer)
 
 
 def _walk_blocks_set(chain: Sequence[CheckpointData], whole: set[int],

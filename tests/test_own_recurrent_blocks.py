@@ -319,3 +319,114 @@ def test_validate_and_import_refuse_a_block_the_metadata_misstates(wrong, made, 
     _rewritten(prompt, good, lambda meta, state: None)
     check_file_states(read_checkpoint(good))
     assert cmd_validate(SimpleNamespace(path=str(good), model=None)) == 0
+
+
+HYBRIDS = [arch for arch in ARCHS if arch != "mamba2"]
+
+
+def _first_set(rt, chain, monkeypatch, tail_len: int) -> tuple[int, int, bytes]:
+    """Restore ``chain`` (its files still held): the address, size and last ``tail_len``
+    bytes of the first state llama.cpp is given; the earlier file's state bytes are checked
+    to be its file's again after the restore."""
+    seen = []
+    real = rt.ctx.state_set_from
+
+    def spy(buffer, size, seq, *flags):
+        at = np.frombuffer(buffer, dtype=np.uint8)
+        seen.append((at.ctypes.data, size, at[size - tail_len:size].tobytes()))
+        return real(buffer, size, seq, *flags)
+
+    with monkeypatch.context() as m:
+        m.setattr(rt.ctx, "state_set_from", spy)
+        with restoring(chain):
+            rt.restore_chain(chain)
+            assert chain[0].overwritten is None
+            assert chain[0].state.tobytes() == read_checkpoint(chain[0].path).state.tobytes()
+    return seen[0]
+
+
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_a_hybrids_earlier_file_gives_its_attention_part_from_its_own_mapping(arch, made, tiny_model_path,
+                                                                             tmp_path, monkeypatch):
+    """The prompt's file of the answer's chain is set without its recurrent state (the
+    answer's replaces it) straight from its mapping, an empty recurrent block written over
+    the start of its own: no copy of its attention cells.  The sequence is exactly what the
+    copy gives; the mapping holds the file's bytes again after, and the file is untouched."""
+    if not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    from engine.checkpoints.format import CheckpointData
+    from engine.checkpoints.kvstate import emptied_block
+    prompt, answer = _copy(made, arch, tmp_path)
+    before = prompt.read_bytes()
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(CheckpointData, "sets_tail_in_place", lambda self: False)
+            copied = _restore(rt, load_chain(answer, crc_later=True))
+        rt.trim(0)
+        chain = load_chain(answer, crc_later=True)
+        first = chain[0]
+        layout = check_state_for(first.header, first.state)
+        cut, empty = emptied_block(len(first.state), layout, first.header.n_layer)
+        assert 0 not in _set_whole(chain, set(), [layout, None])
+        whole = np.frombuffer(first.mapping, dtype=np.uint8)
+        low, high = whole.ctypes.data, whole.ctypes.data + len(whole)
+        del whole
+        at, size, tail = _first_set(rt, chain, monkeypatch, len(empty))
+        assert low <= at < high and size == cut + len(empty) and tail == empty
+        assert _state_and_logits(rt) == copied
+        assert prompt.read_bytes() == before
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "lfm2"])
+def test_the_files_bytes_are_back_when_llama_cpp_refuses_the_part_set_in_place(arch, made, tiny_model_path,
+                                                                               tmp_path, monkeypatch):
+    """llama.cpp refusing the attention part set from the mapping: the restore fails, and the
+    mapping holds the file's bytes again; the same chain read again restores."""
+    from engine.errors import RestoreFailed
+    from native.errors import StateError
+    _prompt, answer = _copy(made, arch, tmp_path)
+    rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
+    try:
+        clean = _restore(rt, load_chain(answer, crc_later=True))
+        rt.trim(0)
+        chain = load_chain(answer, crc_later=True)
+
+        def refuse(*args):
+            raise StateError("refused")
+
+        with restoring(chain):
+            in_place = chain[0].sets_tail_in_place()
+            with monkeypatch.context() as m, pytest.raises(RestoreFailed):
+                m.setattr(rt.ctx, "state_set_from", refuse)
+                rt.restore_chain(chain)
+            assert chain[0].overwritten is None
+            assert chain[0].state.tobytes() == read_checkpoint(chain[0].path).state.tobytes()
+        assert in_place == mapped.supported()
+        assert _restore(rt, load_chain(answer, crc_later=True)) == clean
+    finally:
+        rt.close()
+
+
+def test_only_a_block_nothing_reads_is_written_over(made, tmp_path):
+    """The tail is written in place only over the block of an earlier file the read left
+    unread and nothing checks meanwhile, in a mapping: not the last file's (the payload's
+    checksum reads it), not once its check is queued, never before the block."""
+    if not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    from engine.checkpoints.kvstate import emptied_block
+    _prompt, answer = _copy(made, "qwen35", tmp_path)
+    chain = load_chain(answer, crc_later=True)
+    with restoring(chain):
+        first = chain[0]
+        cut, empty = emptied_block(len(first.state), check_state_for(first.header, first.state), first.header.n_layer)
+        assert first.sets_tail_in_place() and not chain[1].sets_tail_in_place()
+        with pytest.raises(ValueError, match="outside the unread recurrent block"):
+            first.state_with_tail(cut - 1, empty)
+        with pytest.raises(ValueError, match="read-only"):
+            first.state[-1] = 0   # the arrays over the private mapping are read-only
+        first.check_recurrent_later()
+        assert not first.sets_tail_in_place() and first.state_with_tail(cut, empty) is None
+        first.settle()

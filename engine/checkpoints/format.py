@@ -676,6 +676,9 @@ class CheckpointData:
     #: earlier file of a restore's chain: see Logits an earlier file holds); ``logits`` is
     #: None until :meth:`read_logits` has read and checked them
     unread_logits: tuple[int, int] | None = field(default=None, repr=False, compare=False)
+    #: ``(offset in state, bytes)``: what :meth:`state_with_tail` wrote over in the mapping's
+    #: private copy, until :meth:`put_back_tail` puts it back
+    overwritten: tuple[int, bytes] | None = field(default=None, repr=False, compare=False)
 
     def read_logits(self) -> np.ndarray | None:
         """The file's logits (None: it holds none), read from the file where the read left
@@ -749,7 +752,7 @@ class CheckpointData:
         if len(self.point_states) and recurrent_crcs(self.meta) is not None:
             self.point_states_at = self.point_states_offset() or 0
         self.state = self.point_states = np.empty(0, np.uint8)
-        self.mapping, self.released, self.crc_through_state = None, True, None
+        self.mapping, self.released, self.crc_through_state, self.overwritten = None, True, None, None
         try:
             mapping.close()
         except BufferError:   # a view of it is still held: unmapped when that goes
@@ -776,6 +779,43 @@ class CheckpointData:
         settled: the read left it unread and nothing has used it since."""
         return self.unread_recurrent is not None and self.recurrent_crc is None
 
+    def sets_tail_in_place(self) -> bool:
+        """Whether :meth:`state_with_tail` can end the state with other bytes without a copy:
+        the state lies in the file's mapping (private: engine.checkpoints.mapped) and ends with
+        the recurrent block the read left unread, which nothing reads meanwhile (neither the
+        payload's checksum, which went around it, nor a check queued since)."""
+        return self.mapping is not None and self.holds_unchecked_bytes() and self.overwritten is None
+
+    def state_with_tail(self, cut: int, tail: bytes) -> np.ndarray | None:
+        """The first ``cut`` bytes of the state followed by ``tail``, which replaces bytes of
+        the unread recurrent block (``cut`` at or after its start, ``tail`` within it), as
+        one buffer and without copying the ``cut`` bytes: ``tail`` is written into the
+        mapping, whose pages are this process's own copies once written (the file is never
+        written), until :meth:`put_back_tail`.  A hybrid's attention part, set without its
+        recurrent state, is a few hundred bytes away from its file's bytes (engine.restore);
+        a copy of it lands in fresh memory, whose page faults cost more than llama.cpp's own
+        copy.  None where this cannot be done (:meth:`sets_tail_in_place`): the caller copies."""
+        if not self.sets_tail_in_place() or self.unread_recurrent is None or self.mapping is None:
+            return None
+        if cut < len(self.state) - self.unread_recurrent[1] or cut + len(tail) > len(self.state):
+            raise ValueError("the tail replaces bytes outside the unread recurrent block")
+        start = self.header.state_offset + cut
+        mapped.populate(self.mapping, start, len(tail))   # (a read error an error, not a fault)
+        out = np.frombuffer(self.mapping, dtype=np.uint8, count=cut + len(tail), offset=self.header.state_offset)
+        self.overwritten = (cut, out[cut:].tobytes())
+        out[cut:] = np.frombuffer(tail, dtype=np.uint8)
+        return out
+
+    def put_back_tail(self) -> None:
+        """Put back the bytes :meth:`state_with_tail` replaced: the state is the file's again."""
+        if self.overwritten is None:
+            return
+        cut, was = self.overwritten
+        assert self.mapping is not None
+        np.frombuffer(self.mapping, dtype=np.uint8, count=len(was), offset=self.header.state_offset + cut)[:] = \
+            np.frombuffer(was, dtype=np.uint8)
+        self.overwritten = None
+
     def _unread_parts(self) -> tuple[tuple[int, int], ...]:
         """``(crc32, length)`` of each part at the end of the state section the read did not
         checksum, in the file's order: the recurrent block, the points' states."""
@@ -790,6 +830,7 @@ class CheckpointData:
             return
         if self.released:
             raise ValueError(f"{self.path.name} was released: its state is gone")
+        assert self.overwritten is None, "the block is checked as the file holds it"
         view = byte_view(self.state)
         self.recurrent_crc = queue_crc(view[len(view) - self.unread_recurrent[1]:], 0)
 
@@ -1211,6 +1252,7 @@ def _map_state(mapping, header: Header, crc: int | None, progress, populate: boo
     checksummed); the array holds the mapping, the whole section."""
     start = header.state_offset
     state = np.frombuffer(mapping, dtype=np.uint8, count=header.state_len, offset=start)
+    state.flags.writeable = False   # (the mapping is private and writable: nobody edits a checked state)
     total = checked_len
     view = memoryview(mapping)[start:start + total]
     try:

@@ -210,8 +210,8 @@ def _unread_recurrent_layers(r: _Reader, start: int, n_layer: int, rows: tuple[i
 
 def _rows_known(rows: tuple[int, ...] | None, n_layer: int) -> bool:
     """Whether the model's recurrent rows (R and S row bytes, recurrent layers) are known and
-    could be a state's."""
-    return rows is not None and len(rows) >= 3 and all(rows[:3]) and rows[2] <= n_layer \
+    could be a state's (S rows may be empty: LFM2's short convolutions keep none)."""
+    return rows is not None and len(rows) >= 3 and rows[0] > 0 and rows[2] > 0 and rows[2] <= n_layer \
         and max(rows[:2]) <= LIMITS.max_recurrent_layer
 
 
@@ -524,21 +524,28 @@ def recurrent_block_len(layout: StateLayout) -> int:
 
 
 def attention_part_of(state: StateBytes, layout: StateLayout, n_layer: int) -> np.ndarray:
-    """A hybrid's checked state with its recurrent block emptied: the attention block(s) as
-    they are, then a recurrent block of no cell (its count 0, the layout flag and layer
-    count, each layer's type and row size without rows: what llama.cpp writes for a
-    sequence without a recurrent state).  Setting it sets the attention cells and leaves
-    the sequence without a recurrent state, which a later file of the chain sets
-    (engine.restore: only the last file's recurrent state survives a chain).  A copy."""
+    """A hybrid's checked state with its recurrent block emptied (:func:`emptied_block`): a
+    copy."""
+    data = byte_view(state)
+    cut, empty = emptied_block(len(data), layout, n_layer)
+    part = np.empty(cut + len(empty), dtype=np.uint8)
+    part[:cut] = np.frombuffer(data[:cut], dtype=np.uint8)
+    part[cut:] = np.frombuffer(empty, dtype=np.uint8)
+    return part
+
+
+def emptied_block(state_len: int, layout: StateLayout, n_layer: int) -> tuple[int, bytes]:
+    """How a hybrid's checked state of ``state_len`` bytes becomes its attention part alone:
+    where its recurrent block starts, and the recurrent block of no cell that replaces it
+    there (its count 0, the layout flag and layer count, each layer's type and row size
+    without rows: what llama.cpp writes for a sequence without a recurrent state).  Setting
+    the result sets the attention cells and leaves the sequence without a recurrent state,
+    which a later file of the chain sets (engine.restore: only the last file's recurrent
+    state survives a chain)."""
     block = recurrent_block_len(layout)   # CorruptState without a recurrent part
     layers, r_row, s_row = layout.recurrent or (0, 0, 0)
-    data = byte_view(state)
-    if len(data) < 8 + block:
+    if state_len < 8 + block:
         raise CorruptState("the state is shorter than its recurrent part")
     empty = (struct.pack("<III", 0, 0, n_layer) + _ROWS.pack(GGML_TYPE_F32, r_row) * layers
              + _ROWS.pack(GGML_TYPE_F32, s_row) * layers)
-    keep = len(data) - block
-    part = np.empty(keep + len(empty), dtype=np.uint8)
-    part[:keep] = np.frombuffer(data[:keep], dtype=np.uint8)
-    part[keep:] = np.frombuffer(empty, dtype=np.uint8)
-    return part
+    return state_len - block, empty

@@ -15,9 +15,14 @@ Why the mapping is safe to check and to hand to llama.cpp:
   it is read.  A file that shrank meanwhile, or a disk that fails, is an error of that
   call (``EFAULT``, ``EIO``), never the ``SIGBUS`` a plain access to a missing page
   raises: the reader refuses the file as it would refuse a short read.
-* The mapping is read-only.  Checkpoint Chat never writes a checkpoint in place (every
-  write lands by ``os.replace``, a new inode): the mapped bytes are the bytes the CRC and
-  the walk checked, whatever replaces or deletes the file meanwhile.  Only another
+* The mapping is private (copy-on-write) and writes nothing to the file.  Checkpoint Chat
+  never writes a checkpoint in place (every write lands by ``os.replace``, a new inode):
+  the mapped bytes are the bytes the CRC and the walk checked, whatever replaces or
+  deletes the file meanwhile.  The arrays over it are read-only; the one write made
+  through it is a restore's: a few hundred bytes over an earlier file's unread recurrent
+  block, so that llama.cpp sets its attention part straight from the mapping, put back at
+  once (engine.checkpoints.format, ``CheckpointData.state_with_tail``); the pages written
+  become the process's own copies, dropped with the mapping.  Only another
   program truncating the file in place during the restore could still raise ``SIGBUS``
   (as it could under llama.cpp's own mapping of the model).
 * A state whose checksum a helper thread computes (read_checkpoint's ``crc_later``) is
@@ -112,7 +117,7 @@ def supported() -> bool:
 
 
 def map_file(fileno: int, size: int, state_len: int, releasable: bool, path: str | os.PathLike) -> mmap.mmap | None:
-    """A read-only mapping of a whole file of ``size`` bytes at ``path`` (already checked
+    """A private mapping of a whole file of ``size`` bytes at ``path`` (already checked
     against its header), or None where the state is better read: too small, no support, a
     mapping would keep the file from being replaced (:data:`PINS_FILES`) and the caller does
     not release it when done (``releasable``), or the file is not on a fixed local disk
@@ -121,7 +126,7 @@ def map_file(fileno: int, size: int, state_len: int, releasable: bool, path: str
             or not on_a_fixed_disk(path):
         return None
     try:
-        mapping = mmap.mmap(fileno, size, access=mmap.ACCESS_READ)
+        mapping = mmap.mmap(fileno, size, access=mmap.ACCESS_COPY)   # private: see the module docstring
     except (OSError, ValueError):   # a file system that cannot map: read instead
         return None
     _ask_for_huge_pages(mapping, size)
