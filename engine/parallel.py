@@ -317,8 +317,8 @@ class ParallelRuntime:
             del held.tokens[snapshot.n_tokens:]
             held.window.cut(snapshot.n_tokens)
             self._forget_logits(seq)
-            if snapshot.logits is not None:
-                held.logits_len, held.logits, held.row = snapshot.n_tokens, snapshot.logits, -1
+            if (logits := snapshot.logits_now()) is not None:
+                held.logits_len, held.logits, held.row = snapshot.n_tokens, logits, -1
         else:
             self.drop(seq)
         return len(self._held[seq].tokens)

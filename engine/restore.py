@@ -39,7 +39,8 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    file's metadata gives its CRC (load_chain leaves the ancestors' unchecked: 50 MB each at
    Qwen3.5-4B's widths): it is checked where it is set after all, or read to go back to
    (engine.checkpoints.format, The file's own recurrent block).  Nor are an earlier file's
-   logits read, unless a snapshot after it keeps them (format, Logits an earlier file holds).
+   logits read, unless a snapshot taken out of llama.cpp after it keeps them (one kept in its
+   file keeps them there too: format, Logits an earlier file holds).
 4. **Verify** that the sequence holds the promised positions; the logits saved with
    the last file become the sequence's (no re-decode).
 
@@ -201,10 +202,11 @@ def _keep_points(slot: SequenceSlot, chain: Sequence[CheckpointData], conv: Conv
 def _snapshot_of_file(data: CheckpointData, layout: StateLayout, target: Target) -> PromptSnapshot:
     """The snapshot to go back to after a file of a memory whose snapshots hold its recurrent
     part alone (Header.recurrent_part_suffices): that part, left in the file (settled:
-    checked; read when used, engine.checkpoints.file_bytes), with the file's logits."""
+    checked; read when used, engine.checkpoints.file_bytes), with the file's logits, left
+    there too where the read left them (an earlier file's: read with the state)."""
     n = data.header.n_tokens
-    return PromptSnapshot.in_file(data.tokens, n, recurrent_part_in_file(data, layout),
-                                  None if data.logits is None else np.array(data.logits, copy=True),
+    logits = data.logits_in_file() or (None if data.logits is None else np.array(data.logits, copy=True))
+    return PromptSnapshot.in_file(data.tokens, n, recurrent_part_in_file(data, layout), logits,
                                   data.header.n_layer, target.recurrent_rows)
 
 
@@ -224,11 +226,11 @@ def _restore(slot: SequenceSlot, chain: Sequence[CheckpointData],
     last = chain[-1]
     n = last.header.n_tokens
     keep = files_in_cache(slot.tokens, chain)
-    _read_logits_kept(chain, snapshots, keep)
+    _read_logits_kept(chain, snapshots - in_files, keep)
     kept = used_end(chain, keep - 1) if keep else 0
     if keep and slot.trim(kept) != kept:
         keep, kept = 0, 0   # the memory cannot drop a tail (sliding window): restore it all
-        _read_logits_kept(chain, snapshots, 0)
+        _read_logits_kept(chain, snapshots - in_files, 0)
     slot.make_room(peak_tokens(chain, keep))
     if not keep:
         slot.empty()
@@ -247,7 +249,8 @@ def _read_logits_kept(chain: Sequence[CheckpointData], snapshots: set[int], keep
     file's: engine.checkpoints.format, Logits an earlier file holds): the last file's (a chain
     restored up to an earlier file ends with one) and, for a memory with a recurrent part (the
     only one that keeps snapshots: Runtime.keep_snapshot), those of the files after which it
-    keeps one, of the files it applies (``chain[keep:]``)."""
+    takes one out of llama.cpp (``snapshots``), of the files it applies (``chain[keep:]``).  A
+    snapshot kept in its file keeps its logits there too (:func:`_snapshot_of_file`)."""
     kept = snapshots if chain[-1].header.has_recurrent else set()
     for i in sorted({i for i in kept if i >= keep} | {len(chain) - 1}):
         read_logits(chain, i)

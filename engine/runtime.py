@@ -216,8 +216,8 @@ class Runtime:
                 and snapshot.put_back(self.ctx, 0):
             del self.kv_tokens[snapshot.n_tokens:]
             self._window.cut(snapshot.n_tokens)
-            if snapshot.logits is not None:
-                self._logits_len, self._logits_copy, self._logits_alone = snapshot.n_tokens, snapshot.logits, False
+            if (logits := snapshot.logits_now()) is not None:
+                self._logits_len, self._logits_copy, self._logits_alone = snapshot.n_tokens, logits, False
                 return snapshot.n_tokens
         else:
             self.ctx.clear()

@@ -39,9 +39,10 @@ import numpy as np
 
 from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.file_bytes import BytesInFile
+from engine.checkpoints.format import logits_of_bytes
 from engine.checkpoints.kvstate import check_recurrent_part
 from engine.checkpoints.points import Point, check_point_crc
-from engine.errors import CorruptState
+from engine.errors import CorruptMetadata, CorruptState
 from native.context import STATE_RECURRENT_ONLY
 from native.errors import StateError
 
@@ -55,7 +56,9 @@ class PromptSnapshot:
     #: llama_state_seq_get_data(_ext) of the sequence; or, kept by a restore, where a file holds
     #: its recurrent part (read when used: :meth:`state_now`)
     state: np.ndarray | BytesInFile
-    logits: np.ndarray | None   # the next-token logits after them (None at a mark: decoding goes on)
+    #: the next-token logits after them (None at a mark: decoding goes on); or, kept by a
+    #: restore, where a file holds them (read with the state: :meth:`state_now`)
+    logits: np.ndarray | BytesInFile | None
     recurrent_only: bool = False   # the state is a hybrid's recurrent part (STATE_RECURRENT_ONLY)
     #: a state left in its file: ``(n_layer, recurrent_rows)`` of the model, to walk it with once read
     walk_with: tuple[int, tuple[int, ...] | None] | None = field(default=None, repr=False)
@@ -76,10 +79,12 @@ class PromptSnapshot:
                    None if logits is None else np.array(logits, copy=True), recurrent_only)
 
     @classmethod
-    def in_file(cls, tokens: Sequence[int] | np.ndarray, n_tokens: int, stored: BytesInFile, logits: np.ndarray | None,
-                n_layer: int, recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot:
+    def in_file(cls, tokens: Sequence[int] | np.ndarray, n_tokens: int, stored: BytesInFile,
+                logits: np.ndarray | BytesInFile | None, n_layer: int,
+                recurrent_rows: tuple[int, ...] | None) -> PromptSnapshot:
         """The snapshot after ``tokens[:n_tokens]`` whose recurrent part (as a point carries
-        it) a file holds, ``stored``: read, checked and walked when it is first used."""
+        it) a file holds, ``stored``: read, checked and walked when it is first used, with
+        the logits where the file holds them too."""
         return cls(n_tokens, tokens_digest(tokens[:n_tokens]), stored, logits, recurrent_only=True,
                    walk_with=(n_layer, recurrent_rows))
 
@@ -103,16 +108,28 @@ class PromptSnapshot:
 
     def state_now(self) -> np.ndarray:
         """The state's bytes: one a file holds is read now, checked against its CRC and
-        walked (as a file's state is before llama.cpp sees a byte), then kept in memory.
-        CorruptState where the file no longer holds it (engine.checkpoints.file_bytes: for
-        good); OSError or MemoryError where it cannot be had now (a file another program holds
-        open on Windows, no memory for the copy)."""
-        if isinstance(self.state, BytesInFile):
-            state = self.state.read()
+        walked (as a file's state is before llama.cpp sees a byte), then kept in memory, as
+        are the logits a file holds (checked against their CRC, and for NaN and +inf).
+        CorruptState where the file no longer holds them (engine.checkpoints.file_bytes: for
+        good); OSError or MemoryError where they cannot be had now (a file another program
+        holds open on Windows, no memory for the copy).  Either way the snapshot is as it was."""
+        state, logits = self.state, self.logits
+        if isinstance(state, BytesInFile):
+            state = state.read()
             if self.walk_with is not None:
                 check_recurrent_part(state, self.n_tokens, *self.walk_with)
-            self.state = state
-        return self.state
+        if isinstance(stored := logits, BytesInFile):
+            try:
+                logits = logits_of_bytes(stored.read())
+            except CorruptMetadata as exc:
+                raise CorruptState(f"{stored.path.name}: {exc}") from None
+        self.state, self.logits = state, logits
+        return state
+
+    def logits_now(self) -> np.ndarray | None:
+        """The logits, once :meth:`state_now` has had them (put_back, Shelf.nearest_had)."""
+        assert not isinstance(self.logits, BytesInFile), "read with the state first"
+        return self.logits
 
     def still_in_file(self) -> bool:
         """Whether the state is still where a restore left it, in its file (read when used)."""

@@ -1,7 +1,8 @@
 """The logits an earlier file of a restore's chain holds are neither read nor checksummed by
 the restore (engine.checkpoints.format, Logits an earlier file holds): the metadata gives
-their CRC, the payload CRC is checked through it, and they are read, checked, where the
-restore keeps them after all (the chain's last file, a recurrent memory's snapshot).
+their CRC, the payload CRC is checked through it, and they are read, checked, where they
+are used after all (the chain's last file at the restore; a recurrent memory's snapshot,
+where it goes back to it).
 
 SmolLM2 (real weights: its prompt's file carries logits) and a tiny random-weight hybrid
 (tests/tinymodels.py: a memory whose every file carries them); exactness is the restored
@@ -21,6 +22,7 @@ from engine.checkpoints import format as fmt
 from engine.checkpoints import mapped
 from engine.checkpoints.chain import load_chain, restoring
 from engine.checkpoints.crc import combine, crc32
+from engine.checkpoints.file_bytes import BytesInFile
 from engine.checkpoints.format import (
     KIND_AUTOSAVE,
     KIND_MANUAL,
@@ -121,10 +123,10 @@ def test_a_file_with_logits_gives_their_crc(model, made):
 def test_a_restore_reads_no_logits_of_an_earlier_file_it_does_not_keep(model, made, reader, smollm_path,
                                                                        tiny_model_path, monkeypatch):
     """Restoring the second answer's chain reads the first prompt's logits not at all (the
-    read skips them, and nothing reads them after), nor, for the attention memory,
-    the first answer's (it keeps no snapshot); the hybrid's first answer is the file its
-    Regenerate goes back to, whose logits it keeps: read.  The result is exactly that of the
-    chain read whole."""
+    read skips them, and nothing reads them after), nor the first answer's: the attention
+    memory keeps no snapshot, and the hybrid's, where its Regenerate goes back to, keeps
+    them where they are with its recurrent state, read when it goes back there (and then
+    the file's own).  The result is exactly that of the chain read whole."""
     prompt, first, second = made(model)
     rt = _runtime(model, smollm_path, tiny_model_path)
     try:
@@ -140,10 +142,14 @@ def test_a_restore_reads_no_logits_of_an_earlier_file_it_does_not_keep(model, ma
         assert chain[-1].logits is not None and chain[-1].unread_logits is None   # the last file's: read
         assert _restore(rt, chain) == whole
         assert chain[0].logits is None and chain[0].unread_logits is not None
+        assert reads == [] and chain[1].logits is None
         if model == "qwen35":
-            assert reads == [first.name] and np.array_equal(chain[1].logits, read_checkpoint(first).logits)
+            kept = rt._snapshots.at(rt.kv_tokens, chain[1].header.n_tokens)
+            assert kept is not None and isinstance(kept.logits, BytesInFile) and kept.logits.path == first
+            kept.state_now()
+            assert np.array_equal(kept.logits_now(), read_checkpoint(first).logits)
         else:
-            assert reads == [] and "logits_crc32" not in chain[1].meta
+            assert "logits_crc32" not in chain[1].meta
     finally:
         rt.close()
 
@@ -169,17 +175,27 @@ def test_damaged_logits_of_an_earlier_file_are_not_needed_and_validation_finds_t
         rt.close()
 
 
-def test_damaged_logits_a_restore_keeps_refuse_it_before_anything_is_set(made, reader, smollm_path,
-                                                                         tiny_model_path, tmp_path, monkeypatch):
+def test_damaged_logits_of_a_kept_snapshot_are_found_where_it_is_used(made, reader, smollm_path,
+                                                                     tiny_model_path, tmp_path, monkeypatch):
     """The hybrid's first answer is where its Regenerate goes back to: the restore keeps that
-    file's logits, so their damage refuses it, naming the file, before llama.cpp sees a byte
-    and with the sequence as it was (the prompt's file, restored before); restoring the chain
-    up to that file (an Edit, ``--from-turn``) reads them as the last file's and refuses it
-    too."""
+    file's logits there with its recurrent state, so their damage is not the restore's (it is
+    exactly the undamaged one) but going back's: the snapshot cannot be had, leaves the
+    shelf, and the sequence keeps no cell of it.  Restoring the chain up to that file (an
+    Edit, ``--from-turn``) reads them as the last file's: refused, naming the damage, before
+    llama.cpp sees a byte and with the sequence as it was (the prompt's file, restored
+    before)."""
     paths = _copy(made("qwen35"), tmp_path)
     rt = _runtime("qwen35", smollm_path, tiny_model_path)
     try:
+        clean = _restore(rt, load_chain(paths[2], crc_later=True))
         _flip(paths[1], _logits_offset(paths[1]) + 4 * 5 + 1)
+        rt.trim(0)
+        chain = load_chain(paths[2], crc_later=True)
+        n = chain[1].header.n_tokens
+        assert _restore(rt, chain) == clean
+        assert rt._snapshots.at(rt.kv_tokens, n) is not None
+        assert rt.trim(n) < n and rt._snapshots.at(rt.kv_tokens, n) is None
+        rt.trim(0)
         _restore(rt, load_chain(paths[0], crc_later=True))
         for token in (rt.kv_tokens[-1], rt.kv_tokens[-2]):   # the cache goes on past the prompt's file
             rt.decode_token(token)
@@ -188,12 +204,9 @@ def test_damaged_logits_a_restore_keeps_refuse_it_before_anything_is_set(made, r
         real = rt.ctx.state_set_from
         monkeypatch.setattr(rt.ctx, "state_set_from", lambda *args: (sets.append(args), real(*args))[1])
         chain = load_chain(paths[2], crc_later=True)
-        with pytest.raises(BrokenChain, match=f"{paths[1].name} is damaged"), restoring(chain):
-            rt.restore_chain(chain)
-        assert sets == [] and list(rt.kv_tokens) == tokens and _state_and_logits(rt) == before
-        chain = load_chain(paths[2], crc_later=True)
         with pytest.raises(ChecksumMismatch), restoring(chain):
             rt.restore_chain(chain[:2])
+        assert sets == [] and list(rt.kv_tokens) == tokens and _state_and_logits(rt) == before
     finally:
         rt.close()
 

@@ -123,8 +123,8 @@ def made(tiny_model_path, tmp_path_factory):
 @pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
 def test_the_prompt_ends_state_stays_in_its_file_until_regenerate(arch, made, tiny_model_path, monkeypatch):
     """Restored, the snapshot at the answer's prompt end is where the prompt's file holds it,
-    not a copy; Regenerate reads it (once: a second Regenerate has it in memory), and draws
-    the answer the first run drew, having read nothing of the prompt again."""
+    its logits too, not a copy; Regenerate reads them (once: a second Regenerate has them in
+    memory), and draws the answer the first run drew, having read nothing of the prompt again."""
     prompt, answer, n_prompt, text = made(arch)
     reads = []
     real = BytesInFile.read
@@ -134,12 +134,13 @@ def test_the_prompt_ends_state_stays_in_its_file_until_regenerate(arch, made, ti
         conv = _restored(rt, answer)
         kept = rt._snapshots.at(rt.kv_tokens, n_prompt)
         assert kept is not None and isinstance(kept.state, BytesInFile) and kept.state.path == prompt
+        assert isinstance(kept.logits, BytesInFile) and kept.logits.path == prompt
         assert reads == []
         for _ in range(2):
             again = _regenerate(rt, conv)
             assert (again.text, again.n_reused_tokens) == (text, n_prompt)
-        assert reads == [prompt.name]
-        assert isinstance(kept.state, np.ndarray)
+        assert reads == [prompt.name, prompt.name]   # its recurrent state, its logits
+        assert isinstance(kept.state, np.ndarray) and isinstance(kept.logits, np.ndarray)
     finally:
         rt.close()
 

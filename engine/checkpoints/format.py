@@ -159,7 +159,8 @@ Logits an earlier file holds
 A file with logits says ``"logits_crc32": C`` in its metadata, the CRC32 of its logits
 section (files written before 2026-12-07 do not).  A restore samples from the last file's
 logits alone; an earlier file of its chain gives its cells, and its logits only where the
-restore keeps a snapshot after it (engine.restore).  So a reader restoring such a file
+restore keeps a snapshot after it (engine.restore: read when it goes back there, where the
+snapshot stays in the file).  So a reader restoring such a file
 (``read_checkpoint``'s ``ancestor``) neither reads nor checksums them (vocabulary x 4
 bytes: 1 MB at Gemma 3's or Qwen3.5's, in every file of a memory whose logits cannot be
 computed again): the payload CRC is checked through C (zlib's ``crc32_combine``, as for
@@ -201,7 +202,7 @@ from engine.checkpoints.crc import FAST as CRC_FAST
 from engine.checkpoints.crc import combine as crc_combine
 from engine.checkpoints.crc import crc32
 from engine.checkpoints.crc_helper import QueuedCrc, queue_crc
-from engine.checkpoints.file_bytes import read_at
+from engine.checkpoints.file_bytes import BytesInFile, read_at
 from engine.checkpoints.points import recurrent_crcs, recurrent_lengths
 from engine.errors import (
     ChecksumMismatch,
@@ -702,6 +703,15 @@ class CheckpointData:
         self.logits, self.unread_logits = _checked_logits(out.astype(np.float32, copy=False)), None
         self.logits.flags.writeable = False
         return self.logits
+
+    def logits_in_file(self) -> BytesInFile | None:
+        """Where the file holds the logits the read left there (:attr:`unread_logits`), with
+        the metadata's CRC of them, to be read when used (:func:`logits_of_bytes`); None where
+        they were read (or there are none)."""
+        if self.unread_logits is None:
+            return None
+        crc, offset = self.unread_logits
+        return BytesInFile(self.path, offset, self.header.n_vocab * 4, crc)
 
     def holds_point_states(self) -> bool:
         """Whether the points' recurrent states can be had (:meth:`point_state`)."""
@@ -1220,6 +1230,12 @@ def _token_arrays(header: Header, tokens_view: memoryview,
     if header.has_logits and logits_view is not None:
         logits = _checked_logits(np.frombuffer(logits_view, dtype="<f4").astype(np.float32, copy=False))
     return tokens, logits
+
+
+def logits_of_bytes(raw: np.ndarray) -> np.ndarray:
+    """Logits as a file stores them (little-endian float32 bytes, their CRC checked:
+    CheckpointData.logits_in_file) as float32, unless they hold NaN or +inf (CorruptMetadata)."""
+    return _checked_logits(raw.view("<f4").astype(np.float32, copy=False))
 
 
 def _checked_logits(logits: np.ndarray) -> np.ndarray:
