@@ -35,7 +35,7 @@ from engine.checkpoints.kvstate import check_file_states
 from engine.checkpoints.store import Store
 from engine.checkpoints.transfer import import_files
 from engine.conversation import Conversation
-from engine.errors import BrokenChain, ChecksumMismatch, CorruptMetadata
+from engine.errors import ChecksumMismatch, CorruptMetadata
 from engine.generation import begin_answer, commit_answer, generate
 from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
