@@ -370,3 +370,26 @@ def test_an_earlier_state_is_used_when_the_nearest_cannot_be_had(tmp_path, caplo
     assert len(shelf) == 1 and "cannot be had" in caplog.text
 
 
+
+
+@pytest.mark.parametrize("damage", ["none", "NaN", "+inf", "a byte"])
+def test_a_snapshots_logits_left_in_their_file_are_checked_when_read(damage, tmp_path):
+    """Logits a snapshot keeps in their file are read with its state, checked against their
+    CRC and for NaN and +inf (-inf is a masked-out token); damaged, the snapshot cannot be had
+    (CorruptState, so the shelf drops it) and stays as it was."""
+    logits = np.linspace(-3, 3, 16, dtype="<f4")
+    logits[2] = -np.inf
+    if damage in ("NaN", "+inf"):
+        logits[5] = np.nan if damage == "NaN" else np.inf
+    raw = b"head" + logits.tobytes()
+    path = tmp_path / "logits.bin"
+    path.write_bytes(raw if damage != "a byte" else raw[:9] + bytes([raw[9] ^ 1]) + raw[10:])
+    stored = BytesInFile(path, 4, len(raw) - 4, crc32(raw[4:]))
+    snapshot = PromptSnapshot(3, tokens_digest([1, 2, 3]), np.zeros(8, np.uint8), stored)
+    if damage == "none":
+        snapshot.state_now()
+        assert np.array_equal(snapshot.logits_now(), logits)
+        return
+    with pytest.raises(CorruptState, match="logits.bin"):
+        snapshot.state_now()
+    assert snapshot.logits is stored
