@@ -3,7 +3,8 @@
     python -m benchmarks.restore_profile [--sizes 2000,7500] [--repeats 3] [--threads 2]
                                          [--deltas 3] [--turns 12] [--llama-server PATH]
                                          [--against TREE] [--reader mapped|windows|copying] [--json out.json]
-                                         [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn|qwen35-4b-vocab]
+                                         [--model smollm|lfm2-wide|llama-8b-kv|qwen35-gdn|qwen35-4b-gdn|
+                                                  qwen35-4b-vocab|qwen35-4b]
 
 SmolLM2 (``--model lfm2-wide``: a hybrid built by tests/tinymodels.py at LFM2-2.6B's
 attention widths, random weights; ``--model llama-8b-kv``: an attention model at
@@ -312,6 +313,8 @@ MODELS = {
                      "recurrent state, as Qwen3.5-4B's and -9B's), 8 attention layers",
     "qwen35-4b-vocab": "the same with Qwen3.5's vocabulary (248,320 tokens, SmolLM2's padded with unused "
                        "ones: 1 MB of logits, which every file of a hybrid carries)",
+    "qwen35-4b": "the same with Qwen3.5-4B's attention too (16 query heads, 4 KV heads of 256: 17 KB of "
+                 "cells a token in q8_0), so every part of its state is the real model's size",
 }
 #: Qwen3.5's vocabulary
 QWEN35_VOCAB = 248_320
@@ -325,6 +328,8 @@ LLAMA_8B_KV = {"n_embd": 1024, "n_ff": 128, "n_head": 8, "n_head_kv": 8, "head":
 #: Qwen3-Next's gated delta-net widths on a narrow residual stream
 QWEN35_GDN = {"n_embd": 256, "gdn_state": 128, "gdn_k_heads": 16, "gdn_v_heads": 32,
               "n_head": 4, "n_head_kv": 2, "head": 64}
+#: Qwen3.5-4B's attention widths (its KV bytes per token)
+QWEN35_4B_ATTENTION = {"n_head": 16, "n_head_kv": 4, "head": 256}
 
 
 def model_file(key: str, folder: Path) -> Path | None:
@@ -337,9 +342,10 @@ def model_file(key: str, folder: Path) -> Path | None:
     if key == "llama-8b-kv":
         return tinymodels.cached("llama", folder, n_layer=32, shape=tinymodels.Shape(**LLAMA_8B_KV))
     if key.startswith("qwen35"):
-        vocab = QWEN35_VOCAB if key == "qwen35-4b-vocab" else 0
+        vocab = QWEN35_VOCAB if key in ("qwen35-4b-vocab", "qwen35-4b") else 0
+        widths = {**QWEN35_GDN, **(QWEN35_4B_ATTENTION if key == "qwen35-4b" else {})}
         return tinymodels.cached("qwen35", folder, n_layer=8 if key == "qwen35-gdn" else 32,
-                                 shape=tinymodels.Shape(**QWEN35_GDN, n_vocab=vocab))
+                                 shape=tinymodels.Shape(**widths, n_vocab=vocab))
     return tinymodels.cached("lfm2", folder, n_layer=16, shape=tinymodels.Shape(**WIDE_LFM2))
 
 

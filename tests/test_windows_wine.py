@@ -589,9 +589,10 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
     """On Windows (a restore maps its files and lets them go when done): a hybrid's chain
     (tests/tinymodels.py's qwen35: a prompt's file, an answer's on it) is restored without
     its first file's own recurrent block, which the last file's replaces: that block damaged,
-    the restore gives exactly the undamaged chain's state, and both files can be replaced at
-    once after; the first file restored as a chain's last (its block set), the damage is
-    found and the sequence left empty."""
+    the restore gives exactly the undamaged chain's state, the first file's attention part
+    set straight from its (copy-on-write) mapping, and both files can be replaced at once
+    after; the first file restored as a chain's last (its block set), the damage is found
+    and the sequence left empty."""
     points = needs(XOS / "points")
     done = child(f"""
         {_tiny_qwen35_child(tmp_path, points)}
@@ -614,7 +615,18 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
             f.write(bytes([byte[0] ^ 0x10]))
         chain = load_chain(answer.path, crc_later=True)
         unread = chain[0].unread_recurrent is not None and chain[0].mapping is not None
+        whole = np.frombuffer(chain[0].mapping, dtype=np.uint8)
+        low, high = whole.ctypes.data, whole.ctypes.data + len(whole)
+        del whole
+        given = []
+        real_set = rt.ctx.state_set_from
+        def spy(buffer, size, seq, *flags):
+            given.append(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+            return real_set(buffer, size, seq, *flags)
+        rt.ctx.state_set_from = spy
         same = restored(chain) == clean
+        rt.ctx.state_set_from = real_set
+        in_place = bool(given) and low <= given[0] < high
         for path in (prompt.path, answer.path):   # let go: replaceable at once
             shutil.copyfile(path, str(path) + ".copy")
             os.replace(str(path) + ".copy", path)
@@ -624,12 +636,14 @@ def test_a_hybrids_earlier_recurrent_block_is_neither_read_nor_needed_and_checke
             refused = False
         except ChecksumMismatch:
             refused = True
-        print(json.dumps({{"unread": unread, "same": same, "refused": refused, "empty": rt.kv_tokens == []}}))
+        print(json.dumps({{"unread": unread, "same": same, "in_place": in_place, "refused": refused,
+                          "empty": rt.kv_tokens == []}}))
         rt.close()
     """)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {"unread": True, "same": True, "refused": True, "empty": True}, (got, done.stderr[-2000:])
+    assert got == {"unread": True, "same": True, "in_place": True, "refused": True, "empty": True}, \
+        (got, done.stderr[-2000:])
 
 
 def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_kept(tmp_path):
@@ -637,8 +651,9 @@ def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_k
     second's) is restored without reading the prompt file's logits (every file of a hybrid
     carries them): damaged, the restore gives exactly the undamaged chain's state and logits,
     and the files can be replaced at once after; restored as a chain's last file (the prompt
-    alone), the damage is found; the first answer's logits, which the restore keeps for
-    Regenerate, damaged, refuse the restore, naming that file."""
+    alone), the damage is found; the first answer's logits, which the restore keeps in their
+    file for Regenerate, damaged: the restore is not refused, going back there finds them
+    damaged and keeps nothing of the snapshot."""
     points = needs(XOS / "points")
     done = child(f"""
         {_tiny_qwen35_child(tmp_path, points)}
@@ -677,13 +692,17 @@ def test_an_earlier_files_logits_are_neither_read_nor_needed_and_checked_where_k
                 refused.append("restored")
             except error as exc:
                 refused.append(type(exc).__name__ + (" first" if "first.kvckpt" in str(exc) else ""))
-        print(json.dumps({{"unread": unread, "same": same, "refused": refused}}))
+        n = first.n_tokens
+        kept = rt._snapshots.at(rt.kv_tokens, n) is not None
+        went_back = rt.trim(n) < n and rt._snapshots.at(rt.kv_tokens, n) is None
+        print(json.dumps({{"unread": unread, "same": same, "refused": refused, "kept": kept,
+                          "went_back_without_it": went_back}}))
         rt.close()
     """)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got == {"unread": True, "same": True, "refused": ["ChecksumMismatch", "BrokenChain first"]}, \
-        (got, done.stderr[-2000:])
+    assert got == {"unread": True, "same": True, "refused": ["ChecksumMismatch", "restored"], "kept": True,
+                   "went_back_without_it": True}, (got, done.stderr[-2000:])
 
 
 def test_the_frozen_cli_saves_and_resumes_as_linux_does():
