@@ -1023,11 +1023,13 @@ PAYLOAD_MISMATCH = "payload checksum mismatch: the file was damaged after it was
 
 #: with ``crc_later`` (engine.checkpoints.crc_helper), states at least this large are
 #: queued to the helper thread; smaller ones cost less inline than the hand-over.  Measured
-#: here (a warm process, SmolLM2, 12 files of a conversation, medians of 25, when each chain
-#: still started its own thread): 2.0 MB files 8.21 ms queued from 1 MiB vs 7.70 ms inline;
-#: 7.7 MB files 18.84 ms queued from 4 MiB vs 20.95 ms on a thread each.  zlib's CRC, 8×
-#: slower, is worth handing over from 1 MiB.  Read at call time: benchmarks and tests set it.
-CRC_LATER_MIN_BYTES = 4 << 20 if CRC_FAST else 1 << 20
+#: (benchmarks.restore_profile, a new process per restore, medians of 7, 2026-12-07), 1 MiB
+#: against the 4 MiB this was with the fast CRC: 12 turn files of ~3 MB at Qwen3.5-4B's
+#: widths 11.43 vs 13.59 ms (0.84), SmolLM2's 12 of ~2 MB 6.82 vs 7.80 ms (0.87), its other
+#: layouts and single files unchanged (0.97-1.08, the noise); zlib's CRC, 8x slower, was
+#: handed over from 1 MiB already.  (When each chain still started a thread of its own,
+#: 2 MB files had cost more queued.)  Read at call time: benchmarks and tests set it.
+CRC_LATER_MIN_BYTES = 1 << 20
 
 
 def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits: Limits = LIMITS,
