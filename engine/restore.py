@@ -35,7 +35,9 @@ supplies a :class:`SequenceSlot`: what the sequence holds and how to change that
    llama.cpp after it): a recurrent memory's earlier files are skipped, a hybrid's give
    their attention cells alone, set from the file's own mapping with an empty recurrent
    block written over the start of theirs in its private pages, put back after
-   (:func:`_without_a_replaced_recurrent_state`).  Nor is such a block checked where its
+   (:func:`_without_a_replaced_recurrent_state`; a file read by copying, or from before
+   its metadata gave the block's CRC, copies its attention part out where the recurrent
+   state is the larger part, and is set whole otherwise).  Nor is such a block checked where its
    file's metadata gives its CRC (load_chain leaves the ancestors' unchecked: 50 MB each at
    Qwen3.5-4B's widths): it is checked where it is set after all, or read to go back to
    (engine.checkpoints.format, The file's own recurrent block).  Nor are an earlier file's
@@ -291,13 +293,13 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
                 # a cut (engine.checkpoints.chain.can_cut): the delta builds on the parent's
                 # first tokens only; its cells from there on go (a parked base's, where it waits)
                 ctx.seq_rm(slot.scratch if parked and i == 1 else slot.seq, data.header.parent_n_tokens, -1)
-            state = data.state if i in whole else _without_a_replaced_recurrent_state(data, layouts[i])
-            if not len(state):
-                continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)
-            if state is data.state:
-                data.check_recurrent_later()   # set with its recurrent block: checked (restore_into settles)
-            scratch_used = scratch_used or i != direct
             try:
+                state = data.state if i in whole else _without_a_replaced_recurrent_state(data, layouts[i])
+                if not len(state):
+                    continue   # no cells (empty, metadata only, or a recurrent state a later file replaces)
+                if state is data.state:
+                    data.check_recurrent_later()   # set with its recurrent block: checked (restore_into settles)
+                scratch_used = scratch_used or i != direct
                 ctx.state_set_from(state, len(state), slot.seq if i == direct else slot.scratch)
             finally:
                 data.put_back_tail()   # (where the attention part was set in place)
@@ -309,7 +311,7 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
             slot.applied(data.header.parent_n_tokens if i else 0, data.header.n_tokens)
             if i in snapshots:
                 slot.passed(data.tokens[:data.header.n_tokens].tolist(), data.logits)
-    except StateError as exc:
+    except BaseException as exc:   # llama.cpp's refusal; a read error of a page written over; an interrupt
         slot.empty()
         # and the snapshots kept after the files before it: a large file's checksum may
         # still be running (restore_into), nothing of it may stay
@@ -319,6 +321,8 @@ def _apply(slot: SequenceSlot, chain: Sequence[CheckpointData], keep: int, snaps
         # neither this frame nor the native call's, which the error's traceback keeps, may
         # hold a view of the file's mapping while the caller lets the file go (CheckpointData.release)
         state = data.state[:0]
+        if not isinstance(exc, StateError):
+            raise
         raise RestoreFailed(f"llama.cpp refused the checkpoint's state: {exc}") from exc.with_traceback(None)
 
 

@@ -430,3 +430,55 @@ def test_only_a_block_nothing_reads_is_written_over(made, tmp_path):
         first.check_recurrent_later()
         assert not first.sets_tail_in_place() and first.state_with_tail(cut, empty) is None
         first.settle()
+
+
+def test_only_the_files_written_over_are_mapped_privately(made, tmp_path):
+    """A private mapping is charged for its whole size against the commit limit (Windows):
+    only an earlier file whose block the restore leaves unread, the one it may write over,
+    is mapped so; the chain's last file, and a file read whole, are mapped read-only."""
+    if not mapped.supported():
+        pytest.skip("no MADV_POPULATE_READ here: the state is read, not mapped")
+    prompt, answer = _copy(made, "qwen35", tmp_path)
+    chain = load_chain(answer, crc_later=True)
+    with restoring(chain):
+        first, last = chain[0].mapping, chain[1].mapping
+        assert first is not None and last is not None
+        first[0:1] = first[0:1]   # its own copy of the page: the file is not written
+        with pytest.raises(TypeError):
+            last[0:1] = last[0:1]
+    whole = read_checkpoint(prompt, crc_later=True)
+    try:
+        assert whole.mapping is not None
+        with pytest.raises(TypeError):
+            whole.mapping[0:1] = whole.mapping[0:1]
+    finally:
+        whole.settle()
+        whole.release()
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()])
+def test_an_error_while_a_file_is_set_empties_the_sequence_and_puts_the_bytes_back(error, made, tiny_model_path,
+                                                                                   tmp_path, monkeypatch):
+    """A read error of the page written over (a disk failing under it), or an interrupt,
+    while the earlier file is set: the error goes on as it is, the sequence keeps nothing of
+    the restore, and the mapping holds the file's bytes again."""
+    from engine.checkpoints.format import CheckpointData
+    _prompt, answer = _copy(made, "lfm2", tmp_path)
+    rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
+    try:
+        chain = load_chain(answer, crc_later=True)
+        real = CheckpointData.state_with_tail
+
+        def fails(self, cut, tail):
+            real(self, cut, tail)
+            raise error
+
+        with restoring(chain):
+            with monkeypatch.context() as m, pytest.raises(type(error)):
+                m.setattr(CheckpointData, "state_with_tail", fails)
+                m.setattr(CheckpointData, "sets_tail_in_place", lambda self: True)
+                rt.restore_chain(chain)
+            assert chain[0].overwritten is None
+            assert rt.kv_tokens == [] and rt.ctx.pos_max(0) == -1 and rt.ctx.pos_max(1) == -1
+    finally:
+        rt.close()

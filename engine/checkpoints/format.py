@@ -152,7 +152,10 @@ checksums the block nor maps it in: the payload CRC is checked as the CRC of the
 before it combined with C (and with the points' blobs after it), and the block is checked
 against C where it is used (set after all, or kept in its file to go back to:
 :meth:`CheckpointData.check_recurrent_later`, :meth:`CheckpointData.crc_of_state_tail`).
-A reader checks L against the state's walk before it trusts it (engine.restore).
+A reader checks L against the state's walk before it trusts it (engine.restore).  Such a
+file is mapped privately: the restore writes an empty recurrent block over the page or
+two where the block starts, to set the attention part straight from the mapping
+(:meth:`CheckpointData.state_with_tail`), and puts them back.
 
 Logits an earlier file holds
 ----------------------------
@@ -165,7 +168,8 @@ snapshot stays in the file).  So a reader restoring such a file
 bytes: 1 MB at Gemma 3's or Qwen3.5's, in every file of a memory whose logits cannot be
 computed again): the payload CRC is checked through C (zlib's ``crc32_combine``, as for
 the recurrent blocks above), and the logits are read, checked against C, where they are
-used (:meth:`CheckpointData.read_logits`).
+used (:meth:`CheckpointData.read_logits`; a snapshot's, with its recurrent state:
+:meth:`CheckpointData.logits_in_file`, engine.snapshots).
 
 Why logits are stored: llama.cpp's state holds no logits, and re-decoding the last
 token after a restore is bit-exact only when it was decoded alone the first time too
@@ -1066,10 +1070,12 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         tokens_view, logits_view, crc = _read_arrays(f, header, crc, logits_left)
         before_state = crc
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
-        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path) if load_state else None
         # (where the unread bytes then end the section: the block, the points' states)
-        own = own_recurrent_crc(meta, checked_len) if crc_later and ancestor and mapping is not None \
-            and (unread or not tail) else None
+        leaves_block = crc_later and ancestor and (unread or not tail) and own_recurrent_crc(meta, checked_len)
+        # privately where the restore may write over the block's start (CheckpointData.state_with_tail)
+        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path,
+                                  private=bool(leaves_block)) if load_state else None
+        own = own_recurrent_crc(meta, checked_len) if leaves_block and mapping is not None else None
         checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
@@ -1270,7 +1276,7 @@ def _map_state(mapping, header: Header, crc: int | None, progress, populate: boo
     checksummed); the array holds the mapping, the whole section."""
     start = header.state_offset
     state = np.frombuffer(mapping, dtype=np.uint8, count=header.state_len, offset=start)
-    state.flags.writeable = False   # (the mapping is private and writable: nobody edits a checked state)
+    state.flags.writeable = False   # (a private mapping is writable: nobody edits a checked state)
     total = checked_len
     view = memoryview(mapping)[start:start + total]
     try:

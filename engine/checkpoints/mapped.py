@@ -15,14 +15,19 @@ Why the mapping is safe to check and to hand to llama.cpp:
   it is read.  A file that shrank meanwhile, or a disk that fails, is an error of that
   call (``EFAULT``, ``EIO``), never the ``SIGBUS`` a plain access to a missing page
   raises: the reader refuses the file as it would refuse a short read.
-* The mapping is private (copy-on-write) and writes nothing to the file.  Checkpoint Chat
-  never writes a checkpoint in place (every write lands by ``os.replace``, a new inode):
-  the mapped bytes are the bytes the CRC and the walk checked, whatever replaces or
-  deletes the file meanwhile.  The arrays over it are read-only; the one write made
-  through it is a restore's: a few hundred bytes over an earlier file's unread recurrent
-  block, so that llama.cpp sets its attention part straight from the mapping, put back at
-  once (engine.checkpoints.format, ``CheckpointData.state_with_tail``); the pages written
-  become the process's own copies, dropped with the mapping.  Only another
+* The mapping is read-only.  Checkpoint Chat never writes a checkpoint in place (every
+  write lands by ``os.replace``, a new inode): the mapped bytes are the bytes the CRC and
+  the walk checked, whatever replaces or deletes the file meanwhile.  One read maps
+  privately (copy-on-write, ``map_file``'s ``private``), which writes nothing to the file
+  either: a restore's of an earlier file of a hybrid's chain, whose recurrent block it
+  leaves unread.  It writes a few hundred bytes over that block's start, so that llama.cpp
+  sets the attention part straight from the mapping, and puts them back at once
+  (engine.checkpoints.format, ``CheckpointData.state_with_tail``); the page or two written
+  become the process's own copies, dropped with the mapping (the arrays over it stay
+  read-only).  A private mapping is charged against the commit limit for its whole size
+  while it lasts (Windows; Linux under strict overcommit): ~50 MB per earlier file at
+  Qwen3.5-4B's widths, for the restore's few milliseconds; where the charge cannot be had,
+  the mapping fails and the file is read instead.  Only another
   program truncating the file in place during the restore could still raise ``SIGBUS``
   (as it could under llama.cpp's own mapping of the model).
 * A state whose checksum a helper thread computes (read_checkpoint's ``crc_later``) is
@@ -58,12 +63,12 @@ restore 1.97x llama-server's from one 24.7 MB file: the fresh pages it fills):
   fails as any short read).  What is left is a local disk failing under a page that is not
   in memory: that faults whoever reads it (the process ends; the copying read reported an
   error), as it does under llama.cpp's own mapping of the model (the app loads every model
-  mapped).  ``populate`` asks PrefetchVirtualMemory to
-  read such pages in large reads before the checksum and llama.cpp fault them in one by
-  one (a hint: nothing fails if it does not).  Bytes a restore leaves unread are not
-  prefetched: Windows cannot say what the cache holds, and a prefetch of a cold file would
-  read from the disk what is most likely never used (50 MB of recurrent state per earlier
-  file at Qwen3.5-4B's widths).
+  mapped).  ``populate`` asks PrefetchVirtualMemory to read such pages in large reads
+  before the checksum and llama.cpp fault them in one by one (a hint: nothing fails if it
+  does not).  Bytes a restore leaves unread are not prefetched (but for the page or two it
+  writes over, above): Windows cannot say what the cache holds, and a prefetch of a cold
+  file would read from the disk what is most likely never used (50 MB of recurrent state
+  per earlier file at Qwen3.5-4B's widths).
 """
 
 from __future__ import annotations
@@ -116,18 +121,20 @@ def supported() -> bool:
     return True
 
 
-def map_file(fileno: int, size: int, state_len: int, releasable: bool, path: str | os.PathLike) -> mmap.mmap | None:
-    """A private mapping of a whole file of ``size`` bytes at ``path`` (already checked
+def map_file(fileno: int, size: int, state_len: int, releasable: bool, path: str | os.PathLike,
+             private: bool = False) -> mmap.mmap | None:
+    """A read-only mapping of a whole file of ``size`` bytes at ``path`` (already checked
     against its header), or None where the state is better read: too small, no support, a
     mapping would keep the file from being replaced (:data:`PINS_FILES`) and the caller does
     not release it when done (``releasable``), or the file is not on a fixed local disk
-    (Windows: :func:`on_a_fixed_disk`)."""
+    (Windows: :func:`on_a_fixed_disk`).  ``private``: a copy-on-write mapping instead, for a
+    reader that writes into its own copy of a page (see the module docstring)."""
     if state_len < MAP_MIN_BYTES or not supported() or (PINS_FILES and not releasable) \
             or not on_a_fixed_disk(path):
         return None
     try:
-        mapping = mmap.mmap(fileno, size, access=mmap.ACCESS_COPY)   # private: see the module docstring
-    except (OSError, ValueError):   # a file system that cannot map: read instead
+        mapping = mmap.mmap(fileno, size, access=mmap.ACCESS_COPY if private else mmap.ACCESS_READ)
+    except (OSError, ValueError):   # a file system that cannot map (or no commit left for a private one): read
         return None
     _ask_for_huge_pages(mapping, size)
     return mapping
