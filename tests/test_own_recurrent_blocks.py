@@ -456,29 +456,42 @@ def test_only_the_files_written_over_are_mapped_privately(made, tmp_path):
         whole.release()
 
 
+@pytest.mark.parametrize("where", ["writing over the first file", "setting the second"])
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), KeyboardInterrupt()])
-def test_an_error_while_a_file_is_set_empties_the_sequence_and_puts_the_bytes_back(error, made, tiny_model_path,
-                                                                                   tmp_path, monkeypatch):
+def test_an_error_while_a_chain_is_set_empties_the_sequence_and_puts_the_bytes_back(error, where, made,
+                                                                                   tiny_model_path, tmp_path,
+                                                                                   monkeypatch):
     """A read error of the page written over (a disk failing under it), or an interrupt,
-    while the earlier file is set: the error goes on as it is, the sequence keeps nothing of
-    the restore, and the mapping holds the file's bytes again."""
+    while the earlier file is set or after it: the error goes on as it is, the sequence
+    keeps nothing of the restore (the first file's cells included), and the mapping holds
+    the file's bytes again."""
     from engine.checkpoints.format import CheckpointData
     _prompt, answer = _copy(made, "lfm2", tmp_path)
     rt = Runtime(tiny_model_path("lfm2"), memkit.SETTINGS)
     try:
         chain = load_chain(answer, crc_later=True)
-        real = CheckpointData.state_with_tail
+        nothing = rt.ctx.state_size(0), rt.ctx.state_size(1)   # (a hybrid's pos_max says -1 without a recurrent state)
+        real_tail, real_set, sets = CheckpointData.state_with_tail, rt.ctx.state_set_from, []
 
-        def fails(self, cut, tail):
-            real(self, cut, tail)
+        def tail_fails(self, cut, tail):
+            real_tail(self, cut, tail)
             raise error
+
+        def second_fails(*args):
+            sets.append(args[1])
+            if len(sets) == 2:
+                raise error
+            return real_set(*args)
 
         with restoring(chain):
             with monkeypatch.context() as m, pytest.raises(type(error)):
-                m.setattr(CheckpointData, "state_with_tail", fails)
-                m.setattr(CheckpointData, "sets_tail_in_place", lambda self: True)
+                if where == "setting the second":
+                    m.setattr(rt.ctx, "state_set_from", second_fails)
+                else:
+                    m.setattr(CheckpointData, "state_with_tail", tail_fails)
                 rt.restore_chain(chain)
             assert chain[0].overwritten is None
-            assert rt.kv_tokens == [] and rt.ctx.pos_max(0) == -1 and rt.ctx.pos_max(1) == -1
+            assert rt.kv_tokens == [] and (rt.ctx.state_size(0), rt.ctx.state_size(1)) == nothing
+        assert len(sets) == (2 if where == "setting the second" else 0)
     finally:
         rt.close()
