@@ -66,7 +66,7 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
             try:
                 chain = load_chain(match.path, crc_later=True)   # settled by the restore
                 runtime.restore_chain(chain)
-            except CheckpointError as exc:
+            except (CheckpointError, OSError) as exc:   # (OSError: gone since the index found it, unreadable)
                 log.info("prefix candidate %s skipped: %s", match.path.name, exc)
                 # a state refused after llama.cpp took it (its checksum, or llama.cpp itself)
                 # left the sequence empty

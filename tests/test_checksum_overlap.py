@@ -8,6 +8,7 @@ is lowered so that small states take that path, on the mapped reader and the cop
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from engine.conversation import Conversation
 from engine.errors import BrokenChain, ChecksumMismatch, RestoreFailed
 from engine.generation import begin_answer, generate
 from engine.parallel import ParallelRuntime
+from engine.prefix_reuse import reuse_stored_prefix
 from engine.runtime import Runtime
 from engine.sampling import SamplerSettings
 from native.context import ContextSettings
@@ -217,7 +219,6 @@ def test_prefix_reuse_skips_a_damaged_file_and_says_what_the_cache_holds(rt, tmp
     """The stored file that shares the most of a prompt is damaged in its state: it is
     skipped, and since its restore emptied the cache, the answer says nothing is reused
     (not the tokens the cache held before)."""
-    from engine.prefix_reuse import reuse_stored_prefix
     store = tmp_path / "store"
     store.mkdir()
     text = " ".join(f"Line {i}: write a few lines about lighthouses and the sea." for i in range(8))
@@ -229,6 +230,31 @@ def test_prefix_reuse_skips_a_damaged_file_and_says_what_the_cache_holds(rt, tmp
     reuse = reuse_stored_prefix(rt, store, prompt)
     assert (reuse.how, reuse.n_tokens) == ("recompute", 0), reuse.describe()
     assert rt.kv_tokens == [] and rt.ctx.pos_max(0) == -1
+
+
+def test_prefix_reuse_skips_a_file_gone_since_it_was_found(rt, tmp_path, monkeypatch):
+    """The stored file that shares the most of a prompt is deleted (another process, a
+    prune) between the index finding it and its read: it is skipped like a damaged one,
+    and the cache's own prefix is what is reused."""
+    import engine.prefix_reuse as prefix_reuse
+    store = tmp_path / "store"
+    store.mkdir()
+    text = " ".join(f"Line {i}: write a few lines about lighthouses and the sea." for i in range(8))
+    good, conv = _saved(rt, store / "good.kvckpt", text, 6)   # over the index's 64-token blocks
+    prompt = list(conv.tokens)
+    rt.trim(0)
+    rt.prefill(prompt[:5])               # the cache holds the prompt's first tokens
+    real = prefix_reuse.load_chain
+
+    def gone(path, **kwargs):
+        os.unlink(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(prefix_reuse, "load_chain", gone)
+    reuse = reuse_stored_prefix(rt, store, prompt)
+    assert not good.path.exists()
+    assert (reuse.how, reuse.n_tokens) == ("cache", 5), reuse.describe()
+    assert rt.kv_tokens == prompt[:5]
 
 
 def test_a_state_llama_cpp_refuses_leaves_no_snapshot_of_the_files_before_it(tiny_model_path, tmp_path,
