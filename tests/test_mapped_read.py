@@ -22,7 +22,7 @@ def always_mapped(monkeypatch):
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)
     made = []
     real = mapped.map_file
-    monkeypatch.setattr(mapped, "map_file", lambda *a: _kept(made, real(*a)))
+    monkeypatch.setattr(mapped, "map_file", lambda *a, **kw: _kept(made, real(*a, **kw)))
     return made
 
 
@@ -217,7 +217,7 @@ def test_small_states_are_read_not_mapped(tmp_path, monkeypatch):
     path, _, _ = _file(tmp_path, 8)
     made: list = []
     real = mapped.map_file
-    monkeypatch.setattr(mapped, "map_file", lambda *a: _kept(made, real(*a)))
+    monkeypatch.setattr(mapped, "map_file", lambda *a, **kw: _kept(made, real(*a, **kw)))
     fmt.read_checkpoint(path)
     assert not made
     monkeypatch.setattr(mapped, "MAP_MIN_BYTES", 0)   # the same file is mapped when allowed

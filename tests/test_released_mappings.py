@@ -32,8 +32,8 @@ def pinned(monkeypatch, caplog):
     made: list = []
     real = mapped.map_file
 
-    def map_file(fileno, size, state_len, releasable, path):
-        mapping = real(fileno, size, state_len, releasable, path)
+    def map_file(fileno, size, state_len, releasable, path, private=False):
+        mapping = real(fileno, size, state_len, releasable, path, private)
         if mapping is not None:
             made.append((mapping, releasable))
         return mapping

@@ -1071,11 +1071,11 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         before_state = crc
         # a restore's read (crc_later) releases its mapping when the restore is done (release)
         # (where the unread bytes then end the section: the block, the points' states)
-        leaves_block = crc_later and ancestor and (unread or not tail) and own_recurrent_crc(meta, checked_len)
+        claim = own_recurrent_crc(meta, checked_len) if crc_later and ancestor and (unread or not tail) else None
         # privately where the restore may write over the block's start (CheckpointData.state_with_tail)
         mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path,
-                                  private=bool(leaves_block)) if load_state else None
-        own = own_recurrent_crc(meta, checked_len) if leaves_block and mapping is not None else None
+                                  private=claim is not None) if load_state else None
+        own = claim if mapping is not None else None
         checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
         # later: crc stays the CRC of the bytes before the state, where the helper goes on from
