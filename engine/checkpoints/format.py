@@ -1069,12 +1069,9 @@ def read_checkpoint(path: str | os.PathLike, *, load_state: bool = True, limits:
         logits_left = logits_claim(meta, header) if crc_later and ancestor and load_state else None
         tokens_view, logits_view, crc = _read_arrays(f, header, crc, logits_left)
         before_state = crc
-        # a restore's read (crc_later) releases its mapping when the restore is done (release)
         # (where the unread bytes then end the section: the block, the points' states)
         claim = own_recurrent_crc(meta, checked_len) if crc_later and ancestor and (unread or not tail) else None
-        # privately where the restore may write over the block's start (CheckpointData.state_with_tail)
-        mapping = mapped.map_file(f.fileno(), size, header.state_len, crc_later, path,
-                                  private=claim is not None) if load_state else None
+        mapping = _mapping_of(f, size, header, path, crc_later, claim is not None) if load_state else None
         own = claim if mapping is not None else None
         checked_len -= own[1] if own else 0
         later = crc_later and load_state and checked_len >= CRC_LATER_MIN_BYTES
@@ -1253,6 +1250,15 @@ def _checked_logits(logits: np.ndarray) -> np.ndarray:
     if len(logits) and not logits.max() < np.inf:
         raise CorruptMetadata("the stored logits hold NaN or infinite values")
     return logits
+
+
+def _mapping_of(f: BinaryIO, size: int, header: Header, path: Path, crc_later: bool,
+                leaves_block: bool) -> mmap.mmap | None:
+    """The open file's mapping (engine.checkpoints.mapped.map_file), or None where it is read:
+    a restore's read (``crc_later``) releases it when done (CheckpointData.release); private
+    where the restore may write over the start of the recurrent block it leaves unread
+    (``leaves_block``: CheckpointData.state_with_tail)."""
+    return mapped.map_file(f.fileno(), size, header.state_len, crc_later, path, private=leaves_block)
 
 
 def _mapped_state(fileno: int, mapping, header: Header, crc: int | None, progress,
