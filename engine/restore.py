@@ -65,7 +65,6 @@ from engine.checkpoints.compat import Target
 from engine.checkpoints.format import MEMORY_RECURRENT, STATE_LAYOUT, CheckpointData
 from engine.checkpoints.kvstate import (
     StateLayout,
-    attention_part_of,
     check_recurrent_claim,
     check_state_for,
     emptied_block,
@@ -366,7 +365,7 @@ def _without_a_replaced_recurrent_state(data: CheckpointData, layout: StateLayou
         return data.state[:0]
     cut, empty = emptied_block(len(data.state), layout, data.header.n_layer)
     in_place = data.state_with_tail(cut, empty)
-    return in_place if in_place is not None else attention_part_of(data.state, layout, data.header.n_layer)
+    return in_place if in_place is not None else np.concatenate((data.state[:cut], np.frombuffer(empty, np.uint8)))
 
 
 def _walk_blocks_set(chain: Sequence[CheckpointData], whole: set[int],

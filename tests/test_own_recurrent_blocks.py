@@ -74,6 +74,14 @@ def _restore(rt, chain):
     return _state_and_logits(rt)
 
 
+def _restored_then_read_again(rt, answer):
+    """The answer's chain restored (its state and logits), the sequence emptied, and the
+    chain read again for the test to restore its own way."""
+    restored = _restore(rt, load_chain(answer, crc_later=True))
+    rt.trim(0)
+    return restored, load_chain(answer, crc_later=True)
+
+
 @pytest.mark.parametrize("arch", [*ARCHS, "llama"])
 def test_a_file_gives_its_own_recurrent_blocks_length_and_crc(arch, made):
     """Every file with a recurrent state says where its block is and its CRC32; a plain
@@ -169,9 +177,7 @@ def test_damage_the_walk_or_the_payload_crc_finds_is_named_as_damage(arch, where
     offset, _length = _block_of(prompt)
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
-        clean = _restore(rt, load_chain(answer, crc_later=True))
-        rt.trim(0)
-        chain = load_chain(answer, crc_later=True)
+        clean, chain = _restored_then_read_again(rt, answer)
         layout = check_state_for(chain[0].header, chain[0].state)
         set_whole = 0 in _set_whole(chain, set(), [layout, None])
         # the block: a cell count, one cell (pos, n_seq_id), s_trans, n_layer, then layer 0's type
@@ -362,9 +368,7 @@ def test_a_hybrids_earlier_file_gives_its_attention_part_from_its_own_mapping(ar
     try:
         with monkeypatch.context() as m:
             m.setattr(CheckpointData, "sets_tail_in_place", lambda self: False)
-            copied = _restore(rt, load_chain(answer, crc_later=True))
-        rt.trim(0)
-        chain = load_chain(answer, crc_later=True)
+            copied, chain = _restored_then_read_again(rt, answer)
         first = chain[0]
         layout = check_state_for(first.header, first.state)
         cut, empty = emptied_block(len(first.state), layout, first.header.n_layer)
@@ -390,9 +394,7 @@ def test_the_files_bytes_are_back_when_llama_cpp_refuses_the_part_set_in_place(a
     _prompt, answer = _copy(made, arch, tmp_path)
     rt = Runtime(tiny_model_path(arch), memkit.SETTINGS)
     try:
-        clean = _restore(rt, load_chain(answer, crc_later=True))
-        rt.trim(0)
-        chain = load_chain(answer, crc_later=True)
+        clean, chain = _restored_then_read_again(rt, answer)
 
         def refuse(*args):
             raise StateError("refused")

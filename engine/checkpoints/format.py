@@ -704,7 +704,7 @@ class CheckpointData:
             raise TruncatedCheckpoint(f"{self.path.name} no longer holds its logits (replaced, or shortened)")
         if crc32(out) != crc:
             raise ChecksumMismatch(PAYLOAD_MISMATCH)
-        self.logits, self.unread_logits = _checked_logits(out.astype(np.float32, copy=False)), None
+        self.logits, self.unread_logits = logits_of_bytes(out.view(np.uint8)), None
         self.logits.flags.writeable = False
         return self.logits
 
@@ -809,8 +809,9 @@ class CheckpointData:
         recurrent state, is a few hundred bytes away from its file's bytes (engine.restore);
         a copy of it lands in fresh memory, whose page faults cost more than llama.cpp's own
         copy.  None where this cannot be done (:meth:`sets_tail_in_place`): the caller copies."""
-        if not self.sets_tail_in_place() or self.unread_recurrent is None or self.mapping is None:
+        if not self.sets_tail_in_place():
             return None
+        assert self.unread_recurrent is not None and self.mapping is not None   # (sets_tail_in_place)
         if cut < len(self.state) - self.unread_recurrent[1] or cut + len(tail) > len(self.state):
             raise ValueError("the tail replaces bytes outside the unread recurrent block")
         start = self.header.state_offset + cut

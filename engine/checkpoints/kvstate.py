@@ -523,17 +523,6 @@ def recurrent_block_len(layout: StateLayout) -> int:
     return _block_len(*layout.recurrent)
 
 
-def attention_part_of(state: StateBytes, layout: StateLayout, n_layer: int) -> np.ndarray:
-    """A hybrid's checked state with its recurrent block emptied (:func:`emptied_block`): a
-    copy."""
-    data = byte_view(state)
-    cut, empty = emptied_block(len(data), layout, n_layer)
-    part = np.empty(cut + len(empty), dtype=np.uint8)
-    part[:cut] = np.frombuffer(data[:cut], dtype=np.uint8)
-    part[cut:] = np.frombuffer(empty, dtype=np.uint8)
-    return part
-
-
 def emptied_block(state_len: int, layout: StateLayout, n_layer: int) -> tuple[int, bytes]:
     """How a hybrid's checked state of ``state_len`` bytes becomes its attention part alone:
     where its recurrent block starts, and the recurrent block of no cell that replaces it
