@@ -40,7 +40,9 @@ own line.
 
 from __future__ import annotations
 
+import logging
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +55,8 @@ from engine.conversation import Conversation
 if TYPE_CHECKING:   # the engine worker imports this module on the UI thread: no native layer
     from engine.history import LineWriter
     from engine.runtime import SaveInfo
+
+log = logging.getLogger("engine")
 
 
 def head_kind(paused: bool, asked: int = KIND_MANUAL) -> int:
@@ -117,9 +121,23 @@ class Checkpoints:
         if self.named is None:
             assert self.writer is not None          # a line in the store: made in __init__
             return self.writer.save_head(conv, kind)
-        info = self.runtime.save(self.named, conv, kind)
+        info = self.runtime.save(self._writable_name(), conv, kind)
         self.drop_autosaves_beside()   # the file, whole and durable, holds all they held
         return info
+
+    def _writable_name(self) -> Path:
+        """The named file, unless writing over it now would break something (checked before
+        the run too: engine.cli.run; since then another run may have built a delta on it, or
+        put something else there): then a fresh name beside it, so that nothing is lost."""
+        from engine.checkpoints.graph import overwrite_problem
+        assert self.named is not None
+        problem = overwrite_problem(self.named)
+        if problem is None:
+            return self.named
+        fresh = self.named.with_name(f"{self.named.stem}-{time.strftime('%Y%m%d-%H%M%S')}-"
+                                     f"{uuid.uuid4().hex[:8]}{self.named.suffix or '.kvckpt'}")
+        log.warning("%s: saved to %s instead", problem, fresh.name)
+        return fresh
 
     def drop_autosaves_beside(self) -> None:
         """The named file holds all this run's autosaves held: delete them, and their

@@ -74,6 +74,15 @@ def test_bodies_that_are_not_json_objects_are_400s():
     assert parse_body(b'{"a": 1}') == {"a": 1}
 
 
+@pytest.mark.parametrize("raw", [b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                                 b'{"prompt": "\\udfff"}', b'{"stop": ["\\uDC00"], "prompt": "hi"}'])
+def test_half_a_surrogate_pair_is_a_400_not_a_server_error(raw):
+    """JSON may escape one half of a UTF-16 pair: a string the tokenizer cannot encode (a 500
+    with a codec message before, found by a user's test).  A whole pair is text."""
+    assert "surrogate" in refused(parse_body, raw).message
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}
+
+
 def test_a_completion_request():
     r = parse_completion({"model": MODEL, "prompt": ["Once upon"], "max_tokens": 3})
     assert r.prompt == "Once upon" and r.generation.max_tokens == 3

@@ -389,6 +389,58 @@ def test_compact_refuses_to_write_over_a_parent(tmp_path):
     assert len(load_chain(last.path)) == 2          # untouched
 
 
+def test_run_refuses_to_save_over_a_parent_before_loading_the_model(tmp_path):
+    """``run --checkpoint-save`` named the root of a chain: the file was replaced and every
+    delta on it broken (found by a user's test).  It is refused as ``compact -o`` refuses
+    it, before a token is generated; the chain stays whole."""
+    store = Store(tmp_path / "store")
+    base, last = _chain(store, uuid.uuid4(), [40, 48])
+    before = base.path.read_bytes()
+    done = run_cli("run", "-m", str(tmp_path / "no-model.gguf"), "-p", "Hi", "--checkpoint-save", str(base.path))
+    assert done.returncode == 1 and "parent of 1 delta" in done.stderr and "Traceback" not in done.stderr
+    assert base.path.read_bytes() == before and len(load_chain(last.path)) == 2
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "folder"])
+def test_a_name_that_is_no_regular_file_is_not_written_over(tmp_path, kind):
+    """A file is written beside its name and renamed over it: a link, a pipe or a folder
+    there (a device, ``--checkpoint-save /dev/full`` run as root, was replaced by a
+    regular file in a user's test) is refused with what it is."""
+    import os
+    target, other = tmp_path / "out.kvckpt", tmp_path / "real.kvckpt"
+    other.write_bytes(b"x")
+    {"symlink": lambda: target.symlink_to(other), "fifo": lambda: os.mkfifo(target),
+     "folder": lambda: target.mkdir()}[kind]()
+    problem = graph.overwrite_problem(target)
+    assert problem is not None and {"symlink": "symbolic link", "fifo": "device, a pipe",
+                                    "folder": "a folder"}[kind] in problem
+    assert graph.overwrite_problem(other) is None and graph.overwrite_problem(tmp_path / "new.kvckpt") is None
+
+
+def test_a_named_file_that_became_a_parent_during_the_run_is_saved_beside(tmp_path, monkeypatch):
+    """Checked before the run, the named file may still become another chain's parent
+    before the answer stops (another run builds on it): the head then goes to a fresh name
+    beside it, and nothing is written over."""
+    from engine.checkpoint_policy import Checkpoints
+    store = Store(tmp_path / "store")
+    base, last = _chain(store, uuid.uuid4(), [40, 48])
+    before = base.path.read_bytes()
+    written = []
+
+    class Saving:   # the runtime's save, recorded (the format's own writer is tested elsewhere)
+        def save(self, path, conv, kind):
+            written.append(path)
+            return path
+
+    checkpoints = Checkpoints(Saving(), named=base.path)
+    assert checkpoints.save_head(object(), KIND_MANUAL) == written[0]
+    assert written[0] != base.path and written[0].parent == base.path.parent
+    assert written[0].name.startswith(base.path.stem + "-") and written[0].suffix == ".kvckpt"
+    assert base.path.read_bytes() == before and len(load_chain(last.path)) == 2
+    fresh = tmp_path / "fresh.kvckpt"
+    assert Checkpoints(Saving(), named=fresh).save_head(object(), KIND_MANUAL) == fresh
+
+
 def test_a_line_whose_base_holds_no_tokens_puts_its_next_delta_on_its_newest_file(tmp_path):
     """The parent of the next save: the newest file the cache starts with, or the last
     milestone when autosaves pile up; a base of 0 tokens (no milestone to fold onto) is

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 import uuid
 from collections import Counter
@@ -768,11 +769,20 @@ def overwrite_problem(path: str | os.PathLike) -> str | None:
     """Why writing a new file over ``path`` would break something, or None.
 
     Deltas name their parent by file name and CRC: replacing a file that deltas build on
-    would orphan them.  (Names the app picks are fresh; this guards names users pick.)
+    would orphan them.  And a file is written beside its name and renamed over it
+    (engine.checkpoints.atomic), which would put a regular file where a link, a device
+    (``/dev/null`` run as root), a pipe or a folder was: those names are refused too.
+    (Names the app picks are fresh; this guards names users pick.)
     """
     path = Path(path)
-    if not path.is_file():
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:   # nothing there (or nothing that can be looked at: the write will say)
         return None
+    if not stat.S_ISREG(mode):
+        what = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+                else "a device, a pipe or a socket")
+        return f"{path} is {what}, not a checkpoint file; writing there would replace it — choose another name"
     g = Graph.scan(Store(path.parent))
     node = g.nodes.get(path.name)
     children = g.children.get(path.name, []) if node is not None else []

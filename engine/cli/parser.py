@@ -35,6 +35,26 @@ def _port(text: str) -> int:
     return value
 
 
+def _text(text: str) -> str:
+    """Text for the model (a prompt, a system prompt, a stop string): an argument holding a
+    byte that is not UTF-8 arrives with it escaped (a lone surrogate, which the tokenizer
+    cannot encode: a traceback before) and is refused."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not UTF-8 text (a byte that is no UTF-8 character: "
+                                         "check the terminal's encoding, or use --prompt-file)") from None
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake in the arguments is one line on stderr and exit status 1, as every user
+    mistake is (docs/cli.md), not argparse's usage block and status 2."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 class _Prompts(argparse.Action):
     """``-p`` may be repeated (``--parallel``): ``prompt`` is the first, ``prompts`` all."""
 
@@ -90,9 +110,8 @@ def _add_serve(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="checkpoint-chat",
-                                description="Chat with local GGUF models; pause, save and resume "
-                                            "generation exactly.")
+    p = _Parser(prog="checkpoint-chat",
+                description="Chat with local GGUF models; pause, save and resume generation exactly.")
     p.add_argument("--version", action="version", version=f"checkpoint-chat {APP_VERSION}")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     sub = p.add_subparsers(dest="command")
@@ -111,11 +130,11 @@ def _add_run(sub) -> None:
     run = sub.add_parser("run", help="generate text (and pause/resume with checkpoints)")
     run.add_argument("-m", "--model", help="GGUF model (default: SmolLM2-135M-Instruct)")
     prompt = run.add_mutually_exclusive_group()
-    prompt.add_argument("-p", "--prompt", action=_Prompts,
+    prompt.add_argument("-p", "--prompt", action=_Prompts, type=_text,
                         help="user message (repeatable with --parallel: one conversation each)")
     run.set_defaults(prompts=[])
     prompt.add_argument("-f", "--prompt-file", help="read the user message from a file")
-    run.add_argument("--system", help="system prompt")
+    run.add_argument("--system", type=_text, help="system prompt")
     run.add_argument("-n", "--n-predict", type=int, default=None,
                      help="answer length limit in tokens (-1: no limit; default -1)")
     run.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
@@ -128,7 +147,7 @@ def _add_run(sub) -> None:
     run.add_argument("--repeat-last-n", type=int, default=None)
     run.add_argument("--ignore-eos", action="store_true", default=None,
                      help="keep generating past end-of-generation tokens")
-    run.add_argument("--stop", action="append", default=None, metavar="TEXT",
+    run.add_argument("--stop", action="append", type=_text, default=None, metavar="TEXT",
                      help="stop when this text appears (repeatable)")
     run.add_argument("-c", "--ctx-size", type=_positive, default=None, help="context size (default 4096)")
     run.add_argument("-b", "--batch-size", type=_positive, default=None, help="prefill chunk (default 512)")

@@ -79,6 +79,11 @@ def cmd_run(args) -> int:
     if prompt is None and not args.checkpoint_load:
         raise AppError("give a prompt (--prompt or --prompt-file) or a checkpoint to continue "
                        "(--checkpoint-load)")
+    if args.checkpoint_save:
+        from engine.checkpoints.graph import overwrite_problem
+        problem = overwrite_problem(args.checkpoint_save)
+        if problem:   # before the model loads, before a token is generated
+            raise AppError(problem)
     control = Control()
     # Ctrl+C, SIGTERM and (on Windows) closing the console all mean "pause and save";
     # installed before the model loads, so an early Ctrl+C saves an empty-handed pause

@@ -73,6 +73,11 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ApiError(400, f"The request body is not valid JSON ({exc}).") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
+    try:   # JSON may escape half a UTF-16 pair ("\ud800"): a string no tokenizer can encode
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "The request body holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                            "without its pair): that is not text.") from None
     return body
 
 
