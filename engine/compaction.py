@@ -23,7 +23,7 @@ from engine.checkpoints.points import Point, points_of
 from engine.conversation import Conversation
 from engine.errors import CorruptState
 from engine.model_shape import ModelShape
-from engine.models import default_model_path
+from engine.models import model_for_checkpoint
 from engine.restore import used_end
 from engine.runtime import Runtime, SaveInfo
 
@@ -107,16 +107,6 @@ def _conversation_of(data: CheckpointData) -> Conversation | None:
         return None
 
 
-def model_path_for(meta: dict, override: str | Path | None = None) -> Path:
-    """The model a checkpoint names (when that file still exists), else the default."""
-    if override:
-        return Path(override)
-    stored = (meta.get("model") or {}).get("path") if isinstance(meta.get("model"), dict) else None
-    if isinstance(stored, str) and stored and Path(stored).is_file():
-        return Path(stored)
-    return default_model_path()
-
-
 def runtime_for(chain: Sequence[CheckpointData], *, model: str | Path | None = None,
                 n_threads: int = 0) -> Runtime:
     """A Runtime whose model and context the chain's checkpoints fit."""
@@ -125,4 +115,4 @@ def runtime_for(chain: Sequence[CheckpointData], *, model: str | Path | None = N
     settings = ContextSettings(n_ctx=h.n_ctx, n_threads=n_threads, flash_attn=h.flash_attn,
                                type_k=h.type_k, type_v=h.type_v, n_seq_max=h.n_seq_max,
                                kv_unified=h.kv_unified)
-    return Runtime(model_path_for(chain[-1].meta, model), settings)
+    return Runtime(model_for_checkpoint(chain[-1].meta, model), settings)

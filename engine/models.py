@@ -34,6 +34,27 @@ def default_model_path() -> Path:
     return path
 
 
+def model_for_checkpoint(meta: dict | None, override: str | Path | None = None) -> Path:
+    """The model to continue a checkpoint with: ``override`` (``-m``), else the file its
+    metadata names, else (none named) the default model.  A named file that is gone is
+    the default model where it was the default's file (a reinstall moves it; the
+    fingerprint check that follows vouches for it), else an AppError naming the model:
+    falling back to the default then only ended in "fingerprints differ"."""
+    if override:
+        return Path(override)
+    named = (meta or {}).get("model")
+    stored = named.get("path") if isinstance(named, dict) else None
+    if not isinstance(stored, str) or not stored:
+        return default_model_path()
+    if Path(stored).is_file():
+        return Path(stored)
+    if Path(stored).name == DEFAULT_MODEL_FILE:
+        return default_model_path()
+    name = named.get("name") if isinstance(named, dict) and isinstance(named.get("name"), str) else Path(stored).name
+    raise AppError(f"this checkpoint was made with the model {name}, whose file {stored} is not there "
+                   "(moved, or named relative to another folder): give its path with -m / --model")
+
+
 def is_default_model(path) -> bool:
     """Whether ``path`` is the bundled default model (by its file)."""
     try:

@@ -361,7 +361,8 @@ class Runtime:
             "format": "checkpoint-chat", "app_version": APP_VERSION,
             # the messages once: a reader's transcript is the conversation's (transcript_of)
             "title": conv.title, "conversation": conv.to_json(),
-            "model": {"name": self.model.name, "path": str(self.model.path),
+            # absolute: a later run from another folder finds it (engine.models.model_for_checkpoint)
+            "model": {"name": self.model.name, "path": os.path.abspath(self.model.path),
                       "architecture": self.model.architecture,
                       "fingerprint": self.fingerprint.hex()},
             "n_ctx": self.ctx.n_ctx, "n_threads": self.ctx.n_threads,

@@ -96,6 +96,33 @@ def test_foreign_model_refused_both_ways(smollm_ckpt, gemma_ckpt, smollm_path, g
     _fails_cleanly(run_cli("validate", str(gemma_ckpt), "--model", str(smollm_path)), "fingerprints differ")
 
 
+def test_the_model_a_checkpoint_names_is_found_from_any_folder_or_named_when_gone(tmp_path, gemma_path):
+    """A model given by a relative path was stored so: continued from another folder, or once
+    the file moved, the run fell back to the default model and said only "fingerprints
+    differ" (a user's test).  The path is stored absolute; a file that is gone is named."""
+    import os
+
+    from conftest import ROOT
+
+    from engine.models import DEFAULT_MODEL_FILE, default_model_path, model_for_checkpoint
+    link = tmp_path / "models" / "g.gguf"
+    link.parent.mkdir()
+    link.symlink_to(gemma_path)
+    ckpt = tmp_path / "g.kvckpt"
+    run_cli("run", "-m", os.path.relpath(link, ROOT), "-p", "Hi", "-n", "4", "--stop-after", "2", "--temp", "0",
+            "--ctx-size", "1024", "--checkpoint-save", str(ckpt), check=True)
+    assert read_checkpoint(ckpt, load_state=False).meta["model"]["path"] == str(link)
+    run_cli("run", "--checkpoint-load", str(ckpt), "-n", "2", "--ctx-size", "1024",
+            "--checkpoint-save", str(tmp_path / "next.kvckpt"), check=True)
+    link.unlink()
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(ckpt), "--ctx-size", "1024"),
+                   "was made with the model", str(link), "is not there", "-m")
+    # the default model's file, moved by a reinstall, is the default model where it is now
+    moved = {"model": {"name": "x", "path": f"/gone/{DEFAULT_MODEL_FILE}"}}
+    assert model_for_checkpoint(moved) == default_model_path()
+    assert model_for_checkpoint({}) == default_model_path() and model_for_checkpoint(moved, "m.gguf").name == "m.gguf"
+
+
 def test_other_context_settings_refused(smollm_ckpt):
     _fails_cleanly(run_cli("run", "--checkpoint-load", str(smollm_ckpt), "--ctx-size", "2048"),
                    "context size 1024")

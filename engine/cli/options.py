@@ -50,10 +50,6 @@ def sampler_from_args(args, base):
 
 
 def model_path(args, meta: dict | None) -> Path:
-    from engine.models import default_model_path
-    if args.model:
-        return Path(args.model)
-    stored = ((meta or {}).get("model") or {}).get("path")
-    if stored and Path(stored).is_file():
-        return Path(stored)
-    return default_model_path()
+    """``-m``, else the model the checkpoint continued names (engine.models.model_for_checkpoint)."""
+    from engine.models import model_for_checkpoint
+    return model_for_checkpoint(meta, args.model)
