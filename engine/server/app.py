@@ -300,7 +300,8 @@ class _Reply:
         return shapes.usage(s.n_prompt_tokens, s.n_generated, s.n_reused_tokens, s.n_reasoning_tokens)
 
     def extension(self) -> dict:
-        return shapes.extension(self.snap.id, self.snap.seed, self.checkpoint)
+        return shapes.extension(self.snap.id, self.snap.seed, self.checkpoint,
+                                paused=self.finished().finish_reason == "paused")
 
     def deltas(self, text: str | None) -> list:
         """What streaming ``text`` sends (None: the answer ended, send what was held

@@ -21,7 +21,8 @@ from engine import APP_VERSION
 SYSTEM_FINGERPRINT = f"checkpoint-chat-{APP_VERSION}"
 
 #: engine finish reasons -> OpenAI's; a pause (the window's Pause button, or the server
-#: stopping) ends an answer early, as a length limit does
+#: stopping) ends an answer early, as a length limit does: OpenAI has no value of its own
+#: for it, so ``checkpoint_chat.paused`` (:func:`extension`) tells the two apart
 FINISH_REASONS = {"stop": "stop", "stop_string": "stop", "length": "length",
                   "context_full": "length", "paused": "length"}
 
@@ -42,9 +43,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
             "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
-def extension(conversation: uuid.UUID | None, seed: int | None, checkpoint: Path | None) -> dict[str, Any]:
+def extension(conversation: uuid.UUID | None, seed: int | None, checkpoint: Path | None,
+              paused: bool = False) -> dict[str, Any]:
+    """A response's ``checkpoint_chat``: the conversation, the seed, the checkpoint saved, and
+    whether the answer was paused (the server stopping, the window's Pause): cut short, its
+    ``finish_reason`` is "length" though ``max_tokens`` was not reached."""
     return {"conversation": str(conversation) if conversation else None, "seed": seed,
-            "checkpoint": str(checkpoint) if checkpoint else None}
+            "checkpoint": str(checkpoint) if checkpoint else None, "paused": paused}
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, reason: str,
