@@ -139,6 +139,12 @@ class Checkpoints:
         log.warning("%s: saved to %s instead", problem, fresh.name)
         return fresh
 
+    def newest_on_disk(self) -> Path | None:
+        """The newest file this conversation can be resumed from now (its autosaves', or the
+        checkpoint it continued), without waiting for a save in flight; None: none."""
+        newest = self.writer.newest_on_disk() if self.writer is not None else None
+        return newest.path if newest is not None else None
+
     def drop_autosaves_beside(self) -> None:
         """The named file holds all this run's autosaves held: delete them, and their
         folder once empty.  Another run's files there (a crashed run's) stay."""

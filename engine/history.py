@@ -254,6 +254,11 @@ class LineWriter:
         self.settle()
         return self._chain
 
+    def newest_on_disk(self) -> SaveInfo | None:
+        """The newest file of the line on disk now, without waiting for a save in flight
+        (what a user who leaves at once can resume from)."""
+        return next((info for info in reversed(self._chain) if info.path.is_file()), None)
+
     @property
     def head(self) -> SaveInfo | None:
         chain = self.chain

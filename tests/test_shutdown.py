@@ -209,3 +209,37 @@ def test_real_sigterm_in_a_child_process_saves_and_exits_143(tmp_path):
     child.send_signal(signal.SIGTERM)
     assert child.wait(20) == 143
     assert marker.read_text() == "SIGTERM"
+
+
+@pytest.mark.parametrize("saved", ["autosave", "continued", "nothing", "not begun"])
+def test_a_second_ctrl_c_says_what_can_be_resumed(saved, tmp_path, monkeypatch, capsys):
+    """A second Ctrl+C while the pause saves leaves at once (documented); it said only
+    "interrupted" (a user's test).  It now says the pause was not saved, and what remains:
+    the newest checkpoint on disk (an autosave, or the file the run continued), or that
+    nothing of this run was."""
+    from engine.cli import main
+    from engine.cli.run import RunSession
+    newest = tmp_path / "autosave-1.kvckpt"
+
+    class Checkpoints:
+        def newest_on_disk(self):
+            return newest if saved == "autosave" else None
+
+    def run(self):
+        self.checkpoints = Checkpoints()
+        self.requested_at = None if saved == "not begun" else 1.0
+        raise KeyboardInterrupt   # as the second signal's handler raises it, mid-save
+
+    monkeypatch.setattr(RunSession, "run", run)
+    args = ["run", "-p", "Hi"] + (["--checkpoint-load", str(tmp_path / "x.kvckpt")] if saved == "continued" else [])
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    if saved == "autosave":
+        assert f"the newest checkpoint is: {newest}" in err
+    elif saved == "continued":
+        assert "nothing of this run was saved" in err and "x.kvckpt, which it continued, is as it was" in err
+    elif saved == "nothing":
+        assert "nothing of this run was saved" in err and "--checkpoint-save-interval" in err
+    else:
+        assert "[CHECKPOINT]" not in err

@@ -90,8 +90,12 @@ def cmd_run(args) -> int:
     # (the prompt, nothing decoded) instead of a traceback
     guard = ShutdownGuard(lambda reason: control.request_pause())
     with guard:
+        session = RunSession(args, prompt, control, guard)
         try:
-            outcome = RunSession(args, prompt, control, guard).run()
+            outcome = session.run()
+        except KeyboardInterrupt:   # a second Ctrl+C: leave now, without the pause's checkpoint
+            session.say_what_remains()
+            raise
         finally:
             guard.save_finished()  # a waiting console-close handler may let the process go
     if args.json:
@@ -126,6 +130,18 @@ class RunSession:
         if self.runtime is None:
             raise RuntimeError("the model is not loaded yet")
         return self.runtime
+
+    def say_what_remains(self) -> None:
+        """Left at once (a second Ctrl+C): the pause was not saved; say what can be resumed."""
+        newest = self.checkpoints.newest_on_disk() if self.checkpoints is not None else None
+        if newest is not None:
+            print(f"[CHECKPOINT] Left without saving the pause; the newest checkpoint is: {newest}",
+                  file=sys.stderr)
+        elif self.requested_at is not None:   # (before the answer began nothing was lost)
+            kept = (f"; {self.args.checkpoint_load}, which it continued, is as it was"
+                    if self.args.checkpoint_load else "")
+            print("[CHECKPOINT] Left without saving the pause: nothing of this run was saved "
+                  f"(--checkpoint-save-interval N autosaves as it goes){kept}", file=sys.stderr)
 
     def stage(self, name: str) -> None:
         if self.args.progress:
