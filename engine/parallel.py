@@ -418,11 +418,15 @@ class ParallelRuntime:
         Whether a sequence's logits depend on what else a decode holds is a property of
         the kernels, not of the tokens: CPU matrix kernels for repacked weight types
         (Q4_K here, Gemma 3) multiply 4 rows at once, whose sums round otherwise than one
-        row's.  So each sequence's next-token logits are computed alone (nothing else in
-        the cache), then with every sequence present and ``w`` of them in one decode,
-        for ``w = S .. 1``: the first ``w`` whose logits all match bit for bit is the
-        width.  About S * (S + 2) decodes of a few tokens, once per context.  Without
-        flash attention the answer is 0 without measuring (see below).
+        row's.  So each sequence's next-token logits and state are computed alone (nothing
+        else in the cache), then with every sequence present and ``w`` of them in one
+        decode, for ``w = S .. 1``: the first ``w`` whose logits and states all match bit
+        for bit is the width.  The state too: a recurrent memory's batched kernels (mamba2,
+        a gated delta-net, LFM2's convolutions) can round the state otherwise while this
+        token's logits come out the same, and the next tokens' then differ (a user's test:
+        ``run --parallel`` apart from the same prompt alone after one token).  About
+        S * (S + 2) decodes of a few tokens, once per context.  Without flash attention the
+        answer is 0 without measuring (see below).
         """
         if not self.settings.flash_attn:
             # attention then sums over the other sequences' (masked) cells too, as many as
@@ -443,16 +447,25 @@ class ParallelRuntime:
                 for start in range(0, len(tokens), step):
                     self.decode_chunks([(seq, tokens[start:start + step], False)])
 
+        def outcome(seq: int) -> tuple[np.ndarray, np.ndarray | None]:
+            """The sequence's next-token logits and its state (None: llama.cpp gave none)."""
+            snapshot = PromptSnapshot.take(self.ctx, seq, (), None)
+            return np.array(self.logits(seq), copy=True), None if snapshot is None else snapshot.state
+
+        def same(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.ndarray | None]) -> bool:
+            return (np.array_equal(a[0], b[0]) and a[1] is not None and b[1] is not None
+                    and np.array_equal(a[1], b[1]))
+
         alone = []
         for seq in range(n):
             fill([seq])
             self.decode_tokens({seq: nexts[seq]})
-            alone.append(np.array(self.logits(seq), copy=True))
+            alone.append(outcome(seq))
         width = 0
         for w in range(n, 0, -1):
             fill(range(n))
             self.decode_tokens({seq: nexts[seq] for seq in range(w)})
-            if all(np.array_equal(self.logits(seq), alone[seq]) for seq in range(w)):
+            if all(same(outcome(seq), alone[seq]) for seq in range(w)):
                 width = w
                 break
         for seq in range(n):

@@ -418,3 +418,40 @@ def _logits_alone_in(model_path, settings, tokens, cut: int) -> np.ndarray:
         return np.array(prt.logits(1), copy=True)
     finally:
         prt.close()
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "qwen35", "lfm2", "smollm"])
+def test_the_probed_width_decodes_each_sequence_as_alone_state_and_all(tiny_model_path, smollm_path, arch):
+    """What the exact-width probe vouches for: ``exact_width`` sequences decoded together
+    leave each one the state and logits it has decoded alone, for several tokens.  A
+    recurrent memory's batched kernels rounded the state otherwise while the token's logits
+    came out the same, so the probe said 2 from the logits alone, and ``run --parallel``
+    went apart from the prompt run alone from its second token (a user's test)."""
+    from engine.snapshots import PromptSnapshot
+    path = smollm_path if arch == "smollm" else tiny_model_path(arch)
+    settings = ContextSettings(n_ctx=256, n_threads=2)
+    prompts = [[(7 * i + 5 * k) % 200 + 3 for i in range(12 - k)] for k in range(4)]
+
+    def decoded(prt: ParallelRuntime, seqs: list[int], width: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        for seq in seqs:
+            prt.decode_chunks([(seq, prompts[seq], True)])
+        for step in range(3):   # ``width`` at a time, as the scheduler decodes them
+            for start in range(0, len(seqs), width):
+                prt.decode_tokens({seq: 10 + step + seq for seq in seqs[start:start + width]})
+        return [(np.array(prt.logits(seq), copy=True), PromptSnapshot.take(prt.ctx, seq, (), None).state)
+                for seq in seqs]
+
+    prt = ParallelRuntime(path, settings, sequences=4)
+    try:
+        width = prt.exact_width
+        assert width >= 1
+        together = decoded(prt, [0, 1, 2, 3], width)
+    finally:
+        prt.close()
+    for seq in range(4):
+        prt = ParallelRuntime(path, settings, sequences=4, exact_width=1)
+        try:
+            logits, state = decoded(prt, [seq], 1)[0]
+        finally:
+            prt.close()
+        assert np.array_equal(together[seq][0], logits) and np.array_equal(together[seq][1], state), (arch, width, seq)
