@@ -450,7 +450,7 @@ class ParallelRuntime:
         def outcome(seq: int) -> tuple[np.ndarray, np.ndarray | None]:
             """The sequence's next-token logits and its state (None: llama.cpp gave none)."""
             snapshot = PromptSnapshot.take(self.ctx, seq, (), None)
-            return np.array(self.logits(seq), copy=True), None if snapshot is None else snapshot.state
+            return np.array(self.logits(seq), copy=True), None if snapshot is None else snapshot.state_now()
 
         def same(a: tuple[np.ndarray, np.ndarray | None], b: tuple[np.ndarray, np.ndarray | None]) -> bool:
             return (np.array_equal(a[0], b[0]) and a[1] is not None and b[1] is not None
