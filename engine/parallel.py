@@ -61,7 +61,7 @@ from engine.sequences import Placement, SequenceTable
 from engine.snapshots import PromptSnapshot, Shelf, WindowCover, point_or_nearest, recurrent_part, state_sizes
 from native.batch import SeqBatch
 from native.context import DECODE_ABORTED, ContextSettings
-from native.errors import StateError
+from native.errors import ModelLoadError, StateError
 
 log = logging.getLogger("engine")
 
@@ -93,7 +93,8 @@ class ParallelRuntime:
 
     def __init__(self, model_path: str | os.PathLike, settings: ContextSettings = ContextSettings(),
                  *, sequences: int = DEFAULT_SEQUENCES, n_gpu_layers: int = 0, main_gpu: int = 0,
-                 workers=None, progress=None, exact_width: int | None = None) -> None:
+                 workers=None, progress=None, exact_width: int | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> None:
         if sequences < 1:
             raise GenerationError(f"a context holds at least one conversation, not {sequences}")
         # the Runtime is the model and context holder here; its own bookkeeping (sequence
@@ -133,7 +134,7 @@ class ParallelRuntime:
         #: measured on the empty cache unless given (see probe_exact_width)
         self.exact_width = 0   # while probing: every decode of several is in doubt
         try:
-            self.exact_width = self.probe_exact_width() if exact_width is None else exact_width
+            self.exact_width = self.probe_exact_width(should_abort) if exact_width is None else exact_width
         except BaseException:
             self.close()
             raise
@@ -412,7 +413,7 @@ class ParallelRuntime:
         self.decodes += 1
         return rc
 
-    def probe_exact_width(self) -> int:
+    def probe_exact_width(self, should_abort: Callable[[], bool] | None = None) -> int:
         """Measure :attr:`exact_width` on this model, cache type and backend (empty cache).
 
         Whether a sequence's logits depend on what else a decode holds is a property of
@@ -425,8 +426,10 @@ class ParallelRuntime:
         a gated delta-net, LFM2's convolutions) can round the state otherwise while this
         token's logits come out the same, and the next tokens' then differ (a user's test:
         ``run --parallel`` apart from the same prompt alone after one token).  About
-        S * (S + 2) decodes of a few tokens, once per context.  Without flash attention the
-        answer is 0 without measuring (see below).
+        S * (S + 2) decodes of a few tokens, once per context (seconds for a large model on
+        a CPU): ``should_abort`` true stops it at its next decode with ModelLoadError, as a
+        cancelled load of the weights stops (the window closed while it loads).  Without
+        flash attention the answer is 0 without measuring (see below).
         """
         if not self.settings.flash_attn:
             # attention then sums over the other sequences' (masked) cells too, as many as
@@ -440,6 +443,8 @@ class ParallelRuntime:
         step = max(1, self.settings.n_batch)   # a decode takes at most n_batch tokens
 
         def fill(seqs) -> None:
+            if should_abort is not None and should_abort():
+                raise ModelLoadError("the model's load was cancelled")
             for seq in seqs:
                 self.drop(seq)
             for seq in seqs:

@@ -569,7 +569,7 @@ class EngineWorker:
                                **opts.context_overrides())
             rt = ParallelRuntime(opts.path, settings, sequences=max(1, opts.sequences),
                                  n_gpu_layers=opts.n_gpu_layers, main_gpu=opts.main_gpu,
-                                 progress=progress, workers=workers)
+                                 progress=progress, workers=workers, should_abort=self._stopping.is_set)
         except Exception as exc:  # noqa: BLE001 - a failed load is reported, not raised
             self._report_error(cmd.Action.LOAD_MODEL, exc)
             self.listener.emit(ModelFailed(str(exc)))

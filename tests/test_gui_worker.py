@@ -272,3 +272,32 @@ def test_a_rename_writes_a_delta_of_metadata_only(worker):
     w.send(conv, "And two lakes?", n_predict=4)
     summary = rec.wait("finished", 2)[-1][1]
     assert summary.n_reused_tokens >= head.n_tokens
+
+
+def test_closing_while_the_exact_width_probe_runs_stops_it(smollm_path, tmp_path, monkeypatch):
+    """The window closed while the model loads: the weights' load is cancelled at once, but
+    the exact-width probe after it (S * (S + 2) decodes: seconds for a large model on a CPU)
+    ran on, and the close waited 15 s for an engine with nothing to save (seen with a 4B
+    model's widths).  It stops at its next decode now."""
+    import time
+
+    from engine.parallel import ParallelRuntime
+    probing = threading.Event()
+    decode_chunks = ParallelRuntime.decode_chunks
+
+    def slow(self, *args, **kwargs):   # a large model's probe: 0.5 s a decode, ~12 s in all
+        probing.set()
+        time.sleep(0.5)
+        return decode_chunks(self, *args, **kwargs)
+
+    monkeypatch.setattr(ParallelRuntime, "decode_chunks", slow)
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+    assert probing.wait(120)
+    started = time.monotonic()
+    w.shutdown()
+    assert w.join(60)
+    assert time.monotonic() - started < 3, "the probe ran on after the close"
+    assert not rec.of("loaded")
