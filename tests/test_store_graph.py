@@ -380,6 +380,20 @@ def test_list_and_inspect_show_the_graph(tmp_path):
     assert "head of its line" in shown and all(w.path.name in shown for w in chain)
 
 
+def test_list_of_a_folder_that_is_not_there_says_so(tmp_path):
+    """``list --dir`` of a mistyped folder said "no checkpoints", status 0 (a user's test)."""
+    (tmp_path / "file").write_text("x")
+    for folder, said in ((tmp_path / "nowhere", "no such folder"), (tmp_path / "file", "is not a folder")):
+        done = run_cli("list", "--dir", str(folder))
+        assert done.returncode == 1 and said in done.stderr and "Traceback" not in done.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli("list", "--dir", str(empty), check=True).stdout.strip() == "no checkpoints"
+    # and inspect's tree is text: asked for JSON too, it says so (it printed text)
+    done = run_cli("inspect", str(tmp_path / "file"), "--tree", "--json")
+    assert done.returncode == 1 and "not allowed with" in done.stderr
+
+
 def test_compact_refuses_to_write_over_a_parent(tmp_path):
     store = Store(tmp_path / "store")
     conv = uuid.uuid4()

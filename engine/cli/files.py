@@ -214,6 +214,8 @@ def _object_field(meta: dict, key: str) -> dict:
 def cmd_list(args) -> int:
     from engine.checkpoints.graph import Graph
     from engine.checkpoints.store import Store
+    if args.dir and not Path(args.dir).is_dir():   # (the default folder may not exist yet)
+        raise AppError(f"{args.dir} is not a folder" if Path(args.dir).exists() else f"no such folder: {args.dir}")
     store = Store(args.dir)
     g = Graph.scan(store)
     nodes = sorted(g.nodes.values(), key=lambda n: n.created_ns, reverse=True)

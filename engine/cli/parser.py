@@ -197,8 +197,9 @@ def _add_checkpoint_commands(sub) -> None:
 
     ins = sub.add_parser("inspect", help="show a checkpoint's header and metadata")
     ins.add_argument("path")
-    ins.add_argument("--json", action="store_true")
-    ins.add_argument("--tree", action="store_true", help="show the conversation's branches as a tree")
+    shown = ins.add_mutually_exclusive_group()   # (the tree is text only)
+    shown.add_argument("--json", action="store_true")
+    shown.add_argument("--tree", action="store_true", help="show the conversation's branches as a tree")
 
     lst = sub.add_parser("list", help="list the checkpoints in the store, newest first")
     lst.add_argument("--dir", help="store folder (default: the app's data folder)")
