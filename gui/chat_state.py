@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ChatState:
     #: conversations shown from their files only: the engine does not have them open
     #: (any container: the window passes its dict of them)
     unopened: set | dict = field(default_factory=set)
+    #: ``(conversation, file)`` the engine was asked to open and has not answered for yet
+    #: (it may be loading a model first): nothing is sent in it until it is open
+    opening: tuple[uuid.UUID, Path] | None = None
     _answers: dict[uuid.UUID, _Answer] = field(default_factory=dict)
 
     # -- questions ----------------------------------------------------------------------------
@@ -60,7 +64,13 @@ class ChatState:
         return not self._answers
 
     def can_send(self) -> bool:
-        return not self.closing and not self.shown_answering and self.current not in self.unopened
+        return (not self.closing and not self.shown_answering and self.current not in self.unopened
+                and not self.shown_opening)
+
+    @property
+    def shown_opening(self) -> bool:
+        """The shown conversation is being opened (:attr:`opening`)."""
+        return self.opening is not None and self.opening[0] == self.current
 
     def can_pause(self) -> bool:
         return self.shown_answering

@@ -80,7 +80,6 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.resume_offer: QMessageBox | None = None
         self.crash_offer: QMessageBox | None = None
         self.message_editor: MessageEditor | None = None
-        self._opening: tuple[uuid.UUID, Path] | None = None   # open_checkpoint sent, not answered
         self._unopened: dict[uuid.UUID, Path] = {}   # shown from its file; the engine lacks it
         #: the shown conversation, the answers running or asked for, closing (gui.chat_state)
         self.state = ChatState(unopened=self._unopened)
@@ -518,9 +517,8 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
         snap = self.snapshots.get(self.current) if self.current else None
         self._update_context_usage(snap.n_tokens if snap else 0, info.n_ctx)
-        opening = self._opening is not None and self._opening[0] == self.current
         if self.current is not None and (snap is None or not snap.transcript) \
-                and self.current not in self._unopened and not opening:
+                and self.current not in self._unopened and not self.state.shown_opening:
             # a conversation opened before the model was known starts with its defaults
             self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
         self.conversation_list.set_target(info.target)
@@ -546,8 +544,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _on_bridge_conversation_changed(self, snap: ConversationSnapshot) -> None:
         self.snapshots[snap.id] = snap
         self._unopened.pop(snap.id, None)
-        if self._opening is not None and self._opening[0] == snap.id:
-            self._opening = None
+        if self.state.opening is not None and self.state.opening[0] == snap.id:
+            self.state.opening = None
+            self._update_buttons()   # it can be sent in now
         fork = snap.id == self._pending_fork
         title = snap.title
         if title == "New conversation" and snap.id in self.state.answering:
@@ -703,9 +702,10 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if action is Action.CONTINUE_WITH_LOADED_MODEL and not elsewhere and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
-        if action is Action.OPEN_CHECKPOINT and self._opening is not None:
-            opened_as, path = self._opening
-            self._opening = None
+        if action is Action.OPEN_CHECKPOINT and self.state.opening is not None:
+            opened_as, path = self.state.opening
+            self.state.opening = None
+            self._update_buttons()
             if opened_as == self.current:
                 self.show_unopened(opened_as, path, failure=message)   # said where it was asked for
                 return

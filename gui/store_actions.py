@@ -127,9 +127,22 @@ class StoreActions:
         self.chat_view.placeholder = "Opening the conversation…"
         self.chat_view.render()
         self.chat_view.placeholder = "Type a message below and press Enter."
-        self._opening = (conv_id, path)     # a failure is said here (_on_bridge_engine_failed)
+        self.state.opening = (conv_id, path)   # a failure is said here (_on_bridge_engine_failed)
         self.worker.open_checkpoint(path)
         self._update_buttons()
+        spawn(self._show_while_opening(conv_id, path))
+
+    async def _show_while_opening(self, conv_id: uuid.UUID, path: Path) -> None:
+        """The conversation's transcript from its file while the engine opens it, which may
+        wait for a model to load first (seconds): it showed nothing, and a message sent
+        meanwhile looked like a new conversation's first.  Read-only; Send waits for the
+        open (ChatState.can_send)."""
+        try:
+            _header, meta = await in_thread(read_metadata, path)
+        except Exception:  # noqa: BLE001 - the open itself says what is wrong with the file
+            return
+        if self.current == conv_id and self.state.opening == (conv_id, path):
+            self.chat_view.set_transcript(transcript_of(meta), actions=False)
 
     def show_unopened(self, conv_id: uuid.UUID, path: Path, *, failure: str = "") -> None:
         """Show a conversation the engine does not have open from its file: its transcript

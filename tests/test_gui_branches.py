@@ -259,6 +259,40 @@ def test_another_models_conversation_is_marked_and_offers_instead_of_hanging(qtb
     assert w.send_button.isEnabled()
 
 
+def test_a_conversation_being_opened_shows_its_text_and_takes_no_message_until_open(qtbot, make_window,
+                                                                                     smollm_path):
+    """While the engine opens a stored conversation (after a model load at start: seconds),
+    the window showed "Opening the conversation…" and nothing else, Send stayed on, and a
+    message sent then showed alone, its text as the conversation's title (seen under Xvfb).
+    Its transcript is shown from the file now, and Send waits for the open."""
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, generate
+    from engine.runtime import Runtime
+    from native.context import ContextSettings
+    w = make_window(n_predict=4)
+    rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
+    try:
+        conv = Conversation(title="Name a lake.")
+        begin_answer(conv, rt, "Name a lake.", n_predict=4)
+        generate(rt, conv)
+        stored = rt.save(w.store.folder / "stored.kvckpt", conv).path
+    finally:
+        rt.close()
+    w.refresh_store()
+    qtbot.waitUntil(lambda: w.conversation_list.item_for(conv.id) is not None, timeout=30_000)
+    held = []
+    real_open = w.worker.open_checkpoint
+    w.worker.open_checkpoint = held.append         # the engine busy elsewhere (a model loading)
+    w.select_conversation(conv.id)
+    qtbot.waitUntil(lambda: "Name a lake." in w.chat_view.toPlainText(), timeout=10_000)
+    assert held == [stored] and not w.send_button.isEnabled()
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
+                          check_params_cb=lambda snap: snap.id == conv.id):
+        real_open(held[0])
+    qtbot.waitUntil(w.send_button.isEnabled, timeout=10_000)
+    assert "Name a lake." in w.chat_view.toPlainText()
+
+
 def test_a_full_context_offers_a_new_branch(qtbot, make_window):
     w = make_window(n_predict=8, n_ctx=512, temperature=0.0)
     n_ctx = w.bridge.model_info.n_ctx
