@@ -394,6 +394,20 @@ def test_list_of_a_folder_that_is_not_there_says_so(tmp_path):
     assert done.returncode == 1 and "not allowed with" in done.stderr
 
 
+def test_list_shows_files_no_head_needs_apart_from_the_last_heads_chain(tmp_path):
+    """A delta whose parent is gone was printed right after the last head's chain, and
+    read as one of its files (a user's test): it goes under a line of its own."""
+    store = Store(tmp_path / "store")
+    kept = _chain(store, uuid.uuid4(), [40, 48], kind_last=P)
+    orphan = _chain(store, uuid.uuid4(), [30, 38])
+    orphan[0].path.unlink()
+    lines = run_cli("list", "--dir", str(store.folder), check=True).stdout.splitlines()
+    apart = lines.index("no head needs these:")
+    assert any(kept[-1].path.name in line for line in lines[:apart])
+    assert any(orphan[1].path.name in line for line in lines[apart + 1:])
+    assert not any(orphan[1].path.name in line for line in lines[:apart])
+
+
 def test_compact_refuses_to_write_over_a_parent(tmp_path):
     store = Store(tmp_path / "store")
     conv = uuid.uuid4()

@@ -247,11 +247,14 @@ def cmd_list(args) -> int:
                 print(f"{'':18}  └ {member.header.kind_name:8} {member.header.n_tokens:6d} tok  "
                       f"{human_size(member.size):>9}  {member.name}")
         shown.update(n.name for n in chain)
-    for n in nodes:
-        if n.name not in shown:
-            why = g.chain_problem(n) or "superseded by a newer head of its line"
-            print(f"{'':18}  {n.header.kind_name:8} {n.header.n_tokens:6d} tok  {human_size(n.size):>9}  "
-                  f"{n.name}  ({why})")
+    others = [n for n in nodes if n.name not in shown]
+    if others or g.unreadable:
+        # under a line of their own: printed on after the last head, they read as its files
+        print("no head needs these:")
+    for n in others:
+        why = g.chain_problem(n) or "superseded by a newer head of its line"
+        print(f"{'':18}  {n.header.kind_name:8} {n.header.n_tokens:6d} tok  {human_size(n.size):>9}  "
+              f"{n.name}  ({why})")
     for u in g.unreadable:
         print(f"{'':18}  CORRUPT  {u.error}  [{u.path}]")
     return EXIT_OK
