@@ -1,6 +1,6 @@
 """Several conversations in one unified KV cache (issue 11): throughput, switching, exactness.
 
-    python -m benchmarks.parallel [--model smollm|gemma] [--threads 2] [--tokens 64]
+    python -m benchmarks.parallel [--model smollm|gemma | --model-path GGUF] [--threads 2] [--tokens 64]
                                   [--switch-tokens 4000] [--exactness] [--tables abc] [--quick]
 
 a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurrent's
@@ -128,7 +128,8 @@ def throughput_table(key: str, args) -> Table:
     from engine.parallel import ParallelRuntime
     from engine.runtime import Runtime
     from native.context import ContextSettings
-    path = model_path(key)
+    path = Path(args.model_path) if args.model_path else model_path(key)
+    key = path.stem if args.model_path else key
     t = Table(f"a. Aggregate generation tokens/s, {key}: n answers at once vs one alone vs a bare "
               "ctypes loop on the same batches",
               ["answers", "per_decode", "exact", "tokens", "alone", "ours", "bare", "ours_vs_alone",
@@ -310,6 +311,8 @@ def exactness_table(keys, args) -> Table:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODEL_KEYS, default="smollm")
+    p.add_argument("--model-path", default=None, metavar="GGUF",
+                   help="table a on this model instead (a hybrid's, say: tests/tinymodels.py builds them)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens per answer")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per answer")
