@@ -132,6 +132,12 @@ class Batcher:
         if keep == len(job.conv.tokens):
             self._start(job)
 
+    @property
+    def pausing(self) -> bool:
+        """An answer was asked to pause and has not stopped yet: its next step stops it
+        (and its conversation is saved)."""
+        return any(job.control.pause_requested for job in self.jobs)
+
     def run(self) -> list[Job]:
         """Step until every answer stopped; returns the jobs in the order they stopped."""
         while self.busy:

@@ -432,6 +432,11 @@ class EngineWorker:
         waits behind a deferred one it must not overtake (the same conversation, or one
         waiting for everything).  With no answer running, the thread sleeps on the queue.
         """
+        if self._batcher is not None and self._batcher.pausing:
+            # a pause asked for lands first, saved: a request sent again at once (a client
+            # that went away during a long prefill, and retried) finds that prefill stored,
+            # where it began before and read the whole prompt again
+            return None
         for i, item in enumerate(self._deferred):
             if not self._must_wait(item, self._deferred[:i]):
                 return self._deferred.pop(i)

@@ -423,3 +423,45 @@ def test_a_hybrid_and_a_recurrent_model_restore_every_turn_across_a_restart(arch
     for before, usage in pairwise(usages):
         assert usage.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
     assert server.stop() == 0
+
+
+def test_a_request_sent_again_at_once_finds_the_prefill_its_first_try_paused(smollm_path, tmp_path):
+    """A client that goes away during a long prefill and sends the same request at once (a
+    retry): the second began before the first's pause was saved, found nothing stored and
+    read the whole prompt again (a user's test, `serve` on a 4B-width hybrid: 1,024 tokens
+    read twice).  A pause asked for lands before the next command starts."""
+    from enginekit import Recorder
+
+    from engine.checkpoints.store import Store
+    from engine.requests import CompletionRequest
+    from engine.worker import EngineWorker, ModelOptions
+
+    class Requests(Recorder):
+        def on_request_finished(self, e):
+            self._add("done", e.request_id, e.conv_id, e.checkpoint)
+
+        def on_request_failed(self, e):
+            self._add("refused", e.request_id, e.refusal)
+
+        def on_prefill_progress(self, e):
+            self._add("progress", e.done)
+
+    rec = Requests()
+    w = EngineWorker(rec, Store(tmp_path / "store"))
+    w.start()
+    try:
+        w.load_model(ModelOptions(smollm_path, n_ctx=2048, n_threads=2))
+        rec.wait("loaded")
+        messages = (("user", "Read this, then say one word. " + "river stone " * 700),)
+        w.complete(CompletionRequest(request_id="first", messages=messages, n_predict=4, seed=1))
+        rec.wait("progress")              # a chunk read, the next one being read
+        w.cancel_request("first")         # the client went away ...
+        w.complete(CompletionRequest(request_id="again", messages=messages, n_predict=4, seed=1))  # ... and is back
+        done = rec.wait("done", 2)
+        assert [d[1] for d in done] == ["first", "again"]
+        first, again = rec.of("finished")[-2][1], rec.of("finished")[-1][1]
+        assert first.finish_reason == "paused" and first.n_generated == 0
+        assert again.n_reused_tokens >= 512, again   # the paused prefill, not read again
+    finally:
+        w.shutdown()
+        assert w.join(60)
