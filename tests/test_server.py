@@ -204,6 +204,7 @@ def test_an_answer_cut_short_by_the_server_stopping_says_it_was_paused(served, a
     test): ``checkpoint_chat.paused`` says so; an answer that ends by itself says false."""
     import threading
     server = served(app_home)
+    assert "requests are answered up to 4 at once" in server.stderr()   # (it said one at a time)
     client = server.client()
     model = client.models.list().data[0].id
     done = client.chat.completions.create(model=model, max_tokens=4, seed=1,

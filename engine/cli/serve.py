@@ -126,8 +126,9 @@ async def _serve(args, options, model) -> int:
                                f"{exc.strerror or exc}") from None
             info = listener.info
             assert info is not None   # settled without a failure: on_model_loaded set it
+            at_once = "one at a time" if info.sequences == 1 else f"up to {info.sequences} at once"
             print(f"Serving {model_id(info.path)} (context {info.n_ctx:,} tokens; checkpoints in "
-                  f"{store.folder}); requests are answered one at a time", file=sys.stderr, flush=True)
+                  f"{store.folder}); requests are answered {at_once}", file=sys.stderr, flush=True)
             print(f"Listening on {url}/v1 (OpenAI-compatible; Ctrl+C stops)", flush=True)
             await stop.wait()
             print("stopping: answers in progress are paused and saved", file=sys.stderr, flush=True)

@@ -10,8 +10,8 @@ Guards, in order: every error becomes OpenAI's error body with its status (never
 traceback); an API key, when set, is required as ``Authorization: Bearer KEY`` (all
 but ``/health``); bodies are capped (413) before they are read; the JSON is validated
 (engine.server.schema); the model must be the loaded one (404); at most
-``max_queue`` requests wait (429).  The engine thread serves requests one at a time,
-in order: concurrent clients queue.
+``max_queue`` requests wait (429).  The engine thread answers up to its context's
+sequences at once (``--sequences``, engine.concurrent), the others wait in order.
 
 A client that disconnects cancels its request (aiohttp cancels the handler, or a write
 fails): a request not started yet is dropped, an answer in progress pauses and is
