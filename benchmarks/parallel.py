@@ -1,7 +1,8 @@
 """Several conversations in one unified KV cache (issue 11): throughput, switching, exactness.
 
-    python -m benchmarks.parallel [--model smollm|gemma | --model-path GGUF] [--threads 2] [--tokens 64]
+    python -m benchmarks.parallel [--model smollm|gemma] [--threads 2] [--tokens 64]
                                   [--switch-tokens 4000] [--exactness] [--tables abc] [--quick]
+    python -m benchmarks.parallel --model-path GGUF --tables a ...    (table a on any model)
 
 a. Aggregate generation tokens/s with 1, 2 and 4 answers at once (engine.concurrent's
    Batcher on an engine.parallel context), against one answer alone
@@ -129,8 +130,8 @@ def throughput_table(key: str, args) -> Table:
     from engine.runtime import Runtime
     from native.context import ContextSettings
     path = Path(args.model_path) if args.model_path else model_path(key)
-    key = path.stem if args.model_path else key
-    t = Table(f"a. Aggregate generation tokens/s, {key}: n answers at once vs one alone vs a bare "
+    shown = path.stem if args.model_path else key
+    t = Table(f"a. Aggregate generation tokens/s, {shown}: n answers at once vs one alone vs a bare "
               "ctypes loop on the same batches",
               ["answers", "per_decode", "exact", "tokens", "alone", "ours", "bare", "ours_vs_alone",
                "bare_vs_alone", "ours_vs_bare"])
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.prompt, args.tokens, args.repeats, args.switch_tokens, args.exact_tokens = 32, 8, 1, 300, 4
     tables = args.tables or ("abc" if args.exactness or args.quick else "ab")
+    if args.model_path and tables != "a":
+        p.error("--model-path is for table a only (--tables a)")
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
         if "a" in tables:
             print(throughput_table(args.model, args).render(), flush=True)

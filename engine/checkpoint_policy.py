@@ -41,8 +41,8 @@ own line.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +97,7 @@ class Checkpoints:
         self.autosave_every = max(0, autosave_every)
         self.writer: LineWriter | None = None
         self._beside = False           # the writer's line is the named file's autosaves
+        self.saved_head: Path | None = None   # the named file, once save_head has written it
         if self.named is None:
             if store_line is None:
                 raise ValueError("a conversation's checkpoints need a named file or a line in a store")
@@ -122,26 +123,37 @@ class Checkpoints:
             assert self.writer is not None          # a line in the store: made in __init__
             return self.writer.save_head(conv, kind)
         info = self.runtime.save(self._writable_name(), conv, kind)
+        self.saved_head = info.path
         self.drop_autosaves_beside()   # the file, whole and durable, holds all they held
         return info
 
     def _writable_name(self) -> Path:
         """The named file, unless writing over it now would break something (checked before
         the run too: engine.cli.run; since then another run may have built a delta on it, or
-        put something else there): then a fresh name beside it, so that nothing is lost."""
+        put something else there), or that cannot be told (a folder that cannot be
+        listed): then a fresh name beside it, so that the pause is not lost.  A name with
+        nothing there is not looked into further (the save of a Ctrl+C is kept short)."""
         from engine.checkpoints.graph import overwrite_problem
+        from engine.checkpoints.store import fresh_path
         assert self.named is not None
-        problem = overwrite_problem(self.named)
+        if not os.path.lexists(self.named):
+            return self.named
+        try:
+            problem = overwrite_problem(self.named)
+        except OSError as exc:
+            problem = f"whether {self.named.name} may be written over cannot be told ({exc.strerror or exc})"
         if problem is None:
             return self.named
-        fresh = self.named.with_name(f"{self.named.stem}-{time.strftime('%Y%m%d-%H%M%S')}-"
-                                     f"{uuid.uuid4().hex[:8]}{self.named.suffix or '.kvckpt'}")
+        fresh = fresh_path(self.named.parent, self.named.stem)
         log.warning("%s: saved to %s instead", problem, fresh.name)
         return fresh
 
     def newest_on_disk(self) -> Path | None:
-        """The newest file this conversation can be resumed from now (its autosaves', or the
-        checkpoint it continued), without waiting for a save in flight; None: none."""
+        """The newest file this conversation can be resumed from now, without waiting for a
+        save in flight: the named file once written, else the newest of its line (an
+        autosave, or in the store the checkpoint it continued); None: none."""
+        if self.saved_head is not None:
+            return self.saved_head
         newest = self.writer.newest_on_disk() if self.writer is not None else None
         return newest.path if newest is not None else None
 

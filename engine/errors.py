@@ -15,6 +15,11 @@ class AppError(Exception):
     """Root of every error that is reported to the user rather than a bug."""
 
 
+class ModelFileMissing(AppError):
+    """The model a checkpoint names is not where it was (each front end says how to point
+    at it: the command line's ``--model``)."""
+
+
 class GenerationError(AppError):
     """Generation cannot continue (context full, decode failure)."""
 

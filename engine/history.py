@@ -255,9 +255,15 @@ class LineWriter:
         return self._chain
 
     def newest_on_disk(self) -> SaveInfo | None:
-        """The newest file of the line on disk now, without waiting for a save in flight
-        (what a user who leaves at once can resume from)."""
-        return next((info for info in reversed(self._chain) if info.path.is_file()), None)
+        """The file of the line on disk now that holds the most of the conversation, without
+        waiting for a save in flight (what a user who leaves at once can resume from): the
+        files a save in flight supersedes are still there until it lands, and only its chain
+        from before it knows them (a merge drops them from the live one)."""
+        infos = list(self._chain)
+        if self._landing.in_flight and self._landing_save is not None:
+            infos += self._landing_save[1]
+        there = [info for info in infos if info.path.is_file()]
+        return max(there, key=lambda info: info.n_tokens, default=None)
 
     @property
     def head(self) -> SaveInfo | None:

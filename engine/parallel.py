@@ -442,15 +442,22 @@ class ParallelRuntime:
 
         step = max(1, self.settings.n_batch)   # a decode takes at most n_batch tokens
 
-        def fill(seqs) -> None:
+        def go_on() -> None:   # before each decode
             if should_abort is not None and should_abort():
                 raise ModelLoadError("the model's load was cancelled")
+
+        def fill(seqs) -> None:
             for seq in seqs:
                 self.drop(seq)
             for seq in seqs:
                 tokens = probe[:len(probe) - 1 - seq % 2]
                 for start in range(0, len(tokens), step):
+                    go_on()
                     self.decode_chunks([(seq, tokens[start:start + step], False)])
+
+        def decode_next(seqs) -> None:
+            go_on()
+            self.decode_tokens({seq: nexts[seq] for seq in seqs})
 
         def outcome(seq: int) -> tuple[np.ndarray, np.ndarray | None]:
             """The sequence's next-token logits and its state (None: llama.cpp gave none)."""
@@ -464,12 +471,12 @@ class ParallelRuntime:
         alone = []
         for seq in range(n):
             fill([seq])
-            self.decode_tokens({seq: nexts[seq]})
+            decode_next([seq])
             alone.append(outcome(seq))
         width = 0
         for w in range(n, 0, -1):
             fill(range(n))
-            self.decode_tokens({seq: nexts[seq] for seq in range(w)})
+            decode_next(range(w))
             if all(same(outcome(seq), alone[seq]) for seq in range(w)):
                 width = w
                 break

@@ -345,6 +345,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             self.statusBar().showMessage("This conversation is not open: choose above the message box "
                                          "how to go on with it.", 8000)
             return
+        if self.state.shown_opening and text:   # (the message stays in the box)
+            self.statusBar().showMessage("The conversation is still opening: send once it is open.", 8000)
+            return
         if not text or (self.current is not None and not self.state.can_send()) or self._closing:
             return
         if self.current is None:

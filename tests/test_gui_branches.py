@@ -286,6 +286,9 @@ def test_a_conversation_being_opened_shows_its_text_and_takes_no_message_until_o
     w.select_conversation(conv.id)
     qtbot.waitUntil(lambda: "Name a lake." in w.chat_view.toPlainText(), timeout=10_000)
     assert held == [stored] and not w.send_button.isEnabled()
+    w.prompt_edit.setPlainText("And a sea?")
+    w.send()                                       # Enter: said, and the message kept
+    assert "still opening" in w.statusBar().currentMessage() and w.prompt_edit.toPlainText() == "And a sea?"
     with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
                           check_params_cb=lambda snap: snap.id == conv.id):
         real_open(held[0])

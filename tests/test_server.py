@@ -201,7 +201,8 @@ def test_a_client_that_goes_away_pauses_its_answer_and_leaves_a_valid_checkpoint
 def test_an_answer_cut_short_by_the_server_stopping_says_it_was_paused(served, app_home):
     """SIGINT/SIGTERM mid-answer pauses and saves it; the client got finish_reason "length"
     with fewer tokens than ``max_tokens`` and could not tell it from the limit (a user's
-    test): ``checkpoint_chat.paused`` says so; an answer that ends by itself says false."""
+    test, streamed and not): ``checkpoint_chat.paused`` says so; an answer that ends by
+    itself says false."""
     import threading
     server = served(app_home)
     assert "requests are answered up to 4 at once" in server.stderr()   # (it said one at a time)
@@ -210,19 +211,25 @@ def test_an_answer_cut_short_by_the_server_stopping_says_it_was_paused(served, a
     done = client.chat.completions.create(model=model, max_tokens=4, seed=1,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert done.model_extra["checkpoint_chat"]["paused"] is False
-    got: dict = {}
-    asking = threading.Thread(target=lambda: got.update(r=client.chat.completions.create(
-        model=model, max_tokens=1000, extra_body={"ignore_eos": True},
-        messages=[{"role": "user", "content": "Count from one to a thousand."}])))
+    chunks: list = []
+    streaming = threading.Event()
+
+    def ask_long() -> None:
+        for chunk in client.chat.completions.create(model=model, max_tokens=1000, stream=True,
+                                                    extra_body={"ignore_eos": True},
+                                                    messages=[{"role": "user", "content": "Count to a thousand."}]):
+            chunks.append(chunk)
+            streaming.set()
+
+    asking = threading.Thread(target=ask_long)
     asking.start()
-    time.sleep(2.0)   # some tokens of the answer (SmolLM2: ~100 a second, the whole takes ~10 s)
-    assert asking.is_alive()
+    assert streaming.wait(60)          # the answer is under way
     assert server.stop() == 0
     asking.join(60)
-    answer = got["r"]
-    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens < 1000
-    assert answer.model_extra["checkpoint_chat"]["paused"] is True
-    assert answer.model_extra["checkpoint_chat"]["checkpoint"]
+    last = chunks[-1]
+    assert last.choices[0].finish_reason == "length" and len(chunks) < 1000
+    assert last.model_extra["checkpoint_chat"]["paused"] is True
+    assert last.model_extra["checkpoint_chat"]["checkpoint"]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(app_home, served):

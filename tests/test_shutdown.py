@@ -211,7 +211,7 @@ def test_real_sigterm_in_a_child_process_saves_and_exits_143(tmp_path):
     assert marker.read_text() == "SIGTERM"
 
 
-@pytest.mark.parametrize("saved", ["autosave", "continued", "nothing", "not begun"])
+@pytest.mark.parametrize("saved", ["head", "autosave", "continued", "nothing", "not begun"])
 def test_a_second_ctrl_c_says_what_can_be_resumed(saved, tmp_path, monkeypatch, capsys):
     """A second Ctrl+C while the pause saves leaves at once (documented); it said only
     "interrupted" (a user's test).  It now says the pause was not saved, and what remains:
@@ -222,8 +222,10 @@ def test_a_second_ctrl_c_says_what_can_be_resumed(saved, tmp_path, monkeypatch, 
     newest = tmp_path / "autosave-1.kvckpt"
 
     class Checkpoints:
+        saved_head = newest if saved == "head" else None   # the interrupt came after the file was written
+
         def newest_on_disk(self):
-            return newest if saved == "autosave" else None
+            return newest if saved in ("autosave", "head") else None
 
     def run(self):
         self.checkpoints = Checkpoints()
@@ -235,7 +237,9 @@ def test_a_second_ctrl_c_says_what_can_be_resumed(saved, tmp_path, monkeypatch, 
     assert main(args) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "interrupted"
-    if saved == "autosave":
+    if saved == "head":
+        assert f"[CHECKPOINT] Saved to: {newest}" in err and "without saving" not in err
+    elif saved == "autosave":
         assert f"the newest checkpoint is: {newest}" in err
     elif saved == "continued":
         assert "nothing of this run was saved" in err and "x.kvckpt, which it continued, is as it was" in err
@@ -243,3 +247,23 @@ def test_a_second_ctrl_c_says_what_can_be_resumed(saved, tmp_path, monkeypatch, 
         assert "nothing of this run was saved" in err and "--checkpoint-save-interval" in err
     else:
         assert "[CHECKPOINT]" not in err
+
+
+def test_a_runs_newest_file_on_disk_is_its_named_file_once_written(tmp_path):
+    """What a second Ctrl+C names: the named file once save_head wrote it (it came after),
+    else the newest of its line (none here: no autosaves)."""
+    from types import SimpleNamespace
+
+    from engine.checkpoint_policy import Checkpoints
+    from engine.checkpoints.format import KIND_PAUSE
+    named = tmp_path / "named.kvckpt"
+
+    class Saving:
+        def save(self, path, conv, kind):
+            path.write_bytes(b"x")
+            return SimpleNamespace(path=path)
+
+    checkpoints = Checkpoints(Saving(), named=named)
+    assert checkpoints.newest_on_disk() is None
+    checkpoints.save_head(object(), KIND_PAUSE)
+    assert checkpoints.newest_on_disk() == named == checkpoints.saved_head

@@ -776,11 +776,14 @@ def overwrite_problem(path: str | os.PathLike) -> str | None:
     """
     path = Path(path)
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except OSError:   # nothing there (or nothing that can be looked at: the write will say)
         return None
-    if not stat.S_ISREG(mode):
-        what = ("a symbolic link" if stat.S_ISLNK(mode) else "a folder" if stat.S_ISDIR(mode)
+    # (Windows: a link other than a symbolic one — a WSL link, a mount point — is a reparse point)
+    linked = stat.S_ISLNK(st.st_mode) or bool(getattr(st, "st_file_attributes", 0)
+                                               & stat.FILE_ATTRIBUTE_REPARSE_POINT)
+    if linked or not stat.S_ISREG(st.st_mode):
+        what = ("a link" if linked else "a folder" if stat.S_ISDIR(st.st_mode)
                 else "a device, a pipe or a socket")
         return f"{path} is {what}, not a checkpoint file; writing there would replace it — choose another name"
     g = Graph.scan(Store(path.parent))

@@ -109,6 +109,17 @@ def file_identity(st: os.stat_result) -> tuple[int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def fresh_path(folder: Path, stem: str, suffix: str = "") -> Path:
+    """An unused file name ``stem-<UTC time>-<64 random bits><suffix>.kvckpt`` in ``folder``:
+    a name collision (and so an overwrite) is out of reach even for thousands of saves per
+    second from many processes."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    while True:
+        path = Path(folder) / f"{stem}-{stamp}-{secrets.token_hex(8)}{suffix}{EXTENSION}"
+        if not path.exists():
+            return path
+
+
 class Store:
     def __init__(self, folder: str | os.PathLike | None = None) -> None:
         self.folder = Path(folder) if folder is not None else paths.checkpoint_dir()
@@ -138,13 +149,7 @@ class Store:
     def new_path(self, title: str, suffix: str = "") -> Path:
         """A fresh, unused file name in the store."""
         self._mark()
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        while True:
-            # 64 random bits: a name collision (and so an overwrite) is out of reach
-            # even for thousands of saves per second from many processes
-            path = self.folder / f"{slugify(title)}-{stamp}-{secrets.token_hex(8)}{suffix}{EXTENSION}"
-            if not path.exists():
-                return path
+        return fresh_path(self.folder, slugify(title), suffix)
 
     def new_autosave_path(self, conversation_id) -> Path:
         """A fresh autosave name; they sort chronologically (to the clock's tick), and the

@@ -18,7 +18,7 @@ import logging
 import sys
 
 from engine.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, tolerate_unencodable
-from engine.errors import AppError
+from engine.errors import AppError, ModelFileMissing
 
 
 def main(argv: list[str] | None = None, gui_main=None) -> int:
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
                "rpc-worker": rpc.cmd_rpc_worker, "serve": serve.cmd_serve}[args.command]
     try:
         return handler(args)
+    except ModelFileMissing as exc:
+        print(f"error: {exc}: give its path with --model", file=sys.stderr)
+        return EXIT_ERROR
     except (AppError, NativeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -214,7 +214,7 @@ def _object_field(meta: dict, key: str) -> dict:
 def cmd_list(args) -> int:
     from engine.checkpoints.graph import Graph
     from engine.checkpoints.store import Store
-    if args.dir and not Path(args.dir).is_dir():   # (the default folder may not exist yet)
+    if args.dir is not None and not Path(args.dir).is_dir():   # (the default folder may not exist yet)
         raise AppError(f"{args.dir} is not a folder" if Path(args.dir).exists() else f"no such folder: {args.dir}")
     store = Store(args.dir)
     g = Graph.scan(store)
@@ -250,7 +250,7 @@ def cmd_list(args) -> int:
     others = [n for n in nodes if n.name not in shown]
     if others or g.unreadable:
         # under a line of their own: printed on after the last head, they read as its files
-        print("no head needs these:")
+        print("in no head's chain:")
     for n in others:
         why = g.chain_problem(n) or "superseded by a newer head of its line"
         print(f"{'':18}  {n.header.kind_name:8} {n.header.n_tokens:6d} tok  {human_size(n.size):>9}  "

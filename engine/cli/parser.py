@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from engine import APP_VERSION
 
@@ -42,8 +43,8 @@ def _text(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError("is not UTF-8 text (a byte that is no UTF-8 character: "
-                                         "check the terminal's encoding, or use --prompt-file)") from None
+        raise argparse.ArgumentTypeError("is not text (an undecodable byte, or half a UTF-16 surrogate "
+                                         "pair): check the terminal's encoding, or use --prompt-file") from None
     return text
 
 
@@ -51,8 +52,8 @@ class _Parser(argparse.ArgumentParser):
     """A mistake in the arguments is one line on stderr and exit status 1, as every user
     mistake is (docs/cli.md), not argparse's usage block and status 2."""
 
-    def error(self, message: str):
-        self.exit(1, f"{self.prog}: {message} (see {self.prog} --help)\n")
+    def error(self, message: str) -> NoReturn:
+        self.exit(1, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
 class _Prompts(argparse.Action):

@@ -132,9 +132,12 @@ class RunSession:
         return self.runtime
 
     def say_what_remains(self) -> None:
-        """Left at once (a second Ctrl+C): the pause was not saved; say what can be resumed."""
+        """Left at once (a second Ctrl+C): say what can be resumed; the pause is saved only
+        where the interrupt came after its file was written."""
         newest = self.checkpoints.newest_on_disk() if self.checkpoints is not None else None
-        if newest is not None:
+        if newest is not None and self.checkpoints is not None and newest == self.checkpoints.saved_head:
+            print(f"[CHECKPOINT] Saved to: {newest}", file=sys.stderr)
+        elif newest is not None:
             print(f"[CHECKPOINT] Left without saving the pause; the newest checkpoint is: {newest}",
                   file=sys.stderr)
         elif self.requested_at is not None:   # (before the answer began nothing was lost)
