@@ -218,6 +218,9 @@ class SendInNewBranch(AnswerCommand):
 @dataclass(frozen=True)
 class OpenCheckpoint(Command):
     path: Path
+    #: the conversation the caller expects the file to hold, where it knows (a failure is
+    #: reported as that conversation's: a window opening several tells them apart)
+    conv_id: uuid.UUID | None = None
     action = Action.OPEN_CHECKPOINT
 
     def wait(self) -> Wait:

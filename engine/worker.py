@@ -338,9 +338,10 @@ class EngineWorker:
         self.submit(cmd.Fork(conv_id, index, new_id))
         return new_id
 
-    def open_checkpoint(self, path: str | Path) -> None:
-        """Restore a checkpoint into the cache and make its conversation known."""
-        self.submit(cmd.OpenCheckpoint(Path(path)))
+    def open_checkpoint(self, path: str | Path, conv_id: uuid.UUID | None = None) -> None:
+        """Restore a checkpoint into the cache and make its conversation known (``conv_id``:
+        the one it holds, where the caller knows: a failure is reported as that one's)."""
+        self.submit(cmd.OpenCheckpoint(Path(path), conv_id))
 
     def show(self, conv_id: uuid.UUID) -> None:
         """Report a conversation's snapshot again (on_conversation_changed), and bring it
@@ -713,7 +714,9 @@ class EngineWorker:
             raise AppError(f"{in_use[0]} of its files could not be deleted now (another program "
                            "has them open); they stay whole, and Delete can be tried again")
 
-    def _do_open_checkpoint(self, path: Path) -> None:
+    def _do_open_checkpoint(self, path: Path, conv_id: uuid.UUID | None = None) -> None:
+        """``conv_id``: the conversation the caller expects (a failure is reported as its:
+        _run, from the command)."""
         from engine.checkpoints.chain import load_chain, restoring
         rt = self._need_runtime()
         # a delta brings its ancestors along, verified (the large states' checksums while

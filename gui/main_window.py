@@ -705,7 +705,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if action is Action.CONTINUE_WITH_LOADED_MODEL and not elsewhere and self.current in self._unopened:
             self.show_unopened(self.current, self._unopened[self.current], failure=message)
             return
-        if action is Action.OPEN_CHECKPOINT and self.state.opening is not None:
+        if action is Action.OPEN_CHECKPOINT and self.state.opening is not None \
+                and conv_id in (None, self.state.opening[0]):
+            # (the failure of an earlier open of another conversation leaves this one opening)
             opened_as, path = self.state.opening
             self.state.opening = None
             self._update_buttons()

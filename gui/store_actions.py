@@ -128,7 +128,7 @@ class StoreActions:
         self.chat_view.render()
         self.chat_view.placeholder = "Type a message below and press Enter."
         self.state.opening = (conv_id, path)   # a failure is said here (_on_bridge_engine_failed)
-        self.worker.open_checkpoint(path)
+        self.worker.open_checkpoint(path, conv_id)
         self._update_buttons()
         spawn(self._show_while_opening(conv_id, path))
 

@@ -269,29 +269,38 @@ def test_a_conversation_being_opened_shows_its_text_and_takes_no_message_until_o
     from engine.generation import begin_answer, generate
     from engine.runtime import Runtime
     from native.context import ContextSettings
+    from gui.main_window import Action
     w = make_window(n_predict=4)
     rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
     try:
-        conv = Conversation(title="Name a lake.")
-        begin_answer(conv, rt, "Name a lake.", n_predict=4)
-        generate(rt, conv)
-        stored = rt.save(w.store.folder / "stored.kvckpt", conv).path
+        convs, files = [], []
+        for k, prompt in enumerate(("Name a river.", "Name a lake.")):
+            convs.append(Conversation(title=prompt))
+            begin_answer(convs[-1], rt, prompt, n_predict=4)
+            generate(rt, convs[-1])
+            files.append(rt.save(w.store.folder / f"stored-{k}.kvckpt", convs[-1]).path)
     finally:
         rt.close()
+    other, conv = convs
+    stored = files[1]
     w.refresh_store()
-    qtbot.waitUntil(lambda: w.conversation_list.item_for(conv.id) is not None, timeout=30_000)
+    qtbot.waitUntil(lambda: all(w.conversation_list.item_for(c.id) is not None for c in convs), timeout=30_000)
     held = []
     real_open = w.worker.open_checkpoint
-    w.worker.open_checkpoint = held.append         # the engine busy elsewhere (a model loading)
+    w.worker.open_checkpoint = lambda path, conv_id=None: held.append(path)   # the engine busy (a model loading)
+    w.select_conversation(other.id)
     w.select_conversation(conv.id)
     qtbot.waitUntil(lambda: "Name a lake." in w.chat_view.toPlainText(), timeout=10_000)
-    assert held == [stored] and not w.send_button.isEnabled()
+    assert held == files and not w.send_button.isEnabled()
+    # the first open fails: that says nothing of the one being opened now
+    w._on_bridge_engine_failed(Action.OPEN_CHECKPOINT, "damaged", other.id)
+    assert not w.send_button.isEnabled() and w.state.opening == (conv.id, stored)
     w.prompt_edit.setPlainText("And a sea?")
     w.send()                                       # Enter: said, and the message kept
     assert "still opening" in w.statusBar().currentMessage() and w.prompt_edit.toPlainText() == "And a sea?"
     with qtbot.waitSignal(w.bridge.conversation_changed, timeout=30_000,
                           check_params_cb=lambda snap: snap.id == conv.id):
-        real_open(held[0])
+        real_open(stored, conv.id)
     qtbot.waitUntil(w.send_button.isEnabled, timeout=10_000)
     assert "Name a lake." in w.chat_view.toPlainText()
 

@@ -301,3 +301,18 @@ def test_closing_while_the_exact_width_probe_runs_stops_it(smollm_path, tmp_path
     assert w.join(60)
     assert time.monotonic() - started < 3, "the probe ran on after the close"
     assert not rec.of("loaded")
+
+
+def test_a_failed_open_is_reported_as_the_conversation_it_was_asked_for(worker, tmp_path):
+    """The window may open several conversations before the engine answers (a model loading):
+    a failure names the conversation the open was asked for, so the window knows which."""
+    import uuid
+
+    from engine.commands import Action
+    w, rec = worker
+    damaged = tmp_path / "damaged.kvckpt"
+    damaged.write_bytes(b"not a checkpoint")
+    expected = uuid.uuid4()
+    w.open_checkpoint(damaged, expected)
+    error = rec.wait("error")[-1]
+    assert error[1] is Action.OPEN_CHECKPOINT and error[3] == expected
