@@ -268,8 +268,8 @@ def test_a_conversation_being_opened_shows_its_text_and_takes_no_message_until_o
     from engine.conversation import Conversation
     from engine.generation import begin_answer, generate
     from engine.runtime import Runtime
-    from native.context import ContextSettings
     from gui.main_window import Action
+    from native.context import ContextSettings
     w = make_window(n_predict=4)
     rt = Runtime(smollm_path, ContextSettings(n_ctx=1024, n_threads=2))
     try:
