@@ -219,7 +219,7 @@ def test_another_models_conversation_is_marked_and_offers_instead_of_hanging(qtb
 
     opened = []
     real_open = w.worker.open_checkpoint
-    w.worker.open_checkpoint = lambda path: (opened.append(path), real_open(path))
+    w.worker.open_checkpoint = lambda path, conv_id=None: (opened.append(path), real_open(path, conv_id))
     with qtbot.waitSignal(w.message_shown, timeout=30_000):
         w.select_conversation(ids[0])
     assert opened == []                                        # it would only fail
