@@ -215,7 +215,10 @@ def test_autosave_to_a_named_file_writes_deltas_beside_it(smollm_path, app_home,
     proc.wait(timeout=30)
     assert not killed.exists()                                       # never rewritten while generating
     files = sorted(beside.glob("*.kvckpt"))
-    assert sum(read_header(p).is_delta for p in files) >= 3          # small deltas, not whole files
+    # small deltas on one base, not whole files (how many are there at the kill depends on
+    # its moment: each autosave absorbs the ones in the tier below it, retired once it landed)
+    deltas = [p for p in files if read_header(p).is_delta]
+    assert deltas and len(files) - len(deltas) == 1
     newest = max(files, key=lambda p: read_header(p).n_tokens)
     k = read_header(newest).n_generated
     rest = json.loads(run_cli("run", "--checkpoint-load", str(newest), "-n", str(k + 6), "--json",
