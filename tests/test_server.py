@@ -10,6 +10,7 @@ kind of bad request answered with OpenAI's error body, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -297,18 +298,18 @@ def test_only_loopback_goes_without_an_api_key(app_home, served):
     assert server.stop() == 0
 
 
-def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_store(smollm_path, tmp_path):
-    """The engine command alone (no HTTP): with one conversation kept open besides the one
-    in the cache, a third conversation closes the first (its line's lease too), and a
-    request continuing the first restores it from its head on disk."""
+@contextlib.contextmanager
+def _requests_worker(smollm_path: Path, tmp_path: Path, *, n_ctx: int, kept: int | None = None):
+    """The engine thread alone (no HTTP), SmolLM2 loaded: ``(worker, recorder)`` of its
+    requests' events ("done", "refused", "progress" besides enginekit.Recorder's), shut
+    down after.  ``kept``: its request_conversations_kept."""
     from enginekit import Recorder
 
     from engine.checkpoints.store import Store
-    from engine.requests import CompletionRequest
     from engine.worker import EngineWorker, ModelOptions
 
     class Requests(Recorder):
-        fail_text = False
+        fail_text = False   # the next text event raises, as a buggy front end would
 
         def on_text(self, e):
             super().on_text(e)
@@ -322,14 +323,30 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
         def on_request_failed(self, e):
             self._add("refused", e.request_id, e.refusal)
 
+        def on_prefill_progress(self, e):
+            self._add("progress", e.done)
+
     rec = Requests()
     w = EngineWorker(rec, Store(tmp_path / "store"))
-    w.request_conversations_kept = 1
+    if kept is not None:
+        w.request_conversations_kept = kept
     w.start()
     try:
-        w.load_model(ModelOptions(smollm_path, n_ctx=1024, n_threads=2))
+        w.load_model(ModelOptions(smollm_path, n_ctx=n_ctx, n_threads=2))
         rec.wait("loaded")
+        yield w, rec
+    finally:
+        w.shutdown()
+        assert w.join(60)
 
+
+def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_store(smollm_path, tmp_path):
+    """The engine command alone (no HTTP): with one conversation kept open besides the one
+    in the cache, a third conversation closes the first (its line's lease too), and a
+    request continuing the first restores it from its head on disk."""
+    from engine.requests import CompletionRequest
+
+    with _requests_worker(smollm_path, tmp_path, n_ctx=1024, kept=1) as (w, rec):
         def complete(messages) -> tuple:
             w.complete(CompletionRequest(request_id=f"r{len(rec.of('done'))}", messages=tuple(messages),
                                          n_predict=6, seed=1))
@@ -355,9 +372,6 @@ def test_a_bounded_server_lets_old_conversations_go_and_restores_them_from_the_s
         assert rec.of("error")[-1][1:3] == ("answer a request", "a bug in a front end")
         assert rec.of("saved")[-1][1].paused
         assert complete([("user", "Name a fish.")])[1].n_generated == 6
-    finally:
-        w.shutdown()
-        assert w.join(60)
 
 
 def test_the_benchmark_runs_and_prints_its_tables(tmp_path):
@@ -438,28 +452,9 @@ def test_a_request_sent_again_at_once_finds_the_prefill_its_first_try_paused(smo
     retry): the second began before the first's pause was saved, found nothing stored and
     read the whole prompt again (a user's test, `serve` on a 4B-width hybrid: 1,024 tokens
     read twice).  A pause asked for lands before the next command starts."""
-    from enginekit import Recorder
-
-    from engine.checkpoints.store import Store
     from engine.requests import CompletionRequest
-    from engine.worker import EngineWorker, ModelOptions
 
-    class Requests(Recorder):
-        def on_request_finished(self, e):
-            self._add("done", e.request_id, e.conv_id, e.checkpoint)
-
-        def on_request_failed(self, e):
-            self._add("refused", e.request_id, e.refusal)
-
-        def on_prefill_progress(self, e):
-            self._add("progress", e.done)
-
-    rec = Requests()
-    w = EngineWorker(rec, Store(tmp_path / "store"))
-    w.start()
-    try:
-        w.load_model(ModelOptions(smollm_path, n_ctx=2048, n_threads=2))
-        rec.wait("loaded")
+    with _requests_worker(smollm_path, tmp_path, n_ctx=2048) as (w, rec):
         messages = (("user", "Read this, then say one word. " + "river stone " * 700),)
         w.complete(CompletionRequest(request_id="first", messages=messages, n_predict=4, seed=1))
         rec.wait("progress")              # a chunk read, the next one being read
@@ -470,6 +465,3 @@ def test_a_request_sent_again_at_once_finds_the_prefill_its_first_try_paused(smo
         first, again = rec.of("finished")[-2][1], rec.of("finished")[-1][1]
         assert first.finish_reason == "paused" and first.n_generated == 0
         assert again.n_reused_tokens >= 512, again   # the paused prefill, not read again
-    finally:
-        w.shutdown()
-        assert w.join(60)

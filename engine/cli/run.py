@@ -134,8 +134,9 @@ class RunSession:
     def say_what_remains(self) -> None:
         """Left at once (a second Ctrl+C): say what can be resumed; the pause is saved only
         where the interrupt came after its file was written."""
-        newest = self.checkpoints.newest_on_disk() if self.checkpoints is not None else None
-        if newest is not None and self.checkpoints is not None and newest == self.checkpoints.saved_head:
+        checkpoints = self.checkpoints
+        newest = checkpoints.newest_on_disk() if checkpoints is not None else None
+        if newest is not None and checkpoints is not None and newest == checkpoints.saved_head:
             print(f"[CHECKPOINT] Saved to: {newest}", file=sys.stderr)
         elif newest is not None:
             print(f"[CHECKPOINT] Left without saving the pause; the newest checkpoint is: {newest}",
