@@ -49,6 +49,14 @@ def test_valid_checkpoint_validates(smollm_ckpt, smollm_path):
                                         "Dimensions match model"]
 
 
+def test_validate_with_a_model_that_is_not_there_says_so_before_any_ok(smollm_ckpt, tmp_path):
+    # (it printed "Header OK" and "CRC32 OK", then an errno: the check asked for was never made)
+    for model, needle in ((tmp_path / "gone.gguf", "no model file at"), (tmp_path, "no model file (a folder?)")):
+        done = run_cli("validate", str(smollm_ckpt), "--model", str(model))
+        _fails_cleanly(done, needle, str(model))
+        assert done.stdout == ""
+
+
 def test_one_flipped_byte_is_refused(smollm_ckpt, tmp_path):
     bad = tmp_path / "flipped.kvckpt"
     data = bytearray(smollm_ckpt.read_bytes())

@@ -24,13 +24,14 @@ def cmd_validate(args) -> int:
 
     path = Path(args.path)
     try:
+        # the model first: a check that cannot be made is said before any "OK"
+        model = ModelIdentity.from_gguf(_model_file(args.model)) if args.model else None
         header = fmt.read_header(path)
         print("Header OK")
         # this file and every ancestor, CRCs verified and each linked to the next
         chain = load_chain(path) if header.is_delta else [fmt.read_checkpoint(path)]
         data = chain[-1]
         print("CRC32 OK")
-        model = ModelIdentity.from_gguf(args.model) if args.model else None
         fits = model is not None and Target(model).problem(replace(header, state_layout=fmt.STATE_LAYOUT)) is None
         # the model's recurrent rows only for a file of that model (else: "another model", below)
         rows = model.recurrent_rows if model is not None and fits else None
@@ -54,6 +55,16 @@ def cmd_validate(args) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
+
+
+def _model_file(name: str) -> Path:
+    """``--model``'s file, or CheckpointError naming what is there instead."""
+    path = Path(name)
+    if not path.exists():
+        raise CheckpointError(f"no model file at {path}")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is no model file (a folder?)")
+    return path
 
 
 def cmd_compact(args) -> int:
