@@ -410,6 +410,22 @@ def test_list_shows_files_no_head_needs_apart_from_the_last_heads_chain(tmp_path
     assert not any(orphan[1].path.name in line for line in lines[:apart])
 
 
+def test_tree_names_a_branch_that_cannot_be_restored(tmp_path):
+    """``inspect --tree`` showed only restorable branches: a branch whose parent is gone
+    vanished without a word (a user's test).  It is named, with why."""
+    store = Store(tmp_path / "store")
+    conv = uuid.uuid4()
+    older = _chain(store, conv, [20, 24])     # on the head's line, older than it: superseded
+    kept = _chain(store, conv, [40, 48], kind_last=P)
+    lost = _chain(store, conv, [30, 38], kind_last=P, line="branch-1")
+    older[0].path.unlink()
+    lost[0].path.unlink()
+    out = run_cli("inspect", str(kept[-1].path), "--tree", check=True).stdout
+    assert "1 branch(es)" in out and kept[-1].path.name in out
+    said = [line for line in out.splitlines() if line.startswith("cannot be restored:")]
+    assert len(said) == 1 and lost[1].path.name in said[0] and lost[0].path.name in said[0], out
+
+
 def test_compact_refuses_to_write_over_a_parent(tmp_path):
     store = Store(tmp_path / "store")
     conv = uuid.uuid4()

@@ -143,8 +143,10 @@ def print_tree(path: Path) -> None:
     from engine.branches import branches_of
     from engine.checkpoints.format import read_header
     from engine.checkpoints.store import Store
+    from engine.checkpoints.graph import Graph
     header = read_header(path)
-    branches = branches_of(Store(path.parent), header.conversation_id)
+    g = Graph.scan(Store(path.parent))
+    branches = branches_of(Store(path.parent), header.conversation_id, g)
     print(f"{header.title} ({header.conversation_id}): {len(branches)} branch(es)")
 
     def show(members, depth: int, indent: str) -> None:
@@ -163,6 +165,12 @@ def print_tree(path: Path) -> None:
             show(group, depth + 1, indent + ("│ " if fork else ""))
 
     show(branches, 0, "")
+    # a line's newer files that cannot be restored (a parent gone): no branch shows them
+    broken = [n for n in g.nodes.values() if n.conversation_id == header.conversation_id
+              and g.chain_problem(n) is not None
+              and ((tip := g.tip_of_line.get(n.line)) is None or n.order > tip.order)]
+    for n in sorted(broken, key=lambda n: n.created_ns, reverse=True):
+        print(f"cannot be restored: {n.name}: {g.chain_problem(n)}")
 
 
 def cmd_inspect(args) -> int:
