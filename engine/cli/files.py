@@ -142,8 +142,8 @@ def print_tree(path: Path) -> None:
     where they fork, and each branch's head with its token count."""
     from engine.branches import branches_of
     from engine.checkpoints.format import read_header
-    from engine.checkpoints.store import Store
     from engine.checkpoints.graph import Graph
+    from engine.checkpoints.store import Store
     header = read_header(path)
     g = Graph.scan(Store(path.parent))
     branches = branches_of(Store(path.parent), header.conversation_id, g)
