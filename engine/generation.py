@@ -356,6 +356,9 @@ class AnswerStepper:
                       default=-1)
             if cut >= 0:
                 a.text = a.text[:cut]
+                # (a stop string given only when resuming can begin in text shown before the
+                # pause: the answer is cut there all the same, as a run with it throughout)
+                a.emitted = min(a.emitted, cut)
                 self.decoder.reset()  # bytes after the stop string are not part of the answer
                 self.finish = "stop_string"
                 return False

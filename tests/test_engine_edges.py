@@ -42,6 +42,33 @@ def test_trim_never_restores_logits_of_other_tokens(smollm_runtime):
     assert np.array_equal(stale, rt.logits()), "sampled from logits that follow other tokens"
 
 
+def test_a_stop_string_given_at_the_resume_cuts_text_shown_before_the_pause(smollm_runtime):
+    """The answer is cut where the stop string begins, as with it throughout, also when it
+    begins before the pause; what was shown then is no longer counted as shown (it counted
+    past the answer's end, and a Continue's first characters were then never streamed)."""
+    rt = smollm_runtime
+
+    def answer(stops=(), stop_after=None, conv=None):
+        if conv is None:
+            rt.trim(0)
+            conv = Conversation(sampler=SamplerSettings(temperature=0, seed=1))
+            begin_answer(conv, rt, "Count from one to twenty.", n_predict=12)
+        conv.stop_strings = list(stops)
+        generate(rt, conv, control=Control(), stop_after=stop_after)
+        return conv
+
+    whole = answer().answer.text
+    paused = answer(stop_after=5)
+    shown = len(paused.answer.text)
+    assert 4 <= shown < len(whole) - 3
+    stop = whole[shown - 3:shown + 3]   # straddles the pause
+    expected = answer(stops=[stop]).answer.text
+    assert expected == whole[:whole.find(stop)]
+    resumed = answer(stops=[stop], conv=paused).answer
+    assert resumed.text == expected and resumed.finish_reason == "stop_string"
+    assert resumed.emitted == len(resumed.text)
+
+
 @pytest.mark.parametrize("penalty", ["1.3"])
 def test_repeat_penalty_is_deterministic_across_processes(smollm_path, tmp_path, penalty):
     common = ["-m", str(smollm_path), "-p", "List many fruits.", "--seed", "5", "--temp", "0.8",
