@@ -204,11 +204,11 @@ class Batcher:
                 self._start(job)
 
     def _marks(self, job: Job) -> tuple[int, ...]:
-        """Where ``job``'s prompt is cut (Answer.marks): a recurrent memory's snapshots, a
-        sliding window's system-prompt end (Runtime.prefill)."""
+        """Where ``job``'s prompt is cut (Answer.cuts): a recurrent memory's snapshots, a
+        sliding window's shared prefix's end (Runtime.prefill)."""
         answer = job.conv.answer
         shape = self.prt.shape
-        return answer.marks if answer is not None and (shape.has_recurrent or shape.prefix_from_window) else ()
+        return answer.cuts if answer is not None and (shape.has_recurrent or shape.prefix_from_window) else ()
 
     def _abort_prefill(self, job: Job) -> None:
         report, _ = self._prefilling.pop(job)

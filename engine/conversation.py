@@ -37,21 +37,34 @@ class Answer:
     #: snapshot (engine.snapshots), so an Edit of the turn, or a next turn whose template
     #: rewrites this answer, reads from there instead of from the start
     marks: tuple[int, ...] = ()
+    #: where a prefix this prompt shares with another stored conversation ends, when the
+    #: memory cannot build on that one's file there (a recurrent part, a sliding window:
+    #: engine.prefix_reuse.shareable_end); 0: none.  The prefill is cut there too, and the
+    #: first save stores that prefix once (engine.shared_prefix), so the next conversation
+    #: that starts with it (the same document, another question) reads only its own tokens
+    shared_end: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """Where the prompt's prefill is cut (a recurrent memory keeping a snapshot there):
+        its marks and its shared prefix's end."""
+        return tuple(sorted({*self.marks, self.shared_end})) if self.shared_end else self.marks
+
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "n_prompt_tokens": self.n_prompt_tokens,
                 "n_generated": self.n_generated, "n_predict": self.n_predict,
                 "finish_reason": self.finish_reason, "emitted": self.emitted,
-                "pending": self.pending.hex(), "marks": list(self.marks)}
+                "pending": self.pending.hex(), "marks": list(self.marks), "shared_end": self.shared_end}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Answer:
         n_prompt = int(data.get("n_prompt_tokens", 0))
         marks = data.get("marks")
+        shared_end = data.get("shared_end", 0)
         return cls(text=str(data.get("text", "")),
                    n_prompt_tokens=n_prompt,
                    n_generated=int(data.get("n_generated", 0)),
@@ -61,7 +74,8 @@ class Answer:
                    pending=_hex_bytes(data.get("pending", ""))[:4],
                    # untrusted like every key: only ascending counts inside the prompt
                    marks=tuple(sorted({m for m in marks[:MAX_MARKS] if type(m) is int and 0 < m < n_prompt}))
-                   if isinstance(marks, list) else ())
+                   if isinstance(marks, list) else (),
+                   shared_end=shared_end if type(shared_end) is int and 0 < shared_end < n_prompt else 0)
 
 
 def _hex_bytes(value) -> bytes:

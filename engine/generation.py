@@ -257,7 +257,7 @@ def discard_answer(conv: Conversation) -> None:
             conv.messages.pop()
         conv.tokens = conv.tokens[:conv.answer.n_prompt_tokens]
         conv.answer = Answer(n_prompt_tokens=len(conv.tokens), n_predict=conv.answer.n_predict,
-                             marks=conv.answer.marks)
+                             marks=conv.answer.marks, shared_end=conv.answer.shared_end)
 
 
 def _stop_hold(text: str, stops: list[str]) -> int:
@@ -435,7 +435,7 @@ def generate(runtime: Runtime, conv: Conversation, *, control: Control | None = 
             autosave(conv)
 
     report = runtime.prefill(conv.tokens, should_stop=lambda: control.pause_requested,
-                             on_progress=listener.on_prefill_progress, marks=conv.answer.marks,
+                             on_progress=listener.on_prefill_progress, marks=conv.answer.cuts,
                              on_mark=on_mark)
     if not report.aborted and autosave and checkpoint_prompt and report.n_decoded >= checkpoint_prompt:
         autosave(conv)

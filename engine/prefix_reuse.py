@@ -22,6 +22,7 @@ from engine.conversation import Conversation
 from engine.errors import CheckpointError
 from engine.history import LineWriter, saved_infos
 from engine.runtime import Runtime
+from engine.shared_prefix import MIN_TOKENS
 
 if TYPE_CHECKING:
     from engine.parallel import ConversationView
@@ -33,6 +34,9 @@ class PrefixReuse:
     n_tokens: int              # prompt tokens now in the cache, not to be decoded again
     source: Path | None = None
     chain: tuple = ()          # source's verified chain (CheckpointData), full file first
+    #: where the prompt's longest prefix shared with a stored checkpoint ends, where the
+    #: memory could not build on that file there (:func:`shareable_end`); 0: none
+    shareable: int = 0
 
     def describe(self) -> str:
         return {"restored": f"reused {self.n_tokens} tokens from {self.source} (tail trimmed)",
@@ -83,7 +87,36 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
                                tuple(chain))
         can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
         in_cache = common_prefix(runtime.kv_tokens, tokens)
-    return PrefixReuse("cache" if in_cache else "recompute", in_cache)
+    return PrefixReuse("cache" if in_cache else "recompute", in_cache,
+                       shareable=shareable_end(runtime, folder, tokens, in_cache))
+
+
+def shareable_end(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int],
+                  have: int) -> int:
+    """Where the longest prefix ``tokens`` shares with a stored checkpoint ends, for a memory
+    that cannot build on that checkpoint there (a recurrent part: its state exists only at
+    the file's end and its points; a sliding window: a file holds only the window before
+    its end), when at least MIN_TOKENS long and beyond the ``have`` tokens the cache holds;
+    else 0.  A document sent again with another question (the same first message) is such a
+    prefix: the prompt's prefill is cut there and its first save stores the prefix once
+    (Answer.shared_end, engine.shared_prefix), so the conversations after it read only their
+    own tokens.  A plain attention memory builds on the first tokens of another's file
+    instead (a cut: engine.history.LineWriter._cut)."""
+    shape = runtime.shape
+    if shape.cells_by_position or not (shape.prefix_from_snapshot or shape.prefix_from_window):
+        return 0
+    best = PrefixIndex(folder).matches(tokens, runtime.target.key, limit=1)
+    n = best[0].n_common if best else 0
+    return n if max(have, MIN_TOKENS - 1) < n < len(tokens) else 0
+
+
+def share_stored_prefix(conv: Conversation, reuse: PrefixReuse) -> None:
+    """Cut ``conv``'s prefill where its prompt's shared prefix ends (reuse.shareable), so
+    its first save stores that prefix once (Answer.shared_end)."""
+    answer = conv.answer
+    if reuse.shareable and answer is not None and not answer.n_generated \
+            and reuse.shareable < answer.n_prompt_tokens:
+        answer.shared_end = reuse.shareable
 
 
 def _candidates(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int]) -> list:
@@ -109,6 +142,7 @@ def start_from_stored_prefix(runtime: Runtime | ConversationView, store: Store, 
     chain: tuple = ()          # the source's verified chain (CheckpointData), full file first
     try:
         reuse = reuse_stored_prefix(runtime, store.folder, conv.tokens)
+        share_stored_prefix(conv, reuse)
         chain = reuse.chain if reuse.chain and store.contains(reuse.chain[-1].path) else ()
         log.info("%s: %s", conv.title, reuse.describe())
     except (CheckpointError, OSError) as exc:

@@ -102,6 +102,8 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
             and (shape.cells_by_position or shape.prefix_from_window or shape.prefix_from_snapshot)):
         return None
     n = system_prompt_end(runtime, conv)
+    if n < MIN_TOKENS and conv.answer is not None:   # (a prefix shared with another conversation)
+        n = conv.answer.shared_end
     if n < MIN_TOKENS or n >= len(runtime.kv_tokens) or not can_save_prefix(runtime, n):
         return None
     tokens = list(runtime.kv_tokens[:n])
@@ -110,7 +112,7 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
     if found is not None:
         return found
     prefix = Conversation(id=uuid.uuid5(uuid.NAMESPACE_URL, line),
-                          title=f"Shared: {title_from(conv.system_prompt)}",
+                          title=f"Shared: {title_from(conv.system_prompt or conv.title)}",
                           system_prompt=conv.system_prompt, tokens=tokens)
     info = runtime.save(store.new_path(prefix.title), prefix, KIND_MANUAL, line=line, fresh=True, upto=n)
     log.info("stored the shared prefix %s (%d tokens)", info.path.name, n)

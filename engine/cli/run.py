@@ -320,9 +320,10 @@ class RunSession:
         from engine.checkpoints.store import Store
         store = self.store = Store()
         if self.args.reuse_prefix and self.chain is None:
-            from engine.prefix_reuse import reuse_stored_prefix
+            from engine.prefix_reuse import reuse_stored_prefix, share_stored_prefix
             started = time.perf_counter()
             self.reuse = reuse = reuse_stored_prefix(self.rt, store.folder, conv.tokens)
+            share_stored_prefix(conv, reuse)
             if reuse.source is not None:
                 self.restore_s = time.perf_counter() - started
             if not self.args.json:
