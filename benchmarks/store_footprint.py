@@ -16,8 +16,9 @@ default chain, head written at the end); (2) ``--conversations`` conversations s
 conversations whose first message is the same ~1,500-token document and then a question,
 started as the window starts one (from the store's longest stored prefix): *before* writes
 each one's first file whole, *now* cuts it from the first conversation's file
-(engine.history.LineWriter._cut; only a plain attention memory can, so for the others the
-two columns are the same rules).  The KV
+(engine.history.LineWriter._cut: a plain attention memory), or, for a memory that cannot
+cut (a recurrent part, a sliding window), the second conversation stores the document's
+prefix once and the others start from it (engine.prefix_reuse.shareable_end).  The KV
 bytes a store must hold at the least are measured from llama.cpp's own state of the
 tokens (one sequence, no logits): for case 2, one system prompt plus each conversation's
 own tokens (llama.cpp's state of the positions after the system prompt: for a sliding
@@ -66,14 +67,18 @@ def layout_before():
 
 @contextmanager
 def no_cuts():
-    """Every conversation's first file whole, as before cut deltas (2026-12-04)."""
+    """Every conversation's first file whole, as before cut deltas (2026-12-04), and no
+    document prefix shared by a memory that cannot cut (before 2026-12-07's
+    twenty-seventh session: engine.prefix_reuse.shareable_end)."""
     import engine.history as history
-    saved = history.LineWriter._cut
+    import engine.prefix_reuse as prefix_reuse
+    saved = history.LineWriter._cut, prefix_reuse.shareable_end
     history.LineWriter._cut = lambda self, tip, idx: None
+    prefix_reuse.shareable_end = lambda *args: 0
     try:
         yield
     finally:
-        history.LineWriter._cut = saved
+        history.LineWriter._cut, prefix_reuse.shareable_end = saved
 
 
 def store_bytes(folder: Path) -> int:
@@ -147,8 +152,9 @@ def shared_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
     return store_bytes(folder), floor, n_system
 
 
-def document_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
-    """(store bytes, floor KV bytes, tokens shared) of ``n`` conversations on one document."""
+def document_case(rt, folder: Path, n: int) -> tuple[int, int, int, int]:
+    """(store bytes, floor KV bytes, tokens shared, prompt tokens decoded) of ``n``
+    conversations on one document."""
     from engine.checkpoints.chain import common_prefix
     from engine.checkpoints.format import KIND_MANUAL
     from engine.checkpoints.store import Store
@@ -158,7 +164,7 @@ def document_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
     from engine.sampling import SamplerSettings
     document = "Shipment log:\n" + " ".join(f"parcel {i} left depot {i % 9} on day {i * 7 % 31};"
                                             for i in range(130))   # about 1,500 tokens
-    floor, first, shared = 0, None, 0
+    floor, first, shared, decoded = 0, None, 0, 0
     for i in range(n):
         rt.trim(0)   # each conversation in a sequence of its own, as the window's are
         conv = Conversation(system_prompt="", sampler=SamplerSettings(temperature=0.0))
@@ -166,15 +172,15 @@ def document_case(rt, folder: Path, n: int) -> tuple[int, int, int]:
         writer = start_from_stored_prefix(rt, Store(folder), conv)
         # as the window saves: an autosave every 64 tokens and the prompt's own checkpoint (a
         # cut is made from it, never from a conversation's head: LineWriter._cut)
-        generate(rt, conv, autosave=writer, autosave_every=64,
-                 checkpoint_prompt=writer.policy.prompt_checkpoint)
+        decoded += generate(rt, conv, autosave=writer, autosave_every=64,
+                            checkpoint_prompt=writer.policy.prompt_checkpoint).n_prefilled
         writer.save_head(conv, KIND_MANUAL)
         writer.close()
         if first is None:
             first = list(rt.kv_tokens)
         shared = common_prefix(first, rt.kv_tokens) if i else 0
         floor += state_bytes(rt, len(rt.kv_tokens), shared)
-    return store_bytes(folder), floor, common_prefix(first or [], rt.kv_tokens)
+    return store_bytes(folder), floor, common_prefix(first or [], rt.kv_tokens), decoded
 
 
 def main(argv=None) -> int:
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
                                          "now_MB", "now_x"])
     documents = Table(f"3. {args.conversations} conversations on one document in the first message: store "
                       "bytes / (one document + their own tokens)",
-                      ["model", "shared_tokens", "floor_MB", "before_MB", "before_x", "now_MB", "now_x"])
+                      ["model", "shared_tokens", "floor_MB", "before_MB", "before_x", "now_MB", "now_x",
+                       "read_before", "read_now"])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for key in args.models.split(","):
@@ -208,10 +215,12 @@ def main(argv=None) -> int:
                 shared.add(model=key, system_tokens=n_system, floor_MB=floor_now / MB, before_MB=before / MB,
                            before_x=before / floor, now_MB=now / MB, now_x=now / floor_now)
                 with no_cuts():
-                    before, floor, _ = document_case(rt, root / key / "doc-before", args.conversations)
-                now, floor_now, n_doc = document_case(rt, root / key / "doc-now", args.conversations)
+                    before, floor, _, read_before = document_case(rt, root / key / "doc-before",
+                                                                   args.conversations)
+                now, floor_now, n_doc, read_now = document_case(rt, root / key / "doc-now", args.conversations)
                 documents.add(model=key, shared_tokens=n_doc, floor_MB=floor_now / MB, before_MB=before / MB,
-                              before_x=before / floor, now_MB=now / MB, now_x=now / floor_now)
+                              before_x=before / floor, now_MB=now / MB, now_x=now / floor_now,
+                              read_before=read_before, read_now=read_now)
             finally:
                 rt.close()
     auto.notes.append("kv: llama.cpp's state of the final cache (one sequence, q8_0 K/V, no logits)")
@@ -222,6 +231,7 @@ def main(argv=None) -> int:
     print()
     print(shared.render())
     print()
+    documents.notes.append("read: prompt tokens decoded by all the conversations together")
     print(documents.render())
     return 0
 
