@@ -83,3 +83,36 @@ def test_the_shared_end_is_kept_with_the_answer():
     for bad in (900, 0, -3, "700", 700.0, True):
         assert Answer.from_json({**answer.to_json(), "shared_end": bad}).shared_end == 0
     assert Answer(n_prompt_tokens=9, marks=(3,)).cuts == (3,)
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "gemma"])
+def test_the_windows_conversations_on_one_document_share_it(arch, tiny_model_path, gemma_path, tmp_path):
+    """Through the window's engine thread (several conversations in one context, prefills
+    batched, autosaves landing on a helper thread): the third conversation on a document
+    reads only its question, from the prefix the second one stored."""
+    from enginekit import Recorder
+
+    from engine.checkpoints.store import Store
+    from engine.sampling import SamplerSettings
+    from engine.worker import EngineWorker, ModelOptions
+
+    rec = Recorder()
+    w = EngineWorker(rec, Store(tmp_path))
+    w.start()
+    try:
+        w.autosave_every = 4
+        model = gemma_path if arch == "gemma" else tiny_model_path(arch)
+        w.load_model(ModelOptions(model, n_ctx=2048, n_threads=2, sequences=2))
+        rec.wait("loaded")
+        done = []
+        for i, q in enumerate(("What fruit is named?", "Which place is named?", "How many stones are there?")):
+            conv = w.new_conversation(sampler=SamplerSettings(seed=i, ignore_eos=True))
+            w.send(conv, _prompt(q), n_predict=6)
+            done.append(rec.finished_for(conv))
+    finally:
+        w.shutdown()
+        assert w.join(60)
+    shared = [n for n in Graph.scan(tmp_path).nodes.values() if is_shared_line(n.line)]
+    assert len(shared) == 1, f"{len(shared)} stored prefixes"
+    assert [d.n_reused_tokens for d in done[:2]] == [0, 0]
+    assert done[2].n_reused_tokens >= shared[0].header.n_tokens >= MIN_TOKENS
