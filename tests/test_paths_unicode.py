@@ -40,3 +40,10 @@ def test_json_output_survives_a_cp1252_pipe():
     print("saved to \u68c0\u67e5\u70b9", file=pipe)
     pipe.flush()
     assert pipe.buffer.getvalue().decode("cp1252").endswith("saved to \\u68c0\\u67e5\\u70b9\n")
+    # what Windows really gives a piped or redirected stdout: surrogateescape, not strict (an
+    # answer's first Devanagari letter raised there, found under Wine)
+    windows = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", errors="surrogateescape", newline="\n")
+    tolerate_unencodable(windows)
+    windows.write("नदी \u2514 ok")
+    windows.flush()
+    assert windows.buffer.getvalue().decode("cp1252") == "\\u0928\\u0926\\u0940 \\u2514 ok"

@@ -27,10 +27,14 @@ def human_size(n: int) -> str:
 
 
 def tolerate_unencodable(*streams) -> None:
-    """Characters a stream's encoding lacks become backslash escapes instead of errors."""
+    """Characters a stream's encoding lacks become backslash escapes instead of errors.
+
+    Both of Python's defaults fail on them: "strict", and "surrogateescape" (which Windows
+    always gives a redirected or piped stream, in the ANSI code page: an answer's first
+    character outside cp1252 raised there, and the answer was lost with it)."""
     for stream in streams or (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None and getattr(stream, "errors", "") == "strict":
+        if reconfigure is not None and getattr(stream, "errors", "") in ("strict", "surrogateescape"):
             reconfigure(errors="backslashreplace")
 
 
