@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -100,3 +101,32 @@ def test_bad_numbers_are_one_line_errors(tmp_path):
     bad.write_bytes(b"caf\xe9")
     done = run_cli("run", "-f", str(bad))
     assert done.returncode == 1 and "not UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_reader_that_goes_away_pauses_and_saves_the_answer(smollm_path, app_home):
+    """``run ... | head``: the answer's next write failed with a broken pipe, and the run
+    ended without a checkpoint (a user's test found the same on Windows with a character
+    the console's code page lacks).  It pauses and saves as Ctrl+C does, says so on stderr
+    (status 1), and the saved answer continues exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from engine.checkpoints.format import read_metadata
+    common = ["-m", str(smollm_path), "-p", "Tell me a long story about rivers.", "--seed", "5", "--temp", "0.8",
+              "-n", "160", "--ctx-size", "512", "--ignore-eos"]
+    whole = json.loads(run_cli("run", *common, "--json", check=True).stdout.strip().splitlines()[-1])
+    reader = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common], cwd=str(ROOT),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    assert reader.stdout is not None and reader.stderr is not None
+    assert reader.stdout.read(8)   # the answer began; then the reader leaves
+    reader.stdout.close()
+    err = reader.stderr.read().decode("utf-8", "replace")
+    assert reader.wait(120) == 1 and "Traceback" not in err and "paused and saved" in err, err
+    saved = err.split("[CHECKPOINT] Saved to: ")[1].split(" (size:")[0]
+    part = read_metadata(Path(saved))[1]["conversation"]["answer"]["text"]
+    assert 0 < len(part) < len(whole["text"])
+    rest = json.loads(run_cli("run", "--checkpoint-load", saved, "--json", check=True).stdout.strip().splitlines()[-1])
+    assert part + rest["text"] == whole["text"]

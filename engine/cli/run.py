@@ -10,6 +10,7 @@ so that scripts and tests can wait for a stage instead of sleeping.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.cli.options import context_settings, model_path, sampler_from_args
-from engine.cli.output import EXIT_OK, answer_fields, human_size, print_json
+from engine.cli.output import EXIT_ERROR, EXIT_OK, answer_fields, human_size, print_json
 from engine.errors import AppError, CheckpointError
 
 if TYPE_CHECKING:   # imported where used: the CLI starts before llama.cpp is loaded
@@ -98,6 +99,12 @@ def cmd_run(args) -> int:
             raise
         finally:
             guard.save_finished()  # a waiting console-close handler may let the process go
+    if session.output_failed is not None:
+        exc = session.output_failed
+        why = getattr(exc, "strerror", None) or exc
+        print(f"error: the answer could not be written to the output ({why}): it was paused and "
+              "saved (above); continue it with --checkpoint-load", file=sys.stderr)
+        return EXIT_ERROR
     if args.json:
         print_json(outcome)
     return guard.exit_status if guard.requested else EXIT_OK
@@ -123,6 +130,9 @@ class RunSession:
         self.restore_s = 0.0     # read + verify + set state of the checkpoint started from
         self.requested_at: float | None = None
         self.answer_before = ""  # the answer's text shown before this run (a paused one resumed)
+        #: why the answer could not be written to stdout (the reader went away: ``| head``):
+        #: the run paused there and saved, as for Ctrl+C
+        self.output_failed: Exception | None = None
 
     @property
     def rt(self) -> Runtime:
@@ -146,6 +156,17 @@ class RunSession:
                     if self.args.checkpoint_load else "")
             print("[CHECKPOINT] Left without saving the pause: nothing of this run was saved "
                   f"(--checkpoint-save-interval N autosaves as it goes){kept}", file=sys.stderr)
+
+    def lose_output(self, exc: Exception) -> None:
+        """The answer cannot be written (a closed pipe, a stream that cannot take a
+        character): pause and save it, as Ctrl+C does, rather than lose it with a traceback."""
+        self.output_failed = exc
+        self.control.request_pause()
+        if isinstance(exc, OSError):   # what is left in stdout's buffer goes nowhere at exit
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError, AttributeError):
+                pass
 
     def stage(self, name: str) -> None:
         if self.args.progress:
@@ -389,9 +410,12 @@ class RunSession:
                 if not self.started:
                     self.started = True
                     session.stage("generating")
-                if not args.json:
-                    sys.stdout.write(delta)
-                    sys.stdout.flush()
+                if not args.json and session.output_failed is None:
+                    try:
+                        sys.stdout.write(delta)
+                        sys.stdout.flush()
+                    except (OSError, ValueError) as exc:   # (a UnicodeEncodeError is a ValueError)
+                        session.lose_output(exc)
 
         self.stage("prefill")
         self.answer_before = conv.answer.text[:conv.answer.emitted]
@@ -414,7 +438,7 @@ class RunSession:
         commit_answer(conv)
         assert self.checkpoints is not None   # prepare_store made them
         checkpoint = self.checkpoints.save_head(conv, kind)
-        if not args.json and not result.text.endswith("\n"):
+        if not args.json and not result.text.endswith("\n") and self.output_failed is None:
             print()
         print(f"[CHECKPOINT] Saved to: {checkpoint.path} (size: {human_size(checkpoint.size)})",
               file=sys.stderr)
