@@ -288,9 +288,12 @@ def backend() -> _Backend:
 
 def _find_backend(ll: ModuleType, folder: Path, path: Path) -> str | None:
     global _backend
+    remedy = ("choose a llama.cpp build that has it (-DGGML_RPC=ON) as the llama library folder "
+              "(Settings, --llama-lib)" if getattr(sys, "frozen", False) else   # (the installed app: no pip)
+              "rebuild llama-cpp-python with -DGGML_RPC=ON in CMAKE_ARGS and pip's --no-cache-dir "
+              "(its wheel cache ignores CMAKE_ARGS), see the README")
     missing = (f"the llama library {path} was built without llama.cpp's RPC backend, so remote "
-               "workers cannot be used; rebuild llama-cpp-python with -DGGML_RPC=ON in CMAKE_ARGS "
-               "and pip's --no-cache-dir (its wheel cache ignores CMAKE_ARGS), see the README")
+               f"workers cannot be used; {remedy}")
     for lib in _ggml_handles(ll, folder):
         try:
             by_name = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)(("ggml_backend_reg_by_name", lib))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import threading
 import time
 import types
@@ -205,12 +206,16 @@ def test_lost_worker_sentences():
         assert "\n" not in text and "checkpoints are kept" in text
 
 
-def test_a_library_without_the_rpc_backend_is_said_plainly(tmp_path):
+def test_a_library_without_the_rpc_backend_is_said_plainly(tmp_path, monkeypatch):
     import ctypes
     fake_ll = types.SimpleNamespace(_lib=ctypes.CDLL(None))   # the interpreter: no ggml inside
     problem = rpc._find_backend(fake_ll, tmp_path, tmp_path / "libllama.so")
     assert "was built without llama.cpp's RPC backend" in problem
     assert "-DGGML_RPC=ON" in problem and "--no-cache-dir" in problem
+    # the installed (frozen) app has no pip to rebuild with: the remedy is another library
+    monkeypatch.setattr(sys, "frozen", True, raising=False)
+    problem = rpc._find_backend(fake_ll, tmp_path, tmp_path / "llama.dll")
+    assert "--llama-lib" in problem and "pip" not in problem and "--no-cache-dir" not in problem
 
 
 def test_the_bundled_library_has_the_rpc_backend():
