@@ -57,6 +57,24 @@ def test_validate_with_a_model_that_is_not_there_says_so_before_any_ok(smollm_ck
         assert done.stdout == ""
 
 
+def test_a_folder_given_as_a_checkpoint_is_named_a_folder(tmp_path):
+    """Windows said "Permission denied" for it (a user's test under Wine); Linux "Is a directory"."""
+    _fails_cleanly(run_cli("run", "--checkpoint-load", str(tmp_path), "-n", "2"), f"{tmp_path} is a folder")
+
+
+def test_validate_says_ok_before_the_failure_in_one_stream(smollm_ckpt, gemma_path):
+    """``validate … 2>&1`` printed FAILED above the checks that passed (stderr unbuffered)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    done = subprocess.run([sys.executable, "-m", "engine.cli", "validate", str(smollm_ckpt), "--model",
+                           str(gemma_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          cwd=str(ROOT), timeout=120)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 1 and lines[0] == "Header OK" and lines[-1].startswith("FAILED:"), lines
+
+
 def test_one_flipped_byte_is_refused(smollm_ckpt, tmp_path):
     bad = tmp_path / "flipped.kvckpt"
     data = bytearray(smollm_ckpt.read_bytes())

@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         print(f"error: file not found: {exc.filename}", file=sys.stderr)
         return EXIT_ERROR
     except (IsADirectoryError, PermissionError) as exc:
-        print(f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
+        # (Windows says "Permission denied" for a folder opened as a file)
+        print(f"error: {exc.filename} is a folder, not a file" if _is_folder(exc.filename)
+              else f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
         return EXIT_ERROR
@@ -67,6 +69,14 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
     except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _is_folder(name) -> bool:
+    import os
+    try:
+        return name is not None and os.path.isdir(name)
+    except (TypeError, ValueError):
+        return False
 
 
 def _start_gui(gui_main, argv: list[str]) -> int:

@@ -52,6 +52,7 @@ def cmd_validate(args) -> int:
             Target(model).check(replace(header, state_layout=fmt.STATE_LAYOUT), data.meta)
             print("Dimensions match model")
     except CheckpointError as exc:
+        sys.stdout.flush()   # the lines that held come first, also where both streams are one pipe
         print(f"FAILED: {exc}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
