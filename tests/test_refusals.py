@@ -64,13 +64,15 @@ def test_a_folder_given_as_a_checkpoint_is_named_a_folder(tmp_path):
 
 def test_validate_says_ok_before_the_failure_in_one_stream(smollm_ckpt, gemma_path):
     """``validate … 2>&1`` printed FAILED above the checks that passed (stderr unbuffered)."""
+    import os
     import subprocess
     import sys
 
     from conftest import ROOT
     done = subprocess.run([sys.executable, "-m", "engine.cli", "validate", str(smollm_ckpt), "--model",
                            str(gemma_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          cwd=str(ROOT), timeout=120)
+                          cwd=str(ROOT), timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 1 and lines[0] == "Header OK" and lines[-1].startswith("FAILED:"), lines
 
