@@ -304,3 +304,28 @@ def test_a_sliding_window_keeps_every_head(system, actions, gemma_path, gemma_ch
     assert outcome.problems == []
     assert outcome.heads_lost == []
     assert outcome.orphans == [], "files no head needs were left behind"
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "gemma"])
+@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                 HealthCheck.data_too_large])
+@given(actions=st.lists(action, min_size=4, max_size=8))
+@example(actions=[("answer", 0, 8), ("answer", 1, 6), ("pause", 2, 3), ("delete", 1, 0), ("resume", 2, 4)])
+def test_one_document_on_a_memory_that_cannot_cut_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
+                                                                    request, tmp_path_factory):
+    """Conversations whose first message starts with one document on a hybrid and on a
+    sliding window: the second stores the document's prefix once and the later ones build
+    on it (engine.prefix_reuse.shareable_end), a shared file kept while a head needs it."""
+    if arch == "gemma":
+        model, checker, n_batch = request.getfixturevalue("gemma_path"), request.getfixturevalue(
+            "gemma_checker"), GEMMA_BATCH
+    else:
+        model, checker, n_batch = tiny_model_path(arch), tiny_checkers(arch), None
+    driver, outcome = run_sequence(model, tmp_path_factory.mktemp(f"document-{arch}"), actions, checker,
+                                   n_batch=n_batch, document=DOCUMENT)
+    print(f"{arch} on a document: {len(actions)} actions, {driver.kills} kills, "
+          f"{outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
