@@ -8,6 +8,13 @@ cells, and a delta on it holding the rest.  The next conversation with that syst
 prompt (another window conversation, a ``run``, a server request, a fork) finds the
 prefix and writes only its delta.
 
+A document sent again with another question (the same first message) is shared the same
+way where a memory cannot build on another conversation's file inside it (a recurrent
+part, a sliding window): the second such conversation's prefill is cut where its prompt
+parts from the stored one (Answer.shared_end, engine.prefix_reuse.shareable_end), and its
+first save stores that prefix; a plain attention memory builds on the first tokens of the
+other's file instead (a cut delta, engine.history.LineWriter._cut).
+
 Content-addressed.  A prefix file's line of history (engine.checkpoints.graph) is
 ``shared-`` followed by a digest of the model and context key and the prefix's tokens,
 so equal prefixes find each other by name, without comparing files.  Then the bytes
