@@ -47,3 +47,24 @@ def test_json_output_survives_a_cp1252_pipe():
     windows.write("नदी \u2514 ok")
     windows.flush()
     assert windows.buffer.getvalue().decode("cp1252") == "\\u0928\\u0926\\u0940 \\u2514 ok"
+
+
+def test_list_and_tree_survive_a_pipe_in_the_consoles_code_page(tmp_path):
+    """Windows gives a piped stdout the ANSI code page with surrogateescape: the └ of
+    `list` and `inspect --tree` raised there (a user's test under Wine; a run's answer with
+    such a character was lost the same way).  run_cli pipes stdout as a user's `| more` does."""
+    import uuid
+
+    from faultkit import synthetic
+
+    from engine.checkpoints.format import KIND_PAUSE
+    from engine.checkpoints.store import Store
+    store = Store(tmp_path / "检查点")
+    store.ensure()
+    conv = uuid.uuid4()
+    base = synthetic.write_node(store.new_autosave_path(conv), conv, 40)
+    head = synthetic.write_node(store.new_path("head"), conv, 48, parent=base, kind=KIND_PAUSE)
+    for args in (("list", "--dir", str(store.folder)), ("inspect", str(head.path), "--tree")):
+        done = run_cli(*args)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        assert "└" in done.stdout or "\\u2514" in done.stdout, done.stdout
