@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,11 +102,13 @@ def test_bad_numbers_are_one_line_errors(tmp_path):
     assert done.returncode == 1 and "not UTF-8" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_reader_that_goes_away_pauses_and_saves_the_answer(smollm_path, app_home):
+@pytest.mark.parametrize("progress", [False, True], ids=["stdout", "both-streams"])
+def test_a_reader_that_goes_away_pauses_and_saves_the_answer(progress, smollm_path, app_home):
     """``run ... | head``: the answer's next write failed with a broken pipe, and the run
     ended without a checkpoint (a user's test found the same on Windows with a character
     the console's code page lacks).  It pauses and saves as Ctrl+C does, says so on stderr
-    (status 1), and the saved answer continues exactly."""
+    (status 1), and the saved answer continues exactly; also with ``--progress 2>&1``,
+    where stderr is the same closed pipe (its progress lines are dropped, not fatal)."""
     import os
     import subprocess
     import sys
@@ -115,18 +116,26 @@ def test_a_reader_that_goes_away_pauses_and_saves_the_answer(smollm_path, app_ho
     from conftest import ROOT
 
     from engine.checkpoints.format import read_metadata
+    from engine.checkpoints.graph import Graph
     common = ["-m", str(smollm_path), "-p", "Tell me a long story about rivers.", "--seed", "5", "--temp", "0.8",
-              "-n", "160", "--ctx-size", "512", "--ignore-eos"]
+              "-n", "400", "--ctx-size", "1024", "--ignore-eos"]
     whole = json.loads(run_cli("run", *common, "--json", check=True).stdout.strip().splitlines()[-1])
-    reader = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common], cwd=str(ROOT),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
-    assert reader.stdout is not None and reader.stderr is not None
-    assert reader.stdout.read(8)   # the answer began; then the reader leaves
+    store = app_home / "data" / "checkpoints"
+    before = {p.name for p in store.glob("*.kvckpt")}
+    extra = ["--progress"] if progress else []
+    reader = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common, *extra], cwd=str(ROOT), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT if progress else subprocess.PIPE, env=dict(os.environ))
+    assert reader.stdout is not None
+    assert reader.stdout.read(8)   # the answer (or the progress) began; then the reader leaves
     reader.stdout.close()
-    err = reader.stderr.read().decode("utf-8", "replace")
-    assert reader.wait(120) == 1 and "Traceback" not in err and "paused and saved" in err, err
-    saved = err.split("[CHECKPOINT] Saved to: ")[1].split(" (size:")[0]
-    part = read_metadata(Path(saved))[1]["conversation"]["answer"]["text"]
-    assert 0 < len(part) < len(whole["text"])
-    rest = json.loads(run_cli("run", "--checkpoint-load", saved, "--json", check=True).stdout.strip().splitlines()[-1])
+    err = "" if progress else reader.stderr.read().decode("utf-8", "replace")   # type: ignore[union-attr]
+    assert reader.wait(120) == 1 and "Traceback" not in err, err
+    if not progress:
+        assert "paused and saved" in err, err
+    saved = [h.path for h in Graph.scan(store).heads if h.name not in before]
+    assert len(saved) == 1, "the answer was not saved"
+    part = read_metadata(saved[0])[1]["conversation"]["answer"]["text"]
+    assert len(part) < len(whole["text"])
+    rest = json.loads(run_cli("run", "--checkpoint-load", str(saved[0]), "--json",
+                              check=True).stdout.strip().splitlines()[-1])
     assert part + rest["text"] == whole["text"]

@@ -102,8 +102,10 @@ def cmd_run(args) -> int:
     if session.output_failed is not None:
         exc = session.output_failed
         why = getattr(exc, "strerror", None) or exc
-        print(f"error: the answer could not be written to the output ({why}): it was paused and "
-              "saved (above); continue it with --checkpoint-load", file=sys.stderr)
+        # (the failure may have come with the answer's last token: then it ended, not paused)
+        saved = ("it was paused and saved (above); continue it with --checkpoint-load"
+                 if outcome["finish_reason"] == "paused" else "it was saved whole (above)")
+        print(f"error: the answer could not be written to the output ({why}): {saved}", file=sys.stderr)
         return EXIT_ERROR
     if args.json:
         print_json(outcome)
@@ -164,13 +166,25 @@ class RunSession:
         self.control.request_pause()
         if isinstance(exc, OSError):   # what is left in stdout's buffer goes nowhere at exit
             try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(devnull, sys.stdout.fileno())
+                finally:
+                    os.close(devnull)
             except (OSError, ValueError, AttributeError):
                 pass
 
     def stage(self, name: str) -> None:
         if self.args.progress:
-            print(f"[STAGE] {name}", file=sys.stderr, flush=True)
+            self.progress(f"[STAGE] {name}")
+
+    def progress(self, line: str) -> None:
+        """A --progress line on stderr; one that cannot be written is dropped (stderr in the
+        same closed pipe as stdout, ``2>&1 | head``): the answer's pause and save come first."""
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
 
     # -- the steps ------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -344,7 +358,8 @@ class RunSession:
             from engine.prefix_reuse import reuse_stored_prefix, share_stored_prefix
             started = time.perf_counter()
             self.reuse = reuse = reuse_stored_prefix(self.rt, store.folder, conv.tokens)
-            share_stored_prefix(conv, reuse)
+            if not self.args.checkpoint_save:   # (a named file keeps no shared prefix beside it)
+                share_stored_prefix(conv, reuse)
             if reuse.source is not None:
                 self.restore_s = time.perf_counter() - started
             if not self.args.json:
@@ -404,7 +419,7 @@ class RunSession:
 
             def on_prefill_progress(self, done: int, total: int) -> None:
                 if args.progress:
-                    print(f"[PREFILL] {done}/{total}", file=sys.stderr, flush=True)
+                    session.progress(f"[PREFILL] {done}/{total}")
 
             def on_text(self, delta: str) -> None:
                 if not self.started:
