@@ -124,7 +124,8 @@ def test_a_reader_that_goes_away_pauses_and_saves_the_answer(progress, smollm_pa
     before = {p.name for p in store.glob("*.kvckpt")}
     extra = ["--progress"] if progress else []
     reader = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", *common, *extra], cwd=str(ROOT),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT if progress else subprocess.PIPE, env=dict(os.environ))
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT if progress else subprocess.PIPE,
+                              env=dict(os.environ))
     assert reader.stdout is not None
     assert reader.stdout.read(8)   # the answer (or the progress) began; then the reader leaves
     reader.stdout.close()
