@@ -107,7 +107,25 @@ def shareable_end(runtime: Runtime | ConversationView, folder: str | Path, token
         return 0
     best = PrefixIndex(folder).matches(tokens, runtime.target.key, limit=1)
     n = best[0].n_common if best else 0
-    return n if max(have, MIN_TOKENS - 1) < n < len(tokens) else 0
+    if not max(have, MIN_TOKENS - 1) < n < len(tokens):
+        return 0
+    # back to where a line ends: two questions on a document share their first words, and a
+    # third that parts sooner would share less than the prefix holds (so none of it)
+    line = line_end_before(runtime.model, tokens, n)
+    return line if line > max(have, MIN_TOKENS - 1) else n
+
+
+#: how far back :func:`line_end_before` looks for a line's end
+LINE_LOOKBACK = 256
+
+
+def line_end_before(model, tokens: Sequence[int], n: int) -> int:
+    """The largest ``k <= n`` whose ``tokens[k - 1]`` ends a line of text (within
+    :data:`LINE_LOOKBACK` tokens), or 0."""
+    for k in range(n, max(0, n - LINE_LOOKBACK), -1):
+        if model.token_to_piece(tokens[k - 1]).endswith(b"\n"):
+            return k
+    return 0
 
 
 def share_stored_prefix(conv: Conversation, reuse: PrefixReuse) -> None:

@@ -54,7 +54,7 @@ def test_a_document_is_read_and_stored_once_for_every_memory(arch, tiny_model_pa
 
     first = run("What fruit is named?")
     alone = size()
-    second = run("Which place is named?")   # parts from the first at the question
+    second = run("What place is named?")   # parts from the first inside the question's first words
     assert second["n_reused_tokens"] == 0
     shared = [n for n in Graph.scan(store).nodes.values() if is_shared_line(n.line)]
     assert len(shared) == 1, "the second conversation did not store the document once"
@@ -105,7 +105,7 @@ def test_the_windows_conversations_on_one_document_share_it(arch, tiny_model_pat
         w.load_model(ModelOptions(model, n_ctx=2048, n_threads=2, sequences=2))
         rec.wait("loaded")
         done = []
-        for i, q in enumerate(("What fruit is named?", "Which place is named?", "How many stones are there?")):
+        for i, q in enumerate(("What fruit is named?", "What place is named?", "How many stones are there?")):
             conv = w.new_conversation(sampler=SamplerSettings(seed=i, ignore_eos=True))
             w.send(conv, _prompt(q), n_predict=6)
             done.append(rec.finished_for(conv))
