@@ -62,6 +62,18 @@ def test_a_folder_given_as_a_checkpoint_is_named_a_folder(tmp_path):
     _fails_cleanly(run_cli("run", "--checkpoint-load", str(tmp_path), "-n", "2"), f"{tmp_path} is a folder")
 
 
+def test_a_folder_that_may_not_be_listed_is_not_called_a_file(tmp_path, monkeypatch, capsys):
+    """Only where a checkpoint file was asked for is a folder's PermissionError "a folder"."""
+    from engine import cli
+    from engine.cli import files
+
+    def denied(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+    monkeypatch.setattr(files, "cmd_list", denied)
+    assert cli.main(["list", "--dir", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == f"error: Permission denied: {tmp_path}"
+
+
 def test_validate_says_ok_before_the_failure_in_one_stream(smollm_ckpt, gemma_path):
     """``validate … 2>&1`` printed FAILED above the checks that passed (stderr unbuffered)."""
     import os

@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
         print(f"error: file not found: {exc.filename}", file=sys.stderr)
         return EXIT_ERROR
     except (IsADirectoryError, PermissionError) as exc:
-        # (Windows says "Permission denied" for a folder opened as a file)
-        print(f"error: {exc.filename} is a folder, not a file" if _is_folder(exc.filename)
+        # (Windows says "Permission denied" for a folder opened as a file: said so only
+        # where a checkpoint file was asked for, not for a folder that may not be listed)
+        wanted = [getattr(args, name, None) for name in ("path", "checkpoint_load")]
+        print(f"error: {exc.filename} is a folder, not a checkpoint file"
+              if _is_folder(exc.filename) and any(_same_path(exc.filename, w) for w in wanted)
               else f"error: {exc.strerror}: {exc.filename}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:
@@ -69,6 +72,14 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
     except KeyboardInterrupt:  # before the pause handler was installed, or a second Ctrl+C
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _same_path(a, b) -> bool:
+    from pathlib import Path
+    try:
+        return a is not None and b is not None and Path(a) == Path(b)
+    except TypeError:
+        return False
 
 
 def _is_folder(name) -> bool:
