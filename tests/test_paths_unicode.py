@@ -43,10 +43,16 @@ def test_json_output_survives_a_cp1252_pipe():
     # what Windows really gives a piped or redirected stdout: surrogateescape, not strict (an
     # answer's first Devanagari letter raised there, found under Wine)
     windows = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", errors="surrogateescape", newline="\n")
-    tolerate_unencodable(windows)
+    tolerate_unencodable(windows, windows=True)
     windows.write("नदी \u2514 ok")
     windows.flush()
     assert windows.buffer.getvalue().decode("cp1252") == "\\u0928\\u0926\\u0940 \\u2514 ok"
+    # a UTF-8 locale's surrogateescape elsewhere writes a path's undecodable bytes back as they were
+    linux = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="surrogateescape", newline="\n")
+    tolerate_unencodable(linux, windows=False)
+    linux.write("caf\udce9")
+    linux.flush()
+    assert linux.buffer.getvalue() == b"caf\xe9"
 
 
 def test_list_and_tree_survive_a_pipe_in_the_consoles_code_page(tmp_path):

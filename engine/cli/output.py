@@ -26,15 +26,18 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
-def tolerate_unencodable(*streams) -> None:
+def tolerate_unencodable(*streams, windows: bool | None = None) -> None:
     """Characters a stream's encoding lacks become backslash escapes instead of errors.
 
-    Both of Python's defaults fail on them: "strict", and "surrogateescape" (which Windows
-    always gives a redirected or piped stream, in the ANSI code page: an answer's first
-    character outside cp1252 raised there, and the answer was lost with it)."""
+    Python's "strict" fails on them; so does "surrogateescape", which Windows always gives
+    a redirected or piped stream, in the ANSI code page (an answer's first character outside
+    cp1252 raised there, and the answer was lost with it).  Elsewhere "surrogateescape" is
+    a UTF-8 locale's, which writes a path's undecodable bytes back as they were: kept."""
+    windows = sys.platform == "win32" if windows is None else windows
+    failing = ("strict", "surrogateescape") if windows else ("strict",)
     for stream in streams or (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None and getattr(stream, "errors", "") in ("strict", "surrogateescape"):
+        if reconfigure is not None and getattr(stream, "errors", "") in failing:
             reconfigure(errors="backslashreplace")
 
 
