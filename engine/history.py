@@ -775,7 +775,8 @@ class LineWriter:
 
     def _on_shared_prefix(self, conv: Conversation) -> int | None:
         """Start the chain on the store's shared prefix of the conversation's system
-        prompt (engine.shared_prefix); the index of the parent then (0), else None."""
+        prompt, or of a document it shares with another (engine.shared_prefix); the index
+        of the parent then (0), else None."""
         try:
             base = shared_base(self.runtime, self.store, conv)
         except (SaveFailed, OSError) as exc:   # the conversation's own full file still follows

@@ -249,7 +249,7 @@ class Runtime:
         work exactly as an uninterrupted one would.  Stops early (``aborted``) when
         ``should_stop`` turns true; the abort callback also interrupts a running chunk,
         except for recurrent and hybrid memories (Model.can_abort_mid_batch).  A recurrent
-        memory (and a sliding window: a long system prompt's end) also cuts a chunk at each
+        memory (and a sliding window: a shared prefix's end) also cuts a chunk at each
         of ``marks``, the recurrent one keeping a snapshot there
         (engine.snapshots), then calls ``on_mark`` with the position (an autosave: the chain
         then has a file there, which a restore in a new process turns into a snapshot again).

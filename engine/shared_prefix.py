@@ -108,10 +108,11 @@ def shared_base(runtime, store: Store, conv: Conversation) -> SaveInfo | None:
     if not (runtime.settings.supports_deltas
             and (shape.cells_by_position or shape.prefix_from_window or shape.prefix_from_snapshot)):
         return None
-    n = system_prompt_end(runtime, conv)
-    if n < MIN_TOKENS and conv.answer is not None:   # (a prefix shared with another conversation)
-        n = conv.answer.shared_end
-    if n < MIN_TOKENS or n >= len(runtime.kv_tokens) or not can_save_prefix(runtime, n):
+    # the system prompt's end, else where a document the prompt shares with another ends
+    # (Answer.shared_end: also where the system prompt's snapshot is gone)
+    ends = (system_prompt_end(runtime, conv), conv.answer.shared_end if conv.answer is not None else 0)
+    n = next((n for n in ends if MIN_TOKENS <= n < len(runtime.kv_tokens) and can_save_prefix(runtime, n)), 0)
+    if not n:
         return None
     tokens = list(runtime.kv_tokens[:n])
     line = shared_line(runtime.target.key, tokens)

@@ -55,6 +55,8 @@ def cmd_validate(args) -> int:
         sys.stdout.flush()   # the lines that held come first, also where both streams are one pipe
         print(f"FAILED: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    finally:   # (and before any other error's line, which the command line prints)
+        sys.stdout.flush()
     return EXIT_OK
 
 
