@@ -237,7 +237,18 @@ $WINE winecfg -v win10 >/dev/null 2>&1
 $WINE reg add 'HKCU\Software\Wine\WineDbg' /v ShowCrashDialog /t REG_DWORD /d 0 /f >/dev/null 2>&1
 rm -rf "$WINPY/Lib/site-packages/llama_cpp/lib" && mkdir -p "$WINPY/Lib/site-packages/llama_cpp/lib"
 cp "$LLAMA"/*.dll "$WINPY/Lib/site-packages/llama_cpp/lib/"
-winpath() { $WINE winepath -w "$1" 2>/dev/null | tr -d '\r'; }
+# winepath now and then prints nothing (a CI run's Windows CLI then got `--checkpoint-save ""`
+# and saved into its store instead): asked again, and said when it never answers
+winpath() {
+    local out
+    for _ in 1 2 3 4 5; do
+        out="$($WINE winepath -w "$1" 2>/dev/null | tr -d '\r')"
+        [ -n "$out" ] && { printf '%s\n' "$out"; return 0; }
+        sleep 1
+    done
+    echo "winepath gave no Windows path for $1" >&2
+    return 1
+}
 # Qt6Core.dll imports the system icuuc.dll (Windows 10 1903+), which Wine 8.0 lacks: a stub
 # exporting the ucnv_* functions Qt imports, each failing, lets Qt load.  It lives in the
 # prefix's system32 only, never in anything we ship.
