@@ -60,7 +60,9 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
     """
     in_cache = common_prefix(runtime.kv_tokens, tokens)
     can_trim = not runtime.shape.has_recurrent
-    for match in _candidates(runtime, folder, tokens):
+    index = PrefixIndex(folder)
+    entries = index.refresh()   # (one look at the folder for every question below)
+    for match in _candidates(runtime, index, entries, tokens):
         if match.n_common <= in_cache:
             continue
         if not (match.exact or match.at_point) and not can_trim:
@@ -88,11 +90,11 @@ def reuse_stored_prefix(runtime: Runtime | ConversationView, folder: str | Path,
         can_trim = False  # the memory cannot drop a tail: only exact prefixes will do
         in_cache = common_prefix(runtime.kv_tokens, tokens)
     return PrefixReuse("cache" if in_cache else "recompute", in_cache,
-                       shareable=shareable_end(runtime, folder, tokens, in_cache))
+                       shareable=shareable_end(runtime, index, entries, tokens, in_cache))
 
 
-def shareable_end(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int],
-                  have: int) -> int:
+def shareable_end(runtime: Runtime | ConversationView, index: PrefixIndex, entries: dict,
+                  tokens: Sequence[int], have: int) -> int:
     """Where the longest prefix ``tokens`` shares with a stored checkpoint ends, for a memory
     that cannot build on that checkpoint there (a recurrent part: its state exists only at
     the file's end and its points; a sliding window: a file holds only the window before
@@ -105,14 +107,15 @@ def shareable_end(runtime: Runtime | ConversationView, folder: str | Path, token
     shape = runtime.shape
     if shape.cells_by_position or not (shape.prefix_from_snapshot or shape.prefix_from_window):
         return 0
-    best = PrefixIndex(folder).matches(tokens, runtime.target.key, limit=1)
+    best = index.matches(tokens, runtime.target.key, limit=1, entries=entries)
     n = best[0].n_common if best else 0
-    if not max(have, MIN_TOKENS - 1) < n < len(tokens):
+    below = max(have, MIN_TOKENS - 1)   # (an end must lie above it)
+    if not below < n < len(tokens):
         return 0
     # back to where a line ends: two questions on a document share their first words, and a
     # third that parts sooner would share less than the prefix holds (so none of it)
     line = line_end_before(runtime.model, tokens, n)
-    return line if line > max(have, MIN_TOKENS - 1) else n
+    return line if line > below else n
 
 
 #: how far back :func:`line_end_before` looks for a line's end
@@ -137,18 +140,19 @@ def share_stored_prefix(conv: Conversation, reuse: PrefixReuse) -> None:
         answer.shared_end = reuse.shareable
 
 
-def _candidates(runtime: Runtime | ConversationView, folder: str | Path, tokens: Sequence[int]) -> list:
+def _candidates(runtime: Runtime | ConversationView, index: PrefixIndex, entries: dict,
+                tokens: Sequence[int]) -> list:
     """The stored checkpoints to try, best first (engine.checkpoints.prefix_index.Match)."""
-    index, key = PrefixIndex(folder), runtime.target.key
+    key = runtime.target.key
     if runtime.shape.has_recurrent:
-        return index.matches(tokens, key, whole=True)
+        return index.matches(tokens, key, whole=True, entries=entries)
     if runtime.shape.prefix_from_window:
         # whole files first: a sliding window's bits depend on where a prefill was cut, and
         # a shared prefix ends at a cut that a prefill from nothing makes too (Answer.marks)
-        whole = index.matches(tokens, key, whole=True)
+        whole = index.matches(tokens, key, whole=True, entries=entries)
         seen = {m.path for m in whole}
-        return whole + [m for m in index.matches(tokens, key) if m.path not in seen]
-    return index.matches(tokens, key)
+        return whole + [m for m in index.matches(tokens, key, entries=entries) if m.path not in seen]
+    return index.matches(tokens, key, entries=entries)
 
 
 def start_from_stored_prefix(runtime: Runtime | ConversationView, store: Store, conv: Conversation) -> LineWriter:

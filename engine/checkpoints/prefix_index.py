@@ -115,13 +115,15 @@ class PrefixIndex:
                 log.warning("could not write the prefix index: %s", exc)
         return new
 
-    def matches(self, tokens: Sequence[int], key: str, limit: int = 4, *, whole: bool = False) -> list[Match]:
+    def matches(self, tokens: Sequence[int], key: str, limit: int = 4, *, whole: bool = False,
+                entries: dict | None = None) -> list[Match]:
         """The checkpoints sharing the longest prefixes with ``tokens``, best first;
         ``whole``: only where the checkpoint, or its part up to one of its points, is a
         prefix of ``tokens`` entire (for a memory that cannot drop a tail, which goes back
-        only to a point: the longer ones would crowd them out of ``limit``)."""
+        only to a point: the longer ones would crowd them out of ``limit``).  ``entries``:
+        what :meth:`refresh` returned just before (one look at the folder for several asks)."""
         wanted = block_hashes(tokens)
-        entries = self.refresh()
+        entries = self.refresh() if entries is None else entries
         scored = []
         for name, entry in entries.items():
             if entry.get("key") != key:
