@@ -35,6 +35,19 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("CHECKPOINT_CHAT_PROPERTY_EXAMPLES", "10"))
 
+def keeps_every_head(label: str, model, home, actions, checker, **run_args):
+    """Perform ``actions`` (faultkit.compositions.run_sequence), say what happened, and
+    check the invariants: every head restores as it was, none is lost, nothing is left
+    that no head needs.  Returns the driver."""
+    driver, outcome = run_sequence(model, home, actions, checker, **run_args)
+    print(f"{label + ': ' if label else ''}{len(actions)} actions, {driver.kills} kills, "
+          f"{outcome.heads_checked} heads: {actions}")
+    assert outcome.problems == []
+    assert outcome.heads_lost == []
+    assert outcome.orphans == [], "files no head needs were left behind"
+    return driver
+
+
 #: found by the backup and restore actions: see the examples below
 BACKUP_OF_AN_OLDER_STATE = [("answer", 0, 6), ("backup", 0, 0), ("kill", 0, 2), ("restore", 0, 0)]
 
@@ -71,11 +84,7 @@ def checker(smollm_path):
 @example(actions=BACKUP_OF_AN_OLDER_STATE)
 def test_every_head_restores_and_nothing_is_left_behind(actions, smollm_path, checker,
                                                         tmp_path_factory):
-    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("prop"), actions, checker)
-    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head("", smollm_path, tmp_path_factory.mktemp("prop"), actions, checker)
 
 
 #: found by a soak biased to long conversations: Regenerate and Edit after merged turns
@@ -116,12 +125,7 @@ def test_conversations_on_a_shared_system_prompt_keep_every_head(actions, smollm
                                                                  tmp_path_factory):
     """The same, two of the conversations on one long system prompt (engine.shared_prefix):
     its prefix file is kept while a head needs it, and goes with the last (no orphan)."""
-    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("shared"), actions, checker,
-                                   system=SHARED_SYSTEM)
-    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head("", smollm_path, tmp_path_factory.mktemp("shared"), actions, checker, system=SHARED_SYSTEM)
 
 
 #: about 330 tokens at the start of every conversation's first message
@@ -137,12 +141,7 @@ DOCUMENT = "Log: " + " ".join(f"crate {i} went to bay {i % 5};" for i in range(4
 def test_conversations_on_one_document_keep_every_head(actions, smollm_path, checker, tmp_path_factory):
     """The same, every conversation's first message starting with one document: the later
     ones build on the first's file (a cut delta), which is kept while a head needs it."""
-    driver, outcome = run_sequence(smollm_path, tmp_path_factory.mktemp("document"), actions, checker,
-                                   document=DOCUMENT)
-    print(f"{len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head("", smollm_path, tmp_path_factory.mktemp("document"), actions, checker, document=DOCUMENT)
 
 
 @pytest.fixture(scope="module")
@@ -174,13 +173,8 @@ TINY_EXAMPLES = max(1, EXAMPLES // 3)
 @example(actions=BACKUP_OF_AN_OLDER_STATE)
 def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
                                             tmp_path_factory):
-    model = tiny_model_path(arch)
-    driver, outcome = run_sequence(model, tmp_path_factory.mktemp(f"prop-{arch}"), actions,
-                                   tiny_checkers(arch))
-    print(f"{arch}: {len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head(arch, tiny_model_path(arch), tmp_path_factory.mktemp(f"prop-{arch}"), actions,
+                     tiny_checkers(arch))
 
 
 @pytest.mark.parametrize("arch", ["falcon-h1", "mamba2"])
@@ -237,12 +231,8 @@ def test_a_thinking_hybrid_on_a_long_system_prompt_keeps_every_head(actions, thi
     long enough that each prefill autosaves where the user's turn ends (engine.generation
     .mark_wants_file) and restores keep snapshots at such files (engine.restore)."""
     model, checker = thinker_checker
-    driver, outcome = run_sequence(model, tmp_path_factory.mktemp("prop-thinker"), actions, checker,
-                                   system=SHARED_SYSTEM)
-    print(f"thinker: {len(actions)} actions, {driver.kills} kills, {outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head("thinker", model, tmp_path_factory.mktemp("prop-thinker"), actions, checker,
+                     system=SHARED_SYSTEM)
 
 
 #: Gemma 3's prefill chunk here: on this CPU build its repacked Q4_K kernels multiply 4
@@ -297,13 +287,9 @@ def test_a_sliding_window_keeps_every_head(system, actions, gemma_path, gemma_ch
     before its end, and a cut must leave it whole), with batches it is invariant to; also
     with two conversations on a long system prompt, where a sliding window cuts its
     prefill and saves the prefix alone (engine.shared_prefix)."""
-    driver, outcome = run_sequence(gemma_path, tmp_path_factory.mktemp("prop-gemma"), actions,
-                                   gemma_checker, system=system, n_batch=GEMMA_BATCH)
-    print(f"gemma{' (shared system)' if system else ''}: {len(actions)} actions, {driver.kills} kills, "
-          f"{outcome.heads_checked} heads: {actions}")
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
+    keeps_every_head(f"gemma{' (shared system)' if system else ''}", gemma_path,
+                     tmp_path_factory.mktemp("prop-gemma"), actions, gemma_checker, system=system,
+                     n_batch=GEMMA_BATCH)
 
 
 #: two conversations answered, a third started on their document: a shared prefix is stored
@@ -326,15 +312,10 @@ def test_one_document_on_a_memory_that_cannot_cut_keeps_every_head(arch, actions
             "gemma_checker"), GEMMA_BATCH
     else:
         model, checker, n_batch = tiny_model_path(arch), tiny_checkers(arch), None
-    driver, outcome = run_sequence(model, tmp_path_factory.mktemp(f"document-{arch}"), actions, checker,
-                                   n_batch=n_batch, document=DOCUMENT)
-    print(f"{arch} on a document: {len(actions)} actions, {driver.kills} kills, "
-          f"{outcome.heads_checked} heads: {actions}")
+    driver = keeps_every_head(f"{arch} on a document", model, tmp_path_factory.mktemp(f"document-{arch}"),
+                              actions, checker, n_batch=n_batch, document=DOCUMENT)
     # (the path under test was taken; Gemma 3's window of 512 still holds all of this short a
     # document, so a new conversation trims another's file instead)
     if actions == DOCUMENT_SHARED and arch != "gemma":
         from engine.checkpoints.graph import Graph, is_shared_line
         assert any(is_shared_line(n.line) for n in Graph.scan(driver.store).nodes.values())
-    assert outcome.problems == []
-    assert outcome.heads_lost == []
-    assert outcome.orphans == [], "files no head needs were left behind"
