@@ -114,9 +114,23 @@ class ModelLoading(Event):
 
 
 @dataclass(frozen=True)
+class LeftConversation:
+    """A conversation the engine had open with the model it unloaded (``model_name``),
+    closed when another model loaded: it stays in the store, its newest head the file at
+    ``path`` (``header``), and is opened again like any conversation of another model."""
+    id: uuid.UUID
+    title: str
+    path: Path
+    header: Header
+    model_name: str
+
+
+@dataclass(frozen=True)
 class ModelLoaded(Event):
+    """``left``: the conversations closed because the model loaded is another one."""
     handler = "on_model_loaded"
     info: ModelInfo
+    left: tuple[LeftConversation, ...] = ()
 
 
 @dataclass(frozen=True)

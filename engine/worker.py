@@ -58,11 +58,18 @@ from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
 from engine.checkpoints import graph
 from engine.checkpoints.chain import tokens_digest
-from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE
+from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, read_header
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
-from engine.errors import AppError, CheckpointError, ContextFull, GenerationError, IncompatibleState
+from engine.errors import (
+    AppError,
+    CheckpointError,
+    ContextFull,
+    GenerationError,
+    IncompatibleModel,
+    IncompatibleState,
+)
 from engine.events import (
     FINISH_ERROR,
     CheckpointSaved,
@@ -76,6 +83,7 @@ from engine.events import (
     Failed,
     GenerationStarted,
     GenerationSummary,
+    LeftConversation,
     ModelFailed,
     ModelInfo,
     ModelLoaded,
@@ -373,7 +381,6 @@ class EngineWorker:
     def continue_with_loaded_model(self, path: str | Path) -> uuid.UUID:
         """A conversation made with another model, continued with the loaded one: its
         transcript becomes a new branch, decoded once when it next answers."""
-        from engine.checkpoints.format import read_header
         conv_id = read_header(path).conversation_id   # 256 bytes; the rest on the engine thread
         self.submit(cmd.ContinueWithLoadedModel(conv_id, Path(path)))
         return conv_id
@@ -550,6 +557,7 @@ class EngineWorker:
         from engine.parallel import ParallelRuntime
         from native.context import ContextSettings
         from native.library import bindings, choose_library_dir, loaded_library, system_info
+        previous = (self.runtime.fingerprint, self.runtime.model.name) if self.runtime is not None else None
         try:
             bindings(choose_library_dir(cli_dir=opts.llama_lib))
             self._save_residents_if_dirty(KIND_MANUAL)
@@ -583,6 +591,7 @@ class EngineWorker:
         self.runtime = rt
         self._batcher = self._new_batcher()
         self.sessions.close_writers()  # they wrote from the previous runtime's cache; heads stay
+        left = self._leave_conversations_of(*previous) if previous and previous[0] != rt.fingerprint else ()
         self._collect_superseded()
         try:
             info = system_info()
@@ -602,7 +611,34 @@ class EngineWorker:
             library_path=lib_path, library_version=lib_version, target=rt.target,
             sampling_defaults=sampling, sampling_source=source, sequences=rt.sequences,
             exact_width=rt.exact_width, thinking=think_format(rt.model))
-        self.listener.emit(ModelLoaded(self.model_info))
+        self.listener.emit(ModelLoaded(self.model_info, left))
+
+    def _leave_conversations_of(self, fingerprint: bytes, model_name: str) -> tuple[LeftConversation, ...]:
+        """Close the open conversations whose tokens are another model's (the one just
+        unloaded, ``model_name``): decoding them with this one would read that model's token
+        ids as its own, and continue a paused answer in another model's words.  Each was saved
+        before the unload (_save_residents_if_dirty) and stays in the store as a conversation
+        of that model (the window offers to load it, or to go on with this one as a new
+        branch).  One that has no saved head (its save failed, which was reported) stays open:
+        its state is nowhere else; its next answer fails (``_activate``: the head it restores
+        from, if any, is refused) rather than read its tokens with this model."""
+        left = []
+        for session in self.sessions.open():
+            conv, head = session.conv, session.head_path
+            if conv is None or not conv.tokens or head is None:
+                continue
+            try:
+                header = read_header(head)
+            except (CheckpointError, OSError) as exc:
+                log.warning("%s stays open: its head %s cannot be read (%s)", conv.title, head.name, exc)
+                continue
+            if header.model_fingerprint != fingerprint:
+                continue   # (its head is not of the model its tokens came from: left as it is)
+            self._end_session(conv.id)
+            left.append(LeftConversation(conv.id, conv.title, head, header, model_name))
+        if left:
+            log.info("closed %d conversation(s) of %s: they stay in the store", len(left), model_name)
+        return tuple(left)
 
     def _new_batcher(self) -> Batcher:
         from engine.concurrent import Batcher
@@ -1259,6 +1295,9 @@ class EngineWorker:
                 release(chain)   # the files stay replaceable (Windows maps a restore's files)
             if writer is None:
                 self.sessions.set_writer(conv.id, LineWriter.continuing(view, self.store, chain))
+        except IncompatibleModel as exc:   # its tokens are that model's: never decoded by this one
+            raise IncompatibleModel(f"{conv.title}: {exc}. Load that model to go on with it, or open it "
+                                    "again to continue it with the loaded model as a new branch") from None
         except (CheckpointError, OSError) as exc:   # damaged, or gone (deleted by another program)
             log.warning("could not restore %s (%s); the prompt will be decoded again", head, exc)
             if writer is None:   # continue on a line of its own; the old head stays as it is

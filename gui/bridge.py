@@ -32,6 +32,8 @@ class _Listener(WorkerListener):
         self.b.model_loading.emit(float(e.fraction))
 
     def on_model_loaded(self, e: ev.ModelLoaded) -> None:
+        if e.left:
+            self.b.conversations_left.emit(e.left)
         self.b.model_loaded.emit(e.info)
 
     def on_model_failed(self, e: ev.ModelFailed) -> None:
@@ -88,6 +90,9 @@ class EngineBridge(QObject):
 
     Signals:
         model_loading(float): fraction of the weights loaded.
+        conversations_left(tuple[LeftConversation, ...]): just before model_loaded, the
+            conversations the engine closed because the model loaded is another one (each
+            stays in the store as a conversation of the model that made it).
         model_loaded(ModelInfo)
         model_failed(str)
         conversation_changed(ConversationSnapshot): opened, created, renamed.
@@ -113,6 +118,7 @@ class EngineBridge(QObject):
     """
 
     model_loading = Signal(float)
+    conversations_left = Signal(object)
     model_loaded = Signal(object)
     model_failed = Signal(str)
     conversation_changed = Signal(object)

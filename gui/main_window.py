@@ -261,6 +261,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def _connect_bridge(self) -> None:
         b = self.bridge
         b.model_loading.connect(self._on_bridge_model_loading)
+        b.conversations_left.connect(self._on_bridge_conversations_left)
         b.model_loaded.connect(self._on_bridge_model_loaded)
         b.model_failed.connect(self._on_bridge_model_failed)
         b.conversation_changed.connect(self._on_bridge_conversation_changed)
@@ -458,9 +459,19 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         dialog = SettingsDialog(self.settings, self.bridge.model_info, self)
         if dialog.exec():
             self._apply_autosave_settings()
+            self._sampler_to_the_empty_conversation(self.bridge.model_info)
             self.local_server.apply()
             if dialog.model_changed and self.state.idle:
                 self.load_model()
+
+    def _sampler_to_the_empty_conversation(self, info: ModelInfo | None) -> None:
+        """The conversation shown, while nothing was said in it, answers with the sampler the
+        settings give now (the model's defaults where the user set none): one opened before
+        the model was known, or before the user changed the settings (its seed, say)."""
+        snap = self.snapshots.get(self.current) if self.current else None
+        if info is not None and self.current is not None and (snap is None or not snap.transcript) \
+                and self.current not in self._unopened and not self.state.shown_opening:
+            self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
 
     def _about(self) -> None:
         QMessageBox.about(self, "Checkpoint Chat", about_text(self.bridge.model_info))
@@ -513,6 +524,15 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.model_progress.setValue(int(fraction * 100))
 
     @Slot(object)
+    def _on_bridge_conversations_left(self, left) -> None:
+        """Another model loaded: these conversations are stored ones of the model that made
+        them now (listed dimmed; the one shown gets its offer once the model is known)."""
+        for c in left:
+            self.snapshots.pop(c.id, None)
+            self._unopened[c.id] = c.path
+            self.conversation_list.upsert(c.id, c.title, path=c.path, header=c.header, model_name=c.model_name)
+
+    @Slot(object)
     def _on_bridge_model_loaded(self, info: ModelInfo) -> None:
         self.model_progress.hide()
         self.chat_view.set_thinking_format(info.thinking)
@@ -520,10 +540,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
         snap = self.snapshots.get(self.current) if self.current else None
         self._update_context_usage(snap.n_tokens if snap else 0, info.n_ctx)
-        if self.current is not None and (snap is None or not snap.transcript) \
-                and self.current not in self._unopened and not self.state.shown_opening:
-            # a conversation opened before the model was known starts with its defaults
-            self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
+        self._sampler_to_the_empty_conversation(info)   # opened before the model was known
         self.conversation_list.set_target(info.target)
         if self._open_after_load is not None:
             path, self._open_after_load = self._open_after_load, None

@@ -24,7 +24,7 @@ class Recorder(WorkerListener):
             self.cond.notify_all()
 
     def on_model_loaded(self, e):
-        self._add("loaded", e.info)
+        self._add("loaded", e.info, e.left)
 
     def on_generation_started(self, e):
         self._add("started", e.snap)

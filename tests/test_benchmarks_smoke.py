@@ -151,3 +151,16 @@ def test_the_first_go_back_after_a_restore_is_timed(tiny_model_path, tmp_path):
     assert len(chain) == 2   # the autosaves on the prompt's file (a recurrent state outweighs the cells)
     got = measure(model, chain[-1], 1, 512, 2)
     assert got["first_ms"] > 0 and got["again_ms"] > 0
+
+
+def test_turn_states_weighs_one_file_per_conversation_against_its_writes(tiny_model_path):
+    """benchmarks.turn_states at its smallest (the tiny qwen35, whose turns a head absorbs:
+    one file already, so one file saves nothing and never pays for its writes)."""
+    from benchmarks.turn_states import measure, parse
+    rows = measure(parse(["--model-path", str(tiny_model_path("qwen35")), "--tokens", "120", "--turns", "4",
+                          "--repeats", "1"])).rows
+    by_what = {row["what"]: row for row in rows}
+    assert by_what["files a restore reads"]["now"] == 1
+    assert by_what["restore of the conversation, ms"]["now"] > 0
+    assert "+ at least" in by_what["a turn's head save, ms (MB written)"]["one_file"]
+    assert len(rows) == 5

@@ -259,6 +259,58 @@ def test_another_models_conversation_is_marked_and_offers_instead_of_hanging(qtb
     assert w.send_button.isEnabled()
 
 
+def test_a_model_switch_leaves_the_open_conversations_to_the_model_that_made_them(qtbot, make_window,
+                                                                                  gemma_path):
+    """A conversation paused with SmolLM2, then Gemma 3 loaded (File › Open Model): Resume went
+    on at once, Gemma decoding SmolLM2's token ids and writing on in the paused answer (a new
+    user's trial, under Xvfb).  The open conversations are the previous model's stored
+    conversations now: dimmed, the one shown offers to load its model or to go on with the
+    loaded one, and the engine refuses to answer in them; loading SmolLM2 again resumes the
+    paused answer exactly where it stopped."""
+    from test_gui_window import PROMPT, type_and_send
+    w = make_window(n_predict=40, temperature=0.0)
+    smol = w.bridge.model_info.name
+    finished = run_to_end(qtbot, w, "Name a colour.").conversation_id
+    qtbot.mouseClick(w.findChild(object, "newButton"), Qt.MouseButton.LeftButton)
+    with qtbot.waitSignal(w.bridge.tokens_generated, timeout=60_000):
+        type_and_send(qtbot, w, PROMPT)
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=30_000):
+        qtbot.mouseClick(w.pause_button, Qt.MouseButton.LeftButton)
+    wait_saved(qtbot, w)
+    paused, partial = w.current, w.chat_view.answer_text()
+    assert partial and w.resume_button.isEnabled()
+
+    with qtbot.waitSignal(w.message_shown, timeout=120_000):   # the offer, once Gemma is loaded
+        w.switch_model(gemma_path)
+    gemma = w.bridge.model_info.name
+    assert "gemma" in gemma.lower() and w.current == paused
+    for conv_id in (paused, finished):
+        assert w.conversation_list.other_model(conv_id) == smol
+        assert w.worker.sessions.conversation(conv_id) is None    # the engine has let go of it
+    assert [b.text() for b in w.offer_bar.buttons()] == [f"Load {smol}", f"Continue with {gemma}"]
+    assert not w.resume_button.isEnabled() and not w.send_button.isEnabled()
+    assert partial in w.chat_view.toPlainText()
+
+    # asked all the same (a command queued before the switch landed): refused, nothing decoded
+    failures, started = [], []
+    w.bridge.engine_failed.connect(lambda action, message, conv_id: failures.append(message))
+    w.bridge.generation_started.connect(started.append)
+    w.worker.resume(paused)
+    qtbot.waitUntil(lambda: bool(failures), timeout=30_000)
+    assert started == [] and w.worker.sessions.conversation(paused) is None
+
+    # Load SmolLM2: the paused answer is restored and resumes where it stopped
+    with qtbot.waitSignal(w.bridge.conversation_changed, timeout=120_000,
+                          check_params_cb=lambda snap: snap.id == paused) as restored:
+        next(b for b in w.offer_bar.buttons() if b.text().startswith("Load")).click()
+    assert w.bridge.model_info.name == smol and restored.args[0].paused
+    qtbot.waitUntil(lambda: w.resume_button.isEnabled(), timeout=30_000)
+    with qtbot.waitSignal(w.bridge.generation_finished, timeout=120_000) as fin:
+        qtbot.mouseClick(w.resume_button, Qt.MouseButton.LeftButton)
+    assert fin.args[0].n_reused_tokens == fin.args[0].n_prompt_tokens   # nothing read again
+    assert w.chat_view.answer_text().startswith(partial) and len(w.chat_view.answer_text()) > len(partial)
+
+
 def test_a_conversation_being_opened_shows_its_text_and_takes_no_message_until_open(qtbot, make_window,
                                                                                      smollm_path):
     """While the engine opens a stored conversation (after a model load at start: seconds),

@@ -421,3 +421,24 @@ def test_a_background_conversations_failure_is_said_as_its_own(qtbot, make_windo
     w.select_conversation(first)
     qtbot.waitUntil(lambda: w.checkpoint_label.text().startswith("Autosaves are failing"), timeout=30_000)
     assert "No space left" in w.checkpoint_label.toolTip()
+
+
+def test_a_seed_set_in_the_settings_applies_to_the_empty_conversation_shown(qtbot, make_window, monkeypatch):
+    """Settings › Seed 42, OK, then the first message in the blank conversation the window
+    opened with: its answer used another seed (only new conversations took the settings)."""
+    import gui.settings_dialog
+    w = make_window(n_predict=4)
+
+    class Dialog:
+        model_changed = False
+
+        def __init__(self, settings, _info, _parent) -> None:
+            self.settings = settings
+
+        def exec(self) -> bool:
+            self.settings.seed = 42
+            return True
+    monkeypatch.setattr(gui.settings_dialog, "SettingsDialog", Dialog)
+    w.open_settings()
+    run_to_end(qtbot, w, "Hello")
+    assert w.snapshots[w.current].seed == 42

@@ -8,6 +8,7 @@ refused checkpoints leaving the current conversation usable.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from enginekit import Recorder
@@ -179,6 +180,46 @@ def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_pa
     w.send(a, "Thanks!", n_predict=4)
     summary = rec.wait("finished", 4)[-1][1]
     assert summary.n_reused_tokens > first_prompt          # the cache still held A
+
+
+def test_another_model_never_decodes_the_conversations_of_the_one_before(worker, gemma_path, monkeypatch):
+    """Loading another model closes the conversations the engine had open (each saved, and
+    named in ModelLoaded.left); one whose head cannot be read then stays open, and its next
+    answer is refused instead of decoding SmolLM2's token ids with Gemma 3."""
+    import engine.worker as worker_module
+    w, rec = worker
+    a = w.new_conversation(sampler=SamplerSettings(seed=7))
+    w.send(a, "Name a colour.", n_predict=6)
+    rec.finished_for(a)
+    b = w.new_conversation(sampler=SamplerSettings(seed=8))
+    w.send(b, "Name a tree.", n_predict=6)
+    rec.finished_for(b)
+    a_head, b_head = rec.head_saved(a)[2], rec.head_saved(b)[2]
+
+    real_read_header = worker_module.read_header
+
+    def read_header(path):
+        if Path(path) == Path(b_head):
+            raise OSError("held open by another program")
+        return real_read_header(path)
+    monkeypatch.setattr(worker_module, "read_header", read_header)
+    started = len(rec.of("started"))
+    w.load_model(ModelOptions(gemma_path, n_ctx=1024, n_threads=2))
+    _, info, left = rec.wait("loaded", 2)[-1]
+    monkeypatch.undo()
+    assert "gemma" in info.name.lower()
+    assert [(c.id, Path(c.path)) for c in left] == [(a, Path(a_head))]
+    assert left[0].header.conversation_id == a and "smol" in left[0].model_name.lower()
+    assert w.sessions.conversation(a) is None and w.sessions.conversation(b) is not None
+
+    errors = len(rec.of("error"))
+    w.send(b, "And another?", n_predict=4)
+    err = rec.wait("error", errors + 1)[-1]
+    assert "Load that model" in err[2] and err[3] == b
+    w.send(a, "And another?", n_predict=4)
+    err = rec.wait("error", errors + 2)[-1]
+    assert "not open" in err[2]
+    assert len(rec.of("started")) == started   # nothing was decoded
 
 
 def test_a_failure_on_the_engine_thread_keeps_the_answer(smollm_path, tmp_path):
