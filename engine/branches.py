@@ -79,15 +79,25 @@ def branches_of(store: Store, conversation_id: uuid.UUID, graph: Graph | None = 
 
 def alternatives(current: Sequence[Message], branches: Sequence[Branch]) -> list[Alternatives | None]:
     """For each message of ``current``: its alternatives among ``branches`` (None where
-    there is only the one shown)."""
+    there is only the one shown).  Each alternative opens the newest branch that has it,
+    but for a branch whose whole transcript another branch goes on from (an Edit that
+    changed nothing and got the same answer back): that one opens instead, else the turns
+    after it could be reached from no message."""
     current = tuple(current)
+    within = {b.head for b in branches
+              if any(len(c.messages) > len(b.messages) and c.messages[:len(b.messages)] == b.messages
+                     for c in branches)}
+
+    def preference(b: Branch) -> tuple[bool, int]:
+        return b.head not in within, b.created_ns
+
     out: list[Alternatives | None] = []
     for i, message in enumerate(current):
         options: dict[Message, Branch | None] = {message: None}   # the shown one first... ordered below
         for b in sorted(branches, key=lambda b: b.created_ns):   # oldest first: stable numbering
             if len(b.messages) > i and b.messages[:i] == current[:i]:
-                newest = options.get(b.messages[i])
-                if newest is None or b.created_ns > newest.created_ns:
+                best = options.get(b.messages[i])
+                if best is None or preference(b) > preference(best):
                     options[b.messages[i]] = b
         ordered = sorted(options, key=lambda m: _first_seen(m, i, current, branches))
         if len(ordered) < 2:

@@ -223,18 +223,23 @@ def cut_to_history(conv: Conversation, runtime: HasModel) -> str | None:
     tokens did (an answer's last token merged with the template's next text), and a
     sliding-window or recurrent memory depends on where each token was decoded: a new turn
     must follow the tokens the model saw, as a continuation of a checkpoint of that history
-    does.  The tokens are matched by their text, special tokens rendered empty on both sides.
+    does.  The tokens are matched by their text, special tokens rendered empty on both sides,
+    decoded as an answer's text was (UTF-8, an invalid byte sequence a replacement
+    character: engine.generation.AnswerStepper), so an answer whose bytes are no valid UTF-8
+    — a character cut by the token limit, a small model's stray bytes — still matches the
+    tokens that wrote it (matched by their bytes, such a history was read again whole).
     """
     if conv.answer is not None or not conv.tokens or not conv.messages or conv.messages[-1][0] != "assistant":
         return None
     model = runtime.model
     text = chat_template.render(model, conv.chat_messages()[:-1], add_assistant=True,
                                 now=conv.created) + conv.messages[-1][1]
-    target = b"".join(model.token_to_piece(t) for t in model.tokenize_prompt(text))
+    target = b"".join(model.token_to_piece(t) for t in model.tokenize_prompt(text)).decode("utf-8", "replace")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     seen = 0
     for n, token in enumerate(conv.tokens, 1):
-        piece = model.token_to_piece(token)
-        if target[seen:seen + len(piece)] != piece:
+        piece = decoder.decode(model.token_to_piece(token))
+        if not target.startswith(piece, seen):
             return None
         seen += len(piece)
         if seen == len(target):

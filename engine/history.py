@@ -55,7 +55,7 @@ from engine.checkpoints.atomic import Landing
 from engine.checkpoints.chain import common_prefix, settle, tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, LIMITS, CheckpointData, read_metadata
 from engine.checkpoints.graph import Graph, line_of
-from engine.checkpoints.points import Point
+from engine.checkpoints.points import Point, points_read_from
 from engine.checkpoints.store import Store
 from engine.conversation import Conversation
 from engine.errors import CheckpointError, SaveFailed
@@ -463,6 +463,8 @@ class LineWriter:
                 idx, points = self._absorbed_by_head(idx, conv)
             else:
                 idx = self._merge_below(idx, conv)
+        if cut is None:
+            points = self._turn_ends_left_behind(points, self.chain[idx].n_tokens if idx is not None else 0)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
         # retired there once it has landed: an answer never waits for an autosave's fsync.
@@ -590,6 +592,50 @@ class LineWriter:
             return []
         snapshot = self.runtime.snapshot_at(start)   # (its state read, where a restore left it in its file)
         return [] if snapshot is None else [Point(start, before, point_state(snapshot))]
+
+    def _turn_ends_left_behind(self, points: list[Point], parent_n: int) -> list[Point]:
+        """``points`` and the turn ends of the files this save leaves behind that lie within
+        its own cells (after ``parent_n``) where the cache still holds the same tokens.
+
+        A memory with a recurrent part cannot cut a file (its recurrent state exists only
+        at the file's end), so a Regenerate, an Edit or a fork of a turn a head absorbed
+        goes on the head's parent, or is a full file, and holds the cells up to there again
+        (:meth:`_absorbed_by_head`); the head it leaves keeps the earlier turns' ends as its
+        points, and the new branch had none: an Edit of any earlier turn in it read the
+        whole conversation again (a new user's trial on a hybrid).  The new file keeps them
+        too: the same tokens give the same state, so each point's recurrent state holds for
+        it as for the file it came from (read from that file where this writer did not
+        write it, each checked against its CRC)."""
+        shape = self.runtime.shape
+        if not (self.policy.merge_turns and shape.has_recurrent and shape.holds_points):
+            return points
+        kv = self.runtime.kv_tokens
+        have = {p.n_tokens for p in points}
+        kept = list(points)
+        for info in self._chain:
+            if info.tokens is None or not info.checkpoint_id:
+                continue
+            shared = common_prefix(info.tokens, kv)
+            if shared >= info.n_tokens or shared <= parent_n:
+                continue   # a prefix of the cache (the chain keeps it), or nothing of it lies here
+            for point in self._points_with_states(info):
+                if parent_n < point.n_tokens <= shared and point.n_tokens < len(kv) \
+                        and point.n_tokens not in have and len(kept) < LIMITS.max_points:
+                    kept.append(point)
+                    have.add(point.n_tokens)
+        return sorted(kept, key=lambda p: p.n_tokens) if len(kept) > len(points) else points
+
+    @staticmethod
+    def _points_with_states(info: SaveInfo) -> list[Point]:
+        """A file's points with their recurrent states: as this writer wrote them, else read
+        from the file ([] where they cannot be had)."""
+        if info.points and all(p.recurrent is not None for p in info.points):
+            return list(info.points)
+        try:
+            header, meta = read_metadata(info.path)
+        except (CheckpointError, OSError):
+            return []
+        return points_read_from(info.path, header, meta)
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of

@@ -197,3 +197,62 @@ def test_from_turn_on_a_single_file_equals_continuing_that_history(model, reques
     assert edited["text"] == reference["text"]
     if model == "gemma":
         assert edited["n_reused_tokens"] == reference["n_reused_tokens"]
+
+
+def test_an_edit_finds_the_tokens_of_an_answer_cut_inside_a_character(smollm_runtime):
+    """An answer whose bytes are no valid UTF-8 (a character cut by the token limit, a small
+    model's stray bytes: its text holds a replacement character there) is the history an Edit
+    goes back to: its tokens were matched by their bytes and never matched the text, so the
+    whole conversation was read again (``run --from-turn`` on a tiny hybrid, a new user's
+    trial).  Matched by their text, decoded as the answer's text was, they are found."""
+    import codecs
+
+    from engine.conversation import Conversation
+    from engine.generation import begin_answer, commit_answer, cut_to_history
+    rt = smollm_runtime
+    model = rt.model
+    conv = Conversation()
+    begin_answer(conv, rt, "Show me a smiling face.")
+    emoji = model.tokenize("Here: 😀 and 🙂 done", add_special=False)
+    pieces = [model.token_to_piece(t) for t in emoji]
+    split = next(i for i, p in enumerate(pieces) if p and not _valid_utf8(p))   # a token inside 😀
+    answer = emoji[:split] + emoji[split + 1:]   # one byte token of the emoji left out
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(model.token_to_piece(t) for t in answer))
+    assert "\ufffd" in text
+    history = list(conv.tokens) + answer
+    conv.answer.text, conv.answer.n_generated, conv.answer.finish_reason = text, len(answer), "length"
+    conv.tokens = history + model.tokenize("<|im_end|>\n<|im_start|>user\nLater turn", add_special=False)
+    commit_answer(conv)
+    conv.answer = None   # (as an Edit leaves it: the messages up to an answer)
+    assert cut_to_history(conv, rt) is not None
+    assert conv.tokens == history
+
+
+def _valid_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_an_alternative_opens_the_branch_that_goes_on_from_an_unchanged_edit():
+    """Nine turns, an Edit of turn 2 that changed nothing (the same answer came back: a branch
+    of two turns, all of them the first branch's), then an Edit of turn 2 with new text:
+    turn 2's first alternative opened the newest branch with it, the two-turn one, and the
+    first branch's turns 3-9 could be reached from no message (a new user's trial)."""
+    from engine.branches import Branch, alternatives
+    turns = [m for k in range(9) for m in (("user", f"question {k}"), ("assistant", f"answer {k}"))]
+    first = Branch(Path("first"), "a", tuple(turns), 900, 1, False)
+    unchanged = Branch(Path("unchanged"), "b", tuple(turns[:4]), 200, 2, False)
+    edited = Branch(Path("edited"), "c", (*turns[:2], ("user", "another question"), ("assistant", "x")), 200, 3,
+                    False)
+    branches = [first, unchanged, edited]
+    at_turn_2 = alternatives(edited.messages, branches)[2]
+    assert at_turn_2 is not None and (at_turn_2.index, at_turn_2.count) == (2, 2)
+    assert at_turn_2.heads == (Path("first"), Path("edited"))
+    # shown from the unchanged branch too, turn 2's first alternative is the first branch
+    assert alternatives(unchanged.messages, branches)[2].heads == (Path("first"), Path("edited"))
+    # and a branch that goes on from an edit stays what its own alternative opens
+    on = Branch(Path("on"), "d", (*turns[:4], ("user", "a new turn 3"), ("assistant", "y")), 300, 4, False)
+    assert alternatives(on.messages, [first, unchanged, on])[4].heads == (Path("first"), Path("on"))

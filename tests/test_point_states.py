@@ -583,6 +583,53 @@ def test_the_window_edits_an_absorbed_turn_exactly(arch, tiny_model_path, tmp_pa
         assert edited.n_reused_tokens == first_end   # turn 1's end, from the head's point
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["same-process", "after-a-restart"])
+@pytest.mark.parametrize("arch", ["qwen35", "mamba2"])
+def test_a_regenerated_branch_keeps_every_earlier_turn_end(arch, restart, tiny_model_path, tmp_path):
+    """Four turns (one head, the first three turn ends its points), then Regenerate of the last
+    answer: a recurrent memory cannot cut the head, so the new branch's file holds the cells
+    again, and it held no turn end: an Edit of turn 2 in the new branch read the whole
+    conversation again (a new user's trial on a hybrid).  The new file keeps the turn ends
+    of the head it leaves (read from that file after a restart): the Edit reads only from
+    turn 1's end on, and answers what the same Edit on the first branch answers."""
+    store = Store(tmp_path / "store")
+    sampler = SamplerSettings(seed=3, temperature=1.5, ignore_eos=True)   # (Regenerate draws another answer)
+    greedy = SamplerSettings(seed=3, temperature=0.0, ignore_eos=True)
+    texts = ("Tell me about rivers.", "And lakes?", "And seas?", "And oceans?")
+    with _window_engine(tiny_model_path(arch), store) as (w, rec):
+        a = w.new_conversation(sampler=sampler)
+        for i, text in enumerate(texts):
+            w.send(a, text, n_predict=6)
+            rec.wait("finished", i + 1)
+        rec.head_saved(a, len(texts))
+        (first_head,) = Graph.scan(store.folder).heads_of(a)
+        ends = [p.n_tokens for p in points_of(load_chain(first_head.path)[-1])]
+        assert len(ends) == 3
+        if not restart:
+            w.regenerate(a)
+            rec.wait("finished", 5)
+            rec.head_saved(a, 5)
+    if restart:
+        with _window_engine(tiny_model_path(arch), store) as (w, rec):
+            w.open_checkpoint(first_head.path)
+            rec.wait("changed")
+            w.regenerate(a)
+            rec.wait("finished")
+            rec.head_saved(a)
+    branch = next(h for h in Graph.scan(store.folder).heads_of(a) if h.name != first_head.name)
+    assert [p.n_tokens for data in load_chain(branch.path) for p in points_of(data)] == ends
+    with _window_engine(tiny_model_path(arch), store) as (w, rec):   # each branch's Edit of turn 2
+        edits = []
+        for head in (branch, first_head):
+            w.open_checkpoint(head.path)
+            rec.next("changed")
+            w.set_sampler(a, greedy)
+            w.edit_message(a, 2, "And mountains?", n_predict=6)
+            edits.append(rec.next("finished")[1])
+        assert edits[0].n_reused_tokens == edits[1].n_reused_tokens == ends[0]   # turn 1's end
+        assert edits[0].text == edits[1].text and edits[0].n_prompt_tokens == edits[1].n_prompt_tokens
+
+
 def test_regenerate_after_a_restart_reads_nothing_of_a_long_last_message(tiny_model_path, tmp_path):
     """A long last message's prompt autosave (ChainPolicy.prompt_checkpoint, with the
     prompt's logits) stays a file below the head, which absorbs the turns below it: after a

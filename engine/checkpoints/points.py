@@ -138,6 +138,29 @@ def nearest_point_in_file(chain: Sequence, n: int) -> tuple[int, BytesInFile] | 
     return place.n_tokens, BytesInFile(data.path, offset + place.start, place.length, place.crc32)
 
 
+def points_read_from(path, header, meta: dict[str, Any]) -> list[Point]:
+    """The points of the file at ``path`` (its ``header`` and metadata, read before) with
+    their recurrent states, each read now and checked against its CRC; a point whose state
+    cannot be had (no CRC given, the file gone or changed since) is left out.  For a file a
+    writer did not write (a restored chain's), whose points its new file keeps
+    (engine.history.LineWriter._turn_ends_left_behind)."""
+    lengths = recurrent_lengths(meta) if header.has_recurrent and header.has_point_states else None
+    crcs = recurrent_crcs(meta) if lengths is not None else None
+    if lengths is None or crcs is None:
+        return []
+    offset = header.state_offset + header.state_len - sum(lengths)   # they end the state section
+    out = []
+    for entry, length, crc in zip(_entries(meta), lengths, crcs, strict=True):
+        counts = _counts(entry, header)
+        if counts is not None:
+            try:
+                out.append(Point(*counts, BytesInFile(path, offset, length, crc).read(), crc))
+            except (CorruptState, OSError):
+                pass
+        offset += length
+    return out
+
+
 def point_at(data, n_tokens: int) -> Point | None:
     """The point of a file (CheckpointData) at ``n_tokens``, as :func:`points_of` gives it,
     only its recurrent state read; None: none there."""
