@@ -190,6 +190,7 @@ class Resume(AnswerCommand):
 
 @dataclass(frozen=True)
 class Regenerate(AnswerCommand):
+    n_predict: int | None = None   # None: the answer's own limit
     action = Action.REGENERATE
 
 

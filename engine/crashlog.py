@@ -2,13 +2,22 @@
 
 A crash inside llama.dll kills the process before any Python ``except`` runs.
 ``faulthandler`` still writes the Python stack of every thread to a file, so each
-process writes to its own ``faulthandler-<pid>.log`` in the log folder; a normal exit
-deletes it (empty).  At the next start, a file of a process that is gone is an end the
-user has not heard about: :func:`pending_crashes` finds it, the CLI and the window tell
-the user and offer the newest autosave, and :func:`acknowledge` keeps a non-empty one as
-``crash-<time>.log`` (the last few are kept for bug reports).  An empty file means the
-process was killed without a trace (SIGKILL, End task, power loss): no trace to keep,
-but the answer it was writing is in an autosave all the same, so it is reported too.
+process writes to its own ``faulthandler-<pid>-<start>.log`` in the log folder; a normal
+exit deletes it (empty).  At the next start, a file of a process that is gone is an end
+the user has not heard about: :func:`pending_crashes` finds it, the CLI and the window
+tell the user and offer the newest autosave, and :func:`acknowledge` keeps a non-empty
+one as ``crash-<time>.log`` (the last few are kept for bug reports).  An empty file
+means the process was killed without a trace (SIGKILL, End task, power loss): no trace to
+keep, but the answer it was writing is in an autosave all the same, so it is reported too.
+
+Whether a file's process is gone is not asked by its number: a number is reused (Wine
+gives each new server's first process the same one, Windows after a reboot), and a kill
+went unreported when the next start, or another program, had the dead process's number
+(the Windows build under Wine).  Each process holds an OS lock on its own
+``faulthandler-<pid>-<start>.lock`` while it runs, taken before its trace file exists; the
+operating system drops it with the process, so a file whose lock can be taken is a
+process that is gone.  Files from before the locks (``faulthandler-<pid>.log``) are
+still judged by their number.
 """
 
 from __future__ import annotations
@@ -21,10 +30,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from engine import paths
 
 KEEP_REPORTS = 5
 _handle = None
+_lock: FileLock | None = None    # held while this process runs (see the module docstring)
+_installed: Path | None = None   # this process's trace file, once install() opened it
+_STARTED_NS = time.time_ns()     # (a process's files are named by its number and this)
 
 
 @dataclass(frozen=True)
@@ -43,15 +57,23 @@ class CrashReport:
 
 def trace_path(folder: Path | None = None) -> Path:
     """This process's trace file (also where a lost RPC worker is noted for the next start)."""
-    return (folder or paths.log_dir()) / f"faulthandler-{os.getpid()}.log"
+    if _installed is not None and folder is None:
+        return _installed
+    return (folder or paths.log_dir()) / f"faulthandler-{os.getpid()}-{_STARTED_NS}.log"
+
+
+def _lock_of(trace: Path) -> Path:
+    return trace.with_suffix(".lock")
 
 
 def install(folder: Path | None = None) -> Path:
     """Write fatal-error tracebacks of this process to the log folder."""
-    global _handle
+    global _handle, _lock, _installed
     path = trace_path(folder)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _handle = open(path, "w", encoding="utf-8")
+    lock = FileLock(str(_lock_of(path)), timeout=0)
+    lock.acquire()   # before the trace exists: a trace whose lock is free has no process
+    _handle, _lock, _installed = open(path, "w", encoding="utf-8"), lock, path
     faulthandler.enable(_handle, all_threads=True)
 
     def clean_exit() -> None:
@@ -62,6 +84,8 @@ def install(folder: Path | None = None) -> Path:
                 path.unlink()
         except OSError:
             pass
+        lock.release()
+        _lock_of(path).unlink(missing_ok=True)   # (Windows' filelock has deleted it already)
 
     atexit.register(clean_exit)
     return path
@@ -127,11 +151,7 @@ def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
     folder = folder or paths.log_dir()
     reports = []
     for path in sorted(folder.glob("faulthandler-*.log")) if folder.is_dir() else []:
-        try:
-            pid = int(path.stem.split("-", 1)[1])
-        except ValueError:
-            continue
-        if _alive(pid):
+        if not _gone(path):
             continue
         try:
             text = path.read_text("utf-8", "replace")
@@ -148,15 +168,40 @@ def pending_crashes(folder: Path | None = None) -> list[CrashReport]:
     return sorted(reports, key=lambda r: r.when)
 
 
+def _gone(trace: Path) -> bool:
+    """Whether the process that wrote ``trace`` has ended (see the module docstring)."""
+    if trace == _installed:
+        return False
+    parts = trace.stem.split("-")
+    if len(parts) == 2:   # faulthandler-<pid>.log: from before the locks, judged by the number
+        try:
+            pid = int(parts[1])
+        except ValueError:
+            return False
+        return pid == os.getpid() or not _alive(pid)   # (this process writes no such name)
+    lock = FileLock(str(_lock_of(trace)), timeout=0)
+    if not _lock_of(trace).exists():
+        return True   # its process let go of it at its exit (a note left in the trace), or died
+    try:
+        lock.acquire()
+    except Timeout:
+        return False   # its process runs
+    except OSError:
+        return False   # (a lock file that cannot be opened: judged again at the next start)
+    lock.release()
+    return True
+
+
 def acknowledge(reports: list[CrashReport]) -> list[Path]:
     """Keep reported traces as crash-<time>.log (the newest few); returns their paths."""
     kept = []
     for report in reports:
+        _lock_of(report.log).unlink(missing_ok=True)
         if report.killed:
             report.log.unlink(missing_ok=True)
             continue
         target = report.log.with_name(time.strftime("crash-%Y%m%d-%H%M%S", time.localtime(report.when))
-                                      + f"-{report.log.stem.split('-', 1)[1]}.log")
+                                      + f"-{report.log.stem.split('-')[1]}.log")
         try:
             report.log.replace(target)
             kept.append(target)

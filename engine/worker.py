@@ -310,10 +310,10 @@ class EngineWorker:
     def resume(self, conv_id: uuid.UUID, n_predict: int | None = None) -> None:
         self.submit(cmd.Resume(conv_id, n_predict))
 
-    def regenerate(self, conv_id: uuid.UUID) -> None:
+    def regenerate(self, conv_id: uuid.UUID, n_predict: int | None = None) -> None:
         """A new answer to the same prompt, on a new branch: the old answer stays one of
-        its alternatives (engine.branches)."""
-        self.submit(cmd.Regenerate(conv_id))
+        its alternatives (engine.branches).  ``n_predict``: its limit (None: the old one's)."""
+        self.submit(cmd.Regenerate(conv_id, n_predict))
 
     def edit_message(self, conv_id: uuid.UUID, index: int, text: str, n_predict: int = -1) -> None:
         """Replace user message ``index`` (of the transcript's messages, system prompt not
@@ -902,13 +902,15 @@ class EngineWorker:
             paused.n_predict = n_predict
         self._generate(conv)
 
-    def _do_regenerate(self, conv_id: uuid.UUID) -> None:
+    def _do_regenerate(self, conv_id: uuid.UUID, n_predict: int | None) -> None:
         from engine.generation import discard_answer
         conv = self._conv(conv_id)
         if conv.answer is None:
             raise GenerationError("there is no answer to regenerate")
         self._branch(conv)
         discard_answer(conv)
+        if n_predict is not None and conv.answer is not None:   # (the limit the user set since)
+            conv.answer.n_predict = n_predict
         # the same seed would draw the same answer again: a new one (kept in the checkpoint,
         # so this answer resumes exactly like any other)
         conv.sampler = replace(conv.sampler, seed=random_seed())

@@ -58,9 +58,11 @@ def configure_application(app) -> None:
 def _setup_logging() -> None:
     folder = paths.log_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    # force: `checkpoint-chat` (engine.cli) configured the console's logging before it handed
+    # over to the window, and a second basicConfig did nothing: the log file stayed empty
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         handlers=[logging.FileHandler(folder / "checkpoint-chat.log", encoding="utf-8"),
-                                  logging.StreamHandler()])
+                                  logging.StreamHandler()], force=True)
     # llama.cpp logs a paused prefill as errors; failures reach the user through our own messages
     logging.getLogger("native.llama").setLevel(logging.CRITICAL)
 

@@ -201,8 +201,13 @@ class CheckpointTreeModel(QStandardItemModel):
 
     @property
     def rows(self) -> list[Row]:
-        """Every row, top-level and folded (a file appears once)."""
-        return [r for r in _flatten(self.top_rows) if r.path is not None]
+        """Every file's row, top-level and folded, each file once (a file several branches'
+        chains hold is folded under each of them: the summary counted it as often)."""
+        unique: dict[Path, Row] = {}
+        for row in _flatten(self.top_rows):
+            if row.path is not None:
+                unique.setdefault(row.path, row)
+        return list(unique.values())
 
     def set_rows(self, rows: list[Row], target: Target | None) -> None:
         self.beginResetModel()

@@ -227,6 +227,14 @@ class ChatView(QTextBrowser):
         Without ``user_text`` a paused answer at the end goes on (resume).
         """
         if user_text is not None:
+            before = self.messages[-1] if self.messages else None
+            if before is not None and before.role == "assistant" and not before.complete:
+                # a paused answer a new message leaves as it is: no longer "Resume continues it"
+                before.complete, before.note = True, ""
+                if self._shows_tail(before) and not self._streaming:
+                    self._rewrite_tail()
+                else:
+                    self.render()
             self._append(Message("user", user_text))
         last = self.messages[-1] if self.messages else None
         if last is None or last.role != "assistant" or user_text is not None:

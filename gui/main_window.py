@@ -391,7 +391,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             self.chat_view.messages.pop()
         self.chat_view.begin_answer(None)
         self.state.asked(self.current)
-        self.worker.regenerate(self.current)
+        self.worker.regenerate(self.current, self.settings.n_predict)
         self._update_buttons()
 
     def rename_conversation(self, conv_id: uuid.UUID) -> None:

@@ -24,6 +24,10 @@ from gui.settings import SAMPLER_KEYS, AppSettings
 _MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers", "sequences")
 
 
+#: spin boxes whose lowest value, 0, shows "none" and is stored as -1 (no limit): an answer
+#: limit of 0 tokens gave empty answers, said nowhere (the Windows build, typed as "none")
+_NONE_AT_ZERO = {"n_predict"}
+
 class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, model: ModelInfo | None, parent=None) -> None:
         super().__init__(parent)
@@ -54,6 +58,8 @@ class SettingsDialog(QDialog):
             box.setRange(lo, hi)
             box.setSingleStep(step)
             value = getattr(settings, key)
+            if key in _NONE_AT_ZERO:
+                value = max(value, 0)
             box.setValue(getattr(defaults, key) if value is None else value)   # unset: the model's
             if special:
                 box.setSpecialValueText(special)
@@ -83,7 +89,7 @@ class SettingsDialog(QDialog):
         spin("repeat_penalty", "Repeat penalty:", 0.5, 3.0, 0.05, 2)
         self._model_defaults_row(form, model.sampling_source if model is not None else "no model loaded")
         spin("seed", "Seed:", -1, 2**31 - 1, special="random")
-        spin("n_predict", "Answer limit (tokens):", -1, 1 << 20, special="none")
+        spin("n_predict", "Answer limit (tokens):", 0, 1 << 20, special="none")
         spin("autosave_every", "Autosave every (tokens):", 0, 100000, 16, special="off")
         path_row("checkpoint_dir", "Checkpoint folder:", True, "default: the app's data folder")
         spin("autosave_budget_mb", "Disk budget for superseded checkpoints (MB):", 1, 1 << 20, 256)
@@ -155,6 +161,8 @@ class SettingsDialog(QDialog):
                 value = int(widget.isChecked())
             else:
                 value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
+            if key in _NONE_AT_ZERO and value == 0:
+                value = -1
             if key in _MODEL_KEYS and value != getattr(self.settings, key):
                 self.model_changed = True
             if key in SAMPLER_KEYS and value == getattr(self.sampling_defaults, key):

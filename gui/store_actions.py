@@ -261,8 +261,10 @@ class StoreActions:
 
     def _offer_resume(self, path: Path, summary: str) -> None:
         box = QMessageBox(QMessageBox.Icon.Question, "Checkpoint imported",
-                          f"{summary} Resume “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
-        resume = box.addButton("Resume", QMessageBox.ButtonRole.AcceptRole)
+                          f"{summary} Open “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
+        # (opening shows the conversation where it stopped; a paused answer goes on with
+        # Resume: the button said Resume and a second Resume was needed, under Wine)
+        resume = box.addButton("Open", QMessageBox.ButtonRole.AcceptRole)
         box.addButton("Later", QMessageBox.ButtonRole.RejectRole)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
         box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(path))
@@ -309,9 +311,14 @@ class StoreActions:
             self._rename(conv_id, title.strip())
 
     def _browser_delete(self, path: Path) -> None:
+        row = self.browser.selected_row() if self.browser is not None else None
+        named = f"“{row.title}” ({Path(path).name})" if row is not None and row.path == Path(path) and row.title \
+            else Path(path).name
         answer = QMessageBox.question(
             self.browser, "Delete checkpoint",
-            f"Delete {Path(path).name}?\nFiles of its chain that nothing else needs go with it.")
+            f"Delete {named}?\nFiles of its chain that nothing else needs go with it.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+            QMessageBox.StandardButton.No)   # (a deletion is never what Enter does)
         if answer == QMessageBox.StandardButton.Yes:
             spawn(self._delete_file(Path(path)))
 

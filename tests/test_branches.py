@@ -256,3 +256,16 @@ def test_an_alternative_opens_the_branch_that_goes_on_from_an_unchanged_edit():
     # and a branch that goes on from an edit stays what its own alternative opens
     on = Branch(Path("on"), "d", (*turns[:4], ("user", "a new turn 3"), ("assistant", "y")), 300, 4, False)
     assert alternatives(on.messages, [first, unchanged, on])[4].heads == (Path("first"), Path("on"))
+
+
+def test_regenerate_answers_within_the_limit_set_since(engine):
+    """The window's answer limit changed after the answer (Settings): Send, Edit and Continue
+    took the new one, Regenerate the old one (1,400 tokens at a limit of 64, under Wine)."""
+    w, rec = engine
+    a = w.new_conversation(sampler=SamplerSettings(seed=5, ignore_eos=True))
+    first, _ = _answer(rec, w, w.send, a, "Name three colours.", 12)
+    assert first.n_generated == 12
+    again, _ = _answer(rec, w, w.regenerate, a, 3)
+    assert again.n_generated == 3 and again.finish_reason == "length"
+    kept, _ = _answer(rec, w, w.regenerate, a)    # none given: the answer's own
+    assert kept.n_generated == 3

@@ -256,6 +256,19 @@ def test_resume_continues_the_paused_answer_in_place(view):
     assert plain(view).count("Copy") == 3 and view.code_blocks(1) == ["four"]
 
 
+def test_a_message_sent_after_a_pause_leaves_no_resume_note_on_the_paused_answer(view):
+    """A new message after a paused answer leaves that answer as it is: it still said
+    "Paused · … — Resume continues it", with Resume off and no Fork link (under Wine)."""
+    view.begin_answer("count")
+    stream(view, "one two ")
+    view.finish_answer(complete=False, note="Paused · saving checkpoint…")
+    view.set_note("Paused · saved 1 MB — Resume continues it")
+    view.begin_answer("something else")
+    assert "Resume continues it" not in plain(view) and "Paused" not in plain(view)
+    assert view.messages[1].complete and "one two" in plain(view)
+    assert [m.role for m in view.messages] == ["user", "assistant", "user", "assistant"]
+
+
 def test_placeholder_and_regenerate_after_a_removed_answer(view):
     view.placeholder = "Opening the conversation…"
     view.render()

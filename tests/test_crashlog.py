@@ -92,3 +92,38 @@ def test_a_kill_without_trace_is_reported_as_such(app_home):
     assert report.killed and "without closing" in report.what
     assert crashlog.acknowledge([report]) == [] and not report.log.exists()
     assert crashlog.pending_crashes() == []
+
+
+def test_a_kill_is_reported_whatever_process_has_its_number_now(app_home):
+    """A kill went unreported when the next start had the dead process's number (Wine gives
+    each new server's first process the same one; Windows reuses numbers after a reboot),
+    or when another running program had it: a process is judged by the lock it holds on its
+    trace while it runs, never by its number.  Here the dead processes' files carry this
+    test's own number, which is alive."""
+    folder = app_home / "log"
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = folder / f"faulthandler-{os.getpid()}-1.log"          # its lock left behind, free
+    stale.write_text("")
+    stale.with_suffix(".lock").write_text("")
+    noted = folder / f"faulthandler-{os.getpid()}-2.log"          # a note left at a clean exit
+    noted.write_text("Fatal Python error: a lost worker\n")
+    legacy = folder / f"faulthandler-{os.getpid()}.log"           # written before the locks
+    legacy.write_text("")
+    reports = crashlog.pending_crashes()
+    assert sorted(r.log.name for r in reports) == sorted(p.name for p in (stale, noted, legacy))
+    crashlog.acknowledge(reports)
+    assert crashlog.pending_crashes() == [] and not stale.with_suffix(".lock").exists()
+
+
+def test_a_running_process_is_no_crash_until_it_is_killed(app_home):
+    code = "from engine import crashlog; crashlog.install(); import sys; print('up', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        assert crashlog.pending_crashes() == []        # its lock is held: it runs
+    finally:
+        child.kill()
+        child.wait(30)
+    (report,) = crashlog.pending_crashes()
+    assert report.killed and f"faulthandler-{child.pid}-" in report.log.name

@@ -388,3 +388,17 @@ def test_a_full_context_offers_a_new_branch(qtbot, make_window):
     # the full conversation stays as it was, one ‹ › away
     kept_first = w.chat_view.messages[0].alternatives
     assert kept_first is not None and kept_first.count == 2
+
+
+def test_the_browsers_summary_counts_each_file_once(qtbot, app_home):
+    """Branches of one conversation whose chains share files (the file they were cut from,
+    folded under each): the browser's summary said "9 files · 8.2 MB" of a store of 5 files,
+    5.3 MB (each branch's folded chain counted again, under Wine)."""
+    from gui.browser import CHAIN, CONVERSATION, HEAD, CheckpointBrowser, Row, file_size_text
+    shared = Row(Path("shared.kvckpt"), 4_000_000, 1.0, None, "valid", role=CHAIN)
+    branches = tuple(Row(Path(f"branch{k}.kvckpt"), 100_000, 2.0 + k, None, "valid", role=HEAD,
+                         children=(shared,)) for k in range(3))
+    browser = CheckpointBrowser()
+    qtbot.addWidget(browser)
+    browser.set_rows([Row(None, 0, 4.0, None, "valid", role=CONVERSATION, children=branches)], None)
+    assert browser.summary.text() == f"3 resumable · 4 files · {file_size_text(4_300_000)}"

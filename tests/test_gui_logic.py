@@ -171,3 +171,51 @@ def test_the_sampler_follows_the_model_unless_the_user_set_it(app_home):
     assert got.temperature == 0.25 and got.top_p == GENERIC_DEFAULTS.top_p
     s.temperature = None                                           # "Use the model's defaults"
     assert AppSettings().sampler(GENERIC_DEFAULTS).temperature == GENERIC_DEFAULTS.temperature
+
+
+def test_the_window_started_by_checkpoint_chat_writes_its_log_file(app_home):
+    """`checkpoint-chat` with no command configured the console's logging, then handed over
+    to the window, whose own configuration then did nothing: checkpoint-chat.log stayed empty
+    (a user's Troubleshooting and the installer's checks read it)."""
+    import logging
+
+    import gui.app
+    from engine import cli, paths
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+
+    def window(_argv) -> int:
+        gui.app._setup_logging()
+        logging.getLogger("engine").info("the window started")
+        return 0
+    try:
+        assert cli.main([], gui_main=window) == 0
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert "the window started" in (paths.log_dir() / "checkpoint-chat.log").read_text(encoding="utf-8")
+
+
+def test_an_answer_limit_of_0_is_none(qtbot, app_home):
+    """"Answer limit" 0 gave empty answers (no word why): its lowest value shows "none" and
+    is stored as no limit; a limit shows and is stored as itself."""
+    from gui.settings import AppSettings
+    from gui.settings_dialog import SettingsDialog
+    s = AppSettings()
+    assert s.n_predict == -1
+    dialog = SettingsDialog(s, None)
+    qtbot.addWidget(dialog)
+    box = dialog.fields["n_predict"]
+    assert box.value() == box.minimum() == 0 and box.text() == "none"
+    dialog.accept()
+    assert AppSettings().n_predict == -1
+    s.n_predict = 64
+    dialog = SettingsDialog(s, None)
+    qtbot.addWidget(dialog)
+    assert dialog.fields["n_predict"].value() == 64
+    dialog.fields["n_predict"].setValue(0)
+    dialog.accept()
+    assert AppSettings().n_predict == -1

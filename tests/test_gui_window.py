@@ -442,3 +442,22 @@ def test_a_seed_set_in_the_settings_applies_to_the_empty_conversation_shown(qtbo
     w.open_settings()
     run_to_end(qtbot, w, "Hello")
     assert w.snapshots[w.current].seed == 42
+
+
+def test_deleting_from_the_browser_asks_with_no_as_the_default(qtbot, make_window, monkeypatch):
+    """Enter on the question deleted (Yes was its default): a deletion needs a click on Yes."""
+    import gui.store_actions
+    w = make_window(n_predict=4)
+    run_to_end(qtbot, w, "Hello")
+    (path,) = w.store.files()
+    w.show_browser()
+    asked = []
+
+    def question(_parent, _title, text, _buttons, default):
+        asked.append((text, default))
+        return default
+    monkeypatch.setattr(gui.store_actions.QMessageBox, "question", question)
+    w._browser_delete(path)
+    ((text, default),) = asked
+    assert default == gui.store_actions.QMessageBox.StandardButton.No and path.name in text
+    assert path.exists()

@@ -32,6 +32,12 @@ def test_json_output_survives_a_cp1252_pipe():
     print_json(value, stream=pipe, indent=2)
     pipe.flush()
     assert json.loads(pipe.buffer.getvalue().decode("cp1252")) == value
+    # what fits cp1252 too is written as ASCII escapes: JSON's readers read UTF-8 ("Zoë" was
+    # one cp1252 byte that jq could not decode, under Wine)
+    latin = io.TextIOWrapper(io.BytesIO(), encoding="cp1252", newline="\n")
+    print_json({"path": "C:\\Users\\Zoë Müller"}, stream=latin)
+    latin.flush()
+    assert json.loads(latin.buffer.getvalue().decode("utf-8")) == {"path": "C:\\Users\\Zoë Müller"}
     utf8 = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", newline="\n")
     print_json(value, stream=utf8)
     utf8.flush()

@@ -10,6 +10,7 @@ same text; other text is written with backslash escapes instead of failing.
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 from typing import Any
@@ -42,15 +43,16 @@ def tolerate_unencodable(*streams, windows: bool | None = None) -> None:
 
 
 def print_json(value: Any, *, stream=None, **dumps_args) -> None:
-    """``value`` as JSON on ``stream`` (stdout): readable text where the stream's encoding
-    allows, ASCII escapes where it does not."""
+    """``value`` as JSON on ``stream`` (stdout): readable text where the stream writes UTF-8,
+    ASCII escapes elsewhere.  JSON's readers (jq, PowerShell 7, Node) read UTF-8: a Windows
+    pipe's ANSI code page wrote "Zoë" as one cp1252 byte they could not decode, and its
+    encoding decided by the text (a character outside cp1252 made it ASCII) under Wine."""
     stream = sys.stdout if stream is None else stream
-    text = json.dumps(value, ensure_ascii=False, **dumps_args)
     try:
-        text.encode(getattr(stream, "encoding", None) or "utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(value, ensure_ascii=True, **dumps_args)
-    print(text, file=stream)
+        utf8 = codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name == "utf-8"
+    except LookupError:
+        utf8 = False
+    print(json.dumps(value, ensure_ascii=not utf8, **dumps_args), file=stream)
 
 
 def answer_fields(text: str, thinking_format, *, before: str = "", final: bool = True) -> dict[str, Any]:
