@@ -463,7 +463,7 @@ class LineWriter:
                 idx, points = self._absorbed_by_head(idx, conv)
             else:
                 idx = self._merge_below(idx, conv)
-        if cut is None:
+        if cut is None and tip != len(self.chain) - 1:   # (the cache leaves some file of the chain)
             points = self._turn_ends_left_behind(points, self.chain[idx].n_tokens if idx is not None else 0)
         superseding = idx is None or idx != len(self.chain) - 1 or self.saves == 0
         # an autosave lands (fsync, rename) on a helper thread, and what it supersedes is
