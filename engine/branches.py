@@ -82,11 +82,11 @@ def alternatives(current: Sequence[Message], branches: Sequence[Branch]) -> list
     there is only the one shown).  Each alternative opens the newest branch that has it,
     but for a branch whose whole transcript another branch goes on from (an Edit that
     changed nothing and got the same answer back): that one opens instead, else the turns
-    after it could be reached from no message."""
+    after it could be reached from no message.  A paused branch opens as itself."""
     current = tuple(current)
-    within = {b.head for b in branches
-              if any(len(c.messages) > len(b.messages) and c.messages[:len(b.messages)] == b.messages
-                     for c in branches)}
+    within = {b.head for b in branches if not b.paused   # (a paused one holds work of its own)
+              and any(len(c.messages) > len(b.messages) and c.messages[:len(b.messages)] == b.messages
+                      for c in branches)}
 
     def preference(b: Branch) -> tuple[bool, int]:
         return b.head not in within, b.created_ns

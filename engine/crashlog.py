@@ -73,7 +73,13 @@ def install(folder: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(_lock_of(path)), timeout=0)
     lock.acquire()   # before the trace exists: a trace whose lock is free has no process
-    _handle, _lock, _installed = open(path, "w", encoding="utf-8"), lock, path
+    try:
+        handle = open(path, "w", encoding="utf-8")
+    except OSError:
+        lock.release()
+        _unlink(_lock_of(path))
+        raise
+    _handle, _lock, _installed = handle, lock, path
     faulthandler.enable(_handle, all_threads=True)
 
     def clean_exit() -> None:
@@ -85,10 +91,19 @@ def install(folder: Path | None = None) -> Path:
         except OSError:
             pass
         lock.release()
-        _lock_of(path).unlink(missing_ok=True)   # (Windows' filelock has deleted it already)
+        _unlink(_lock_of(path))   # (Windows' filelock has deleted it already)
 
     atexit.register(clean_exit)
     return path
+
+
+def _unlink(path: Path) -> None:
+    """Delete ``path`` if it can be (Windows: another program may hold it open for a moment;
+    the next start deletes it then)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -196,9 +211,9 @@ def acknowledge(reports: list[CrashReport]) -> list[Path]:
     """Keep reported traces as crash-<time>.log (the newest few); returns their paths."""
     kept = []
     for report in reports:
-        _lock_of(report.log).unlink(missing_ok=True)
+        _unlink(_lock_of(report.log))
         if report.killed:
-            report.log.unlink(missing_ok=True)
+            _unlink(report.log)
             continue
         target = report.log.with_name(time.strftime("crash-%Y%m%d-%H%M%S", time.localtime(report.when))
                                       + f"-{report.log.stem.split('-')[1]}.log")
@@ -210,7 +225,7 @@ def acknowledge(reports: list[CrashReport]) -> list[Path]:
     if reports:
         old = sorted(reports[0].log.parent.glob("crash-*.log"))[:-KEEP_REPORTS]
         for path in old:
-            path.unlink(missing_ok=True)
+            _unlink(path)
     return kept
 
 

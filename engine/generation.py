@@ -226,8 +226,10 @@ def cut_to_history(conv: Conversation, runtime: HasModel) -> str | None:
     does.  The tokens are matched by their text, special tokens rendered empty on both sides,
     decoded as an answer's text was (UTF-8, an invalid byte sequence a replacement
     character: engine.generation.AnswerStepper), so an answer whose bytes are no valid UTF-8
-    — a character cut by the token limit, a small model's stray bytes — still matches the
-    tokens that wrote it (matched by their bytes, such a history was read again whole).
+    — a small model's stray bytes, a character the token limit cut at the end of the last
+    answer — still matches the tokens that wrote it (matched by their bytes, such a history
+    was read again whole).  (A character cut at the end of an earlier answer still does not:
+    that answer's text dropped its bytes, which the template's next text then follows.)
     """
     if conv.answer is not None or not conv.tokens or not conv.messages or conv.messages[-1][0] != "assistant":
         return None

@@ -618,24 +618,27 @@ class LineWriter:
             shared = common_prefix(info.tokens, kv)
             if shared >= info.n_tokens or shared <= parent_n:
                 continue   # a prefix of the cache (the chain keeps it), or nothing of it lies here
-            for point in self._points_with_states(info):
-                if parent_n < point.n_tokens <= shared and point.n_tokens < len(kv) \
-                        and point.n_tokens not in have and len(kept) < LIMITS.max_points:
+            def wanted(n: int, shared: int = shared) -> bool:
+                return parent_n < n <= shared and n < len(kv) and n not in have
+
+            for point in self._points_with_states(info, wanted):
+                if wanted(point.n_tokens) and len(kept) < LIMITS.max_points:
                     kept.append(point)
                     have.add(point.n_tokens)
         return sorted(kept, key=lambda p: p.n_tokens) if len(kept) > len(points) else points
 
     @staticmethod
-    def _points_with_states(info: SaveInfo) -> list[Point]:
-        """A file's points with their recurrent states: as this writer wrote them, else read
-        from the file ([] where they cannot be had)."""
+    def _points_with_states(info: SaveInfo, wanted) -> list[Point]:
+        """A file's points at the token counts ``wanted`` takes, with their recurrent states:
+        as this writer wrote them, else read from the file, only those ([] where they cannot
+        be had)."""
         if info.points and all(p.recurrent is not None for p in info.points):
-            return list(info.points)
+            return [p for p in info.points if wanted(p.n_tokens)]
         try:
             header, meta = read_metadata(info.path)
         except (CheckpointError, OSError):
             return []
-        return points_read_from(info.path, header, meta)
+        return points_read_from(info.path, header, meta, wanted)
 
     def _point_state(self, info: SaveInfo) -> np.ndarray | None:
         """For a memory with a recurrent part, the recurrent part of the state at the end of

@@ -65,6 +65,9 @@ class Session:
     answer: RunningAnswer | None = None
     #: the order in which requests last used it (engine.requests); 0: none did
     served: int = 0
+    #: (fingerprint, name) of the model its tokens are of, while another one is loaded (its
+    #: save before the switch failed: it answers nothing until that model is back); None
+    tokens_model: tuple[bytes, str] | None = None
     # under the table's lock (see the module docstring)
     control: Any = None
     pause_upto: int = 0

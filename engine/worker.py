@@ -216,6 +216,9 @@ class EngineWorker:
         # engine-thread state
         self.runtime: ParallelRuntime | None = None
         self._batcher: Batcher | None = None   # over the runtime; set and cleared with it
+        #: the last model loaded (fingerprint, name): the open conversations' tokens are its,
+        #: also while a failed load left no runtime (_leave_conversations_of)
+        self._tokens_model: tuple[bytes, str] | None = None
         self._deferred: list[_Queued] = []   # commands waiting (see engine.commands.Wait), in order
         self.model_info: ModelInfo | None = None
         self._template_noticed = None        # the runtime whose template problem was told
@@ -557,7 +560,6 @@ class EngineWorker:
         from engine.parallel import ParallelRuntime
         from native.context import ContextSettings
         from native.library import bindings, choose_library_dir, loaded_library, system_info
-        previous = (self.runtime.fingerprint, self.runtime.model.name) if self.runtime is not None else None
         try:
             bindings(choose_library_dir(cli_dir=opts.llama_lib))
             self._save_residents_if_dirty(KIND_MANUAL)
@@ -590,8 +592,12 @@ class EngineWorker:
             return
         self.runtime = rt
         self._batcher = self._new_batcher()
-        self.sessions.close_writers()  # they wrote from the previous runtime's cache; heads stay
+        previous, self._tokens_model = self._tokens_model, (rt.fingerprint, rt.model.name)
         left = self._leave_conversations_of(*previous) if previous and previous[0] != rt.fingerprint else ()
+        for session in self.sessions.open():   # a model loaded again: its own kept conversations answer
+            if session.tokens_model is not None and session.tokens_model[0] == rt.fingerprint:
+                session.tokens_model = None
+        self.sessions.close_writers()  # they wrote from the previous runtime's cache; heads stay
         self._collect_superseded()
         try:
             info = system_info()
@@ -619,21 +625,25 @@ class EngineWorker:
         ids as its own, and continue a paused answer in another model's words.  Each was saved
         before the unload (_save_residents_if_dirty) and stays in the store as a conversation
         of that model (the window offers to load it, or to go on with this one as a new
-        branch).  One that has no saved head (its save failed, which was reported) stays open:
-        its state is nowhere else; its next answer fails (``_activate``: the head it restores
-        from, if any, is refused) rather than read its tokens with this model."""
+        branch).  One whose head does not hold all of it (its save failed, which was
+        reported) stays open, its state being nowhere else, marked as that model's
+        (``Session.tokens_model``): it answers nothing until that model is loaded again
+        (``_activate``)."""
         left = []
         for session in self.sessions.open():
             conv, head = session.conv, session.head_path
-            if conv is None or not conv.tokens or head is None:
+            if conv is None or not conv.tokens or session.tokens_model is not None:
                 continue
             try:
-                header = read_header(head)
+                header = read_header(head) if head is not None else None
             except (CheckpointError, OSError) as exc:
-                log.warning("%s stays open: its head %s cannot be read (%s)", conv.title, head.name, exc)
-                continue
-            if header.model_fingerprint != fingerprint:
+                log.warning("%s stays open: its head %s cannot be read (%s)", conv.title, head, exc)
+                header = None
+            if header is not None and header.model_fingerprint != fingerprint:
                 continue   # (its head is not of the model its tokens came from: left as it is)
+            if head is None or header is None or not self._head_holds(session, conv):
+                session.tokens_model = (fingerprint, model_name)
+                continue
             self._end_session(conv.id)
             left.append(LeftConversation(conv.id, conv.title, head, header, model_name))
         if left:
@@ -1273,9 +1283,12 @@ class EngineWorker:
         from engine.checkpoints.chain import common_prefix, load_chain, release
         from engine.history import LineWriter
         rt = self._need_runtime()
+        session = self.sessions.named(conv.id)
+        if session.tokens_model is not None:   # (see _leave_conversations_of)
+            raise IncompatibleModel(f"{conv.title}: its tokens are {session.tokens_model[1]}'s, whose save "
+                                    "before the switch failed: load that model to go on with it")
         placement = rt.place(conv.id, running=running)
         view = rt.view_of(conv.id)
-        session = self.sessions.named(conv.id)
         writer, head = session.writer, session.head_path
         if head is None:
             if writer is None and conv.answer is not None and running:
@@ -1305,6 +1318,14 @@ class EngineWorker:
             if writer is None:   # continue on a line of its own; the old head stays as it is
                 self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))
         return placement
+
+    @staticmethod
+    def _head_holds(session, conv: Conversation) -> bool:
+        """Whether the session's writer's head holds exactly ``conv``'s tokens (what a save
+        before the unload wrote); False where it is not known (no writer)."""
+        head = session.writer.head if session.writer is not None else None
+        return head is not None and head.n_tokens == len(conv.tokens) \
+            and head.tokens_digest == tokens_digest(conv.tokens)
 
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
         """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.

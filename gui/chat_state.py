@@ -42,6 +42,10 @@ class ChatState:
     #: ``(conversation, file)`` the engine was asked to open and has not answered for yet
     #: (it may be loading a model first): nothing is sent in it until it is open
     opening: tuple[uuid.UUID, Path] | None = None
+    #: another model is loading (File › Open Model): the engine then closes the conversations
+    #: of the previous one (EngineWorker._leave_conversations_of), so nothing is sent until it
+    #: is loaded (a message sent meanwhile was refused as "not open", its text gone)
+    switching_model: bool = False
     _answers: dict[uuid.UUID, _Answer] = field(default_factory=dict)
 
     # -- questions ----------------------------------------------------------------------------
@@ -65,7 +69,7 @@ class ChatState:
 
     def can_send(self) -> bool:
         return (not self.closing and not self.shown_answering and self.current not in self.unopened
-                and not self.shown_opening)
+                and not self.shown_opening and not self.switching_model)
 
     @property
     def shown_opening(self) -> bool:

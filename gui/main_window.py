@@ -349,6 +349,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         if self.state.shown_opening and text:   # (the message stays in the box)
             self.statusBar().showMessage("The conversation is still opening: send once it is open.", 8000)
             return
+        if self.state.switching_model and text:
+            self.statusBar().showMessage("Another model is loading: send once it is loaded.", 8000)
+            return
         if not text or (self.current is not None and not self.state.can_send()) or self._closing:
             return
         if self.current is None:
@@ -445,7 +448,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
             return
         self.settings.model_path = str(path)
         self.settings.add_recent_model(str(path))
+        self.state.switching_model = True
         self.load_model(path)
+        self._update_buttons()
 
     def _fill_recent_menu(self) -> None:
         self.recent_menu.clear()
@@ -470,7 +475,8 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         the model was known, or before the user changed the settings (its seed, say)."""
         snap = self.snapshots.get(self.current) if self.current else None
         if info is not None and self.current is not None and (snap is None or not snap.transcript) \
-                and self.current not in self._unopened and not self.state.shown_opening:
+                and self.current not in self._unopened and not self.state.shown_opening \
+                and not self.state.shown_answering:   # (its first answer asked for: it has a sampler)
             self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
 
     def _about(self) -> None:
@@ -535,6 +541,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     @Slot(object)
     def _on_bridge_model_loaded(self, info: ModelInfo) -> None:
         self.model_progress.hide()
+        self.state.switching_model = False
         self.chat_view.set_thinking_format(info.thinking)
         self.model_status.setText(f"<b>{info.name}</b> · {info.backend} · context {info.n_ctx:,} tokens")
         self.model_status.setToolTip(f"{info.path}\nllama.cpp {info.library_version}: {info.library_path}")
@@ -548,10 +555,12 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         elif self.current in self._unopened:
             self._open_listed(self.current)   # it may fit the model loaded now
         self.refresh_store()
+        self._update_buttons()   # (Send was off while another model loaded)
 
     @Slot(str)
     def _on_bridge_model_failed(self, message: str) -> None:
         self.model_progress.hide()
+        self.state.switching_model = False
         self.model_status.setText("No model loaded — File › Open Model…")
         self.state.ended_all()
         if self._open_after_load is not None:

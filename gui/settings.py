@@ -49,6 +49,9 @@ _KEYS = {k.name: k for k in (
 )}
 
 MAX_RECENT_MODELS = 8
+#: limits whose 0 means none, read as -1 (an answer limit of 0 gave empty answers, said
+#: nowhere: typed in the Settings dialog as "none", under Wine); the dialog shows 0 as "none"
+NONE_AT_ZERO = frozenset({"n_predict"})
 #: Settings that default to the loaded model's own recommendation.
 SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")
 
@@ -69,9 +72,10 @@ class AppSettings:
         if value is None:
             return None
         try:
-            return key.kind(value)
+            value = key.kind(value)
         except (TypeError, ValueError):
             return key.default
+        return -1 if name in NONE_AT_ZERO and value == 0 else value
 
     def __setattr__(self, name: str, value) -> None:
         if name in _KEYS:

@@ -13,20 +13,18 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QScrollArea,
     QSpinBox,
+    QVBoxLayout,
     QWidget,
 )
 
 from engine.sampling import SamplerSettings
 from engine.worker import ModelInfo
-from gui.settings import SAMPLER_KEYS, AppSettings
+from gui.settings import NONE_AT_ZERO, SAMPLER_KEYS, AppSettings
 
 _MODEL_KEYS = ("model_path", "n_ctx", "n_threads", "n_gpu_layers", "rpc_servers", "sequences")
 
-
-#: spin boxes whose lowest value, 0, shows "none" and is stored as -1 (no limit): an answer
-#: limit of 0 tokens gave empty answers, said nowhere (the Windows build, typed as "none")
-_NONE_AT_ZERO = {"n_predict"}
 
 class SettingsDialog(QDialog):
     def __init__(self, settings: AppSettings, model: ModelInfo | None, parent=None) -> None:
@@ -34,7 +32,16 @@ class SettingsDialog(QDialog):
         self.setWindowTitle("Settings")
         self.settings = settings
         self.model_changed = False
-        form = QFormLayout(self)
+        # the form scrolls where the screen is lower than it (a laptop's 768 pixels): squeezed,
+        # its wrapped lines were cut in half (seen under Xvfb at 900); the buttons stay below
+        outer = QVBoxLayout(self)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QScrollArea.Shape.NoFrame)
+        inner = QWidget()
+        form = QFormLayout(inner)
+        scroll.setWidget(inner)
+        outer.addWidget(scroll, 1)
         self.fields: dict[str, QWidget] = {}
 
         def path_row(key: str, label: str, folder: bool, hint: str = "") -> None:
@@ -58,7 +65,7 @@ class SettingsDialog(QDialog):
             box.setRange(lo, hi)
             box.setSingleStep(step)
             value = getattr(settings, key)
-            if key in _NONE_AT_ZERO:
+            if key in NONE_AT_ZERO:
                 value = max(value, 0)
             box.setValue(getattr(defaults, key) if value is None else value)   # unset: the model's
             if special:
@@ -97,7 +104,15 @@ class SettingsDialog(QDialog):
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
+        outer.addWidget(buttons)
+        self._fit(scroll, inner)
+
+    def _fit(self, scroll: QScrollArea, inner: QWidget) -> None:
+        """As large as the form where the screen allows (a scroll area alone opens small)."""
+        want = inner.sizeHint()
+        screen = self.screen().availableGeometry() if self.screen() is not None else None
+        height = want.height() if screen is None else min(want.height(), screen.height() - 160)
+        scroll.setMinimumSize(want.width() + scroll.verticalScrollBar().sizeHint().width(), max(200, height))
 
     def _workers_row(self, form: QFormLayout) -> None:
         """Remote workers (llama.cpp RPC) the GPU layers go to."""
@@ -118,11 +133,9 @@ class SettingsDialog(QDialog):
         note = QLabel(f"Model defaults: temperature {defaults.temperature:g}, top-k {defaults.top_k}, "
                       f"top-p {defaults.top_p:g}, min-p {defaults.min_p:g}, repeat penalty "
                       f"{defaults.repeat_penalty:g} ({source})")
-        note.setWordWrap(True)
-        row = QHBoxLayout()
-        row.addWidget(note, 1)
-        row.addWidget(reset)
-        form.addRow("", row)
+        note.setWordWrap(True)   # (a row of its own: beside the button its third line was cut)
+        form.addRow("", note)
+        form.addRow("", reset)
 
     def _server_row(self, form: QFormLayout) -> None:
         """Local server: on/off and its port (127.0.0.1 only; gui.local_server)."""
@@ -161,7 +174,7 @@ class SettingsDialog(QDialog):
                 value = int(widget.isChecked())
             else:
                 value = widget.text() if isinstance(widget, QLineEdit) else widget.value()
-            if key in _NONE_AT_ZERO and value == 0:
+            if key in NONE_AT_ZERO and value == 0:
                 value = -1
             if key in _MODEL_KEYS and value != getattr(self.settings, key):
                 self.model_changed = True

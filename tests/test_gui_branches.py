@@ -282,6 +282,11 @@ def test_a_model_switch_leaves_the_open_conversations_to_the_model_that_made_the
 
     with qtbot.waitSignal(w.message_shown, timeout=120_000):   # the offer, once Gemma is loaded
         w.switch_model(gemma_path)
+        # a message sent while it loads stays in the box (it went to a conversation the
+        # engine then closed: "not open", the text gone)
+        w.prompt_edit.setPlainText("Are you there?")
+        w.send()
+        assert w.prompt_edit.toPlainText() == "Are you there?" and not w.send_button.isEnabled()
     gemma = w.bridge.model_info.name
     assert "gemma" in gemma.lower() and w.current == paused
     for conv_id in (paused, finished):

@@ -219,3 +219,20 @@ def test_an_answer_limit_of_0_is_none(qtbot, app_home):
     dialog.fields["n_predict"].setValue(0)
     dialog.accept()
     assert AppSettings().n_predict == -1
+    s.qsettings.setValue("n_predict", 0)   # stored by the app before: read as none too
+    assert AppSettings().n_predict == -1
+
+
+def test_the_settings_fit_a_low_screen_and_scroll(qtbot, app_home):
+    """Taller than a 900-pixel screen less its bars, the form was squeezed and its wrapped lines
+    cut in half (under Xvfb): it scrolls instead, the buttons below it."""
+    from PySide6.QtWidgets import QDialogButtonBox, QScrollArea
+
+    from gui.settings import AppSettings
+    from gui.settings_dialog import SettingsDialog
+    dialog = SettingsDialog(AppSettings(), None)
+    qtbot.addWidget(dialog)
+    scroll = dialog.findChild(QScrollArea)
+    assert scroll is not None and scroll.widget().isAncestorOf(dialog.fields["n_predict"])
+    assert not scroll.isAncestorOf(dialog.findChild(QDialogButtonBox))
+    assert dialog.sizeHint().height() <= dialog.screen().availableGeometry().height()

@@ -184,8 +184,9 @@ def test_switching_conversations_restores_instead_of_prefilling(worker, gemma_pa
 
 def test_another_model_never_decodes_the_conversations_of_the_one_before(worker, gemma_path, monkeypatch):
     """Loading another model closes the conversations the engine had open (each saved, and
-    named in ModelLoaded.left); one whose head cannot be read then stays open, and its next
-    answer is refused instead of decoding SmolLM2's token ids with Gemma 3."""
+    named in ModelLoaded.left), also after a load that failed between; one whose head cannot
+    be read then stays open, and its next answer is refused instead of decoding SmolLM2's
+    token ids with Gemma 3."""
     import engine.worker as worker_module
     w, rec = worker
     a = w.new_conversation(sampler=SamplerSettings(seed=7))
@@ -204,6 +205,9 @@ def test_another_model_never_decodes_the_conversations_of_the_one_before(worker,
         return real_read_header(path)
     monkeypatch.setattr(worker_module, "read_header", read_header)
     started = len(rec.of("started"))
+    # a load that fails first leaves no model: the conversations' tokens are still SmolLM2's
+    w.load_model(ModelOptions(Path(b_head).parent / "missing.gguf", n_ctx=1024, n_threads=2))
+    rec.wait("error", len(rec.of("error")) + 1)
     w.load_model(ModelOptions(gemma_path, n_ctx=1024, n_threads=2))
     _, info, left = rec.wait("loaded", 2)[-1]
     monkeypatch.undo()
@@ -215,7 +219,7 @@ def test_another_model_never_decodes_the_conversations_of_the_one_before(worker,
     errors = len(rec.of("error"))
     w.send(b, "And another?", n_predict=4)
     err = rec.wait("error", errors + 1)[-1]
-    assert "Load that model" in err[2] and err[3] == b
+    assert "load that model" in err[2].lower() and err[3] == b
     w.send(a, "And another?", n_predict=4)
     err = rec.wait("error", errors + 2)[-1]
     assert "not open" in err[2]

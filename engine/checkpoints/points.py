@@ -138,12 +138,12 @@ def nearest_point_in_file(chain: Sequence, n: int) -> tuple[int, BytesInFile] | 
     return place.n_tokens, BytesInFile(data.path, offset + place.start, place.length, place.crc32)
 
 
-def points_read_from(path, header, meta: dict[str, Any]) -> list[Point]:
-    """The points of the file at ``path`` (its ``header`` and metadata, read before) with
-    their recurrent states, each read now and checked against its CRC; a point whose state
-    cannot be had (no CRC given, the file gone or changed since) is left out.  For a file a
-    writer did not write (a restored chain's), whose points its new file keeps
-    (engine.history.LineWriter._turn_ends_left_behind)."""
+def points_read_from(path, header, meta: dict[str, Any], wanted=lambda n_tokens: True) -> list[Point]:
+    """The points of the file at ``path`` (its ``header`` and metadata, read before) at the
+    token counts ``wanted`` takes, with their recurrent states, each read now and checked
+    against its CRC; a point whose state cannot be had (no CRC given, the file gone or
+    changed since) is left out.  For a file a writer did not write (a restored chain's),
+    whose points its new file keeps (engine.history.LineWriter._turn_ends_left_behind)."""
     lengths = recurrent_lengths(meta) if header.has_recurrent and header.has_point_states else None
     crcs = recurrent_crcs(meta) if lengths is not None else None
     if lengths is None or crcs is None:
@@ -152,7 +152,7 @@ def points_read_from(path, header, meta: dict[str, Any]) -> list[Point]:
     out = []
     for entry, length, crc in zip(_entries(meta), lengths, crcs, strict=True):
         counts = _counts(entry, header)
-        if counts is not None:
+        if counts is not None and wanted(counts[0]):
             try:
                 out.append(Point(*counts, BytesInFile(path, offset, length, crc).read(), crc))
             except (CorruptState, OSError):

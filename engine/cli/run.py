@@ -252,19 +252,21 @@ class RunSession:
             if args.from_turn is not None:
                 chain, kept, point = self.chain_to_edit(args.from_turn)
             conv = self.restore_or_read_again(chain)
-            if kept is not None:   # turn K and what followed it stay on the old branch
+            if kept is not None and point is not None:   # a turn end absorbed as a point
                 conv.messages, conv.answer = kept, None
-                if point is not None:   # a turn end absorbed as a point
-                    # (read again: the cache is empty, the tokens are decoded as they were)
-                    conv.tokens = conv.tokens[:point.n_tokens if self.read_again
-                                              else rt.trim(point.n_tokens, point)]
+                # (read again: the cache is empty, the tokens are decoded as they were)
+                upto = point.n_tokens
+                conv.tokens = conv.tokens[:upto if self.read_again else rt.trim(upto, point)]
+            elif kept is not None:      # turn K and what followed it stay on the old branch
+                conv.messages, conv.answer = kept, None
                 # the branch starts where that history ended, decoded as it was
                 found = cut_to_history(conv, rt) is not None
                 if self.read_again:
                     pass
                 elif not found:
                     print(f"note: the tokens of the turns before turn {args.from_turn} do not match their text "
-                          "in this file: the conversation is read again", file=sys.stderr)
+                          "in this file: the prompt is made from the text, and what differs from the file's "
+                          "tokens is read again", file=sys.stderr)
                 elif rt.trim(len(conv.tokens)) < len(conv.tokens):
                     print(f"note: this model's memory ({rt.shape.memory_name}) cannot go back to the end of "
                           f"turn {args.from_turn - 1} and no checkpoint of it is left in this file's chain: "
