@@ -329,6 +329,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
     def new_conversation(self) -> None:
         if self._closing:
             return
+        if self._shows_an_empty_conversation():   # Ctrl+N again: one empty one is enough
+            self.prompt_edit.setFocus()
+            return
         conv_id = self.worker.new_conversation(system_prompt=self.settings.system_prompt,
                                                sampler=self.settings.sampler(self._model_sampling()))
         self.current = conv_id
@@ -338,6 +341,15 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.chat_view.set_transcript([])
         self._update_context_usage(0, self.bridge.model_info.n_ctx if self.bridge.model_info else 0)
         self._update_buttons()
+
+    def _shows_an_empty_conversation(self) -> bool:
+        """The conversation shown is a new one nothing was said in (each Ctrl+N added another
+        empty "New conversation" to the list, under Wine)."""
+        snap = self.snapshots.get(self.current) if self.current else None
+        return (self.current is not None and self.current not in self._unopened
+                and not self.state.shown_opening and not self.state.shown_answering
+                and (snap is None or not snap.transcript)
+                and self.conversation_list.title_of(self.current) == "New conversation")
 
     @Slot()
     def send(self) -> None:

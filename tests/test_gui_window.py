@@ -461,3 +461,16 @@ def test_deleting_from_the_browser_asks_with_no_as_the_default(qtbot, make_windo
     ((text, default),) = asked
     assert default == gui.store_actions.QMessageBox.StandardButton.No and path.name in text
     assert path.exists()
+
+
+def test_new_conversation_again_keeps_one_empty_conversation(qtbot, make_window):
+    """Each Ctrl+N added another empty "New conversation" to the list (under Wine)."""
+    w = make_window(n_predict=4)
+    new = w.findChild(object, "newButton")
+    qtbot.mouseClick(new, Qt.MouseButton.LeftButton)
+    first, count = w.current, w.conversation_list.count()
+    qtbot.mouseClick(new, Qt.MouseButton.LeftButton)
+    assert (w.current, w.conversation_list.count()) == (first, count)
+    run_to_end(qtbot, w, "Hello")
+    qtbot.mouseClick(new, Qt.MouseButton.LeftButton)
+    assert w.current != first and w.conversation_list.count() == count + 1
