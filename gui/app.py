@@ -77,6 +77,17 @@ def _warn_about_known_bad_qt() -> None:
                   *sys.version_info[:2])
 
 
+def settings_opening(model: Path | None):
+    """The app's settings, ``model`` (given on the command line) kept as the model to load
+    when it is a file, as File › Open Model keeps it."""
+    from gui.settings import AppSettings
+    settings = AppSettings()
+    if model is not None and model.is_file():
+        settings.model_path = str(model)
+        settings.add_recent_model(str(model))
+    return settings
+
+
 def close_on_terminal_signals(window, signals=signal):
     """Ctrl+C (SIGINT) or SIGTERM sent to the process showing ``window`` closes it as its
     own close button does — every running answer paused and saved, "Saving…" shown — and
@@ -112,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     from gui import single_instance
     from gui.main_window import MainWindow
     from gui.session_end import SessionEndSaver
-    from gui.settings import AppSettings
 
     crashes = crashlog.pending_crashes()   # before install(): our own trace file is not one
     crashlog.install()                     # a crash inside llama.cpp leaves a trace
@@ -122,7 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     # a double-clicked .kvckpt arrives as an argument: import it and offer to resume; when
     # the app already runs, that instance does it (the model is not loaded twice)
     opened = [Path(a) for a in (argv or []) if a.lower().endswith(".kvckpt")]
+    # a model given (`checkpoint-chat model.gguf`, `checkpoint-chat gui -m model.gguf`) is
+    # opened as File › Open Model opens one: kept in the settings when it is a file
+    models = [Path(a).resolve() for a in (argv or []) if a.lower().endswith(".gguf")]
     if single_instance.hand_over(opened):
+        if models:
+            log.warning("Checkpoint Chat is already running: open %s there (File › Open Model)", models[-1])
         return 0
     instance = single_instance.InstanceServer(parent=app)
     instance.listen()
@@ -131,13 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
 
-    window = MainWindow(AppSettings())
+    model = models[-1] if models else None
+    window = MainWindow(settings_opening(model))
     session_end = SessionEndSaver(window, parent=window)     # sign-out, shutdown, upgrade
     session_end.connect_to(app)
     close_on_terminal_signals(window)                        # Ctrl+C in the terminal that started it
     instance.files_received.connect(lambda files: single_instance.bring_forward(window, files))
     window.show()
-    window.start()
+    window.start(model)   # (a model that is no file: the window says why it did not load)
     if opened:
         window.import_files(opened)
     if crashes:

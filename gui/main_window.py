@@ -285,8 +285,9 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self.worker.autosave_budget = max(1, self.settings.autosave_budget_mb) * (1 << 20)
 
     # -- start --------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Open a fresh conversation, start the engine thread, load the model, list the store.
+    def start(self, model: Path | None = None) -> None:
+        """Open a fresh conversation, start the engine thread, load the model (``model``,
+        else the settings'), list the store.
 
         The window draws its first conversation before the engine thread starts: that
         thread's first moments (importing the native layer) hold the GIL, and the first
@@ -294,7 +295,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         """
         self.new_conversation()
         self.bridge.start()
-        self.load_model()
+        self.load_model(model)
         self.refresh_store()
         self.prompt_edit.setFocus()
         self.local_server.apply()

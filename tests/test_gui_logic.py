@@ -236,3 +236,22 @@ def test_the_settings_fit_a_low_screen_and_scroll(qtbot, app_home):
     assert scroll is not None and scroll.widget().isAncestorOf(dialog.fields["n_predict"])
     assert not scroll.isAncestorOf(dialog.findChild(QDialogButtonBox))
     assert dialog.sizeHint().height() <= dialog.screen().availableGeometry().height()
+
+
+def test_the_window_opens_on_a_model_given_on_the_command_line(app_home, tmp_path):
+    """`checkpoint-chat MODEL.gguf` and `checkpoint-chat gui -m MODEL.gguf` open the window on
+    that model (there was no way: "invalid choice", "unrecognized arguments"), kept as File ›
+    Open Model keeps it; a name that is no file is not kept (the window says why it did not
+    load)."""
+    import gui.app
+    from engine import cli
+    from gui.settings import AppSettings
+    handed = []
+    assert cli.main(["model.gguf"], gui_main=lambda argv: handed.append(argv) or 0) == 0
+    assert cli.main(["gui", "-m", "other.gguf"], gui_main=lambda argv: handed.append(argv) or 0) == 0
+    assert handed == [["model.gguf"], ["other.gguf"]]
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    assert gui.app.settings_opening(model).model_path == str(model)
+    assert AppSettings().recent_models()[0] == str(model)
+    assert gui.app.settings_opening(tmp_path / "gone.gguf").model_path == str(model)   # not kept

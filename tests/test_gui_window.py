@@ -474,3 +474,20 @@ def test_new_conversation_again_keeps_one_empty_conversation(qtbot, make_window)
     run_to_end(qtbot, w, "Hello")
     qtbot.mouseClick(new, Qt.MouseButton.LeftButton)
     assert w.current != first and w.conversation_list.count() == count + 1
+
+
+def test_the_window_starts_on_the_model_it_is_given(qtbot, qapp, gemma_path):
+    from enginekit import close_windows, record_saves, window_settings
+
+    from gui.main_window import MainWindow
+    from gui.tasks import ensure_event_loop
+    ensure_event_loop(qapp)
+    w = MainWindow(window_settings(n_predict=4))
+    record_saves(w)
+    try:
+        w.show()
+        with qtbot.waitSignal(w.bridge.model_loaded, timeout=60_000) as loaded:
+            w.start(gemma_path)
+        assert "gemma" in loaded.args[0].name.lower()
+    finally:
+        close_windows([w])

@@ -22,10 +22,10 @@ from engine.errors import AppError, ModelFileMissing
 
 
 def main(argv: list[str] | None = None, gui_main=None) -> int:
-    """Run one subcommand; with none (or a .kvckpt file, as a file manager passes it),
-    hand over to ``gui_main`` — the desktop app, which engine/ itself never imports."""
+    """Run one subcommand; with none (or a .kvckpt or .gguf file, as a file manager passes
+    it), hand over to ``gui_main`` — the desktop app, which engine/ itself never imports."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0].lower().endswith(".kvckpt"):
+    if argv and argv[0].lower().endswith((".kvckpt", ".gguf")):   # (a file manager's way: the window)
         return _start_gui(gui_main, argv)
     from engine.cli.parser import build_parser
     args = build_parser().parse_args(argv)
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None, gui_main=None) -> int:
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     if args.command in (None, "gui"):
-        return _start_gui(gui_main, [])
+        return _start_gui(gui_main, [args.model] if getattr(args, "model", None) else [])
     from engine.cli import files, rpc, run, serve
     from native.errors import NativeError
     if args.command in ("run", "serve"):

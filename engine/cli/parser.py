@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_info(sub)
     _add_rpc_worker(sub)
     _add_serve(sub)
-    sub.add_parser("gui", help="start the desktop app (the default)")
+    gui = sub.add_parser("gui", help="start the desktop app (the default)")
+    gui.add_argument("-m", "--model", help="open it on this GGUF model (as File › Open Model; "
+                                          "`checkpoint-chat MODEL.gguf` does the same)")
     return p
 
 
