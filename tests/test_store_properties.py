@@ -35,6 +35,14 @@ pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("CHECKPOINT_CHAT_PROPERTY_EXAMPLES", "10"))
 
+
+def compositions(max_examples: int):
+    """Hypothesis' settings of these tests: ``max_examples`` sequences of actions, the same
+    ones every run (derandomized), with no deadline (a model answers in each)."""
+    return settings(max_examples=max_examples, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
+                                           HealthCheck.data_too_large])
+
 def keeps_every_head(label: str, model, home, actions, checker, **run_args):
     """Perform ``actions`` (faultkit.compositions.run_sequence), say what happened, and
     check the invariants: every head restores as it was, none is lost, nothing is left
@@ -67,9 +75,7 @@ def checker(smollm_path):
     rt.close()
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(EXAMPLES)
 @given(actions=st.lists(action, min_size=4, max_size=10))
 # found by this test: conversation 1's next turn grew into the cells an Edit (or a Delete)
 # of conversation 0 freed below its own, and its logits were not its own (engine.parallel)
@@ -117,9 +123,7 @@ def test_a_long_conversation_keeps_every_head_through_its_merges(smollm_path, ch
 SHARED_SYSTEM = "You answer in one short sentence, plainly, and you never use lists or headings. " * 16
 
 
-@settings(max_examples=max(2, EXAMPLES // 2), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(max(2, EXAMPLES // 2))
 @given(actions=st.lists(action, min_size=4, max_size=8))
 def test_conversations_on_a_shared_system_prompt_keep_every_head(actions, smollm_path, checker,
                                                                  tmp_path_factory):
@@ -132,9 +136,7 @@ def test_conversations_on_a_shared_system_prompt_keep_every_head(actions, smollm
 DOCUMENT = "Log: " + " ".join(f"crate {i} went to bay {i % 5};" for i in range(40)) + "\n\n"
 
 
-@settings(max_examples=max(2, EXAMPLES // 2), deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(max(2, EXAMPLES // 2))
 @given(actions=st.lists(action, min_size=4, max_size=8))
 @example(actions=[("answer", 0, 8), ("pause", 1, 3), ("delete", 0, 0), ("resume", 1, 4), ("answer", 2, 6)])
 @example(actions=[("pause", 0, 3), ("answer", 1, 6), ("reimport", 0, 0), ("prune", 0, 0), ("delete", 1, 0)])
@@ -166,9 +168,7 @@ TINY_EXAMPLES = max(1, EXAMPLES // 3)
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "lfm2", "qwen35"])
-@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(TINY_EXAMPLES)
 @given(actions=st.lists(action, min_size=4, max_size=10))
 @example(actions=BACKUP_OF_AN_OLDER_STATE)
 def test_every_memory_kind_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
@@ -222,9 +222,7 @@ def thinker_checker(tiny_model_path):
     rt.close()
 
 
-@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(TINY_EXAMPLES)
 @given(actions=st.lists(action, min_size=4, max_size=10))
 def test_a_thinking_hybrid_on_a_long_system_prompt_keeps_every_head(actions, thinker_checker, tmp_path_factory):
     """The same on a thinking hybrid whose template drops past thinking, with a system prompt
@@ -278,9 +276,7 @@ def gemma_checker(gemma_path):
 
 
 @pytest.mark.parametrize("system", ["", SHARED_SYSTEM], ids=["plain", "shared-system"])
-@settings(max_examples=GEMMA_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(GEMMA_EXAMPLES)
 @given(actions=st.lists(action, min_size=4, max_size=10))
 def test_a_sliding_window_keeps_every_head(system, actions, gemma_path, gemma_checker, tmp_path_factory):
     """The same on Gemma 3 (sliding-window layers: a restored file holds only the window
@@ -297,9 +293,7 @@ DOCUMENT_SHARED = [("answer", 0, 8), ("answer", 1, 6), ("pause", 2, 3), ("delete
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "gemma"])
-@settings(max_examples=TINY_EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                 HealthCheck.data_too_large])
+@compositions(TINY_EXAMPLES)
 @given(actions=st.lists(action, min_size=4, max_size=8))
 @example(actions=DOCUMENT_SHARED)
 def test_one_document_on_a_memory_that_cannot_cut_keeps_every_head(arch, actions, tiny_model_path, tiny_checkers,
