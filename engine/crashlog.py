@@ -194,9 +194,9 @@ def _gone(trace: Path) -> bool:
         except ValueError:
             return False
         return pid == os.getpid() or not _alive(pid)   # (this process writes no such name)
-    lock = FileLock(str(_lock_of(trace)), timeout=0)
     if not _lock_of(trace).exists():
         return True   # its process let go of it at its exit (a note left in the trace), or died
+    lock = FileLock(str(_lock_of(trace)), timeout=0)
     try:
         lock.acquire()
     except Timeout:

@@ -326,7 +326,7 @@ class LineWriter:
         """The newest file, when it holds exactly what the cache holds; else None."""
         kv = self.runtime.kv_tokens
         tip = self.head
-        if tip is not None and tip.n_tokens == len(kv) and tip.tokens_digest == tokens_digest(kv):
+        if tip is not None and tip.holds(kv):
             return tip
         return None
 

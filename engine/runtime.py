@@ -103,6 +103,10 @@ class SaveInfo:
     #: absorbs it (engine.checkpoints.points)
     point_state: np.ndarray | None = field(default=None, compare=False, repr=False)
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether the file holds exactly ``tokens`` (a cache, a conversation): nothing to save."""
+        return self.n_tokens == len(tokens) and self.tokens_digest == tokens_digest(tokens)
+
     @classmethod
     def of_file(cls, data: CheckpointData) -> SaveInfo:
         """What a writer needs to know of a file it did not write (a restored chain's)."""

@@ -57,7 +57,6 @@ from typing import TYPE_CHECKING, cast
 from engine import commands as cmd
 from engine.checkpoint_policy import head_kind
 from engine.checkpoints import graph
-from engine.checkpoints.chain import tokens_digest
 from engine.checkpoints.format import KIND_AUTOSAVE, KIND_EXIT, KIND_MANUAL, KIND_PAUSE, read_header
 from engine.checkpoints.graph import default_line
 from engine.checkpoints.store import Store
@@ -641,7 +640,8 @@ class EngineWorker:
                 header = None
             if header is not None and header.model_fingerprint != fingerprint:
                 continue   # (its head is not of the model its tokens came from: left as it is)
-            if head is None or header is None or not self._head_holds(session, conv):
+            saved = session.writer.head if session.writer is not None else None   # (what the unload saved)
+            if head is None or header is None or saved is None or not saved.holds(conv.tokens):
                 session.tokens_model = (fingerprint, model_name)
                 continue
             self._end_session(conv.id)
@@ -1252,7 +1252,7 @@ class EngineWorker:
         kv = self._view(conv).kv_tokens
         writer = session.writer
         head = writer.head if writer is not None else None
-        saved = head is not None and head.n_tokens == len(kv) and head.tokens_digest == tokens_digest(kv)
+        saved = head is not None and head.holds(kv)
         if kv and not saved and conv.tokens[:len(kv)] == kv:
             self._save(conv, kind)
 
@@ -1318,14 +1318,6 @@ class EngineWorker:
             if writer is None:   # continue on a line of its own; the old head stays as it is
                 self.sessions.set_writer(conv.id, LineWriter.starting(view, self.store, uuid.uuid4().hex))
         return placement
-
-    @staticmethod
-    def _head_holds(session, conv: Conversation) -> bool:
-        """Whether the session's writer's head holds exactly ``conv``'s tokens (what a save
-        before the unload wrote); False where it is not known (no writer)."""
-        head = session.writer.head if session.writer is not None else None
-        return head is not None and head.n_tokens == len(conv.tokens) \
-            and head.tokens_digest == tokens_digest(conv.tokens)
 
     def _restore_prefix(self, chain, conv: Conversation, in_cache: int) -> None:
         """Restore as much of ``conv`` as ``chain`` holds, when that beats the cache.

@@ -344,13 +344,13 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         self._update_buttons()
 
     def _shows_an_empty_conversation(self) -> bool:
-        """The conversation shown is a new one nothing was said in (each Ctrl+N added another
-        empty "New conversation" to the list, under Wine)."""
+        """The conversation shown is one the engine has open and nothing was said in yet (no
+        answer asked for either): New conversation keeps it (each Ctrl+N added another empty
+        one to the list, under Wine), and it takes the settings' sampler when they change."""
         snap = self.snapshots.get(self.current) if self.current else None
         return (self.current is not None and self.current not in self._unopened
                 and not self.state.shown_opening and not self.state.shown_answering
-                and (snap is None or not snap.transcript)
-                and self.conversation_list.title_of(self.current) == "New conversation")
+                and (snap is None or not snap.transcript))
 
     @Slot()
     def send(self) -> None:
@@ -486,10 +486,7 @@ class MainWindow(StoreActions, BranchActions, QMainWindow):
         """The conversation shown, while nothing was said in it, answers with the sampler the
         settings give now (the model's defaults where the user set none): one opened before
         the model was known, or before the user changed the settings (its seed, say)."""
-        snap = self.snapshots.get(self.current) if self.current else None
-        if info is not None and self.current is not None and (snap is None or not snap.transcript) \
-                and self.current not in self._unopened and not self.state.shown_opening \
-                and not self.state.shown_answering:   # (its first answer asked for: it has a sampler)
+        if info is not None and self._shows_an_empty_conversation():
             self.worker.set_sampler(self.current, self.settings.sampler(info.sampling_defaults))
 
     def _about(self) -> None:

@@ -264,10 +264,10 @@ class StoreActions:
                           f"{summary} Open “{path.name}” now?", QMessageBox.StandardButton.NoButton, self)
         # (opening shows the conversation where it stopped; a paused answer goes on with
         # Resume: the button said Resume and a second Resume was needed, under Wine)
-        resume = box.addButton("Open", QMessageBox.ButtonRole.AcceptRole)
+        open_it = box.addButton("Open", QMessageBox.ButtonRole.AcceptRole)
         box.addButton("Later", QMessageBox.ButtonRole.RejectRole)
         box.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
-        box.buttonClicked.connect(lambda b: b is resume and self.open_checkpoint(path))
+        box.buttonClicked.connect(lambda b: b is open_it and self.open_checkpoint(path))
         box.open()
         self.resume_offer = box
 
